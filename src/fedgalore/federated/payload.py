@@ -1,0 +1,312 @@
+"""Typed payloads for client uploads and server broadcasts, their wire format, and the ledger.
+
+Every message that crosses the client/server boundary is a :class:`Payload`: named entries of
+explicit types (DESIGN.md §2 "Payloads are explicit types") plus JSON metadata. The wire format
+is a single safetensors blob whose header metadata holds the JSON description of the entries, so
+nothing is ever pickled. Communication is counted from the serialised bytes (:class:`Ledger`),
+never estimated.
+
+Entry types and the matrix each one stands for:
+
+* :class:`Dense` — ``X`` itself.
+* :class:`LowRank` — ``X = L @ R`` with ``L`` (m×r), ``R`` (r×n).
+* :class:`SeededLowRank` — GaLore coefficients on a seeded basis: ``X = C @ P`` (right side,
+  ``C`` m×r, ``P`` r×n) or ``X = P @ C`` (left side, ``P`` m×r, ``C`` r×n), where ``P`` is
+  rebuilt from the integer seed by :func:`fedgalore.optim.projector.seeded_basis`; only ``C``
+  and the seed travel.
+* :class:`GaLoreUpdate` — the exact low-rank update record of one GaLore matrix,
+  ``ΔW = decay · W0 + Σ_q term_q`` (each term a ``LowRank`` or ``SeededLowRank``).
+* :class:`MomentView` — a client's projected second moment ``v`` and its basis identity; its
+  full-space view is ``V = v @ P`` (right) or ``P @ v`` (left) (paper eq. "matrix view", §5).
+* :class:`Factored` — ``X = left @ core @ right.T``; used for synchronised second moments.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+__all__ = [
+    "Dense",
+    "LowRank",
+    "SeededLowRank",
+    "GaLoreUpdate",
+    "MomentView",
+    "Factored",
+    "Entry",
+    "Payload",
+    "encode",
+    "decode",
+    "Ledger",
+    "PayloadError",
+]
+
+
+class PayloadError(ValueError):
+    """A payload could not be decoded or is malformed."""
+
+
+@dataclass(frozen=True)
+class Dense:
+    tensor: torch.Tensor
+
+    def materialize(self) -> torch.Tensor:
+        return self.tensor
+
+
+@dataclass(frozen=True)
+class LowRank:
+    left: torch.Tensor  # (m, r)
+    right: torch.Tensor  # (r, n)
+
+    def materialize(self) -> torch.Tensor:
+        return self.left.float() @ self.right.float()
+
+
+@dataclass(frozen=True)
+class SeededLowRank:
+    coef: torch.Tensor  # (m, r) for side="right"; (r, n) for side="left"
+    seed: int
+    side: str  # "right" | "left"
+    shape: tuple[int, int]  # (m, n) of the full matrix
+
+    def basis(self) -> torch.Tensor:
+        from fedgalore.optim.projector import seeded_basis
+
+        m, n = self.shape
+        rank = self.coef.shape[1] if self.side == "right" else self.coef.shape[0]
+        return seeded_basis(self.seed, m, n, rank, self.side)
+
+    def materialize(self) -> torch.Tensor:
+        p = self.basis()
+        return self.coef.float() @ p if self.side == "right" else p @ self.coef.float()
+
+
+@dataclass(frozen=True)
+class GaLoreUpdate:
+    decay: float  # ΔW = decay * W0 + Σ terms
+    terms: tuple[Union[LowRank, SeededLowRank], ...]
+    shape: tuple[int, int]
+
+    def materialize(self, w0: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.zeros(self.shape, dtype=torch.float32)
+        for t in self.terms:
+            out += t.materialize()
+        if self.decay != 0.0:
+            if w0 is None:
+                raise PayloadError("GaLoreUpdate with weight decay needs W0 to materialise")
+            out += self.decay * w0.float()
+        return out
+
+
+@dataclass(frozen=True)
+class MomentView:
+    moment: torch.Tensor  # projected second moment: (m, r) right side, (r, n) left side
+    side: str  # "right" | "left"
+    shape: tuple[int, int]  # (m, n)
+    basis: torch.Tensor | None = None  # (r, n) right / (m, r) left; None when seeded
+    seed: int | None = None
+
+    def basis_matrix(self) -> torch.Tensor:
+        if self.basis is not None:
+            return self.basis.float()
+        if self.seed is None:
+            raise PayloadError("MomentView needs either a basis or a seed")
+        from fedgalore.optim.projector import seeded_basis
+
+        m, n = self.shape
+        rank = self.moment.shape[1] if self.side == "right" else self.moment.shape[0]
+        return seeded_basis(self.seed, m, n, rank, self.side)
+
+    def materialize(self) -> torch.Tensor:
+        p = self.basis_matrix()
+        v = self.moment.float()
+        return v @ p if self.side == "right" else p @ v
+
+
+@dataclass(frozen=True)
+class Factored:
+    left: torch.Tensor  # (m, a)
+    core: torch.Tensor  # (a, b)
+    right: torch.Tensor  # (n, b)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.left.shape[0], self.right.shape[0])
+
+    def materialize(self) -> torch.Tensor:
+        return self.left.float() @ self.core.float() @ self.right.float().T
+
+
+Entry = Union[Dense, LowRank, SeededLowRank, GaLoreUpdate, MomentView, Factored]
+_KINDS = {
+    Dense: "dense",
+    LowRank: "lowrank",
+    SeededLowRank: "seeded",
+    GaLoreUpdate: "galore_update",
+    MomentView: "moment_view",
+    Factored: "factored",
+}
+
+
+@dataclass
+class Payload:
+    """Named entries plus JSON-serialisable metadata (client id, example count, round, ...)."""
+
+    entries: dict[str, Entry] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Entry:
+        return self.entries[key]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.entries
+
+    def nbytes(self) -> int:
+        return len(encode(self))
+
+
+# ----------------------------------------------------------------------------- wire format
+def _flatten(name: str, entry: Entry, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    kind = _KINDS.get(type(entry))
+    if kind is None:
+        raise PayloadError(f"unsupported payload entry type {type(entry).__name__} for {name!r}")
+
+    def put(suffix: str, t: torch.Tensor) -> str:
+        key = f"{name}/{suffix}"
+        tensors[key] = t.detach().contiguous().cpu()
+        return key
+
+    if isinstance(entry, Dense):
+        return {"kind": kind, "tensor": put("t", entry.tensor)}
+    if isinstance(entry, LowRank):
+        return {"kind": kind, "left": put("l", entry.left), "right": put("r", entry.right)}
+    if isinstance(entry, SeededLowRank):
+        return {
+            "kind": kind,
+            "coef": put("c", entry.coef),
+            "seed": int(entry.seed),
+            "side": entry.side,
+            "shape": list(entry.shape),
+        }
+    if isinstance(entry, GaLoreUpdate):
+        terms = [_flatten(f"{name}/term{q}", t, tensors) for q, t in enumerate(entry.terms)]
+        return {"kind": kind, "decay": float(entry.decay), "terms": terms, "shape": list(entry.shape)}
+    if isinstance(entry, MomentView):
+        spec = {"kind": kind, "moment": put("v", entry.moment), "side": entry.side, "shape": list(entry.shape)}
+        if entry.basis is not None:
+            spec["basis"] = put("p", entry.basis)
+        if entry.seed is not None:
+            spec["seed"] = int(entry.seed)
+        return spec
+    assert isinstance(entry, Factored)
+    return {"kind": kind, "left": put("l", entry.left), "core": put("c", entry.core), "right": put("r", entry.right)}
+
+
+def _unflatten(spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Entry:
+    def get(key: str) -> torch.Tensor:
+        try:
+            return tensors[spec[key]]
+        except KeyError as exc:
+            raise PayloadError(f"payload entry refers to missing tensor {exc}") from None
+
+    kind = spec.get("kind")
+    if kind == "dense":
+        return Dense(get("tensor"))
+    if kind == "lowrank":
+        return LowRank(get("left"), get("right"))
+    if kind == "seeded":
+        return SeededLowRank(get("coef"), int(spec["seed"]), str(spec["side"]), tuple(spec["shape"]))
+    if kind == "galore_update":
+        terms = tuple(_unflatten(t, tensors) for t in spec["terms"])
+        return GaLoreUpdate(float(spec["decay"]), terms, tuple(spec["shape"]))  # type: ignore[arg-type]
+    if kind == "moment_view":
+        return MomentView(
+            get("moment"),
+            str(spec["side"]),
+            tuple(spec["shape"]),
+            tensors[spec["basis"]] if "basis" in spec else None,
+            int(spec["seed"]) if "seed" in spec else None,
+        )
+    if kind == "factored":
+        return Factored(get("left"), get("core"), get("right"))
+    raise PayloadError(f"unknown payload entry kind {kind!r}")
+
+
+def encode(payload: Payload) -> bytes:
+    """Serialise to one safetensors blob; entry specs and ``meta`` go in the header as JSON."""
+    tensors: dict[str, torch.Tensor] = {}
+    specs = {name: _flatten(name, e, tensors) for name, e in payload.entries.items()}
+    header = json.dumps({"entries": specs, "meta": payload.meta}, sort_keys=True)
+    return st_save(tensors, metadata={"fedgalore": header})
+
+
+def _read_header(blob: bytes) -> dict[str, Any]:
+    if len(blob) < 8:
+        raise PayloadError("payload too short")
+    (n,) = struct.unpack("<Q", blob[:8])
+    if n > len(blob) - 8:
+        raise PayloadError("payload header length exceeds payload size")
+    try:
+        header = json.loads(blob[8 : 8 + n])
+        return json.loads(header["__metadata__"]["fedgalore"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise PayloadError(f"payload header is not a fedgalore header: {exc}") from None
+
+
+def decode(blob: bytes) -> Payload:
+    """Inverse of :func:`encode`. Raises :class:`PayloadError` on anything malformed."""
+    spec = _read_header(blob)
+    try:
+        tensors = st_load(blob)
+    except Exception as exc:  # safetensors raises its own error types
+        raise PayloadError(f"payload tensors could not be read: {exc}") from None
+    entries = {name: _unflatten(s, tensors) for name, s in spec.get("entries", {}).items()}
+    return Payload(entries, spec.get("meta", {}))
+
+
+def tensor_bytes_by_kind(payload: Payload) -> dict[str, int]:
+    """Raw tensor bytes per entry kind (the header is the remainder of the blob size)."""
+    out: dict[str, int] = {}
+    for name, entry in payload.entries.items():
+        tensors: dict[str, torch.Tensor] = {}
+        _flatten(name, entry, tensors)
+        kind = _KINDS[type(entry)]
+        out[kind] = out.get(kind, 0) + sum(t.numel() * t.element_size() for t in tensors.values())
+    return out
+
+
+# ----------------------------------------------------------------------------- ledger
+@dataclass
+class Ledger:
+    """Communication ledger: one record per message, bytes from the serialised form."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    def record(self, round_idx: int, client: int, direction: str, payload: Payload, blob: bytes | None = None) -> int:
+        if direction not in ("up", "down"):
+            raise ValueError("direction must be 'up' or 'down'")
+        blob = encode(payload) if blob is None else blob
+        by_kind = tensor_bytes_by_kind(payload)
+        rec = {
+            "round": int(round_idx),
+            "client": int(client),
+            "direction": direction,
+            "bytes": len(blob),
+            "tensor_bytes": by_kind,
+            "header_bytes": len(blob) - sum(by_kind.values()),
+        }
+        self.records.append(rec)
+        return len(blob)
+
+    def total(self, direction: str, round_idx: int | None = None) -> int:
+        return sum(
+            r["bytes"]
+            for r in self.records
+            if r["direction"] == direction and (round_idx is None or r["round"] == round_idx)
+        )

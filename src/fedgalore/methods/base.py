@@ -1,0 +1,195 @@
+"""The method interface: local training T, aggregation A and state synchronisation S (paper §3).
+
+A federated method is data, not a fork of the round loop (DESIGN.md §2). It declares
+
+* ``setup`` — how the shared model is prepared once per process (e.g. PEFT adapters, which
+  parameters train);
+* ``init_server_state`` / ``broadcast`` — what the server owns and sends down each round;
+* ``client_update`` — the local training operator T: load the broadcast, build the optimizer,
+  run local steps, return a typed upload;
+* ``aggregate`` — the aggregation operator A (mutates the server state);
+* ``synchronize`` — the state synchronisation operator S (default: none);
+* ``load_global`` — put the global state into a model for evaluation.
+
+Methods register themselves with :func:`register`; the loop looks them up by name.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from fedgalore.federated.payload import Dense, Payload
+
+__all__ = [
+    "Method",
+    "ServerState",
+    "RoundContext",
+    "ClientContext",
+    "TrainConfig",
+    "register",
+    "get_method",
+    "available_methods",
+    "MethodError",
+]
+
+
+class MethodError(ValueError):
+    """Unknown method or an invalid method option."""
+
+
+@dataclass
+class TrainConfig:
+    """Local-training hyperparameters shared by every method (paper Appendix H, Table 8)."""
+
+    lr: float = 5e-5
+    batch_size: int = 32
+    local_epochs: float | None = 2.0  # E; ignored when local_steps is set
+    local_steps: int | None = None  # T
+    warmup_ratio: float = 0.06
+    weight_decay: float = 0.01
+    schedule: str = "cosine"  # "cosine" | "linear" | "constant"
+    schedule_scope: str = "global"  # "global": one warmup+cosine over all rounds; "round": per round
+    grad_clip: float | None = 1.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    head_lr: float | None = None  # lr of the head params (None: same as lr)
+    sgd_lr: float | None = None  # lr for methods whose reference optimizer is SGD (FFA-LoRA, LoRA-FAIR)
+    sgd_momentum: float = 0.0
+
+
+@dataclass
+class ServerState:
+    """Everything the server owns between rounds; checkpointed as safetensors + JSON.
+
+    ``params``: the global federated tensors (dense, fp32), keyed by parameter name.
+    ``extras``: method-specific tensors (synchronised second-moment factors, fixed inits, ...).
+    ``meta``: JSON-able method state (round seed chain, counters, ...).
+    """
+
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RoundContext:
+    round: int  # 0-based communication round k
+    total_rounds: int
+    round_seed: int  # s_k, broadcast to clients (seeded projectors)
+    clients: list[int]  # sampled client ids
+    weights: list[float]  # p_i over the sampled clients (sum to 1)
+
+
+@dataclass
+class ClientContext:
+    round: int
+    total_rounds: int
+    client: int
+    round_seed: int
+    num_examples: int
+    train: TrainConfig
+    target_names: list[str]  # full parameter names of the adapted weight matrices (".weight")
+    head_names: list[str]  # full parameter names trained fully by every method
+    loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+    batches: Callable[[], Iterable[dict[str, torch.Tensor]]]  # this round's local batches (E epochs or T steps)
+    steps: int  # number of local steps the batches iterator yields
+    steps_per_round: int  # nominal local steps per round (for global LR schedules)
+    on_step: Callable[[int, float], None] | None = None  # progress hook (step, loss)
+    device: torch.device = torch.device("cpu")
+
+
+class Method(abc.ABC):
+    """Base class; subclasses set ``name`` and implement T, A (and optionally S)."""
+
+    name: ClassVar[str] = "method"
+    #: short description for ``fedgalore methods`` / README tables
+    summary: ClassVar[str] = ""
+
+    def __init__(self, rank: int = 8, **options: Any) -> None:
+        if rank <= 0:
+            raise MethodError(f"rank must be a positive integer, got {rank}")
+        self.rank = int(rank)
+        self.options = dict(options)
+
+    # --------------------------------------------------------------- once per process
+    @abc.abstractmethod
+    def setup(self, model: nn.Module, target_names: Sequence[str], head_names: Sequence[str]) -> nn.Module:
+        """Prepare the model (wrap with adapters, set ``requires_grad``); deterministic."""
+
+    @abc.abstractmethod
+    def init_server_state(self, model: nn.Module) -> ServerState:
+        """The server's initial state from the prepared model."""
+
+    # --------------------------------------------------------------- per round
+    def broadcast(self, state: ServerState, ctx: RoundContext) -> Payload:
+        """Server → client message (default: every global tensor dense + the round seed)."""
+        return Payload({k: Dense(v) for k, v in state.params.items()}, {"round": ctx.round, "round_seed": ctx.round_seed})
+
+    @abc.abstractmethod
+    def client_update(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> Payload:
+        """Local training operator T: returns the upload (meta must hold ``num_examples``)."""
+
+    @abc.abstractmethod
+    def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext) -> dict[str, torch.Tensor]:
+        """Aggregation operator A. Mutates ``state``; returns the dense effective update applied
+        to each adapted weight matrix (ΔW̄, used by diagnostics)."""
+
+    def synchronize(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext) -> dict[str, float]:
+        """State synchronisation operator S (default: none). Returns diagnostics."""
+        return {}
+
+    def client_deltas(self, state: ServerState, upload: Payload) -> dict[str, torch.Tensor]:
+        """Dense effective weight change of each adapted matrix in one upload (for drift
+        diagnostics). Methods that can compute it override this; default: none."""
+        return {}
+
+    @abc.abstractmethod
+    def load_global(self, model: nn.Module, state: ServerState) -> None:
+        """Load the global state into ``model`` (for evaluation and checkpoints)."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "rank": self.rank, **self.options}
+
+
+_REGISTRY: dict[str, type[Method]] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Class decorator: make a method available by ``cls.name``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_methods() -> list[str]:
+    from fedgalore import methods as _m  # noqa: F401  (imports the built-in methods)
+
+    return sorted(_REGISTRY)
+
+
+def get_method(name: str, **kwargs: Any) -> Method:
+    available_methods()
+    if name not in _REGISTRY:
+        raise MethodError(f"unknown method {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](**kwargs)
+
+
+# ----------------------------------------------------------------------------- shared helpers
+def named_params(model: nn.Module, names: Iterable[str]) -> dict[str, nn.Parameter]:
+    params = dict(model.named_parameters())
+    missing = [n for n in names if n not in params]
+    if missing:
+        raise MethodError(f"model has no parameters {missing[:4]}")
+    return {n: params[n] for n in names}
+
+
+@torch.no_grad()
+def load_params(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Copy tensors into the model's parameters/buffers of the same names (in place)."""
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    for name, value in values.items():
+        params[name].copy_(value.to(params[name].device, params[name].dtype))

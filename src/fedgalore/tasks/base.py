@@ -1,0 +1,132 @@
+"""The task interface: a model, its data, its loss and its metrics.
+
+A :class:`Task` is everything the federation needs to know about a domain (paper §6): it builds
+the (pretrained) model deterministically, holds the pre-processed train and test sets, says which
+categorical column the Dirichlet partition runs over, computes the training loss of a batch and
+evaluates a model. Methods never look inside a task beyond this interface.
+"""
+from __future__ import annotations
+
+import abc
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+__all__ = ["Task", "TaskError", "resolve_target_modules"]
+
+
+class TaskError(ValueError):
+    """A task could not be built (missing asset, bad option); the message says how to fix it."""
+
+
+class Task(abc.ABC):
+    #: registry name, e.g. "offline_text"
+    name: str = "task"
+    #: the metric reported in tables ("accuracy", "mse", "exact_match", ...)
+    primary_metric: str = "accuracy"
+    higher_is_better: bool = True
+    #: module-name patterns (last name component) of the nn.Linear layers GaLore/LoRA adapt
+    target_modules: Sequence[str] = ("query", "value", "dense")
+    #: modules trained (fully) and averaged by every method, e.g. ("classifier",)
+    head_modules: Sequence[str] = ("classifier",)
+    #: PEFT task type for LoRA methods ("SEQ_CLS", "CAUSAL_LM", or None for a plain model)
+    peft_task_type: str | None = "SEQ_CLS"
+
+    @abc.abstractmethod
+    def build_model(self) -> nn.Module:
+        """A fresh model, identical on every call (pretrained weights; head init seeded)."""
+
+    @abc.abstractmethod
+    def train_set(self) -> Sequence[Any]:
+        """Pre-processed training examples (indexable); clients hold subsets of indices."""
+
+    @abc.abstractmethod
+    def test_set(self) -> Sequence[Any]:
+        """Pre-processed held-out examples."""
+
+    @abc.abstractmethod
+    def partition_labels(self) -> np.ndarray:
+        """One categorical value per training example: the column the Dirichlet split runs over."""
+
+    def label_names(self) -> list[str]:
+        """Human-readable names of the partition categories (sorted category values by default)."""
+        return [str(v) for v in np.unique(self.partition_labels())]
+
+    @abc.abstractmethod
+    def collate(self, examples: Sequence[Any]) -> dict[str, torch.Tensor]:
+        """Stack examples into a batch of tensors."""
+
+    @abc.abstractmethod
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean training loss of the batch (scalar, differentiable)."""
+
+    @abc.abstractmethod
+    def evaluate(self, model: nn.Module, examples: Sequence[Any], batch_size: int) -> dict[str, float]:
+        """Metrics of ``model`` on ``examples``; must include :attr:`primary_metric`."""
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-able summary saved with each run (sizes, label names, model id)."""
+        return {
+            "name": self.name,
+            "primary_metric": self.primary_metric,
+            "n_train": len(self.train_set()),
+            "n_test": len(self.test_set()),
+            "labels": self.label_names(),
+        }
+
+
+def resolve_target_modules(
+    model: nn.Module,
+    patterns: Sequence[str],
+    exclude: Sequence[str] = (),
+) -> list[str]:
+    """Full names of the ``nn.Linear`` modules whose last name component matches a pattern.
+
+    A pattern matches the module name's last component exactly, or — if it contains a dot or
+    regex metacharacters — the module name by ``re.fullmatch`` / suffix. Modules inside any
+    ``exclude`` module (e.g. the classifier head, trained fully by every method) are skipped, so
+    every method adapts exactly the same matrices. Raises :class:`TaskError` when nothing matches.
+    """
+    excluded = tuple(exclude)
+    out: list[str] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        parts = name.split(".")
+        if any(e in parts or name.startswith(e + ".") or f".{e}." in f".{name}." for e in excluded):
+            continue
+        for pat in patterns:
+            if "." in pat or any(c in pat for c in "*+?[]()|^$\\"):
+                if name == pat or name.endswith("." + pat) or re.fullmatch(pat, name):
+                    out.append(name)
+                    break
+            elif parts[-1] == pat:
+                out.append(name)
+                break
+    if not out:
+        raise TaskError(
+            f"no nn.Linear module matches target_modules={list(patterns)}; "
+            f"linear modules are e.g. {[n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:8]}"
+        )
+    return out
+
+
+@dataclass
+class ArrayDataset:
+    """A minimal indexable dataset over dict-of-arrays (pre-tokenised features)."""
+
+    columns: dict[str, torch.Tensor]
+
+    def __len__(self) -> int:
+        return len(next(iter(self.columns.values())))
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        return {k: v[idx] for k, v in self.columns.items()}
+
+    def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        idx = torch.as_tensor(list(indices), dtype=torch.long)
+        return {k: v[idx] for k, v in self.columns.items()}
