@@ -2,5 +2,30 @@
 
 FedGaLore (GaLore-style gradient-subspace AdamW on clients + AJIVE synchronisation of projected
 second moments on the server), the paper's baselines, tasks, experiments and reports.
+
+Python API::
+
+    import fedgalore
+    cfg = fedgalore.load_config("conf/pipeline/offline_text.yaml", ["federation.rounds=5"])
+    result = fedgalore.run(cfg)          # -> RunResult(run_dir, summary, history)
+    fedgalore.resume(result.run_dir)     # continue a stopped run
 """
 __version__ = "0.1.0"
+
+__all__ = ["run", "resume", "FederatedConfig", "load_config", "RunResult", "GaLoreAdamW"]
+
+
+def __getattr__(name):  # lazy: importing fedgalore stays cheap
+    if name in ("run", "resume", "RunResult", "Federation"):
+        from fedgalore.federated import server
+
+        return getattr(server, name)
+    if name in ("FederatedConfig", "load_config", "ConfigError"):
+        from fedgalore.federated import config
+
+        return getattr(config, name)
+    if name == "GaLoreAdamW":
+        from fedgalore.optim import GaLoreAdamW
+
+        return GaLoreAdamW
+    raise AttributeError(f"module 'fedgalore' has no attribute {name!r}")

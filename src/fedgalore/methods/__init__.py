@@ -1,0 +1,13 @@
+"""Federated methods. Importing this package registers the built-in methods by name."""
+from fedgalore.methods.base import (  # noqa: F401
+    ClientContext,
+    Method,
+    MethodError,
+    RoundContext,
+    ServerState,
+    TrainConfig,
+    available_methods,
+    get_method,
+    register,
+)
+from fedgalore.methods import fedavg_full, fedgalore  # noqa: F401,E402  (registration)

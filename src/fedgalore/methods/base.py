@@ -92,8 +92,8 @@ class ClientContext:
     round_seed: int
     num_examples: int
     train: TrainConfig
-    target_names: list[str]  # full parameter names of the adapted weight matrices (".weight")
-    head_names: list[str]  # full parameter names trained fully by every method
+    target_modules: list[str]  # full module names (raw model) of the adapted nn.Linear layers
+    head_params: list[str]  # full parameter names (raw model) trained fully by every method
     loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
     batches: Callable[[], Iterable[dict[str, torch.Tensor]]]  # this round's local batches (E epochs or T steps)
     steps: int  # number of local steps the batches iterator yields
@@ -117,8 +117,14 @@ class Method(abc.ABC):
 
     # --------------------------------------------------------------- once per process
     @abc.abstractmethod
-    def setup(self, model: nn.Module, target_names: Sequence[str], head_names: Sequence[str]) -> nn.Module:
-        """Prepare the model (wrap with adapters, set ``requires_grad``); deterministic."""
+    def setup(self, model: nn.Module, target_modules: Sequence[str], head_params: Sequence[str]) -> nn.Module:
+        """Prepare the model once per process (wrap with adapters, set ``requires_grad``).
+
+        ``target_modules``: full names of the adapted ``nn.Linear`` modules in the raw model
+        (their ``.weight`` is the matrix W); ``head_params``: full names of the parameters every
+        method trains fully and averages (the classifier head). Must be deterministic: every
+        process (sequential, Ray worker, Flower client) builds the identical prepared model.
+        """
 
     @abc.abstractmethod
     def init_server_state(self, model: nn.Module) -> ServerState:

@@ -1,0 +1,48 @@
+"""Task registry. Entries are imported lazily so optional dependencies load only when used.
+
+``get_task(name, **options)`` builds a task; ``available_tasks()`` lists the names.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from fedgalore.tasks.base import ArrayDataset, Task, TaskError, resolve_target_modules
+
+__all__ = ["Task", "TaskError", "ArrayDataset", "resolve_target_modules", "get_task", "available_tasks", "TASKS"]
+
+#: name -> "module:Class" (paper-scale hub tasks and their offline CPU counterparts)
+TASKS: dict[str, str] = {
+    # tiny random-weight task for tests and smoke runs (seconds)
+    "tiny_text": "fedgalore.tasks.synthetic:TinyTextTask",
+    # text classification (paper: RoBERTa-base x GLUE)
+    "offline_text": "fedgalore.tasks.text_classification:OfflineBBCNewsTask",
+    "offline_text_amazon": "fedgalore.tasks.text_classification:OfflineAmazonReviewsTask",
+    "glue": "fedgalore.tasks.text_classification:GlueTask",
+    # image classification (paper: ViT-base x DomainNet)
+    "offline_vision": "fedgalore.tasks.image_classification:OfflineFashionMnistTask",
+    "offline_vision_mnist": "fedgalore.tasks.image_classification:OfflineMnistTask",
+    "domainnet": "fedgalore.tasks.image_classification:DomainNetTask",
+    # causal LM for math (paper: Llama-2-7B x MetaMathQA -> GSM8K / MATH)
+    "offline_math": "fedgalore.tasks.causal_lm:OfflineGsmSymbolicTask",
+    "metamath": "fedgalore.tasks.causal_lm:MetaMathQATask",
+}
+
+
+def available_tasks() -> list[str]:
+    return sorted(TASKS)
+
+
+def get_task(name: str, **options: Any) -> Task:
+    """Build the task ``name`` with its options (raises TaskError with a fix on bad input)."""
+    if name not in TASKS:
+        raise TaskError(f"unknown task {name!r}; available: {', '.join(available_tasks())}")
+    module, cls = TASKS[name].split(":")
+    try:
+        task_cls = getattr(importlib.import_module(module), cls)
+    except ImportError as exc:
+        raise TaskError(f"task {name!r} needs a package that is not installed ({exc.name}); run `make setup`") from None
+    try:
+        return task_cls(**options)
+    except TypeError as exc:
+        raise TaskError(f"bad option for task {name!r}: {exc}") from None

@@ -1,0 +1,166 @@
+"""Execution backends: how the clients' local training T is run (sequential | ray | flower).
+
+A :class:`Runtime` is everything one process needs to run clients: the task, the prepared model
+(built once), the method, and the partition. The sequential backend shares the server's runtime;
+a Ray actor or Flower client builds its own from the resolved config — the method objects and
+payloads are the same in every backend. Only serialised payloads (safetensors bytes) cross a
+backend boundary.
+"""
+from __future__ import annotations
+
+import abc
+import math
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from fedgalore.federated.client import ClientError
+from fedgalore.federated.payload import decode, encode
+from fedgalore.methods.base import ClientContext, Method, TrainConfig, get_method
+from fedgalore.tasks import Task, get_task, resolve_target_modules
+
+__all__ = ["Runtime", "ClientJob", "ClientResult", "Backend", "client_seed"]
+
+
+def client_seed(run_seed: int, round_idx: int, client: int, stream: int) -> np.random.SeedSequence:
+    """Seed sequence for client ``client`` in round ``round_idx`` (``stream`` separates uses)."""
+    return np.random.SeedSequence([int(run_seed), int(round_idx), int(client), int(stream)])
+
+
+@dataclass
+class ClientJob:
+    round: int
+    total_rounds: int
+    client: int
+    round_seed: int
+
+
+@dataclass
+class ClientResult:
+    client: int
+    upload: bytes | None  # serialised Payload, None on failure
+    error: str | None = None
+    time: float = 0.0
+    stats: dict = field(default_factory=dict)
+
+
+class Runtime:
+    """Task + prepared model + method + partition, built deterministically from a config."""
+
+    def __init__(self, cfg, parts: Sequence[np.ndarray] | None = None, task: Task | None = None, method: Method | None = None):
+        from fedgalore.federated.partition import make_partition
+
+        self.cfg = cfg
+        self.task = task if task is not None else get_task(cfg.task.name, **cfg.task.options)
+        self.method = method if method is not None else get_method(cfg.method.name, rank=cfg.method.rank, **cfg.method.options)
+        model = self.task.build_model()
+        self.target_modules = resolve_target_modules(model, self.task.target_modules, exclude=self.task.head_modules)
+        heads = tuple(self.task.head_modules)
+        self.head_params = [
+            n for n, _ in model.named_parameters() if any(n.startswith(h + ".") or f".{h}." in f".{n}" for h in heads)
+        ]
+        self._check_rank(model)
+        self.device = torch.device(cfg.device)
+        self.model = self.method.setup(model.to(self.device), self.target_modules, self.head_params)
+        self.train_data = self.task.train_set()
+        if parts is None:
+            parts = make_partition(self.task.partition_labels(), cfg.federation.num_clients, cfg.federation.partition, cfg.seed)
+        self.parts = [np.asarray(p) for p in parts]
+        sizes = [len(p) for p in self.parts]
+        tc: TrainConfig = cfg.train
+        mean_steps = self._steps_for(int(round(sum(sizes) / len(sizes))), tc)
+        self.steps_per_round = max(mean_steps, 1)
+
+    def _check_rank(self, model: torch.nn.Module) -> None:
+        from fedgalore.federated.config import ConfigError
+
+        mods = dict(model.named_modules())
+        smallest = min(min(mods[m].weight.shape) for m in self.target_modules)
+        if self.cfg.method.rank > smallest:
+            raise ConfigError(
+                f"method.rank={self.cfg.method.rank} exceeds the smallest adapted matrix dimension ({smallest}); "
+                f"use method.rank<={smallest}"
+            )
+
+    @staticmethod
+    def _steps_for(n: int, tc: TrainConfig) -> int:
+        if tc.local_steps is not None:
+            return int(tc.local_steps)
+        return int(math.ceil(float(tc.local_epochs) * n / tc.batch_size)) if n > 0 else 0
+
+    def batches(self, client: int, round_idx: int) -> tuple[Callable, int]:
+        """This round's local mini-batches: E epochs (or T steps) of fresh permutations."""
+        tc = self.cfg.train
+        idx = self.parts[client]
+        steps = self._steps_for(len(idx), tc)
+        rng = np.random.default_rng(client_seed(self.cfg.seed, round_idx, client, 1))
+        need = steps * tc.batch_size
+        order = []
+        while sum(len(o) for o in order) < need and len(idx) > 0:
+            order.append(idx[rng.permutation(len(idx))])
+        flat = np.concatenate(order)[:need] if order else np.array([], dtype=int)
+        if tc.local_steps is None:  # E epochs: the last batch may be partial
+            flat = flat[: int(round(float(tc.local_epochs) * len(idx)))] if len(idx) else flat
+        chunks = [flat[i : i + tc.batch_size] for i in range(0, len(flat), tc.batch_size)]
+
+        def gen():
+            for c in chunks:
+                if hasattr(self.train_data, "batch"):
+                    yield self.train_data.batch(c.tolist())
+                else:
+                    yield self.task.collate([self.train_data[int(i)] for i in c])
+
+        return gen, len(chunks)
+
+    def execute(self, job: ClientJob, broadcast: bytes, on_step=None) -> ClientResult:
+        """Run operator T for one client on a serialised broadcast; never raises."""
+        t0 = time.perf_counter()
+        try:
+            gen, steps = self.batches(job.client, job.round)
+            ctx = ClientContext(
+                round=job.round,
+                total_rounds=job.total_rounds,
+                client=job.client,
+                round_seed=job.round_seed,
+                num_examples=int(len(self.parts[job.client])),
+                train=self.cfg.train,
+                target_modules=self.target_modules,
+                head_params=self.head_params,
+                loss_fn=self.task.loss,
+                batches=gen,
+                steps=steps,
+                steps_per_round=self.steps_per_round,
+                on_step=on_step,
+                device=self.device,
+            )
+            seed = int(client_seed(self.cfg.seed, job.round, job.client, 2).generate_state(1)[0])
+            devices = [self.device.index or 0] if self.device.type == "cuda" else []
+            # Dropout draws from the global RNG. Fork it (restored on exit, so callers see no
+            # side effect) and start it from a per-(round, client) state, so a client's training
+            # is bit-identical whatever backend, order or resume point runs it.
+            with torch.random.fork_rng(devices=devices):
+                torch.set_rng_state(torch.Generator().manual_seed(seed).get_state())
+                if devices:
+                    torch.cuda.set_rng_state(torch.Generator().manual_seed(seed).get_state(), devices[0])
+                upload = self.method.client_update(self.model, decode(broadcast), ctx)
+            blob = encode(upload)
+            return ClientResult(job.client, blob, None, time.perf_counter() - t0, dict(upload.meta))
+        except ClientError as exc:
+            return ClientResult(job.client, None, str(exc), time.perf_counter() - t0)
+        except Exception as exc:  # a failing client must not take the federation down
+            return ClientResult(job.client, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}", time.perf_counter() - t0)
+
+
+class Backend(abc.ABC):
+    name = "backend"
+
+    @abc.abstractmethod
+    def run_clients(self, broadcast: bytes, jobs: list[ClientJob], progress=None) -> list[ClientResult]:
+        """Run T for every job on the same broadcast; results in job order."""
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,254 @@
+"""Typed run configuration (``FederatedConfig``) with strict validation.
+
+Library code takes these dataclasses; only :func:`load_config` (used by the CLI) parses YAML and
+``key=value`` overrides (OmegaConf). Every user-facing value is checked up front and a bad one
+raises :class:`ConfigError` with one line saying what is wrong and how to fix it.
+
+YAML layout (``conf/pipeline/*.yaml``)::
+
+    name: offline_text
+    seed: 0
+    task:       {name: offline_text, options: {max_length: 128}}
+    method:     {name: fedgalore, rank: 8, options: {update_proj_gap: 200, sync: ajive}}
+    federation: {num_clients: 20, clients_per_round: 5, rounds: 20, eval_every: 1,
+                 partition: {kind: dirichlet, alpha: 0.5, min_size: 10}}
+    train:      {lr: 5.0e-5, batch_size: 32, local_epochs: 2, warmup_ratio: 0.06, ...}
+    backend:    {name: sequential, options: {}}
+    output:     {dir: runs, checkpoint_every: 1, keep_checkpoints: 2}
+    device: cpu
+    diagnostics: true
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence, get_args, get_origin, get_type_hints
+
+from fedgalore.federated.partition import PartitionConfig
+from fedgalore.methods.base import TrainConfig
+
+__all__ = [
+    "ConfigError",
+    "TaskConfig",
+    "MethodConfig",
+    "FederationConfig",
+    "BackendConfig",
+    "OutputConfig",
+    "FederatedConfig",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message is one line with the fix."""
+
+
+@dataclass
+class TaskConfig:
+    name: str = "offline_text"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class MethodConfig:
+    name: str = "fedgalore"
+    rank: int = 8
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FederationConfig:
+    num_clients: int = 20  # M
+    clients_per_round: int | None = 5  # K (None: full participation)
+    rounds: int = 20  # R
+    eval_every: int = 1
+    eval_batch_size: int = 64
+    partition: PartitionConfig = field(default_factory=lambda: PartitionConfig(kind="dirichlet", alpha=0.5))
+
+
+@dataclass
+class BackendConfig:
+    name: str = "sequential"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs"
+    run_name: str | None = None  # default: "<name>-<method>-<setting>-s<seed>"
+    checkpoint_every: int = 1
+    keep_checkpoints: int = 2
+    progress: str = "auto"  # "auto" | "rich" | "plain" | "quiet"
+
+
+@dataclass
+class FederatedConfig:
+    name: str = "offline_text"
+    seed: int = 0
+    task: TaskConfig = field(default_factory=TaskConfig)
+    method: MethodConfig = field(default_factory=MethodConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    device: str = "cpu"
+    diagnostics: bool = True
+
+    # ------------------------------------------------------------------ conversion
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "FederatedConfig":
+        cfg = _from_plain(cls, data, "")
+        cfg.validate()
+        return cfg
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> "FederatedConfig":
+        f, t, p = self.federation, self.train, self.federation.partition
+        _check(self.method.rank >= 1, "method.rank must be >= 1 (e.g. method.rank=8)")
+        _check(f.num_clients >= 1, "federation.num_clients must be >= 1")
+        if f.clients_per_round is not None:
+            _check(
+                1 <= f.clients_per_round <= f.num_clients,
+                f"federation.clients_per_round={f.clients_per_round} must be between 1 and "
+                f"federation.num_clients={f.num_clients} (or null for full participation)",
+            )
+        _check(f.rounds >= 1, "federation.rounds must be >= 1")
+        _check(f.eval_every >= 1, "federation.eval_every must be >= 1")
+        _check(p.kind in ("iid", "dirichlet"), f"federation.partition.kind={p.kind!r} must be 'iid' or 'dirichlet'")
+        if p.kind == "dirichlet":
+            _check(
+                isinstance(p.alpha, (int, float)) and math.isfinite(p.alpha) and p.alpha > 0,
+                f"federation.partition.alpha={p.alpha} must be a positive number (smaller = more skew)",
+            )
+        _check(p.min_size >= 0, "federation.partition.min_size must be >= 0")
+        _check(t.lr > 0 and math.isfinite(t.lr), f"train.lr={t.lr} must be a positive number")
+        _check(t.batch_size >= 1, "train.batch_size must be >= 1")
+        _check(
+            t.local_steps is not None or (t.local_epochs is not None and t.local_epochs > 0),
+            "set train.local_epochs (E > 0) or train.local_steps (T >= 1)",
+        )
+        if t.local_steps is not None:
+            _check(t.local_steps >= 1, "train.local_steps must be >= 1")
+        _check(0 <= t.warmup_ratio < 1, "train.warmup_ratio must be in [0, 1)")
+        _check(t.weight_decay >= 0, "train.weight_decay must be >= 0")
+        _check(t.schedule in ("cosine", "linear", "constant"), "train.schedule must be cosine, linear or constant")
+        _check(t.schedule_scope in ("global", "round"), "train.schedule_scope must be 'global' or 'round'")
+        _check(t.grad_clip is None or t.grad_clip > 0, "train.grad_clip must be > 0 or null")
+        _check(self.output.checkpoint_every >= 1, "output.checkpoint_every must be >= 1")
+        _check(self.output.keep_checkpoints >= 1, "output.keep_checkpoints must be >= 1")
+        _check(self.output.progress in ("auto", "rich", "plain", "quiet"), "output.progress must be auto, rich, plain or quiet")
+        _check(self.device == "cpu" or self.device.startswith("cuda") or self.device == "mps", f"device={self.device!r} must be cpu, cuda[:N] or mps")
+        return self
+
+    def setting_label(self) -> str:
+        p = self.federation.partition
+        return "iid" if p.kind == "iid" else f"dirichlet:{p.alpha:g}"
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_to_plain(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: _to_plain(v) for k, v in obj.items()}
+    return obj
+
+
+def _from_plain(cls: type, data: Any, path: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"unknown config key {where}{unknown[0]}; valid keys here: {', '.join(sorted(names))}")
+    kwargs = {}
+    for name, value in data.items():
+        kwargs[name] = _coerce(hints[name], value, f"{path}.{name}" if path else name)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as exc:  # a dataclass's own validation (e.g. PartitionConfig)
+        raise ConfigError(f"{path or 'config'}: {exc}") from None
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _from_plain(tp, value, path)
+    if origin is None and tp is Any:
+        return value
+    args = get_args(tp)
+    if type(None) in args:  # Optional[X]
+        if value is None:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, path) if len(inner) == 1 else value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping, got {value!r}")
+        return dict(value)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or (args and args[-1] is not Ellipsis and len(value) != len(args)):
+            raise ConfigError(f"{path} must be a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(a, v, path) for a, v in zip(args, value)) if args[-1] is not Ellipsis else tuple(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
+            raise ConfigError(f"{path} must be an integer, got {value!r}")
+        return int(value)
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            try:
+                return float(value)  # "5e-5" from a YAML 1.1 string
+            except (TypeError, ValueError):
+                raise ConfigError(f"{path} must be a number, got {value!r}") from None
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> FederatedConfig:
+    """Read a pipeline YAML and apply dotted ``key=value`` overrides (OmegaConf syntax)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    base = OmegaConf.structured({})
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} not found (pipelines live in conf/pipeline/*.yaml)")
+        try:
+            base = OmegaConf.load(p)
+        except Exception as exc:  # yaml errors
+            raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    for ov in overrides:
+        if "=" not in ov:
+            raise ConfigError(f"override {ov!r} must look like key=value (e.g. federation.rounds=5)")
+    try:
+        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        data = OmegaConf.to_container(merged, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"bad override or interpolation: {str(exc).splitlines()[0]}") from None
+    return FederatedConfig.from_dict(data or {})

@@ -1,0 +1,361 @@
+"""The round loop (paper §3 and Algorithm 1): sample → broadcast → T → A → S → evaluate → checkpoint.
+
+Nothing method-specific lives here: a method supplies T (``client_update``), A (``aggregate``)
+and S (``synchronize``); a backend decides where T runs. Per round k:
+
+1. K of the M clients are sampled uniformly without replacement from a per-round seed
+   (or all of them), with weights p̃_i = N_i / Σ_{j∈P_k} N_j;
+2. the server broadcasts the method's payload (and the round seed s_k);
+3. each client runs T; its upload is decoded and counted in the ledger;
+4. A and S update the server state; diagnostics measure the two mismatches;
+5. the global model is evaluated every ``eval_every`` rounds and the state is checkpointed.
+
+Every random choice derives from (run seed, round, client), so a run resumed from any
+checkpoint ends with exactly the metrics of an uninterrupted one.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedgalore.backends import make_backend
+from fedgalore.backends.base import ClientJob, Runtime
+from fedgalore.federated.checkpoint import atomic_write_text, load_latest_checkpoint, save_checkpoint
+from fedgalore.federated.config import ConfigError, FederatedConfig
+from fedgalore.federated.diagnostics import drift_diagnostics, update_space_diagnostics
+from fedgalore.federated.events import LogProgress, ProgressSink
+from fedgalore.federated.partition import label_histograms
+from fedgalore.federated.payload import Ledger, PayloadError, decode, encode
+from fedgalore.methods.base import Method, RoundContext
+from fedgalore.tasks.base import Task
+
+__all__ = ["Federation", "RunResult", "run", "resume", "round_seed", "sample_clients"]
+
+log = logging.getLogger("fedgalore")
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    summary: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def final(self) -> dict[str, float]:
+        return self.summary.get("final", {})
+
+
+def round_seed(run_seed: int, round_idx: int) -> int:
+    """s_k: the projection seed broadcast in round k (a deterministic chain from the run seed)."""
+    return int(np.random.SeedSequence([int(run_seed), int(round_idx), 7]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def sample_clients(run_seed: int, round_idx: int, num_clients: int, k: int | None) -> list[int]:
+    """P_k: k of M clients uniformly without replacement (all when k is None or k = M)."""
+    if k is None or k >= num_clients:
+        return list(range(num_clients))
+    rng = np.random.default_rng(np.random.SeedSequence([int(run_seed), int(round_idx), 3]))
+    return sorted(int(c) for c in rng.choice(num_clients, size=k, replace=False))
+
+
+def _jsonl_append(path: Path, rec: dict[str, Any]) -> None:
+    with open(path, "a") as fh:
+        fh.write(json.dumps(rec, sort_keys=True) + "\n")
+
+
+def _jsonl_read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            break  # a torn last line from a killed process
+    return out
+
+
+def _jsonl_truncate(path: Path, max_round: int) -> list[dict[str, Any]]:
+    """Keep only records of completed (checkpointed) rounds; returns them."""
+    recs = [r for r in _jsonl_read(path) if int(r.get("round", 0)) <= max_round]
+    atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in recs))
+    return recs
+
+
+class Federation:
+    """One federated run: config → run directory with metrics, ledger, diagnostics, checkpoints."""
+
+    LOG_FILES = ("metrics.jsonl", "clients.jsonl", "ledger.jsonl", "diagnostics.jsonl")
+
+    def __init__(
+        self,
+        cfg: FederatedConfig,
+        *,
+        run_dir: str | Path | None = None,
+        progress: ProgressSink | None = None,
+        task: Task | None = None,
+        method: Method | None = None,
+        resume: bool = False,
+    ) -> None:
+        self.cfg = cfg.validate()
+        self.progress = progress or LogProgress()
+        self.runtime = Runtime(cfg, task=task, method=method)
+        self.task, self.method = self.runtime.task, self.runtime.method
+        name = cfg.output.run_name or f"{cfg.name}-{cfg.method.name}-{cfg.setting_label().replace(':', '')}-s{cfg.seed}"
+        self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.output.dir) / name
+        if not resume and (self.run_dir / "summary.json").exists():
+            raise ConfigError(
+                f"run directory {self.run_dir} already holds a run; resume it with --resume {self.run_dir} "
+                f"or choose another output.run_name"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.backend = make_backend(cfg.backend.name, self.runtime, cfg.backend.options)
+        self.ledger = Ledger()
+        self.history: list[dict[str, Any]] = []
+        self.start_round = 0
+        self.wall_time_before = 0.0
+        ckpt = load_latest_checkpoint(self.run_dir, log=self.progress.message) if resume else None
+        if ckpt is None:
+            self.state = self.method.init_server_state(self.runtime.model)
+            for f in self.LOG_FILES:
+                (self.run_dir / f).unlink(missing_ok=True)
+        else:
+            self.state, info = ckpt
+            self.start_round = int(info["round"])
+            self.wall_time_before = float(info.get("wall_time", 0.0))
+            self.history = _jsonl_truncate(self.run_dir / "metrics.jsonl", self.start_round)
+            for f in self.LOG_FILES[1:]:
+                recs = _jsonl_truncate(self.run_dir / f, self.start_round)
+                if f == "ledger.jsonl":
+                    self.ledger.records = recs
+            self.progress.message(f"resuming {self.run_dir} after round {self.start_round}")
+        self._write_static()
+
+    # ------------------------------------------------------------------ files
+    def _write_static(self) -> None:
+        from omegaconf import OmegaConf
+
+        atomic_write_text(self.run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(self.cfg.to_dict())))
+        labels = self.task.partition_labels()
+        hist, classes = label_histograms(labels, self.runtime.parts)
+        names = self.task.label_names()
+        partition = {
+            "setting": self.cfg.setting_label(),
+            "label_names": names if len(names) == len(classes) else [str(c) for c in classes],
+            "histograms": np.asarray(hist).tolist(),
+            "sizes": [int(len(p)) for p in self.runtime.parts],
+        }
+        atomic_write_text(self.run_dir / "partition.json", json.dumps(partition))
+        atomic_write_text(self.run_dir / "task.json", json.dumps(self.task.describe(), default=str))
+        env = {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "seed": self.cfg.seed,
+            "method": self.method.describe(),
+            "target_modules": self.runtime.target_modules,
+            "head_params": self.runtime.head_params,
+            "steps_per_round": self.runtime.steps_per_round,
+        }
+        for mod in ("transformers", "peft", "safetensors", "numpy"):
+            try:
+                env[mod] = __import__(mod).__version__
+            except Exception:  # pragma: no cover
+                pass
+        atomic_write_text(self.run_dir / "environment.json", json.dumps(env, indent=1, default=str))
+
+    def _summary(self, status: str, wall: float) -> dict[str, Any]:
+        cfg, task = self.cfg, self.task
+        evals = [h for h in self.history if any(k.startswith("eval/") for k in h)]
+        final = {k[5:]: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}
+        key = f"eval/{task.primary_metric}"
+        best = {}
+        if evals and key in evals[-1]:
+            pick = max if task.higher_is_better else min
+            b = pick(evals, key=lambda h: h.get(key, -math.inf if task.higher_is_better else math.inf))
+            best = {k[5:]: v for k, v in b.items() if k.startswith("eval/")} | {"round": b["round"]}
+        n_up = sum(1 for r in self.ledger.records if r["direction"] == "up")
+        n_down = sum(1 for r in self.ledger.records if r["direction"] == "down")
+        rounds_done = len(self.history)
+        return {
+            "name": cfg.name,
+            "task": cfg.task.name,
+            "method": cfg.method.name,
+            "setting": cfg.setting_label(),
+            "seed": cfg.seed,
+            "rounds": cfg.federation.rounds,
+            "rounds_completed": rounds_done,
+            "status": status,
+            "primary_metric": task.primary_metric,
+            "higher_is_better": task.higher_is_better,
+            "final": final,
+            "best": best,
+            "bytes_up_total": self.ledger.total("up"),
+            "bytes_down_total": self.ledger.total("down"),
+            "bytes_up_per_client_round": self.ledger.total("up") / max(n_up, 1),
+            "bytes_down_per_client_round": self.ledger.total("down") / max(n_down, 1),
+            "wall_time": wall,
+            "time_per_round": (sum(h.get("time_round", 0.0) for h in self.history) / rounds_done) if rounds_done else 0.0,
+            "server_time_fraction": (
+                sum(h.get("time_server", 0.0) for h in self.history) / max(sum(h.get("time_round", 0.0) for h in self.history), 1e-12)
+            ),
+        }
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> RunResult:
+        cfg, fed = self.cfg, self.cfg.federation
+        t_start = time.perf_counter()
+        self.progress.start(fed.rounds, {"run_name": self.run_dir.name, "method": cfg.method.name, "task": cfg.task.name, "start_round": self.start_round})
+        atomic_write_text(self.run_dir / "summary.json", json.dumps(self._summary("running", self.wall_time_before), indent=1))
+        try:
+            for k in range(self.start_round, fed.rounds):
+                self._round(k)
+                wall = self.wall_time_before + time.perf_counter() - t_start
+                if (k + 1) % cfg.output.checkpoint_every == 0 or k + 1 == fed.rounds:
+                    save_checkpoint(self.run_dir, k + 1, self.state, {"wall_time": wall}, keep=cfg.output.keep_checkpoints)
+            wall = self.wall_time_before + time.perf_counter() - t_start
+            summary = self._summary("complete", wall)
+            atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=1))
+            self.progress.finish(summary)
+        finally:
+            self.progress.close()
+            self.backend.close()
+        return RunResult(self.run_dir, summary, self.history)
+
+    def _round(self, k: int) -> None:
+        cfg, fed = self.cfg, self.cfg.federation
+        t0 = time.perf_counter()
+        clients = sample_clients(cfg.seed, k, fed.num_clients, fed.clients_per_round)
+        seed_k = round_seed(cfg.seed, k)
+        sizes = [len(self.runtime.parts[c]) for c in clients]
+        weights = [s / sum(sizes) for s in sizes]
+        self.progress.round_start(k, clients)
+        rctx = RoundContext(k, fed.rounds, seed_k, clients, weights)
+        bcast = self.method.broadcast(self.state, rctx)
+        blob = encode(bcast)
+        for c in clients:
+            self.ledger.record(k + 1, c, "down", bcast, blob)
+        jobs = [ClientJob(k, fed.rounds, c, seed_k) for c in clients]
+        t_clients = time.perf_counter()
+        results = self.backend.run_clients(blob, jobs, self.progress)
+        t_clients = time.perf_counter() - t_clients
+
+        uploads, kept_w, kept_c, client_recs = [], [], [], []
+        for res, w in zip(results, weights):
+            rec = {"round": k + 1, "client": res.client, "time": res.time, "num_examples": len(self.runtime.parts[res.client])}
+            if res.upload is not None:
+                try:
+                    up = decode(res.upload)
+                    uploads.append(up)
+                    kept_w.append(w)
+                    kept_c.append(res.client)
+                    self.ledger.record(k + 1, res.client, "up", up, res.upload)
+                    rec.update({kk: v for kk, v in up.meta.items() if isinstance(v, (int, float))})
+                except PayloadError as exc:
+                    res.error = f"undecodable upload: {exc}"
+            if res.error is not None:
+                rec["error"] = res.error.splitlines()[0]
+                self.progress.message(f"round {k + 1}: client {res.client} dropped ({rec['error']})")
+            client_recs.append(rec)
+        if not uploads:
+            raise RuntimeError(f"round {k + 1}: every sampled client failed; first error: {client_recs[0].get('error')}")
+        total = sum(kept_w)
+        kept_w = [w / total for w in kept_w]
+        rctx = RoundContext(k, fed.rounds, seed_k, kept_c, kept_w)
+
+        t_server = time.perf_counter()
+        applied = self.method.aggregate(self.state, uploads, kept_w, rctx)
+        sync_diag = self.method.synchronize(self.state, uploads, kept_w, rctx)
+        t_server = time.perf_counter() - t_server
+
+        diag: dict[str, Any] = {"round": k + 1, **{f"{kk}": v for kk, v in sync_diag.items()}}
+        if cfg.diagnostics:
+            diag.update(update_space_diagnostics(applied, self.method.rank))
+            deltas = [self.method.client_deltas(self.state, u) for u in uploads]
+            diag.update(drift_diagnostics(deltas, kept_w))
+
+        t_eval, evals = 0.0, {}
+        if (k + 1) % fed.eval_every == 0 or k + 1 == fed.rounds:
+            t_eval = time.perf_counter()
+            self.method.load_global(self.runtime.model, self.state)
+            evals = self.task.evaluate(self.runtime.model, self.task.test_set(), fed.eval_batch_size)
+            t_eval = time.perf_counter() - t_eval
+        losses = [r["loss_mean"] for r in client_recs if "loss_mean" in r and math.isfinite(r["loss_mean"])]
+        rec = {
+            "round": k + 1,
+            "clients": clients,
+            "dropped": [r["client"] for r in client_recs if "error" in r],
+            "train_loss": sum(losses) / len(losses) if losses else float("nan"),
+            **{f"eval/{kk}": float(v) for kk, v in evals.items()},
+            "bytes_up": self.ledger.total("up", k + 1),
+            "bytes_down": self.ledger.total("down", k + 1),
+            "cum_bytes_up": self.ledger.total("up"),
+            "cum_bytes_down": self.ledger.total("down"),
+            "time_clients": t_clients,
+            "time_server": t_server,
+            "time_eval": t_eval,
+            "time_round": time.perf_counter() - t0,
+        }
+        self.history.append(rec)
+        for r in client_recs:
+            _jsonl_append(self.run_dir / "clients.jsonl", r)
+        for r in self.ledger.records:
+            if r["round"] == k + 1:
+                _jsonl_append(self.run_dir / "ledger.jsonl", r)
+        _jsonl_append(self.run_dir / "diagnostics.jsonl", diag)
+        _jsonl_append(self.run_dir / "metrics.jsonl", rec)
+        self._write_csv()
+        self.progress.round_end(k, rec)
+
+    def _write_csv(self) -> None:
+        keys: list[str] = []
+        for h in self.history:
+            keys += [kk for kk in h if kk not in keys and kk not in ("clients", "dropped")]
+        with open(self.run_dir / "metrics.csv", "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
+            w.writeheader()
+            for h in self.history:
+                w.writerow(h)
+
+
+def run(cfg: FederatedConfig, *, resume: str | Path | None = None, progress: ProgressSink | None = None,
+        task: Task | None = None, method: Method | None = None, run_dir: str | Path | None = None) -> RunResult:
+    """Run (or, with ``resume=RUN_DIR``, continue) one federated run; returns its results.
+
+    ``fedgalore.run(FederatedConfig(...))`` is the Python API behind ``fedgalore run``.
+    """
+    if resume is not None:
+        return _resume(Path(resume), progress=progress, task=task, method=method, cfg=cfg)
+    return Federation(cfg, run_dir=run_dir, progress=progress, task=task, method=method).run()
+
+
+def _resume(run_dir: Path, *, progress=None, task=None, method=None, cfg: FederatedConfig | None = None) -> RunResult:
+    from fedgalore.federated.config import load_config
+
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); nothing to resume")
+    saved = load_config(run_dir / "config.yaml")
+    summary = run_dir / "summary.json"
+    if summary.exists() and json.loads(summary.read_text()).get("status") == "complete":
+        s = json.loads(summary.read_text())
+        return RunResult(run_dir, s, _jsonl_read(run_dir / "metrics.jsonl"))
+    return Federation(saved, run_dir=run_dir, progress=progress, task=task, method=method, resume=True).run()
+
+
+def resume(run_dir: str | Path, *, progress: ProgressSink | None = None) -> RunResult:
+    """Continue a stopped run from its last complete round (a finished run is returned as is)."""
+    return _resume(Path(run_dir), progress=progress)

@@ -1,0 +1,114 @@
+"""``tiny_text``: a tiny random-weight BERT classifier on synthetic token data.
+
+For tests and smoke runs: the real architecture class (``BertForSequenceClassification``, with
+``query``/``value``/``dense`` linear layers and a ``classifier`` head) at a few hundred thousand
+parameters, on a learnable synthetic task (the label is the class whose marker tokens occur most
+often in the sequence). Everything is drawn from local generators, so every call builds the same
+model and data.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedgalore.tasks.base import ArrayDataset, Task
+from fedgalore.tasks.metrics import accuracy, macro_f1
+
+
+class TinyTextTask(Task):
+    name = "tiny_text"
+    primary_metric = "accuracy"
+    target_modules = ("query", "value", "dense")
+    head_modules = ("classifier",)
+    peft_task_type = "SEQ_CLS"
+
+    def __init__(
+        self,
+        num_classes: int = 4,
+        n_train: int = 320,
+        n_test: int = 128,
+        seq_len: int = 16,
+        vocab_size: int = 64,
+        hidden_size: int = 32,
+        num_layers: int = 2,
+        seed: int = 0,
+    ) -> None:
+        self.num_classes, self.seq_len, self.vocab_size = num_classes, seq_len, vocab_size
+        self.hidden_size, self.num_layers, self.seed = hidden_size, num_layers, seed
+        g = torch.Generator().manual_seed(seed)
+        self._train = self._make(n_train, g)
+        self._test = self._make(n_test, g)
+
+    def _make(self, n: int, g: torch.Generator) -> ArrayDataset:
+        # marker tokens of class c: 4 + c*3 + {0,1,2}; the rest is filler noise
+        labels = torch.randint(self.num_classes, (n,), generator=g)
+        ids = torch.randint(4 + 3 * self.num_classes, self.vocab_size, (n, self.seq_len), generator=g)
+        for i in range(n):
+            k = int(torch.randint(3, 6, (1,), generator=g))
+            pos = torch.randperm(self.seq_len - 1, generator=g)[:k] + 1
+            ids[i, pos] = 4 + 3 * int(labels[i]) + torch.randint(3, (k,), generator=g)
+        ids[:, 0] = 2  # [CLS]-like
+        return ArrayDataset({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels})
+
+    def build_model(self) -> nn.Module:
+        from transformers import BertConfig, BertForSequenceClassification
+
+        cfg = BertConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=2,
+            intermediate_size=2 * self.hidden_size,
+            max_position_embeddings=max(64, self.seq_len),
+            num_labels=self.num_classes,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+        model = BertForSequenceClassification(cfg)
+        g = torch.Generator().manual_seed(1000 + self.seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "LayerNorm" in name and name.endswith("weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+        model.eval()
+        return model
+
+    def train_set(self) -> ArrayDataset:
+        return self._train
+
+    def test_set(self) -> ArrayDataset:
+        return self._test
+
+    def partition_labels(self) -> np.ndarray:
+        return self._train.columns["labels"].numpy()
+
+    def collate(self, examples: Sequence[dict]) -> dict[str, torch.Tensor]:
+        return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
+
+    def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(**batch).loss
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, examples: Sequence, batch_size: int) -> dict[str, float]:
+        was_training = model.training
+        model.eval()
+        preds, gold, losses = [], [], []
+        ds = examples
+        device = next(model.parameters()).device
+        for start in range(0, len(ds), batch_size):
+            idx = list(range(start, min(start + batch_size, len(ds))))
+            batch = {k: v.to(device) for k, v in ds.batch(idx).items()}
+            out = model(**batch)
+            losses.append(float(out.loss) * len(idx))
+            preds.append(out.logits.argmax(-1).cpu().numpy())
+            gold.append(batch["labels"].cpu().numpy())
+        model.train(was_training)
+        p, y = np.concatenate(preds), np.concatenate(gold)
+        return {"accuracy": accuracy(p, y), "macro_f1": macro_f1(p, y), "loss": sum(losses) / len(ds)}
