@@ -65,6 +65,10 @@ class FederationConfig:
     rounds: int = 20  # R
     eval_every: int = 1
     eval_batch_size: int = 64
+    min_clients: int = 1  # fewer valid uploads than this → the round is retried with a new sample
+    max_round_retries: int = 2
+    max_update_norm: float | None = None  # reject uploads whose ‖ΔW‖_F exceeds this
+    clip_update_norm: float | None = None  # scale uploads down to this ‖ΔW‖_F (dense/GaLore methods)
     partition: PartitionConfig = field(default_factory=lambda: PartitionConfig(kind="dirichlet", alpha=0.5))
 
 
@@ -119,6 +123,15 @@ class FederatedConfig:
             )
         _check(f.rounds >= 1, "federation.rounds must be >= 1")
         _check(f.eval_every >= 1, "federation.eval_every must be >= 1")
+        _check(f.min_clients >= 1, "federation.min_clients must be >= 1")
+        _check(
+            f.min_clients <= (f.clients_per_round or f.num_clients),
+            f"federation.min_clients={f.min_clients} exceeds the clients sampled per round",
+        )
+        _check(f.max_round_retries >= 0, "federation.max_round_retries must be >= 0")
+        for key in ("max_update_norm", "clip_update_norm"):
+            v = getattr(f, key)
+            _check(v is None or (math.isfinite(v) and v > 0), f"federation.{key} must be a positive number or null")
         _check(p.kind in ("iid", "dirichlet"), f"federation.partition.kind={p.kind!r} must be 'iid' or 'dirichlet'")
         if p.kind == "dirichlet":
             _check(

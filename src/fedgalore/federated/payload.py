@@ -262,12 +262,22 @@ def _read_header(blob: bytes) -> dict[str, Any]:
 def decode(blob: bytes) -> Payload:
     """Inverse of :func:`encode`. Raises :class:`PayloadError` on anything malformed."""
     spec = _read_header(blob)
+    if not isinstance(spec, dict):
+        raise PayloadError("payload header is not a mapping")
     try:
         tensors = st_load(blob)
     except Exception as exc:  # safetensors raises its own error types
         raise PayloadError(f"payload tensors could not be read: {exc}") from None
-    entries = {name: _unflatten(s, tensors) for name, s in spec.get("entries", {}).items()}
-    return Payload(entries, spec.get("meta", {}))
+    try:
+        entries = {str(name): _unflatten(s, tensors) for name, s in spec.get("entries", {}).items()}
+        meta = spec.get("meta", {})
+        if not isinstance(meta, dict):
+            raise TypeError("meta is not a mapping")
+    except PayloadError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise PayloadError(f"malformed payload header: {type(exc).__name__}: {exc}") from None
+    return Payload(entries, meta)
 
 
 def tensor_bytes_by_kind(payload: Payload) -> dict[str, int]:

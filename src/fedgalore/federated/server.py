@@ -35,7 +35,8 @@ from fedgalore.federated.config import ConfigError, FederatedConfig
 from fedgalore.federated.diagnostics import drift_diagnostics, update_space_diagnostics
 from fedgalore.federated.events import LogProgress, ProgressSink
 from fedgalore.federated.partition import label_histograms
-from fedgalore.federated.payload import Ledger, PayloadError, decode, encode
+from fedgalore.federated.payload import Ledger, Payload, PayloadError, decode, encode
+from fedgalore.federated.validation import expected_keys, upload_norm, validate_upload
 from fedgalore.methods.base import Method, RoundContext
 from fedgalore.tasks.base import Task
 
@@ -60,11 +61,13 @@ def round_seed(run_seed: int, round_idx: int) -> int:
     return int(np.random.SeedSequence([int(run_seed), int(round_idx), 7]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
-def sample_clients(run_seed: int, round_idx: int, num_clients: int, k: int | None) -> list[int]:
-    """P_k: k of M clients uniformly without replacement (all when k is None or k = M)."""
+def sample_clients(run_seed: int, round_idx: int, num_clients: int, k: int | None, attempt: int = 0) -> list[int]:
+    """P_k: k of M clients uniformly without replacement (all when k is None or k = M).
+    ``attempt`` > 0 draws the new sample of a retried round."""
     if k is None or k >= num_clients:
         return list(range(num_clients))
-    rng = np.random.default_rng(np.random.SeedSequence([int(run_seed), int(round_idx), 3]))
+    key = [int(run_seed), int(round_idx), 3] + ([int(attempt)] if attempt else [])
+    rng = np.random.default_rng(np.random.SeedSequence(key))
     return sorted(int(c) for c in rng.choice(num_clients, size=k, replace=False))
 
 
@@ -239,43 +242,41 @@ class Federation:
     def _round(self, k: int) -> None:
         cfg, fed = self.cfg, self.cfg.federation
         t0 = time.perf_counter()
-        clients = sample_clients(cfg.seed, k, fed.num_clients, fed.clients_per_round)
         seed_k = round_seed(cfg.seed, k)
-        sizes = [len(self.runtime.parts[c]) for c in clients]
-        weights = [s / sum(sizes) for s in sizes]
-        self.progress.round_start(k, clients)
-        rctx = RoundContext(k, fed.rounds, seed_k, clients, weights)
-        bcast = self.method.broadcast(self.state, rctx)
-        blob = encode(bcast)
-        for c in clients:
-            self.ledger.record(k + 1, c, "down", bcast, blob)
-        jobs = [ClientJob(k, fed.rounds, c, seed_k) for c in clients]
-        t_clients = time.perf_counter()
-        results = self.backend.run_clients(blob, jobs, self.progress)
-        t_clients = time.perf_counter() - t_clients
-
-        uploads, kept_w, kept_c, client_recs = [], [], [], []
-        for res, w in zip(results, weights):
-            rec = {"round": k + 1, "client": res.client, "time": res.time, "num_examples": len(self.runtime.parts[res.client])}
-            if res.upload is not None:
-                try:
-                    up = decode(res.upload)
-                    uploads.append(up)
-                    kept_w.append(w)
-                    kept_c.append(res.client)
-                    self.ledger.record(k + 1, res.client, "up", up, res.upload)
-                    rec.update({kk: v for kk, v in up.meta.items() if isinstance(v, (int, float))})
-                except PayloadError as exc:
-                    res.error = f"undecodable upload: {exc}"
-            if res.error is not None:
-                rec["error"] = res.error.splitlines()[0]
-                self.progress.message(f"round {k + 1}: client {res.client} dropped ({rec['error']})")
-            client_recs.append(rec)
-        if not uploads:
-            raise RuntimeError(f"round {k + 1}: every sampled client failed; first error: {client_recs[0].get('error')}")
+        client_recs: list[dict[str, Any]] = []
+        t_clients = 0.0
+        for attempt in range(fed.max_round_retries + 1):
+            clients = sample_clients(cfg.seed, k, fed.num_clients, fed.clients_per_round, attempt)
+            sizes = [len(self.runtime.parts[c]) for c in clients]
+            weights = [s / sum(sizes) for s in sizes]
+            self.progress.round_start(k, clients)
+            rctx = RoundContext(k, fed.rounds, seed_k, clients, weights)
+            bcast = self.method.broadcast(self.state, rctx)
+            blob = encode(bcast)
+            for c in clients:
+                self.ledger.record(k + 1, c, "down", bcast, blob)
+            jobs = [ClientJob(k, fed.rounds, c, seed_k) for c in clients]
+            t1 = time.perf_counter()
+            results = self.backend.run_clients(blob, jobs, self.progress)
+            t_clients += time.perf_counter() - t1
+            uploads, kept_w, kept_c = self._collect(k, attempt, rctx, results, weights, client_recs)
+            if len(uploads) >= fed.min_clients:
+                break
+            self.progress.message(
+                f"round {k + 1}: only {len(uploads)} valid upload(s) < federation.min_clients={fed.min_clients}"
+                + ("; retrying with a new sample" if attempt < fed.max_round_retries else "")
+            )
+        else:
+            self._append_round_logs(k, client_recs)  # keep the evidence of why the round failed
+            first = next((r.get("error") for r in client_recs if "error" in r), None)
+            raise RuntimeError(
+                f"round {k + 1} failed {fed.max_round_retries + 1} time(s): fewer than {fed.min_clients} valid uploads "
+                f"(first error: {first}); the last complete round is checkpointed — fix the cause and resume"
+            )
         total = sum(kept_w)
         kept_w = [w / total for w in kept_w]
         rctx = RoundContext(k, fed.rounds, seed_k, kept_c, kept_w)
+        self.state.meta["upload_keys"] = sorted(uploads[0].entries)
 
         t_server = time.perf_counter()
         applied = self.method.aggregate(self.state, uploads, kept_w, rctx)
@@ -311,15 +312,60 @@ class Federation:
             "time_round": time.perf_counter() - t0,
         }
         self.history.append(rec)
+        self._append_round_logs(k, client_recs)
+        _jsonl_append(self.run_dir / "diagnostics.jsonl", diag)
+        _jsonl_append(self.run_dir / "metrics.jsonl", rec)
+        self._write_csv()
+        self.progress.round_end(k, rec)
+
+    def _append_round_logs(self, k: int, client_recs: list[dict[str, Any]]) -> None:
         for r in client_recs:
             _jsonl_append(self.run_dir / "clients.jsonl", r)
         for r in self.ledger.records:
             if r["round"] == k + 1:
                 _jsonl_append(self.run_dir / "ledger.jsonl", r)
-        _jsonl_append(self.run_dir / "diagnostics.jsonl", diag)
-        _jsonl_append(self.run_dir / "metrics.jsonl", rec)
-        self._write_csv()
-        self.progress.round_end(k, rec)
+
+    def _collect(self, k, attempt, rctx, results, weights, client_recs):
+        """Decode, validate (and optionally clip) the uploads of one attempt."""
+        fed = self.cfg.federation
+        decoded = []
+        for res in results:
+            up = None
+            if res.upload is not None:
+                try:
+                    up = decode(res.upload)
+                except PayloadError as exc:
+                    res.error = f"undecodable upload: {exc}"
+                self.ledger.record(k + 1, res.client, "up", up if up is not None else Payload(), res.upload)
+            decoded.append(up)
+        keys = expected_keys(self.state, [u for u in decoded if u is not None])
+        uploads, kept_w, kept_c = [], [], []
+        for res, up, w in zip(results, decoded, weights):
+            rec = {"round": k + 1, "attempt": attempt, "client": res.client, "time": res.time,
+                   "num_examples": len(self.runtime.parts[res.client])}
+            if up is not None:
+                reason = validate_upload(self.method, self.state, up, rctx, keys, fed.max_update_norm)
+                if reason is None and fed.clip_update_norm is not None:
+                    norm = upload_norm(self.method, self.state, up)
+                    if norm > fed.clip_update_norm:
+                        up = self.method.scale_upload(up, fed.clip_update_norm / norm)
+                        rec["clipped_from_norm"] = norm
+                if reason is None:
+                    uploads.append(up)
+                    kept_w.append(w)
+                    kept_c.append(res.client)
+                    rec.update({kk: v for kk, v in up.meta.items() if isinstance(v, (int, float)) and kk != "client"})
+                else:
+                    res.error = f"rejected: {reason}"
+                    for r in reversed(self.ledger.records):
+                        if r["round"] == k + 1 and r["client"] == res.client and r["direction"] == "up":
+                            r["rejected"] = reason
+                            break
+            if res.error is not None:
+                rec["error"] = res.error.splitlines()[0]
+                self.progress.message(f"round {k + 1}: client {res.client} dropped ({rec['error']})")
+            client_recs.append(rec)
+        return uploads, kept_w, kept_c
 
     def _write_csv(self) -> None:
         keys: list[str] = []

@@ -11,3 +11,4 @@ from fedgalore.methods.base import (  # noqa: F401
     register,
 )
 from fedgalore.methods import fedavg_full, fedgalore  # noqa: F401,E402  (registration)
+from fedgalore.methods import fedit, ffa_lora, flora, fr_lora, lora_fair  # noqa: F401,E402  (registration)

@@ -153,6 +153,16 @@ class Method(abc.ABC):
         diagnostics). Methods that can compute it override this; default: none."""
         return {}
 
+    def validate_upload(self, state: ServerState, upload: Payload, ctx: "RoundContext") -> str | None:
+        """Method-specific checks of an upload (reason to reject, or None). Generic checks —
+        finite values, shapes, key sets, norm bound — are done by the server."""
+        return None
+
+    def scale_upload(self, upload: Payload, factor: float) -> Payload:
+        """The upload whose effective update is ``factor`` times this one's (norm clipping).
+        Only methods whose update is linear in the payload can support it."""
+        raise MethodError(f"method {self.name!r} does not support federation.clip_update_norm")
+
     @abc.abstractmethod
     def load_global(self, model: nn.Module, state: ServerState) -> None:
         """Load the global state into ``model`` (for evaluation and checkpoints)."""

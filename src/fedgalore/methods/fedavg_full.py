@@ -79,5 +79,8 @@ class FedAvgFull(Method):
     def client_deltas(self, state, upload):
         return {n: upload[n].materialize().float() for n in self.targets}
 
+    def scale_upload(self, upload, factor):
+        return Payload({k: Dense(e.tensor * factor) for k, e in upload.entries.items()}, dict(upload.meta))
+
     def load_global(self, model, state):
         load_params(model, state.params)

@@ -211,6 +211,46 @@ class FedGaLore(Method):
             state.params[n] += weighted_sum([u[n].materialize() for u in uploads], weights)
         return applied
 
+    def validate_upload(self, state, upload, ctx):
+        """Seeded bases must come from this round's seed chain; ranks must not exceed r."""
+        from fedgalore.optim import derive_seed
+
+        identity = self.options["projector"] == "identity"
+        for n in self.targets:
+            upd = upload[n]
+            if not isinstance(upd, GaLoreUpdate):
+                return f"{n}: expected a GaLore update record, got {type(upd).__name__}"
+            # term q belongs to refresh q, so its seed (if seeded) is derive_seed(s_k, name, q)
+            valid = {derive_seed(ctx.round_seed, n, q) for q in range(len(upd.terms) + 1)}
+            for term in upd.terms:
+                rank = term.coef.shape[1] if isinstance(term, SeededLowRank) and term.side == "right" else (
+                    term.coef.shape[0] if isinstance(term, SeededLowRank) else term.left.shape[1])
+                if not identity and rank > self.rank:
+                    return f"{n}: update rank {rank} exceeds method.rank={self.rank}"
+                if isinstance(term, SeededLowRank):
+                    if term.seed not in valid:
+                        return f"{n}: basis seed {term.seed} does not belong to round seed {ctx.round_seed}"
+            mv = upload.entries.get(f"moment/{n}")
+            if mv is not None and mv.seed is not None:
+                if mv.seed not in valid:
+                    return f"moment/{n}: basis seed {mv.seed} does not belong to round seed {ctx.round_seed}"
+        return None
+
+    def scale_upload(self, upload, factor):
+        entries: dict[str, Any] = {}
+        for k, e in upload.entries.items():
+            if isinstance(e, GaLoreUpdate):
+                terms = tuple(
+                    LowRank(t.left * factor, t.right) if isinstance(t, LowRank) else SeededLowRank(t.coef * factor, t.seed, t.side, t.shape)
+                    for t in e.terms
+                )
+                entries[k] = GaLoreUpdate(e.decay * factor, terms, e.shape)
+            elif isinstance(e, Dense):
+                entries[k] = Dense(e.tensor * factor)
+            else:
+                entries[k] = e  # second-moment views are state, not update
+        return Payload(entries, dict(upload.meta))
+
     def client_deltas(self, state, upload):
         return {n: upload[n].materialize(state.params[n]) for n in self.targets}  # type: ignore[call-arg]
 

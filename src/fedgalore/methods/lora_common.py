@@ -1,0 +1,343 @@
+"""Shared machinery of the federated LoRA baselines (FedIT, FFA-LoRA, FLoRA, FR-LoRA, LoRA-FAIR).
+
+LoRA as in Hugging Face PEFT: an adapted ``nn.Linear`` with weight ``W`` (m×n) computes
+``x Wᵀ + s · x Aᵀ Bᵀ`` with ``A`` (r×n, ``lora_A``), ``B`` (m×r, ``lora_B``) and ``s = α/r``.
+
+Common choices (every baseline, unless its module says otherwise):
+
+* rank ``r`` = ``Method(rank=...)``; option ``lora_alpha`` (default ``2·r``, the paper's
+  Table 9: r=8/α=16, r=16/α=32, r=32/α=64); option ``lora_dropout`` (default ``0.0`` so runs are
+  deterministic — PEFT's default too; the FedIT reference uses 0.05. A non-zero dropout draws its
+  masks from the global RNG during training, like any dropout layer).
+* Adapters are created with ``peft.get_peft_model`` + ``LoraConfig(target_modules=<exact
+  names>)`` inside ``torch.random.fork_rng`` (PEFT's own initialisation draws from the global
+  RNG; the fork restores it), then overwritten deterministically: ``A`` by PEFT's default law
+  (Kaiming-uniform with a=√5, i.e. ``U(−1/√n, 1/√n)``) drawn from a *local*
+  ``torch.Generator`` seeded by :func:`derive_seed` from option ``adapter_seed`` (default 0);
+  ``B = 0``. Every process therefore builds identical adapters and the global RNG is untouched.
+* The classifier head (``head_params``) is trained fully and averaged size-weighted by every
+  method; it is re-enabled with ``requires_grad=True`` after wrapping (no ``modules_to_save``,
+  so parameter names stay those of the raw model).
+* Clients are stateless: the optimizer is built fresh every round (FedIT's reference rebuilds
+  its HF ``Trainer`` every round). AdamW methods use ``train.lr``, ``betas``, ``eps``,
+  ``weight_decay`` and ``head_lr``; SGD methods use ``train.sgd_lr`` (else option ``sgd_lr``,
+  else 2e-2 — FFA-LoRA's reference GLUE config, FederatedScope SGD), ``train.sgd_momentum``,
+  no weight decay unless option ``sgd_weight_decay`` is set (the SGD reference configs use none;
+  ``train.weight_decay`` is AdamW's *decoupled* decay and means something else for SGD), and for
+  the head ``sgd_lr · head_lr / lr`` when ``train.head_lr`` is set (the head keeps the same lr
+  ratio to the adapters as under AdamW).
+* Local training is :func:`fedgalore.federated.client.local_train` (the paper's LR schedule and
+  gradient clipping over the trainable parameters).
+
+Names. Server tensors are keyed by raw-model names: ``<module>.lora_A.weight``,
+``<module>.lora_B.weight``, ``<module>.weight`` (the base matrix ``W``), and the head parameter
+names. In payloads a pair of factors travels as one :class:`LowRank` entry ``<module>.lora`` with
+``left = B`` and ``right = A`` (so ``materialize()`` gives ``B·A`` *without* the scaling ``s``);
+single tensors travel as :class:`Dense`. Every tensor is sent in the dtype it has on the client
+(PEFT keeps adapters in fp32); server arithmetic is fp32.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedgalore.federated.payload import Dense, LowRank, Payload
+from fedgalore.methods.base import ClientContext, Method, MethodError, ServerState, named_params
+
+__all__ = [
+    "LoraMethod",
+    "derive_seed",
+    "kaiming_uniform",
+    "weighted_sum",
+    "a_key",
+    "b_key",
+    "w_key",
+    "pair_key",
+    "DEFAULT_SGD_LR",
+    "check_weights",
+    "lifted",
+]
+
+#: SGD learning rate when neither ``train.sgd_lr`` nor option ``sgd_lr`` is given (FFA-LoRA's
+#: reference GLUE config: FederatedScope SGD, lr 2e-2).
+DEFAULT_SGD_LR = 2e-2
+
+
+def a_key(module: str) -> str:
+    return f"{module}.lora_A.weight"
+
+
+def b_key(module: str) -> str:
+    return f"{module}.lora_B.weight"
+
+
+def w_key(module: str) -> str:
+    return f"{module}.weight"
+
+
+def pair_key(module: str) -> str:
+    return f"{module}.lora"
+
+
+def derive_seed(*values: int) -> int:
+    """A 63-bit seed derived deterministically from integers (numpy ``SeedSequence``)."""
+    state = np.random.SeedSequence([int(v) & 0xFFFFFFFFFFFFFFFF for v in values]).generate_state(2, dtype=np.uint32)
+    return int((int(state[0]) << 31) ^ int(state[1])) & 0x7FFFFFFFFFFFFFFF
+
+
+def kaiming_uniform(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
+    """PEFT's default ``lora_A`` law, ``kaiming_uniform_(a=√5)``: ``U(−1/√n, 1/√n)``, n = fan-in."""
+    bound = 1.0 / math.sqrt(shape[1])
+    return (torch.rand(shape, generator=generator, dtype=torch.float32) * 2.0 - 1.0) * bound
+
+
+def weighted_sum(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``Σ_i p_i X_i`` in fp32."""
+    out = torch.zeros_like(tensors[0], dtype=torch.float32, device="cpu")
+    for t, p in zip(tensors, weights):
+        out += float(p) * t.detach().float().cpu()
+    return out
+
+
+def _tensor(entry: Any) -> torch.Tensor:
+    if not isinstance(entry, Dense):
+        raise MethodError(f"expected a Dense payload entry, got {type(entry).__name__}")
+    return entry.tensor
+
+
+def _pair(entry: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, A) of a ``LowRank`` factor pair."""
+    if not isinstance(entry, LowRank):
+        raise MethodError(f"expected a LowRank payload entry, got {type(entry).__name__}")
+    return entry.left, entry.right
+
+
+class LoraMethod(Method):
+    """Base of the PEFT LoRA baselines: wrapping, deterministic init, heads, optimizers, payloads.
+
+    Subclasses set ``optimizer_kind`` ("adamw" | "sgd"), extend ``defaults`` with their own
+    options, and implement the per-round pieces (broadcast / load / upload / aggregate).
+    """
+
+    optimizer_kind: ClassVar[str] = "adamw"
+    #: option name → default (None: computed); unknown options raise MethodError
+    defaults: ClassVar[dict[str, Any]] = {
+        "lora_alpha": None,  # None → 2·rank
+        "lora_dropout": 0.0,
+        "adapter_seed": 0,
+    }
+    _SGD_DEFAULTS: ClassVar[dict[str, Any]] = {"sgd_lr": None, "sgd_weight_decay": 0.0}
+
+    def __init__(self, rank: int = 8, **options: Any) -> None:
+        super().__init__(rank, **options)
+        known = dict(self.defaults)
+        if self.optimizer_kind == "sgd":
+            known.update(self._SGD_DEFAULTS)
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise MethodError(f"method {self.name!r} has no option(s) {unknown}; options are {sorted(known)}")
+        self.opts = {**known, **options}
+        if self.opts["lora_alpha"] is None:
+            self.opts["lora_alpha"] = 2 * self.rank
+        self.lora_alpha = float(self.opts["lora_alpha"])
+        self.lora_dropout = float(self.opts["lora_dropout"])
+        self.adapter_seed = int(self.opts["adapter_seed"])
+        if not self.lora_alpha > 0:
+            raise MethodError(f"lora_alpha must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise MethodError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+        self.scaling = self.lora_alpha / self.rank  # PEFT: s = α / r
+        self.targets: list[str] = []
+        self.heads: list[str] = []
+        self._round_start: tuple[int, dict[str, torch.Tensor]] | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "rank": self.rank, **self.opts, "scaling": self.scaling}
+
+    # ------------------------------------------------------------------ model access
+    @staticmethod
+    def inner(model: nn.Module) -> nn.Module:
+        """The underlying model with LoRA layers injected (raw-model names)."""
+        get = getattr(model, "get_base_model", None)
+        return get() if callable(get) else model
+
+    def layer(self, model: nn.Module, module: str) -> nn.Module:
+        return self.inner(model).get_submodule(module)
+
+    def lora_a(self, model: nn.Module, module: str) -> nn.Parameter:
+        return self.layer(model, module).lora_A["default"].weight
+
+    def lora_b(self, model: nn.Module, module: str) -> nn.Parameter:
+        return self.layer(model, module).lora_B["default"].weight
+
+    def base_weight(self, model: nn.Module, module: str) -> nn.Parameter:
+        return self.layer(model, module).base_layer.weight
+
+    def head_params(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        return named_params(self.inner(model), self.heads)
+
+    @torch.no_grad()
+    def head_state(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: p.detach().cpu().clone() for n, p in self.head_params(model).items()}
+
+    @torch.no_grad()
+    def load_heads(self, model: nn.Module, values: dict[str, torch.Tensor]) -> None:
+        for n, p in self.head_params(model).items():
+            p.copy_(values[n].to(p.device, p.dtype))
+
+    @staticmethod
+    @torch.no_grad()
+    def assign(param: torch.Tensor, value: torch.Tensor) -> None:
+        param.copy_(value.to(param.device, param.dtype))
+
+    # ------------------------------------------------------------------ setup
+    def train_a(self) -> bool:
+        """Whether ``lora_A`` trains on the clients (FFA-LoRA / FR-LoRA freeze it)."""
+        return True
+
+    def setup(self, model: nn.Module, target_modules: Sequence[str], head_params: Sequence[str]) -> nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        self.targets, self.heads = list(target_modules), list(head_params)
+        if not self.targets:
+            raise MethodError(f"{self.name}: no target modules to adapt")
+        named_params(model, self.heads)  # fail early on a wrong head name
+        config = LoraConfig(
+            r=self.rank,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            target_modules=list(self.targets),
+            bias="none",
+        )
+        with torch.random.fork_rng(devices=[]):  # PEFT's init draws from the global RNG
+            peft_model = get_peft_model(model, config)
+        for module in self.targets:
+            if abs(float(self.layer(peft_model, module).scaling["default"]) - self.scaling) > 1e-12:
+                raise MethodError(f"{self.name}: unexpected PEFT scaling for {module}")
+        self.init_adapters(peft_model, derive_seed(self.adapter_seed))
+        self.prepare(peft_model)
+        for module in self.targets:
+            self.lora_a(peft_model, module).requires_grad_(self.train_a())
+            self.lora_b(peft_model, module).requires_grad_(True)
+        for p in self.head_params(peft_model).values():
+            p.requires_grad_(True)
+        return peft_model
+
+    @torch.no_grad()
+    def init_adapters(self, model: nn.Module, seed: int) -> None:
+        """``A ~ U(−1/√n, 1/√n)`` from a local generator (targets in order), ``B = 0``."""
+        g = torch.Generator().manual_seed(seed)
+        for module in self.targets:
+            a = self.lora_a(model, module)
+            self.assign(a, kaiming_uniform(tuple(a.shape), g))
+            self.lora_b(model, module).zero_()
+
+    def prepare(self, model: nn.Module) -> None:
+        """Hook after the default init (FR-LoRA: PiSSA init of the adapters and residual base)."""
+
+    # ------------------------------------------------------------------ client side
+    def trainable(self, model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """(adapter params, head params) that train on the client."""
+        adapters: list[nn.Parameter] = []
+        for module in self.targets:
+            if self.train_a():
+                adapters.append(self.lora_a(model, module))
+            adapters.append(self.lora_b(model, module))
+        return adapters, list(self.head_params(model).values())
+
+    def adapter_weight_decay(self, ctx: ClientContext) -> float:
+        return ctx.train.weight_decay
+
+    def build_optimizer(self, ctx: ClientContext, adapters: list[nn.Parameter], heads: list[nn.Parameter]) -> torch.optim.Optimizer:
+        tc = ctx.train
+        if self.optimizer_kind == "adamw":
+            head_lr = tc.head_lr if tc.head_lr is not None else tc.lr
+            groups = [
+                {"params": adapters, "lr": tc.lr, "weight_decay": self.adapter_weight_decay(ctx)},
+                {"params": heads, "lr": head_lr, "weight_decay": tc.weight_decay},
+            ]
+            return torch.optim.AdamW([g for g in groups if g["params"]], betas=tuple(tc.betas), eps=tc.eps)
+        lr = tc.sgd_lr if tc.sgd_lr is not None else self.opts["sgd_lr"]
+        lr = float(DEFAULT_SGD_LR if lr is None else lr)
+        head_lr = lr * tc.head_lr / tc.lr if tc.head_lr is not None else lr
+        wd = float(self.opts["sgd_weight_decay"])
+        groups = [{"params": adapters, "lr": lr}, {"params": heads, "lr": head_lr}]
+        return torch.optim.SGD([g for g in groups if g["params"]], momentum=tc.sgd_momentum, weight_decay=wd)
+
+    def load_broadcast(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> None:
+        """Put the broadcast (and any per-round re-initialisation) into the client model."""
+        raise NotImplementedError
+
+    def upload_entries(self, model: nn.Module) -> dict[str, Any]:
+        """The typed entries this client sends after training."""
+        raise NotImplementedError
+
+    def client_update(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> Payload:
+        """T: load the broadcast, build a fresh optimizer, run ``local_train``, upload."""
+        from fedgalore.federated.client import local_train  # lazy: client.py imports methods.base
+
+        self.load_broadcast(model, broadcast, ctx)
+        adapters, heads = self.trainable(model)
+        optimizer = self.build_optimizer(ctx, adapters, heads)
+        stats = local_train(model, optimizer, ctx, clip_params=adapters + heads)
+        meta = {"client": int(ctx.client), "round": int(ctx.round), "num_examples": int(ctx.num_examples), **stats}
+        return Payload(self.upload_entries(model), meta)
+
+    # ------------------------------------------------------------------ payload helpers
+    @torch.no_grad()
+    def pair_entries(self, model: nn.Module) -> dict[str, Any]:
+        return {
+            pair_key(m): LowRank(self.lora_b(model, m).detach().cpu().clone(), self.lora_a(model, m).detach().cpu().clone())
+            for m in self.targets
+        }
+
+    def head_entries(self, values: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {n: Dense(values[n]) for n in self.heads}
+
+    @staticmethod
+    def round_meta(ctx: Any) -> dict[str, Any]:
+        return {"round": int(ctx.round), "round_seed": int(ctx.round_seed)}
+
+    @staticmethod
+    def upload_pair(upload: Payload, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B_i, A_i) of one module from an upload, in fp32."""
+        b, a = _pair(upload[pair_key(module)])
+        return b.float(), a.float()
+
+    @staticmethod
+    def upload_tensor(upload: Payload, key: str) -> torch.Tensor:
+        return _tensor(upload[key]).float()
+
+    def average_heads(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float]) -> None:
+        """Head parameters: ``θ ← Σ_i p_i θ_i`` (fp32)."""
+        for n in self.heads:
+            state.params[n] = weighted_sum([self.upload_tensor(u, n) for u in uploads], weights)
+
+    def remember_round_start(self, state: ServerState, ctx: Any, keys: Sequence[str]) -> None:
+        """Keep the global tensors the round's clients started from (call before ``aggregate``
+        replaces them): the round loop asks for :meth:`client_deltas` after aggregation."""
+        self._round_start = (int(ctx.round), {k: state.params[k] for k in keys})
+
+    def round_start(self, state: ServerState, upload: Payload) -> dict[str, torch.Tensor]:
+        """Global tensors at the start of the upload's round (``state.params`` before aggregation)."""
+        if self._round_start is not None and self._round_start[0] == upload.meta.get("round"):
+            return self._round_start[1]
+        return state.params
+
+    def server_heads(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: t.float() for n, t in self.head_state(model).items()}
+
+
+def check_weights(uploads: Sequence[Payload], weights: Sequence[float]) -> list[float]:
+    if len(uploads) != len(weights) or not uploads:
+        raise MethodError(f"aggregate needs one weight per upload (got {len(uploads)} uploads, {len(weights)} weights)")
+    return [float(w) for w in weights]
+
+
+def lifted(b: torch.Tensor, a: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``s · B A`` in fp32."""
+    return scaling * (b.float() @ a.float())
