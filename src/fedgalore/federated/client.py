@@ -7,12 +7,13 @@ rate set every step from the paper's schedule (Appendix H: linear warmup then co
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 from torch import nn
 
-from fedgalore.methods.base import ClientContext
+if TYPE_CHECKING:  # methods import this module; keep the dependency one-way at run time
+    from fedgalore.methods.base import ClientContext
 
 __all__ = ["lr_factor", "local_train", "ClientError"]
 

@@ -89,7 +89,7 @@ class FedGaLore(Method):
         proj_type: str = "std",
         projector: str = "rsvd_then_random",
         adaptive_proj_steps: int = 1,
-        moment_transfer: str = "linear",
+        moment_transfer: str = "squared",
         sync: str | None = None,
         joint_rank: int | str | None = None,
         sync_center: bool = True,
@@ -177,6 +177,12 @@ class FedGaLore(Method):
             galore_torch_compat=self.options["galore_torch_compat"],
         )
         opt.set_projection_seed(int(broadcast.meta.get("round_seed", ctx.round_seed)))
+        if self.options.get("adaptive_scope", "round") == "global":
+            # the paper's "data-driven early, random later" over the whole federation: refreshes a
+            # client would have made in earlier rounds at the nominal local step count (stateless,
+            # identical for every client, so from round ⌈S/refreshes per round⌉ on all bases are seeded)
+            per_round = -(-ctx.steps_per_round // int(self.options["update_proj_gap"]))
+            opt.set_global_refresh_offset(ctx.round * per_round)
         if self.sync != "none":
             for n in self.targets:
                 key = f"moment/{n}"

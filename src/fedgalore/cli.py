@@ -1,0 +1,394 @@
+"""The ``fedgalore`` command: run, compare, report, bench, repro, methods, tasks.
+
+See ``docs/cli.md`` for every command with examples. User errors (unknown method / task / config
+key, a value of the wrong type or out of range, a missing file or asset) print one line on
+stderr and exit with status 2; ``--debug`` adds the traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import pkgutil
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["main", "build_parser"]
+
+EXIT_USAGE = 2
+_COMPARE_KEYS = ("methods", "settings", "seeds", "method_options", "out")
+
+
+# ----------------------------------------------------------------------------- errors
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The exception types that mean "the user asked for something wrong" (ValueError subclasses
+    raised by the library with a message that says how to fix it)."""
+    from fedgalore.federated.config import ConfigError
+    from fedgalore.federated.partition import PartitionError
+    from fedgalore.methods.base import MethodError
+    from fedgalore.report import ReportError
+    from fedgalore.tasks.base import TaskError
+
+    errors: list[type[BaseException]] = [ConfigError, TaskError, MethodError, PartitionError, ReportError,
+                                         FileNotFoundError, NotADirectoryError]
+    try:
+        from fedgalore.assets import AssetError
+
+        errors.append(AssetError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    if isinstance(exc, FileNotFoundError) and exc.filename and str(exc.filename) not in text:
+        text = f"{text}: {exc.filename}"
+    return text or type(exc).__name__
+
+
+# ----------------------------------------------------------------------------- config loading
+def _load_config(path: str | None, overrides: Sequence[str]) -> tuple[Any, dict[str, Any]]:
+    """``load_config`` plus an optional top-level ``compare:`` section (returned separately).
+
+    ``compare.*`` overrides go to that section; everything else to the FederatedConfig.
+    """
+    from omegaconf import OmegaConf
+
+    from fedgalore.federated.config import ConfigError, load_config
+
+    cmp_over = [o for o in overrides if o.split("=", 1)[0].strip().startswith("compare.")]
+    cfg_over = [o for o in overrides if o not in cmp_over]
+    section: dict[str, Any] = {}
+    if path is not None and Path(path).is_file():
+        try:
+            raw = OmegaConf.load(path)
+        except Exception:  # invalid YAML: load_config below reports it
+            raw = None
+        if raw is not None and OmegaConf.is_dict(raw) and "compare" in raw:
+            section = OmegaConf.to_container(raw.compare, resolve=True) or {}
+            rest = OmegaConf.masked_copy(raw, [k for k in raw.keys() if k != "compare"])
+            with tempfile.TemporaryDirectory() as tmp:
+                stripped = Path(tmp) / Path(path).name
+                stripped.write_text(OmegaConf.to_yaml(rest))
+                cfg = load_config(stripped, cfg_over)
+        else:
+            cfg = load_config(path, cfg_over)
+    else:
+        cfg = load_config(path, cfg_over)
+    if cmp_over:
+        try:
+            merged = OmegaConf.merge(OmegaConf.create({"compare": section}), OmegaConf.from_dotlist(cmp_over))
+        except Exception as exc:
+            raise ConfigError(f"bad compare override: {str(exc).splitlines()[0]}") from None
+        section = OmegaConf.to_container(merged, resolve=True)["compare"] or {}
+    if not isinstance(section, dict):
+        raise ConfigError("the compare: section must be a mapping (keys: " + ", ".join(_COMPARE_KEYS) + ")")
+    unknown = sorted(set(section) - set(_COMPARE_KEYS))
+    if unknown:
+        raise ConfigError(f"unknown config key compare.{unknown[0]}; valid keys here: {', '.join(_COMPARE_KEYS)}")
+    return cfg, section
+
+
+def _split_list(value: Any, what: str) -> list[str]:
+    from fedgalore.federated.config import ConfigError
+
+    if value is None:
+        return []
+    if isinstance(value, str):
+        items = [v.strip() for v in value.split(",")]
+    elif isinstance(value, (list, tuple)):
+        items = [str(v).strip() for v in value]
+    else:
+        raise ConfigError(f"{what} must be a comma-separated list, got {value!r}")
+    if any(not v for v in items):
+        raise ConfigError(f"{what} has an empty entry: {value!r}")
+    return items
+
+
+def _parse_seeds(value: Any) -> list[int]:
+    from fedgalore.federated.config import ConfigError
+
+    out = []
+    for v in _split_list(value, "--seeds"):
+        try:
+            out.append(int(v))
+        except ValueError:
+            raise ConfigError(f"--seeds must be comma-separated integers (e.g. 0,1,2), got {v!r}") from None
+    return out
+
+
+def _read_method_options(path: str) -> dict[str, dict[str, Any]]:
+    from omegaconf import OmegaConf
+
+    from fedgalore.federated.config import ConfigError
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--method-options file {str(p)!r} not found (a YAML/JSON mapping: method -> options)")
+    try:
+        data = json.loads(p.read_text()) if p.suffix == ".json" else OmegaConf.to_container(OmegaConf.load(p), resolve=True)
+    except Exception as exc:
+        raise ConfigError(f"--method-options file {p} is not valid YAML/JSON: {str(exc).splitlines()[0]}") from None
+    return _check_method_options(data, str(p))
+
+
+def _check_method_options(data: Any, where: str) -> dict[str, dict[str, Any]]:
+    from fedgalore.federated.config import ConfigError
+
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not all(isinstance(v, dict) or v is None for v in data.values()):
+        raise ConfigError(f"{where} must map method names to option mappings, e.g. {{fedit: {{lora_alpha: 16}}}}")
+    return {str(k): dict(v or {}) for k, v in data.items()}
+
+
+# ----------------------------------------------------------------------------- commands
+def _progress(mode: str | None, cfg: Any) -> Any:
+    from fedgalore.progress import make_progress
+
+    return make_progress(mode or (cfg.output.progress if cfg is not None else "auto"))
+
+
+def _fmt_metrics(final: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in final.items())
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from fedgalore.federated.config import ConfigError
+    from fedgalore.federated.server import resume, run
+
+    if args.resume is not None:
+        if args.overrides:
+            raise ConfigError(f"--resume continues a run with its saved config.yaml; drop the overrides ({args.overrides[0]} ...)")
+        run_dir = Path(args.resume)
+        if not run_dir.is_dir():
+            raise ConfigError(f"--resume {str(run_dir)!r}: no such run directory")
+        progress = _progress(args.progress, None)
+        result = resume(run_dir, progress=progress)
+    else:
+        if args.config is None:
+            raise ConfigError("fedgalore run needs --config conf/pipeline/<name>.yaml (or --resume RUN_DIR)")
+        cfg, _ = _load_config(args.config, args.overrides)
+        result = run(cfg, progress=_progress(args.progress, cfg))
+    s = result.summary
+    print(f"final ({s.get('rounds_completed')}/{s.get('rounds')} rounds, {s.get('status')}): {_fmt_metrics(s.get('final') or {})}")
+    print(f"run dir: {result.run_dir}")
+    print(f"report:  fedgalore report {result.run_dir}")
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from fedgalore.compare import run_grid
+    from fedgalore.federated.config import ConfigError
+
+    cfg, section = _load_config(args.config, args.overrides)
+    methods = _split_list(args.methods if args.methods is not None else section.get("methods"), "--methods")
+    settings = _split_list(args.settings if args.settings is not None else section.get("settings"), "--settings")
+    seeds = _parse_seeds(args.seeds if args.seeds is not None else section.get("seeds"))
+    if not methods:
+        raise ConfigError("fedgalore compare needs --methods (e.g. --methods fedgalore,fedavg_full) or compare.methods in the config")
+    if not settings:
+        settings = [cfg.setting_label()]
+    options = _check_method_options(section.get("method_options"), "compare.method_options")
+    if args.method_options:
+        for label, opts in _read_method_options(args.method_options).items():
+            options.setdefault(label, {}).update(opts)
+    out = Path(args.out or section.get("out") or Path(cfg.output.dir) / f"compare-{cfg.name}")
+    progress = _progress(args.progress, cfg)
+    quiet = (args.progress or cfg.output.progress) == "quiet"
+    say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
+    run_grid(cfg, methods, settings, seeds, out, progress, method_options=options, on_cell=say, report=not args.no_report)
+    if not quiet and not args.no_report:
+        print((out / "table.md").read_text().split("### Runs")[0].rstrip())
+    print(f"comparison dir: {out}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from fedgalore.report import build_report
+
+    res = build_report(args.path, args.out, which=args.which, plots=not args.no_plots)
+    out = res["out"]
+    print((out / "table.md").read_text().split("### Runs")[0].rstrip())
+    plots = [p for p in res["files"] if p.suffix == ".png"]
+    print(f"wrote {out / 'table.md'}, {out / 'table.tex'}, {out / 'comparison.json'}"
+          + (f" and {len(plots)} plots (PNG + PDF) in {out / 'plots'}" if plots else ""))
+    if args.tensorboard:
+        from fedgalore.report.tensorboard import write_tensorboard
+
+        dirs = write_tensorboard(args.path, args.tensorboard)
+        print(f"tensorboard: {len(dirs)} run(s) in {args.tensorboard} (tensorboard --logdir {args.tensorboard})")
+    return 0
+
+
+def _repo_roots() -> list[Path]:
+    import fedgalore
+
+    roots = [Path.cwd(), *Path.cwd().parents]
+    pkg = Path(fedgalore.__file__).resolve()
+    if len(pkg.parents) > 2:
+        roots.append(pkg.parents[2])  # src layout: <repo>/src/fedgalore/__init__.py
+    return roots
+
+
+def _benchmarks_dir() -> Path | None:
+    for root in _repo_roots():
+        d = root / "benchmarks"
+        if d.is_dir() and any(d.glob("*.py")):
+            return d
+    return None
+
+
+def _benchmarks(d: Path | None) -> list[str]:
+    return sorted(p.stem for p in d.glob("*.py") if not p.name.startswith("_")) if d else []
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from fedgalore.federated.config import ConfigError
+
+    d = _benchmarks_dir()
+    names = _benchmarks(d)
+    if args.list or args.name is None:
+        if d is None:
+            raise ConfigError("no benchmarks/ folder found; run fedgalore bench from the fedgalore repository checkout")
+        print("\n".join(names))
+        return 0
+    if d is None:
+        raise ConfigError(f"benchmark {args.name!r}: no benchmarks/ folder found; run from the fedgalore repository checkout")
+    todo = names if args.name == "all" else [args.name]
+    for name in todo:
+        if name not in names:
+            raise ConfigError(f"unknown benchmark {name!r}; available in {d}: {', '.join(names) or 'none'} (or 'all')")
+    rc = 0
+    for name in todo:
+        if len(todo) > 1:
+            print(f"== benchmark {name}", flush=True)
+        rc = max(rc, subprocess.call([sys.executable, str(d / f"{name}.py"), *args.args]))
+    return rc
+
+
+def _experiments() -> list[str]:
+    import fedgalore.experiments as ex
+
+    return sorted(m.name for m in pkgutil.iter_modules(ex.__path__) if not m.name.startswith("_"))
+
+
+def cmd_repro(args: argparse.Namespace) -> int:
+    from fedgalore.federated.config import ConfigError
+
+    names = _experiments()
+    if args.list or args.name is None:
+        print("\n".join(names))
+        return 0
+    if args.name not in names:
+        raise ConfigError(f"unknown experiment {args.name!r}; available: {', '.join(names) or 'none'} (fedgalore repro --list)")
+    module = importlib.import_module(f"fedgalore.experiments.{args.name}")
+    entry = getattr(module, "main", None)
+    if entry is None:
+        raise ConfigError(f"experiment {args.name!r} has no main(args) entry point")
+    rc = entry(list(args.args))
+    return int(rc) if isinstance(rc, int) else 0
+
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    from fedgalore.methods import base
+
+    for name in base.available_methods():
+        summary = getattr(base._REGISTRY.get(name), "summary", "") or ""
+        print(f"{name:<18} {summary}".rstrip())
+    return 0
+
+
+def cmd_tasks(args: argparse.Namespace) -> int:
+    from fedgalore.tasks import TASKS
+
+    for name in sorted(TASKS):
+        print(f"{name:<22} {TASKS[name]}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    from fedgalore.progress import PROGRESS_MODES
+
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+
+    p = argparse.ArgumentParser(prog="fedgalore", parents=[common],
+                                description="Federated fine-tuning under non-IID data: FedGaLore and baselines.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    r = sub.add_parser("run", parents=[common], help="one federated run")
+    r.add_argument("--config", help="pipeline YAML (conf/pipeline/<name>.yaml)")
+    r.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. federation.rounds=5")
+    r.add_argument("--resume", metavar="RUN_DIR", help="continue a stopped run from its last checkpoint")
+    r.add_argument("--progress", choices=PROGRESS_MODES, help="display (default: output.progress, i.e. auto)")
+    r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("compare", parents=[common], help="a methods x settings x seeds grid with identical budgets")
+    c.add_argument("--config", help="pipeline YAML (base config of every cell)")
+    c.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of the base config (and compare.*)")
+    c.add_argument("--methods", help="comma-separated method names / row labels, e.g. fedgalore,fedit,fedavg_full")
+    c.add_argument("--settings", help="comma-separated partition settings, e.g. iid,dirichlet:0.5 (default: the config's)")
+    c.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (default: the config's seed)")
+    c.add_argument("--out", help="comparison directory (default: <output.dir>/compare-<name>)")
+    c.add_argument("--method-options", metavar="FILE", help="YAML/JSON mapping method -> options (see docs/cli.md)")
+    c.add_argument("--progress", choices=PROGRESS_MODES, help="display (default: output.progress, i.e. auto)")
+    c.add_argument("--no-report", action="store_true", help="only run the cells (write the report later with fedgalore report DIR)")
+    c.set_defaults(func=cmd_compare)
+
+    rp = sub.add_parser("report", parents=[common], help="tables and plots for a run or comparison directory")
+    rp.add_argument("path", metavar="RUN_DIR_OR_COMPARISON_DIR")
+    rp.add_argument("--out", help="where to write (default: the directory itself)")
+    rp.add_argument("--which", choices=("final", "best"), default="final", help="final-round or best-round metric")
+    rp.add_argument("--no-plots", action="store_true", help="tables only")
+    rp.add_argument("--tensorboard", metavar="LOGDIR", help="also write TensorBoard event files (needs fedgalore[tensorboard])")
+    rp.set_defaults(func=cmd_report)
+
+    b = sub.add_parser("bench", parents=[common], help="run benchmarks/NAME.py (or 'all')")
+    b.add_argument("name", nargs="?", help="benchmark name (fedgalore bench --list)")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    b.add_argument("--list", action="store_true", help="list the benchmarks")
+    b.set_defaults(func=cmd_bench)
+
+    x = sub.add_parser("repro", parents=[common], help="run a paper experiment (fedgalore.experiments.NAME)")
+    x.add_argument("name", nargs="?", help="experiment name (fedgalore repro --list)")
+    x.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the experiment's main(args)")
+    x.add_argument("--list", action="store_true", help="list the experiments")
+    x.set_defaults(func=cmd_repro)
+
+    sub.add_parser("methods", parents=[common], help="list the federated methods").set_defaults(func=cmd_methods)
+    sub.add_parser("tasks", parents=[common], help="list the tasks").set_defaults(func=cmd_tasks)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
+        return int(exc.code or 0)
+    debug = bool(getattr(args, "debug", False)) or "--debug" in argv
+    logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("fedgalore: interrupted (a run continues with: fedgalore run --resume RUN_DIR)", file=sys.stderr)
+        return 130
+    except _user_errors() as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"fedgalore: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Comparison grids: methods × partition settings × seeds under one identical budget.
+
+:func:`run_grid` takes a base :class:`~fedgalore.federated.config.FederatedConfig` and changes
+only the method, the partition setting and the seed per cell — rounds, local steps, rank, lr,
+clients, evaluation and everything else stay those of the base config, so every method gets the
+same training budget (DESIGN.md §4). Cells run one after another; each cell's resolved config is
+saved before it runs, and a restart skips the finished cells (``summary.json`` says
+``status: complete``) and resumes an unfinished one from its last checkpoint. At the end the
+comparison table and plots are written (:func:`fedgalore.report.build_report`).
+
+Method options. The base config's ``method.options`` are FedGaLore's options (GaLore/AJIVE
+knobs); they apply to the fedgalore family (registered names starting with ``fedgalore``) and
+not to the baselines. ``method_options`` gives per-method options on top::
+
+    {"fedit": {"lora_alpha": 16},
+     "fedgalore_minus": {"method": "fedgalore", "sync": "none"}}   # an alias row (ablation)
+
+An entry with a ``method`` key defines a *row label* that runs that registered method with those
+options, e.g. the paper's FedGaLore⁻ ablation as ``fedgalore`` with ``sync: none``. Labels are
+what ``methods`` lists and what the table rows show.
+
+Layout of ``out_dir``::
+
+    grid.json               the grid: methods, settings, seeds, options, base config, cells
+    configs/<cell>.yaml     each cell's resolved config (what ran)
+    runs/<cell>/            each cell's run directory (<label>-<setting>-s<seed>)
+    comparison.json, table.md, table.tex, plots/   the report
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from fedgalore.federated.config import ConfigError, FederatedConfig
+from fedgalore.federated.events import ProgressSink
+from fedgalore.federated.partition import PartitionConfig, parse_setting
+
+__all__ = ["Cell", "plan_grid", "run_grid", "cell_status"]
+
+log = logging.getLogger("fedgalore")
+
+
+@dataclass
+class Cell:
+    """One run of the grid."""
+
+    label: str  # row label (usually the method name)
+    method: str  # registered method name
+    setting: str  # canonical partition setting ("iid", "dirichlet:0.5")
+    seed: int
+    name: str  # run name = directory under out_dir/runs
+    cfg: FederatedConfig
+
+
+def _setting(s: str | PartitionConfig) -> PartitionConfig:
+    return s if isinstance(s, PartitionConfig) else parse_setting(s)
+
+
+def _slug(setting: str) -> str:
+    return setting.replace(":", "")
+
+
+def _check_methods(labels: Sequence[str], method_options: Mapping[str, Mapping[str, Any]]) -> None:
+    from fedgalore.methods.base import MethodError, available_methods
+
+    if not labels:
+        raise ConfigError("no methods given; pass e.g. --methods fedgalore,fedit")
+    unknown_opts = sorted(set(method_options) - set(labels))
+    if unknown_opts:
+        raise ConfigError(f"method options given for {unknown_opts[0]!r}, which is not in the grid's methods ({', '.join(labels)})")
+    names = available_methods()
+    for label in labels:
+        target = str(method_options.get(label, {}).get("method", label))
+        if target not in names:
+            hint = "" if label == target else f" (row {label!r})"
+            raise MethodError(f"unknown method {target!r}{hint}; available: {', '.join(names)}")
+    if len(set(labels)) != len(labels):
+        raise ConfigError(f"methods list has duplicates: {', '.join(labels)}")
+
+
+def _check_options(label: str, method: str, rank: int, options: dict[str, Any]) -> None:
+    """Build the method once so a bad option fails before any cell runs."""
+    from fedgalore.methods.base import MethodError, get_method
+
+    try:
+        get_method(method, rank=rank, **options)
+    except TypeError as exc:
+        raise MethodError(f"bad option for method {method!r} (row {label!r}): {exc}") from None
+
+
+def plan_grid(
+    base_cfg: FederatedConfig,
+    methods: Sequence[str],
+    settings: Sequence[str | PartitionConfig],
+    seeds: Sequence[int] | None,
+    out_dir: str | Path,
+    method_options: Mapping[str, Mapping[str, Any]] | None = None,
+) -> list[Cell]:
+    """The grid's cells (method-major, then setting, then seed), each with its own config."""
+    method_options = {k: dict(v) for k, v in (method_options or {}).items()}
+    _check_methods(list(methods), method_options)
+    parts = [_setting(s) for s in settings]
+    if not parts:
+        raise ConfigError("no partition settings given; pass e.g. --settings iid,dirichlet:0.5")
+    seeds = list(seeds) if seeds else [base_cfg.seed]
+    for s in seeds:
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise ConfigError(f"seeds must be integers, got {s!r}")
+    out = Path(out_dir)
+    base = base_cfg.to_dict()
+    cells = []
+    for label in methods:
+        opts = dict(method_options.get(label, {}))
+        method = str(opts.pop("method", label))
+        options = dict(base["method"]["options"]) if method.startswith("fedgalore") else {}
+        options.update(opts)
+        _check_options(label, method, base_cfg.method.rank, options)
+        for part in parts:
+            setting = part.label()
+            for seed in seeds:
+                d = json.loads(json.dumps(base))  # deep copy
+                d["method"]["name"] = method
+                d["method"]["options"] = options
+                p = d["federation"]["partition"]
+                p["kind"] = part.kind
+                if part.kind == "dirichlet":
+                    p["alpha"] = part.alpha
+                d["seed"] = int(seed)
+                name = f"{label}-{_slug(setting)}-s{seed}"
+                d["output"]["dir"] = str(out / "runs")
+                d["output"]["run_name"] = name
+                cells.append(Cell(label, method, setting, int(seed), name, FederatedConfig.from_dict(d)))
+    return cells
+
+
+def cell_status(run_dir: Path) -> str:
+    """``complete`` | ``running`` (started, resumable) | ``new``."""
+    summary = run_dir / "summary.json"
+    if not summary.is_file():
+        return "new"
+    try:
+        status = json.loads(summary.read_text()).get("status")
+    except (json.JSONDecodeError, OSError):
+        return "running"
+    return "complete" if status == "complete" else "running"
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    """The first differing value (keys present in only one side are config-schema changes between
+    library versions, not user changes, and are ignored)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) & set(b)):
+            diff = _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+            if diff:
+                return diff
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        a, b = list(a), list(b)
+    return None if a == b else f"{path}: {a!r} -> {b!r}"
+
+
+def _comparable(d: dict[str, Any]) -> dict[str, Any]:
+    d = json.loads(json.dumps(d))
+    d.get("output", {}).pop("progress", None)  # display only
+    return d
+
+
+def _save_cell_config(cell: Cell, out: Path) -> None:
+    """Write ``configs/<cell>.yaml``; refuse to mix a cell with one configured differently."""
+    from omegaconf import OmegaConf
+
+    path = out / "configs" / f"{cell.name}.yaml"
+    new = cell.cfg.to_dict()
+    if path.is_file():
+        old = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+        diff = _first_difference(_comparable(old), _comparable(new))
+        if diff and cell_status(out / "runs" / cell.name) != "new":
+            raise ConfigError(
+                f"cell {cell.name} in {out} already ran with a different config ({diff}); "
+                f"use another output directory (--out) or delete {out / 'runs' / cell.name}"
+            )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(new)))
+
+
+def _write_grid(out: Path, base_cfg: FederatedConfig, labels: Sequence[str], cells: Sequence[Cell],
+                method_options: Mapping[str, Any]) -> None:
+    grid_path = out / "grid.json"
+    old_cells: list[dict[str, Any]] = []
+    if grid_path.is_file():
+        try:
+            old_cells = json.loads(grid_path.read_text()).get("cells", [])
+        except json.JSONDecodeError:
+            old_cells = []
+    entries = {c["run_name"]: c for c in old_cells if "run_name" in c}
+    for c in cells:
+        entries[c.name] = {"label": c.label, "method": c.method, "setting": c.setting, "seed": c.seed, "run_name": c.name,
+                           "run_dir": f"runs/{c.name}", "config": f"configs/{c.name}.yaml"}
+    grid = {
+        "methods": list(labels),
+        "settings": list(dict.fromkeys(c.setting for c in cells)),
+        "seeds": list(dict.fromkeys(c.seed for c in cells)),
+        "method_options": {k: dict(v) for k, v in method_options.items()},
+        "base_config": base_cfg.to_dict(),
+        "cells": list(entries.values()),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = grid_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(grid, indent=1, default=str) + "\n")
+    tmp.replace(grid_path)
+
+
+def run_grid(
+    base_cfg: FederatedConfig,
+    methods: Sequence[str],
+    settings: Sequence[str | PartitionConfig],
+    seeds: Sequence[int] | None,
+    out_dir: str | Path,
+    progress: ProgressSink | None = None,
+    *,
+    method_options: Mapping[str, Mapping[str, Any]] | None = None,
+    report: bool = True,
+    on_cell: Callable[[str], None] | None = None,
+) -> Path:
+    """Run every cell of the grid that has not finished yet; write the report; return ``out_dir``.
+
+    ``progress`` is passed to each run; ``on_cell`` receives one line per cell (default: the
+    ``fedgalore`` logger at INFO level).
+    """
+    from fedgalore.federated.server import run as run_one
+
+    out = Path(out_dir)
+    method_options = dict(method_options or {})
+    cells = plan_grid(base_cfg, methods, settings, seeds, out, method_options)
+    for cell in cells:  # check every cell before running any (a config clash fails fast)
+        _save_cell_config(cell, out)
+    _write_grid(out, base_cfg, methods, cells, method_options)
+    say = on_cell or log.info
+    for i, cell in enumerate(cells, 1):
+        run_dir = out / "runs" / cell.name
+        status = cell_status(run_dir)
+        head = f"[cell {i}/{len(cells)}] {cell.label} {cell.setting} seed={cell.seed}"
+        if status == "complete":
+            say(f"{head}: complete, skipped ({run_dir})")
+            continue
+        say(f"{head}: {'resuming' if status == 'running' else 'running'} -> {run_dir}")
+        if status == "running":
+            run_one(cell.cfg, resume=run_dir, progress=progress)
+        else:
+            run_one(cell.cfg, progress=progress)
+    if report:
+        from fedgalore.report import build_report
+
+        build_report(out)
+    return out
+

@@ -1,0 +1,175 @@
+"""Projector bases for GaLore-style optimisers (paper App. B "Details of GaLore-AdamW", App. E).
+
+A rank-``r`` basis for a weight ``W (m x n)`` lives on one side:
+
+* ``right``: ``P (r x n)`` with orthonormal rows; projection ``R = G P^T (m x r)``, back-projection
+  ``U P (m x n)``.
+* ``left``:  ``P (m x r)`` with orthonormal columns; projection ``R = P^T G (r x n)``, back-projection
+  ``P U (m x n)``.
+
+Orientation follows the official GaLore ``proj_type`` table (reference/algorithms.md §1.1):
+``std`` projects the smaller dimension (right when ``m >= n``), ``reverse_std`` the larger one,
+``left``/``right`` are explicit. It is resolved once (:func:`resolve_side`) and stored, which
+avoids the official ``reverse_std`` back-projection shape bug.
+
+Bases: exact thin SVD (:func:`svd_basis`), randomised SVD with a local generator
+(:func:`rsvd_basis`, Halko et al. 2011 Alg. 4.4 + 5.1), and seeded Haar-orthonormal bases
+(:func:`seeded_basis`) drawn on a CPU generator so every device gets the same bits. Seeds are
+derived from ``(round seed, parameter name, refresh index)`` with :func:`derive_seed`.
+
+Nothing here touches a global RNG.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+__all__ = [
+    "SIDES",
+    "PROJ_TYPES",
+    "derive_seed",
+    "seeded_basis",
+    "resolve_side",
+    "svd_basis",
+    "rsvd_basis",
+    "change_of_basis",
+    "project",
+    "project_back",
+]
+
+SIDES = ("right", "left")
+PROJ_TYPES = ("std", "reverse_std", "left", "right")
+_SEED_MASK = (1 << 63) - 1
+
+
+def derive_seed(round_seed: int, param_key: str, refresh_index: int) -> int:
+    """Stable seed for the basis of parameter ``param_key`` at refresh ``refresh_index``.
+
+    ``seed = int64(SHA-256("fedgalore|round_seed|param_key|refresh_index")[:8]) mod 2^63``
+    (DESIGN §3.1 "Seeds"; paper Alg. 1, projection seed ``s_k``). Uses :mod:`hashlib`, not
+    Python's salted ``hash()``, so every process and machine derives the same integer.
+    Result lies in ``[0, 2**63)``.
+    """
+    if isinstance(round_seed, bool) or not isinstance(round_seed, int):
+        raise TypeError(f"round_seed must be an int, got {type(round_seed).__name__}")
+    if isinstance(refresh_index, bool) or not isinstance(refresh_index, int) or refresh_index < 0:
+        raise ValueError(f"refresh_index must be a non-negative int, got {refresh_index!r}")
+    msg = f"fedgalore|{int(round_seed)}|{param_key}|{int(refresh_index)}".encode()
+    digest = hashlib.sha256(msg).digest()
+    return int.from_bytes(digest[:8], "little") & _SEED_MASK
+
+
+def _haar(seed: int, d: int, rank: int) -> torch.Tensor:
+    """``Q (d x rank)`` Haar-distributed on the Stiefel manifold, float64, from a CPU generator.
+
+    ``Z ~ N(0,1)^{d x r}`` (float64), ``Z = Q R``, ``Q <- Q diag(sign(diag R))`` (Mezzadri's sign
+    fix, which makes the distribution exactly Haar; reference/algorithms.md §2.6(a)).
+    """
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(int(seed))
+    z = torch.randn(d, rank, generator=gen, dtype=torch.float64, device="cpu")
+    q, r = torch.linalg.qr(z, mode="reduced")
+    sign = torch.sign(torch.diagonal(r))
+    sign[sign == 0] = 1.0
+    return q * sign
+
+
+def seeded_basis(seed: int, m: int, n: int, rank: int, side: str) -> torch.Tensor:
+    """Seeded Haar-orthonormal basis for an ``m x n`` weight (paper App. E, seeded projectors).
+
+    ``side="right"``: ``P = Q^T`` of shape ``(rank, n)``, orthonormal rows (``P P^T = I``).
+    ``side="left"``:  ``P = Q`` of shape ``(m, rank)``, orthonormal columns (``P^T P = I``).
+    ``Q`` is drawn by :func:`_haar` in float64 on a CPU ``torch.Generator`` seeded with ``seed``
+    and cast to float32; the result is always a float32 CPU tensor, identical on every machine.
+    """
+    if side not in SIDES:
+        raise ValueError(f"side must be 'right' or 'left', got {side!r}")
+    d = n if side == "right" else m
+    if rank <= 0 or rank > d:
+        raise ValueError(f"rank must be in [1, {d}] for side {side!r} of a {m}x{n} matrix, got {rank}")
+    q = _haar(seed, d, rank).to(torch.float32)
+    return q.T.contiguous() if side == "right" else q.contiguous()
+
+
+def resolve_side(shape: tuple[int, int], proj_type: str) -> str:
+    """Side of the basis for a ``(m, n)`` weight under ``proj_type`` (reference §1.1 table).
+
+    ``std``: right if ``m >= n`` else left; ``reverse_std``: left if ``m >= n`` else right;
+    ``left`` / ``right``: as named.
+    """
+    m, n = shape
+    if proj_type == "std":
+        return "right" if m >= n else "left"
+    if proj_type == "reverse_std":
+        return "left" if m >= n else "right"
+    if proj_type in ("left", "right"):
+        return proj_type
+    raise ValueError(f"unknown proj_type {proj_type!r}; expected one of {PROJ_TYPES}")
+
+
+def svd_basis(g: torch.Tensor, rank: int, side: str) -> torch.Tensor:
+    """Top-``rank`` singular basis of ``g`` from a full thin SVD in fp32 (official GaLore).
+
+    ``G = U diag(s) V^T``; right: ``P = V^T[:rank]`` (rank x n); left: ``P = U[:, :rank]`` (m x rank).
+    """
+    u, _, vh = torch.linalg.svd(g.float(), full_matrices=False)
+    return vh[:rank].contiguous() if side == "right" else u[:, :rank].contiguous()
+
+
+def _range_finder_left(a: torch.Tensor, rank: int, gen: torch.Generator, oversample: int, niter: int) -> torch.Tensor:
+    """Top-``rank`` left singular vectors of ``a (m x n)`` by randomised SVD (Halko et al. 2011).
+
+    ``Omega ~ N(0,1)^{n x l}`` (``l = rank + oversample``, drawn on CPU ``gen``),
+    ``Q = orth(A Omega)``; ``niter`` power iterations ``Q <- orth(A orth(A^T Q))``;
+    ``B = Q^T A``, ``B = U_B S V_B^T``, return ``(Q U_B)[:, :rank]``.
+    """
+    m, n = a.shape
+    ell = min(rank + oversample, m, n)
+    omega = torch.randn(n, ell, generator=gen, dtype=torch.float32, device="cpu").to(a.device)
+    q, _ = torch.linalg.qr(a @ omega)
+    for _ in range(niter):
+        z, _ = torch.linalg.qr(a.T @ q)
+        q, _ = torch.linalg.qr(a @ z)
+    b = q.T @ a  # (l x n)
+    ub, _, _ = torch.linalg.svd(b, full_matrices=False)
+    return q @ ub[:, :rank]
+
+
+def rsvd_basis(
+    g: torch.Tensor, rank: int, side: str, seed: int, oversample: int = 8, niter: int = 2
+) -> torch.Tensor:
+    """Randomised-SVD basis of ``g`` in fp32 with a local generator seeded by ``seed``.
+
+    Approximates :func:`svd_basis` (Halko et al. 2011, Alg. 4.4 range finder with ``niter``
+    power iterations + Alg. 5.1). Left side works on ``G``; right side on ``G^T`` and transposes:
+    right ``P = (left basis of G^T)^T``. The Gaussian test matrix is drawn on a CPU
+    ``torch.Generator`` (``torch.svd_lowrank`` would use the global RNG), so the result is
+    deterministic given ``(g, seed)``.
+    """
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(int(seed))
+    a = g.float()
+    if side == "right":
+        return _range_finder_left(a.T, rank, gen, oversample, niter).T.contiguous()
+    return _range_finder_left(a, rank, gen, oversample, niter).contiguous()
+
+
+def change_of_basis(p_old: torch.Tensor, p_new: torch.Tensor, side: str) -> torch.Tensor:
+    """``C (r_old x r_new)`` mapping old projected coordinates to new ones (DESIGN §3.1).
+
+    Right: ``C = P_old P_new^T`` and ``M_new = M_old C``. Left: ``C = P_new^T P_old`` and
+    ``M_new = C M_old``. Exact for the component of ``M`` lifted to the full space that lies in
+    ``span(P_new)``; the rest is dropped.
+    """
+    return p_old @ p_new.T if side == "right" else p_new.T @ p_old
+
+
+def project(g: torch.Tensor, p: torch.Tensor, side: str) -> torch.Tensor:
+    """``R = G P^T`` (right) or ``R = P^T G`` (left)."""
+    return g @ p.T if side == "right" else p.T @ g
+
+
+def project_back(u: torch.Tensor, p: torch.Tensor, side: str) -> torch.Tensor:
+    """``U P`` (right) or ``P U`` (left)."""
+    return u @ p if side == "right" else p @ u

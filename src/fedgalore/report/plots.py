@@ -1,0 +1,302 @@
+"""Plots for run and comparison directories (matplotlib, written as PNG and PDF).
+
+Figures are built on :class:`matplotlib.figure.Figure` directly (Agg canvas), so nothing touches
+pyplot's global state or the user's backend. Seed replicates are drawn as their mean with a
+± std band. Each function returns the files it wrote (none when the runs lack the data).
+
+* ``curves`` — primary metric vs round, per task (rows) and setting (columns), one line per method;
+* ``train_loss`` — mean client training loss vs round, same layout;
+* ``iid_vs_noniid`` — final metric bars per method, IID next to each non-IID setting, Δ annotated;
+* ``partition`` — per-client label counts of the Dirichlet / IID split (clients × classes
+  heatmap, like the paper's Appendix I figure), one panel per setting;
+* ``comm_vs_metric`` — metric vs cumulative uplink bytes (log scale);
+* ``diagnostics`` — tail energy beyond rank r, client drift, second-moment mismatch before
+  (dashed) / after (solid) synchronisation, and any other diagnostic, vs round.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
+
+from fedgalore.report import RunRecord, method_display_name
+from fedgalore.report.tables import setting_sort_key
+
+__all__ = ["plot_all", "plot_curves", "plot_bars", "plot_partition", "plot_comm", "plot_diagnostics"]
+
+_DIAG_PREFERRED = ["tail_energy_mean", "tail_energy_max", "drift_mean", "mismatch"]
+_DIAG_TITLES = {
+    "tail_energy_mean": "update energy beyond rank r (mean)",
+    "tail_energy_max": "update energy beyond rank r (max)",
+    "drift_mean": "client drift (mean)",
+    "mismatch": "2nd-moment mismatch: before (--) / after (—) sync",
+}
+
+
+def _figure(nrows: int, ncols: int, w: float = 4.2, h: float = 3.2):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(w * ncols, 4.5), h * nrows), layout="constrained")
+    axes = np.atleast_2d(fig.subplots(nrows, ncols, squeeze=False))
+    return fig, axes
+
+
+def _save(fig: Any, out: Path, name: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / f"{name}.png", out / f"{name}.pdf"]
+    fig.savefig(files[0], dpi=120)
+    fig.savefig(files[1])
+    return files
+
+
+def _colors(methods: Sequence[str]) -> dict[str, Any]:
+    from matplotlib import colormaps
+
+    cmap = colormaps["tab10"]
+    return {m: cmap(i % 10) for i, m in enumerate(methods)}
+
+
+def _series(runs: Sequence[RunRecord], get: Callable[[RunRecord], list[dict[str, Any]]], key: str,
+            x_key: str = "round") -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """Seed mean ± std of ``record[key]`` per round (and the mean x value, e.g. cumulative bytes)."""
+    per_round: dict[int, list[tuple[float, float]]] = {}
+    for r in runs:
+        for rec in get(r):
+            v, x = rec.get(key), rec.get(x_key)
+            if isinstance(v, (int, float)) and isinstance(x, (int, float)) and math.isfinite(v):
+                per_round.setdefault(int(rec.get("round", 0)), []).append((float(x), float(v)))
+    if not per_round:
+        return None
+    rounds = sorted(per_round)
+    xs = np.array([np.mean([p[0] for p in per_round[k]]) for k in rounds])
+    ys = [np.array([p[1] for p in per_round[k]]) for k in rounds]
+    mean = np.array([y.mean() for y in ys])
+    std = np.array([y.std(ddof=1) if y.size > 1 else 0.0 for y in ys])
+    return np.array(rounds), xs, mean, std
+
+
+def _groups(runs: Sequence[RunRecord]) -> tuple[list[str], list[str], list[str]]:
+    tasks = list(dict.fromkeys(r.task for r in runs))
+    settings = sorted({r.setting for r in runs}, key=setting_sort_key)
+    methods = list(dict.fromkeys(r.method for r in runs))
+    return tasks, settings, methods
+
+
+def _select(runs: Sequence[RunRecord], **kw: str) -> list[RunRecord]:
+    return [r for r in runs if all(getattr(r, k) == v for k, v in kw.items())]
+
+
+def _line(ax: Any, s: tuple, label: str, color: Any, use_x: bool = False, **kw: Any) -> None:
+    rounds, xs, mean, std = s
+    x = xs if use_x else rounds
+    ax.plot(x, mean, marker="o" if len(x) < 30 else None, ms=3, label=label, color=color, **kw)
+    if np.any(std > 0):
+        ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.18, linewidth=0)
+
+
+def plot_curves(runs: Sequence[RunRecord], out: Path, methods: Sequence[str], key: str | None = None,
+                name: str = "curves", ylabel: str | None = None) -> list[Path]:
+    """``key`` vs round (default: each task's ``eval/<primary metric>``)."""
+    tasks, settings, _ = _groups(runs)
+    colors = _colors(methods)
+    fig, axes = _figure(len(tasks), len(settings))
+    drew = False
+    for i, tk in enumerate(tasks):
+        for j, st in enumerate(settings):
+            ax = axes[i, j]
+            sub = _select(runs, task=tk, setting=st)
+            k = key or (f"eval/{sub[0].primary_metric}" if sub else "")
+            for m in methods:
+                s = _series(_select(sub, method=m), lambda r: r.history, k)
+                if s is not None:
+                    _line(ax, s, method_display_name(m), colors[m])
+                    drew = True
+            ax.set_title(f"{tk} — {st}", fontsize=10)
+            ax.set_xlabel("round")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_ylabel(ylabel or k.removeprefix("eval/"))
+            ax.grid(alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=8)
+    return _save(fig, out, name) if drew else []
+
+
+def plot_bars(comp: dict[str, Any], out: Path) -> list[Path]:
+    """Final metric per method: IID bar next to each non-IID bar, Δ annotated (needs both)."""
+    non = [s for s in comp["settings"] if s != "iid"]
+    tasks = [t for t in comp["tasks"] if comp["delta"] and any(t["name"] in d for d in comp["delta"].values())]
+    if "iid" not in comp["settings"] or not non or not tasks:
+        return []
+    methods = comp["methods"]
+    fig, axes = _figure(1, len(tasks), w=max(4.5, 1.1 * len(methods) * (1 + len(non))))
+    settings = ["iid"] + non
+    width = 0.8 / len(settings)
+    for ax, t in zip(axes[0], tasks):
+        sc = 100.0 if t.get("percent") else 1.0
+        x = np.arange(len(methods))
+        tops = np.full(len(methods), -np.inf)
+        for j, s in enumerate(settings):
+            cells = [comp["cells"].get(m, {}).get(t["name"], {}).get(s) for m in methods]
+            h = np.array([c["mean"] * sc if c else np.nan for c in cells])
+            e = np.array([(c["std"] or 0.0) * sc if c else 0.0 for c in cells])
+            pos = x + (j - (len(settings) - 1) / 2) * width
+            ax.bar(pos, h, width, yerr=e, capsize=2, label="IID ✓" if s == "iid" else f"non-IID ✗ {s}")
+            tops = np.fmax(tops, np.nan_to_num(h + e, nan=-np.inf))
+            if s != "iid":
+                for xi, m, hi, ei in zip(pos, methods, h, e):
+                    d = comp["delta"].get(m, {}).get(t["name"], {}).get(s)
+                    if d is None or not np.isfinite(hi):
+                        continue
+                    arrow = "↓" if d["mean"] <= 0 else "↑"
+                    bold = m in comp["best"].get(t["name"], {}).get("delta:" + s, [])
+                    ax.annotate(f"Δ{arrow}{abs(d['mean']) * sc:.{1 if sc > 1 else 3}f}", (xi, hi + ei), xytext=(0, 3),
+                                textcoords="offset points", ha="center", fontsize=7, fontweight="bold" if bold else "normal")
+        finite = [v for c in comp["cells"].values() for s in c.get(t["name"], {}).values() for v in [c_ * sc for c_ in s["values"]]]
+        if finite:
+            lo, hi = min(finite), max(finite)
+            pad = max((hi - lo) * 0.4, 0.05 * abs(hi) if hi else 0.05)
+            ax.set_ylim(max(0.0, lo - pad) if lo >= 0 else lo - pad, hi + pad)
+        ax.set_xticks(x, [method_display_name(m) for m in methods], rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel(f"{comp['which']} {t['metric']}{' (%)' if t.get('percent') else ''}")
+        ax.set_title(f"{t['name']}: IID vs non-IID", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, out, "iid_vs_noniid")
+
+
+def plot_partition(runs: Sequence[RunRecord], out: Path) -> list[Path]:
+    """Clients × classes label counts (one panel per task and setting; lowest seed's split)."""
+    picked: dict[tuple[str, str], RunRecord] = {}
+    for r in sorted(runs, key=lambda r: r.seed):
+        if r.partition and r.partition.get("histograms"):
+            picked.setdefault((r.task, r.partition.get("setting", r.setting)), r)
+    if not picked:
+        return []
+    keys = sorted(picked, key=lambda k: (k[0], setting_sort_key(k[1])))
+    hists = [np.asarray(picked[k].partition["histograms"], dtype=float) for k in keys]
+    n_clients = max(h.shape[0] for h in hists)
+    n_classes = max(h.shape[1] for h in hists)
+    fig, axes = _figure(1, len(keys), w=min(max(3.5, 0.28 * n_clients + 2), 12), h=min(max(2.8, 0.3 * n_classes + 1.6), 10))
+    for ax, k, h in zip(axes[0], keys, hists):
+        names = [str(n)[:14] for n in picked[k].partition.get("label_names", range(h.shape[1]))]
+        im = ax.imshow(h.T, aspect="auto", cmap="Blues", interpolation="nearest", origin="lower", vmin=0)
+        if h.size <= 300:
+            vmax = h.max() if h.size else 1
+            for (c, y), v in np.ndenumerate(h):
+                ax.text(c, y, f"{int(v)}", ha="center", va="center", fontsize=6,
+                        color="white" if v > 0.6 * vmax else "black")
+        ax.set_xlabel("client")
+        ax.set_ylabel("class")
+        step = max(1, h.shape[0] // 20)
+        ax.set_xticks(range(0, h.shape[0], step))
+        ax.set_yticks(range(h.shape[1]), names if len(names) == h.shape[1] else None, fontsize=7)
+        alpha = k[1].split(":", 1)[1] if k[1].startswith("dirichlet:") else None
+        ax.set_title(f"{k[0]} — {'IID' if alpha is None else f'Dirichlet α = {alpha}'}", fontsize=10)
+        fig.colorbar(im, ax=ax, label="examples", shrink=0.85)
+    return _save(fig, out, "partition")
+
+
+def plot_comm(runs: Sequence[RunRecord], out: Path, methods: Sequence[str]) -> list[Path]:
+    """Primary metric vs cumulative uplink bytes, per task and setting."""
+    tasks, settings, _ = _groups(runs)
+    colors = _colors(methods)
+    fig, axes = _figure(len(tasks), len(settings))
+    drew = False
+    for i, tk in enumerate(tasks):
+        for j, st in enumerate(settings):
+            ax = axes[i, j]
+            sub = _select(runs, task=tk, setting=st)
+            key = f"eval/{sub[0].primary_metric}" if sub else ""
+            for m in methods:
+                s = _series(_select(sub, method=m), lambda r: r.history, key, x_key="cum_bytes_up")
+                if s is not None and np.all(s[1] > 0):
+                    _line(ax, s, method_display_name(m), colors[m], use_x=True)
+                    drew = True
+            ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_formatter(FuncFormatter(_short_bytes))
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_xlabel("cumulative uplink bytes (all clients)")
+            ax.set_ylabel(key.removeprefix("eval/"))
+            ax.set_title(f"{tk} — {st}", fontsize=10)
+            ax.grid(alpha=0.3, which="both")
+            if ax.lines:
+                ax.legend(fontsize=8)
+    return _save(fig, out, "comm_vs_metric") if drew else []
+
+
+def _short_bytes(v: float, _pos: object = None) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if v >= size:
+            return f"{v / size:.3g} {unit}"
+    return f"{v:.3g} B"
+
+
+def _diag_keys(runs: Sequence[RunRecord]) -> list[str]:
+    keys: dict[str, None] = {}
+    for r in runs:
+        for rec in r.diagnostics:
+            for k, v in rec.items():
+                if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    keys[k] = None
+    panels = [k for k in _DIAG_PREFERRED if k in keys]
+    if "mismatch_before" in keys or "mismatch_after" in keys:
+        panels = [p for p in panels if p != "mismatch"] + ["mismatch"]
+    else:
+        panels = [p for p in panels if p != "mismatch"]
+    extra = [k for k in keys if k not in _DIAG_PREFERRED and k not in ("mismatch_before", "mismatch_after")]
+    return (panels + extra)[:8]
+
+
+def plot_diagnostics(runs: Sequence[RunRecord], out: Path, methods: Sequence[str]) -> list[Path]:
+    """Diagnostics vs round: rows = settings, columns = quantities, one line per method."""
+    panels = _diag_keys(runs)
+    if not panels:
+        return []
+    _, settings, _ = _groups([r for r in runs if r.diagnostics])
+    colors = _colors(methods)
+    ncols = min(4, len(panels))
+    per = -(-len(panels) // ncols)  # rows per setting
+    fig, axes = _figure(len(settings) * per, ncols, w=3.8, h=3.0)
+    used = {i * per * ncols + j for i in range(len(settings)) for j in range(len(panels))}
+    for idx, ax in enumerate(axes.flat):
+        ax.set_visible(idx in used)
+    for i, st in enumerate(settings):
+        sub = _select(runs, setting=st)
+        for j, key in enumerate(panels):
+            ax = axes.flat[i * per * ncols + j]
+            for m in methods:
+                rs = _select(sub, method=m)
+                if key == "mismatch":
+                    for k, style in (("mismatch_before", "--"), ("mismatch_after", "-")):
+                        s = _series(rs, lambda r: r.diagnostics, k)
+                        if s is not None:
+                            _line(ax, s, method_display_name(m) if style == "-" else None, colors[m], linestyle=style)
+                else:
+                    s = _series(rs, lambda r: r.diagnostics, key)
+                    if s is not None:
+                        _line(ax, s, method_display_name(m), colors[m])
+            ax.set_title(f"{_DIAG_TITLES.get(key, key)}\n{st}", fontsize=9)
+            ax.set_xlabel("round")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.grid(alpha=0.3)
+            if any(line.get_label() and not line.get_label().startswith("_") for line in ax.lines):
+                ax.legend(fontsize=7)
+    return _save(fig, out, "diagnostics")
+
+
+def plot_all(runs: Sequence[RunRecord], out: str | Path, comp: dict[str, Any]) -> list[Path]:
+    """Every figure the runs have data for; returns the written files."""
+    out = Path(out)
+    methods = list(comp.get("methods") or dict.fromkeys(r.method for r in runs))
+    methods += [m for m in dict.fromkeys(r.method for r in runs) if m not in methods]
+    files: list[Path] = []
+    files += plot_curves(runs, out, methods)
+    files += plot_curves(runs, out, methods, key="train_loss", name="train_loss", ylabel="mean client train loss")
+    files += plot_bars(comp, out)
+    files += plot_partition(runs, out)
+    files += plot_comm(runs, out, methods)
+    files += plot_diagnostics(runs, out, methods)
+    return files

@@ -1,0 +1,372 @@
+"""Comparison tables in the paper's layout (Tables 2-4), as Markdown and LaTeX.
+
+Rows are methods; per task the columns are IID (✓), non-IID (✗, one per Dirichlet setting) and
+``Δ = ✗ − ✓`` (shown as ↓/↑ and its magnitude, like the paper), followed by the communication
+columns (uplink / downlink bytes per client per round, measured from the serialised payloads)
+and wall time per round. Values are the final-round (or best-round) primary metric, mean ± std
+(sample std, ``ddof=1``) over seeds; Δ is the mean ± std of the per-seed differences when both
+settings ran the same seeds. The best value of every column is bold: the highest (lowest for
+lower-is-better metrics) mean, and for Δ the smallest degradation; ties at the displayed
+precision are all bold.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from fedgalore.report import METHOD_ORDER, RunRecord, method_display_name
+
+__all__ = ["aggregate", "to_markdown", "to_latex", "write_tables", "format_bytes"]
+
+_NOT_PERCENT = ("loss", "mse", "mae", "perplexity", "ppl", "rmse")
+
+
+def _mean_std(values: Sequence[float]) -> tuple[float, float | None]:
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var)
+
+
+def setting_sort_key(setting: str) -> tuple[int, float, str]:
+    """IID first, then Dirichlet settings from the mildest (largest alpha) to the most skewed."""
+    if setting == "iid":
+        return (0, 0.0, setting)
+    if setting.startswith("dirichlet:"):
+        try:
+            return (1, -float(setting.split(":", 1)[1]), setting)
+        except ValueError:
+            pass
+    return (2, 0.0, setting)
+
+
+def _order_methods(names: Iterable[str], preferred: Sequence[str]) -> list[str]:
+    names = list(dict.fromkeys(names))
+    if preferred:
+        first = [m for m in preferred if m in names]
+        return first + [m for m in names if m not in first]
+    known = [m for m in METHOD_ORDER if m in names]
+    return known + [m for m in names if m not in known]
+
+
+def _run_row(r: RunRecord, which: str) -> dict[str, Any]:
+    s = r.summary
+    return {
+        "run_dir": str(r.path),
+        "method": r.method,
+        "task": r.task,
+        "setting": r.setting,
+        "seed": r.seed,
+        "status": s.get("status"),
+        "rounds_completed": s.get("rounds_completed"),
+        "rounds": s.get("rounds"),
+        "primary_metric": r.primary_metric,
+        "value": r.metric(which=which),
+        "final": s.get("final", {}),
+        "best": s.get("best", {}),
+        "bytes_up_per_client_round": s.get("bytes_up_per_client_round"),
+        "bytes_down_per_client_round": s.get("bytes_down_per_client_round"),
+        "bytes_up_total": s.get("bytes_up_total"),
+        "bytes_down_total": s.get("bytes_down_total"),
+        "time_per_round": s.get("time_per_round"),
+        "wall_time": s.get("wall_time"),
+    }
+
+
+def aggregate(
+    runs: Sequence[RunRecord],
+    which: str = "final",
+    method_order: Sequence[str] = (),
+    include_incomplete: bool = False,
+) -> dict[str, Any]:
+    """Group runs by (method, task, setting) and reduce over seeds (the ``comparison.json`` data)."""
+    if which not in ("final", "best"):
+        raise ValueError(f"which={which!r} must be 'final' or 'best'")
+    used = [r for r in runs if include_incomplete or r.complete]
+    excluded = len(runs) - len(used)
+
+    tasks: dict[str, dict[str, Any]] = {}
+    for r in used:
+        tasks.setdefault(r.task, {"name": r.task, "metric": r.primary_metric, "higher_is_better": r.higher_is_better})
+    settings = sorted({r.setting for r in used}, key=setting_sort_key)
+    methods = _order_methods((r.method for r in used), method_order)
+
+    values: dict[tuple[str, str, str], dict[int, float]] = {}
+    for r in used:
+        v = r.metric(tasks[r.task]["metric"], which)
+        if v is not None and math.isfinite(v):
+            values.setdefault((r.method, r.task, r.setting), {})[r.seed] = v
+    for t in tasks.values():
+        vals = [v for (m, tk, s), d in values.items() if tk == t["name"] for v in d.values()]
+        name = t["metric"].lower()
+        t["percent"] = bool(vals) and t["higher_is_better"] and not any(k in name for k in _NOT_PERCENT) and all(0.0 <= v <= 1.0 for v in vals)
+
+    cells: dict[str, dict[str, dict[str, Any]]] = {}
+    delta: dict[str, dict[str, dict[str, Any]]] = {}
+    for m in methods:
+        for tk in tasks:
+            for s in settings:
+                d = values.get((m, tk, s))
+                if not d:
+                    continue
+                mean, std = _mean_std(list(d.values()))
+                cells.setdefault(m, {}).setdefault(tk, {})[s] = {
+                    "seeds": sorted(d), "values": [d[k] for k in sorted(d)], "mean": mean, "std": std, "n": len(d)}
+            iid = values.get((m, tk, "iid"))
+            for s in settings:
+                non = values.get((m, tk, s))
+                if s == "iid" or not iid or not non:
+                    continue
+                common = sorted(set(iid) & set(non))
+                if common:
+                    mean, std = _mean_std([non[k] - iid[k] for k in common])
+                    entry = {"mean": mean, "std": std, "n": len(common), "paired": True}
+                else:
+                    mean = _mean_std(list(non.values()))[0] - _mean_std(list(iid.values()))[0]
+                    entry = {"mean": mean, "std": None, "n": 0, "paired": False}
+                delta.setdefault(m, {}).setdefault(tk, {})[s] = entry
+
+    comm: dict[str, dict[str, Any]] = {}
+    for m in methods:
+        rs = [r for r in used if r.method == m]
+        entry: dict[str, Any] = {}
+        for key in ("bytes_up_per_client_round", "bytes_down_per_client_round", "time_per_round"):
+            xs = [float(r.summary[key]) for r in rs if isinstance(r.summary.get(key), (int, float))]
+            mean, std = _mean_std(xs) if xs else (None, None)
+            entry[key] = mean
+            entry[key + "_std"] = std
+        comm[m] = entry
+
+    comp = {
+        "which": which,
+        "tasks": list(tasks.values()),
+        "settings": settings,
+        "methods": methods,
+        "cells": cells,
+        "delta": delta,
+        "comm": comm,
+        "runs": [_run_row(r, which) for r in runs],
+        "excluded_incomplete": excluded,
+    }
+    comp["best"] = _best(comp)
+    return comp
+
+
+# ----------------------------------------------------------------------------- formatting
+def _scale(task: dict[str, Any]) -> float:
+    return 100.0 if task.get("percent") else 1.0
+
+
+def _prec(task: dict[str, Any]) -> int:
+    return 1 if task.get("percent") else 3
+
+
+def _best(comp: dict[str, Any]) -> dict[str, dict[str, list[str]]]:
+    """Per task and column, the methods to set in bold (rounded to the displayed precision)."""
+    best: dict[str, dict[str, list[str]]] = {}
+    for t in comp["tasks"]:
+        tk, sc, pr, hib = t["name"], _scale(t), _prec(t), t["higher_is_better"]
+        out = best.setdefault(tk, {})
+        for s in comp["settings"]:
+            got = {m: round(c[tk][s]["mean"] * sc, pr) for m, c in comp["cells"].items() if s in c.get(tk, {})}
+            if len(got) > 1:
+                target = max(got.values()) if hib else min(got.values())
+                out[s] = [m for m, v in got.items() if v == target]
+            # degradation: how much worse non-IID is than IID (smaller is better)
+            deg = {m: round((-d[tk][s]["mean"] if hib else d[tk][s]["mean"]) * sc, pr) for m, d in comp["delta"].items() if s in d.get(tk, {})}
+            if len(deg) > 1:
+                target = min(deg.values())
+                out["delta:" + s] = [m for m, v in deg.items() if v == target]
+    return best
+
+
+def format_bytes(n: float | None) -> str:
+    if n is None:
+        return "–"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _fmt_value(cell: dict[str, Any] | None, task: dict[str, Any], latex: bool) -> str:
+    if cell is None:
+        return "–"
+    sc, pr = _scale(task), _prec(task)
+    text = f"{cell['mean'] * sc:.{pr}f}"
+    if cell.get("std") is not None:
+        text += (r" $\pm$ " if latex else " ± ") + f"{cell['std'] * sc:.{pr}f}"
+    return text
+
+
+def _fmt_delta(d: dict[str, Any] | None, task: dict[str, Any], latex: bool) -> str:
+    if d is None:
+        return "–"
+    sc, pr = _scale(task), _prec(task)
+    mag = abs(d["mean"]) * sc
+    down = round(d["mean"] * sc, pr) <= 0
+    arrow = (r"$\downarrow$" if down else r"$\uparrow$") if latex else ("↓" if down else "↑")
+    text = f"{arrow}{mag:.{pr}f}"
+    if d.get("std") is not None:
+        text += (r" $\pm$ " if latex else " ± ") + f"{d['std'] * sc:.{pr}f}"
+    return text
+
+
+def _columns(comp: dict[str, Any]) -> list[tuple[dict[str, Any], str, str]]:
+    """(task, kind, setting) per metric column; kind in value | delta."""
+    non_iid = [s for s in comp["settings"] if s != "iid"]
+    cols = []
+    for t in comp["tasks"]:
+        have = {s for c in comp["cells"].values() for s in c.get(t["name"], {})}
+        if "iid" in have:
+            cols.append((t, "value", "iid"))
+        for s in non_iid:
+            if s not in have:
+                continue
+            cols.append((t, "value", s))
+            if "iid" in have:
+                cols.append((t, "delta", s))
+    return cols
+
+
+def _header(kind: str, setting: str, multi: bool, latex: bool) -> str:
+    alpha = f" α={setting.split(':', 1)[1]}" if setting.startswith("dirichlet:") else f" {setting}"
+    if latex:
+        alpha = alpha.replace("α", r"$\alpha$")
+        base = {"value_iid": r"\ding{51}", "value": r"\ding{53}", "delta": r"$\Delta$"}
+    else:
+        base = {"value_iid": "✓", "value": "✗", "delta": "Δ"}
+    if kind == "value" and setting == "iid":
+        return base["value_iid"]
+    return base[kind] + (alpha if multi else "")
+
+
+def _cell_text(comp: dict[str, Any], m: str, t: dict[str, Any], kind: str, s: str, latex: bool) -> str:
+    tk = t["name"]
+    if kind == "value":
+        text = _fmt_value(comp["cells"].get(m, {}).get(tk, {}).get(s), t, latex)
+        bold = m in comp["best"].get(tk, {}).get(s, [])
+    else:
+        text = _fmt_delta(comp["delta"].get(m, {}).get(tk, {}).get(s), t, latex)
+        bold = m in comp["best"].get(tk, {}).get("delta:" + s, [])
+    if bold and text != "–":
+        text = rf"\textbf{{{text}}}" if latex else f"**{text}**"
+    return text
+
+
+def _comm_text(comp: dict[str, Any], m: str, latex: bool) -> list[str]:
+    c = comp["comm"].get(m, {})
+    tpr = c.get("time_per_round")
+    return [format_bytes(c.get("bytes_up_per_client_round")), format_bytes(c.get("bytes_down_per_client_round")),
+            "–" if tpr is None else f"{tpr:.2f}"]
+
+
+def _caption(comp: dict[str, Any], latex: bool) -> str:
+    tasks = ", ".join(f"{t['name']}: {t['metric']}{' (%)' if t.get('percent') else ''}{'' if t['higher_is_better'] else ' (lower is better)'}" for t in comp["tasks"])
+    ns = sorted({c["n"] for mc in comp["cells"].values() for tc in mc.values() for c in tc.values()})
+    seeds = f"n = {ns[0]}" if len(ns) == 1 else f"n = {ns[0]}–{ns[-1]}" if ns else "n = 0"
+    non = [s for s in comp["settings"] if s != "iid"]
+    text = (f"{comp['which'].capitalize()}-round {tasks}; mean ± std over seeds ({seeds}). "
+            f"✓ = IID, ✗ = non-IID ({', '.join(non) or 'none'}), Δ = ✗ − ✓; best in bold. "
+            "Communication: bytes per participating client per round (serialised payloads) and wall time per round, averaged over each method's runs.")
+    if comp.get("excluded_incomplete"):
+        text += f" {comp['excluded_incomplete']} unfinished run(s) not included."
+    if latex:
+        text = (text.replace("✓", r"\ding{51}").replace("✗", r"\ding{53}").replace("Δ", r"$\Delta$")
+                .replace("±", r"$\pm$").replace("−", "$-$").replace("–", "--").replace("%", r"\%").replace("_", r"\_"))
+    return text
+
+
+def to_markdown(comp: dict[str, Any]) -> str:
+    cols = _columns(comp)
+    multi = len([s for s in comp["settings"] if s != "iid"]) > 1
+    head = ["Method"] + [f"{t['name']} {_header(kind, s, multi, latex=False)}" for t, kind, s in cols]
+    head += ["Up / client / round", "Down / client / round", "s / round"]
+    lines = [f"### Comparison ({', '.join(t['name'] for t in comp['tasks'])})", "", _caption(comp, False), ""]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" + "---:|" * (len(head) - 1))
+    for m in comp["methods"]:
+        row = [method_display_name(m)] + [_cell_text(comp, m, t, k, s, False) for t, k, s in cols] + _comm_text(comp, m, False)
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "### Runs", ""]
+    lines.append("| Method | Task | Setting | Seed | Status | Rounds | Metric | Up total | Down total | s / round | Run dir |")
+    lines.append("|---|---|---|---:|---|---:|---:|---:|---:|---:|---|")
+    for r in sorted(comp["runs"], key=lambda r: (r["method"], r["task"], setting_sort_key(r["setting"]), r["seed"])):
+        v = r["value"]
+        metric = "–" if v is None else f"{r['primary_metric']}={v:.4f}"
+        tpr = r["time_per_round"]
+        lines.append(
+            f"| {method_display_name(r['method'])} | {r['task']} | {r['setting']} | {r['seed']} | {r['status']} | "
+            f"{r['rounds_completed']}/{r['rounds']} | {metric} | {format_bytes(r['bytes_up_total'])} | "
+            f"{format_bytes(r['bytes_down_total'])} | {'–' if tpr is None else f'{tpr:.2f}'} | {r['run_dir']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _tex_escape(text: str) -> str:
+    return text.replace("\\", r"\textbackslash{}").replace("_", r"\_").replace("%", r"\%").replace("&", r"\&").replace("#", r"\#")
+
+
+def _group(m: str) -> int:
+    if m.startswith("fedavg"):
+        return 0
+    if m.startswith("fedgalore"):
+        return 2
+    return 1
+
+
+def to_latex(comp: dict[str, Any]) -> str:
+    cols = _columns(comp)
+    multi = len([s for s in comp["settings"] if s != "iid"]) > 1
+    spec = "@{}l " + " ".join("c" for _ in cols) + " rrr@{}"
+    out = [
+        r"% fedgalore report -- requires \usepackage{booktabs} and \usepackage{pifont} (\ding)",
+        r"\begin{table*}[t]",
+        r"\caption{" + _caption(comp, True) + "}",
+        r"\label{tab:fedgalore-comparison}",
+        r"\centering",
+        r"\small",
+        r"\begin{tabular}{" + spec + "}",
+        r"\toprule",
+    ]
+    top, rules, col = [r"\textbf{Method}"], [], 2
+    for t in comp["tasks"]:
+        n = sum(1 for tt, _, _ in cols if tt is t)
+        if n == 0:
+            continue
+        unit = " Acc\\%" if t.get("percent") and t["metric"] == "accuracy" else (" " + _tex_escape(t["metric"]) + (r" (\%)" if t.get("percent") else ""))
+        top.append(rf"\multicolumn{{{n}}}{{c}}{{\textbf{{{_tex_escape(t['name'])}}}{unit}}}")
+        rules.append(rf"\cmidrule(lr){{{col}-{col + n - 1}}}")
+        col += n
+    top.append(r"\multicolumn{3}{c}{\textbf{Communication / time}}")
+    rules.append(rf"\cmidrule(lr){{{col}-{col + 2}}}")
+    out.append(" & ".join(top) + r" \\")
+    out.append(" ".join(rules))
+    sub = [""] + ["{" + _header(k, s, multi, latex=True) + "}" for _, k, s in cols] + ["Up/client/rd", "Down/client/rd", "s/rd"]
+    out.append(" & ".join(sub) + r" \\")
+    out.append(r"\midrule")
+    prev = None
+    for m in comp["methods"]:
+        g = _group(m)
+        if prev is not None and g != prev:
+            out.append(r"\midrule")
+        prev = g
+        row = [method_display_name(m, latex=True)] + [_cell_text(comp, m, t, k, s, True) for t, k, s in cols]
+        row += [_tex_escape(x).replace("–", "--") for x in _comm_text(comp, m, True)]
+        out.append(" & ".join(row) + r" \\")
+    out += [r"\bottomrule", r"\end{tabular}", r"\end{table*}"]
+    return "\n".join(out) + "\n"
+
+
+def write_tables(comp: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """Write ``comparison.json``, ``table.md`` and ``table.tex`` into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    files = [out / "comparison.json", out / "table.md", out / "table.tex"]
+    files[0].write_text(json.dumps(comp, indent=2, default=str) + "\n")
+    files[1].write_text(to_markdown(comp))
+    files[2].write_text(to_latex(comp))
+    return files

@@ -1,0 +1,554 @@
+"""GaLoreAdamW: AdamW limit, seeded bases, moment transfer, exact update record, warm start,
+official-package compatibility, checkpoint round trip and bad input."""
+from __future__ import annotations
+
+import importlib
+import io
+import math
+import sys
+import types
+
+import pytest
+import torch
+
+from fedgalore.federated.payload import GaLoreUpdate, LowRank, Payload, SeededLowRank, decode, encode
+from fedgalore.optim import GaLoreAdamW, GaLoreStateEntry, derive_seed, rebuild_delta, seeded_basis
+
+
+def _gen(seed: int) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+class Problem:
+    """Least squares ``||X W^T - Y||^2`` for a tall W (64x32), a wide W2 (24x48) and a bias."""
+
+    def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float32):
+        g = _gen(seed)
+        self.w = torch.nn.Parameter((0.3 * torch.randn(64, 32, generator=g)).to(dtype))
+        self.w2 = torch.nn.Parameter((0.3 * torch.randn(24, 48, generator=g)).to(dtype))
+        self.b = torch.nn.Parameter(torch.zeros(24, dtype=dtype))
+        self.x = torch.randn(96, 32, generator=g)
+        self.x2 = torch.randn(96, 48, generator=g)
+        self.y = torch.randn(96, 64, generator=g)
+        self.y2 = torch.randn(96, 24, generator=g)
+
+    def params(self):
+        return [self.w, self.w2, self.b]
+
+    def grads(self, step: int = 0) -> None:
+        for p in self.params():
+            p.grad = None
+        s = 1.0 + 0.1 * math.sin(step)  # vary the landscape a little per step
+        out = self.x @ self.w.float().T
+        out2 = self.x2 @ self.w2.float().T + self.b.float()
+        loss = (out - s * self.y).pow(2).mean() + (out2 - self.y2).pow(2).mean()
+        loss.backward()
+
+    def state(self):
+        return [p.detach().clone() for p in self.params()]
+
+
+def _opt(pr: Problem, lr=1e-2, wd=0.1, **galore):
+    groups = [
+        {"params": [("w", pr.w), ("w2", pr.w2)], **galore},
+        {"params": [("b", pr.b)]},
+    ]
+    return GaLoreAdamW(groups, lr=lr, weight_decay=wd)
+
+
+def _galore(rank=4, tau=5, projector="random", **kw):
+    return {"rank": rank, "update_proj_gap": tau, "scale": 1.0, "projector": projector, **kw}
+
+
+# ----------------------------------------------------------------------------- AdamW limit
+@pytest.mark.parametrize("proj_type", ["std", "left", "right"])
+def test_identity_projector_equals_torch_adamw(proj_type):
+    a, b = Problem(1), Problem(1)
+    opt = _opt(a, **_galore(rank=1, tau=3, projector="identity", proj_type=proj_type))
+    ref = torch.optim.AdamW(b.params(), lr=1e-2, weight_decay=0.1)
+    for t in range(12):
+        a.grads(t)
+        b.grads(t)
+        opt.step()
+        ref.step()
+    for pa, pb, p0 in zip(a.params(), b.params(), Problem(1).params()):
+        assert (pa - p0).abs().max() > 1e-2  # it moved
+        torch.testing.assert_close(pa, pb, rtol=1e-5, atol=1e-6)
+
+
+def test_full_rank_rotated_basis_is_not_adamw():
+    """A full-rank random (rotated) basis spans everything but Adam is not rotation-invariant."""
+    a, b = Problem(1), Problem(1)
+    opt = _opt(a, **_galore(rank=64, tau=100, projector="random"))
+    ref = torch.optim.AdamW(b.params(), lr=1e-2, weight_decay=0.1)
+    for t in range(10):
+        a.grads(t)
+        b.grads(t)
+        opt.step()
+        ref.step()
+    assert opt.export_state()["w"].rank == 32  # min(rank, m, n)
+    rel = ((a.w - b.w).norm() / (b.w - Problem(1).w).norm()).item()
+    assert rel > 0.05
+
+
+# ----------------------------------------------------------------------------- seeded bases
+def test_seeded_bases_follow_derive_seed_and_agree_across_instances():
+    a, b = Problem(2), Problem(3)  # different data: clients differ, seeded bases must not
+    oa = _opt(a, **_galore(rank=4, tau=2, projector="random"))
+    ob = _opt(b, **_galore(rank=4, tau=2, projector="random"))
+    for o in (oa, ob):
+        o.set_projection_seed(777)
+    bases = {}
+    for t in range(5):  # refreshes at steps 0, 2, 4
+        a.grads(t)
+        b.grads(t)
+        oa.step()
+        ob.step()
+        ea, eb = oa.export_state(), ob.export_state()
+        for name in ("w", "w2"):
+            assert torch.equal(ea[name].basis, eb[name].basis)
+            assert ea[name].seed == eb[name].seed
+            q = ea[name].refresh_index
+            assert q == t // 2
+            side = ea[name].side
+            m, n = ea[name].shape
+            expected = seeded_basis(derive_seed(777, name, q), m, n, 4, side)
+            assert ea[name].seed == derive_seed(777, name, q)
+            assert torch.equal(ea[name].basis, expected)
+            bases[(name, q)] = expected
+    assert ea["w"].side == "right" and ea["w2"].side == "left"
+    assert not torch.equal(bases[("w", 0)], bases[("w", 1)])
+    assert not torch.equal(bases[("w", 1)], bases[("w", 2)])
+
+
+def test_unnamed_params_fall_back_to_group_index_names():
+    pr = Problem(0)
+    opt = GaLoreAdamW([{"params": [pr.b]}, {"params": [pr.w, pr.w2], **_galore()}])
+    assert set(opt.export_state()) == {"g1.p0", "g1.p1"}
+    assert opt.param_name(pr.b) == "g0.p0"
+
+
+def test_schedule_switches_after_adaptive_proj_steps_round_and_global_scope():
+    def run(scope, offset, steps=7):
+        pr = Problem(4)
+        opt = _opt(pr, **_galore(tau=3, projector="rsvd_then_random", adaptive_proj_steps=2, adaptive_scope=scope))
+        opt.set_projection_seed(5)
+        opt.set_global_refresh_offset(offset)
+        kinds = []
+        for t in range(steps):
+            pr.grads(t)
+            opt.step()
+            if t % 3 == 0:
+                kinds.append("random" if opt.export_state()["w"].seed is not None else "data")
+        return kinds
+
+    assert run("round", 0) == ["data", "data", "random"]
+    assert run("round", 10) == ["data", "data", "random"]  # offset ignored per round
+    assert run("global", 1) == ["data", "random", "random"]
+    assert run("global", 2) == ["random", "random", "random"]
+
+
+def test_optimizer_never_touches_global_rng():
+    pr = Problem(5)
+    opt = _opt(pr, **_galore(tau=2, projector="rsvd_then_random", adaptive_proj_steps=1))
+    state = torch.get_rng_state()
+    for t in range(5):
+        pr.grads(t)
+        opt.step()
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+# ----------------------------------------------------------------------------- moment transfer
+@pytest.mark.parametrize("transfer", ["linear", "squared", "keep", "reset"])
+def test_moment_transfer_at_refresh(transfer):
+    pr = Problem(6)
+    opt = _opt(pr, lr=1e-2, wd=0.0, **_galore(rank=4, tau=3, projector="random", moment_transfer=transfer))
+    b1, b2 = 0.9, 0.999
+    for t in range(3):
+        pr.grads(t)
+        opt.step()
+    before = opt.export_state()
+    pr.grads(3)
+    grads = {"w": pr.w.grad.clone(), "w2": pr.w2.grad.clone()}
+    opt.step()  # refresh q=1 happens inside this step
+    after = opt.export_state()
+    for name in ("w", "w2"):
+        e0, e1 = before[name], after[name]
+        p_old, p_new, side = e0.basis, e1.basis, e0.side
+        g = grads[name]
+        if side == "right":
+            c, r = p_old @ p_new.T, g @ p_new.T
+            mv = lambda x, cc: x @ cc  # noqa: E731
+        else:
+            c, r = p_new.T @ p_old, p_new.T @ g
+            mv = lambda x, cc: cc @ x  # noqa: E731
+        m_moved = mv(e0.exp_avg, c)
+        # first moment: the part of the old full-space moment lying in span(P_new) is kept exactly
+        lifted_old = e0.exp_avg @ p_old if side == "right" else p_old @ e0.exp_avg
+        in_new = (lifted_old @ p_new.T) @ p_new if side == "right" else p_new @ (p_new.T @ lifted_old)
+        lifted_moved = m_moved @ p_new if side == "right" else p_new @ m_moved
+        torch.testing.assert_close(lifted_moved, in_new, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(e1.exp_avg, b1 * m_moved + (1 - b1) * r, atol=1e-7, rtol=1e-5)
+        v0 = e0.exp_avg_sq
+        if transfer == "linear":
+            raw = mv(v0, c)
+            assert (raw < 0).any()  # the literal rule does produce negatives ...
+            v_moved = raw.clamp(min=0)  # ... which are clamped
+        elif transfer == "squared":
+            v_moved = mv(v0, c * c)
+        elif transfer == "keep":
+            v_moved = v0
+        else:
+            v_moved = torch.zeros_like(v0)
+        torch.testing.assert_close(e1.exp_avg_sq, b2 * v_moved + (1 - b2) * r * r, atol=1e-9, rtol=1e-5)
+        assert bool((e1.exp_avg_sq >= 0).all())
+    if transfer == "reset":
+        assert opt.state[pr.w]["v_step"] == 1  # the cold v restarts its bias correction
+        assert opt.state[pr.w]["step"] == 4  # the first moment's counter does not
+
+
+def test_squared_transfer_stays_nonnegative_over_many_refreshes():
+    pr = Problem(7)
+    opt = _opt(pr, **_galore(rank=3, tau=1, projector="random", moment_transfer="squared"))
+    for t in range(25):
+        pr.grads(t)
+        opt.step()
+        for e in opt.export_state().values():
+            assert bool((e.exp_avg_sq >= 0).all())
+
+
+# ----------------------------------------------------------------------------- update record
+def _run_record(projector, steps=60, tau=7, compat=False, proj_type="std"):
+    pr = Problem(8)
+    groups = [
+        {"params": [("w", pr.w), ("w2", pr.w2)], **_galore(rank=4, tau=tau, projector=projector,
+                                                            adaptive_proj_steps=2, proj_type=proj_type)},
+        {"params": [("b", pr.b)]},
+    ]
+    opt = GaLoreAdamW(groups, lr=3e-2, weight_decay=0.2, galore_torch_compat=compat, projection_seed=3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    for t in range(3):  # some steps before mark(): the record must start from W at mark()
+        pr.grads(t)
+        opt.step()
+        sched.step()
+    w0 = {"w": pr.w.detach().clone(), "w2": pr.w2.detach().clone()}
+    opt.mark()
+    for t in range(3, steps):
+        pr.grads(t)
+        opt.step()
+        sched.step()
+    return opt, pr, w0
+
+
+@pytest.mark.parametrize("projector", ["rsvd_then_random", "svd", "identity"])
+def test_update_record_rebuilds_exact_delta(projector):
+    opt, pr, w0 = _run_record(projector)
+    updates = opt.export_update()
+    for name, w in (("w", pr.w), ("w2", pr.w2)):
+        up = updates[name]
+        true = w.detach() - w0[name]
+        delta = rebuild_delta(up, w0[name])
+        rel = ((delta - true).norm() / true.norm()).item()
+        assert rel < 1e-5, (name, rel)
+        assert true.norm() > 0.5
+        assert up.decay < -0.05  # weight decay and the LR schedule went into the record
+        kinds = [type(t) for t in up.terms]
+        if projector == "rsvd_then_random":
+            # refreshes at local steps 3, 10, ...: the first (data-driven) term was opened by mark()
+            assert kinds.count(LowRank) == 2 and kinds.count(SeededLowRank) == 7
+            assert all(t.coef.shape == ((64, 4) if name == "w" else (4, 48)) for t in up.terms
+                       if isinstance(t, SeededLowRank))
+        elif projector == "svd":
+            assert kinds == [LowRank] * 9
+        # the record survives the wire format
+        back = decode(encode(Payload({name: up})))[name]
+        assert isinstance(back, GaLoreUpdate)
+        torch.testing.assert_close(rebuild_delta(back, w0[name]), delta)
+
+
+def test_update_record_exact_in_compat_mode():
+    opt, pr, w0 = _run_record("svd", compat=True)
+    for name, w in (("w", pr.w), ("w2", pr.w2)):
+        true = w.detach() - w0[name]
+        rel = ((rebuild_delta(opt.export_update()[name], w0[name]) - true).norm() / true.norm()).item()
+        assert rel < 1e-5
+
+
+def test_export_update_requires_mark():
+    pr = Problem(0)
+    opt = _opt(pr, **_galore())
+    with pytest.raises(RuntimeError, match="mark"):
+        opt.export_update()
+
+
+# ----------------------------------------------------------------------------- warm start
+@pytest.mark.parametrize("shape_name", ["w", "w2"])
+def test_load_second_moment_recovers_v_on_shared_seeded_basis(shape_name):
+    a, b = Problem(9), Problem(10)
+    oa = _opt(a, **_galore(rank=4, tau=50, projector="random", projection_seed=42))
+    ob = _opt(b, **_galore(rank=4, tau=50, projector="random", projection_seed=42))
+    for t in range(4):
+        a.grads(t)
+        oa.step()
+    b.grads(0)
+    ob.step()
+    e = oa.export_state()[shape_name]
+    v, p = e.exp_avg_sq, e.basis
+    assert e.seed == ob.export_state()[shape_name].seed
+    r = v.shape[1] if e.side == "right" else v.shape[0]
+    # factored lift V = v P (right: left=v, core=I, right=P^T) / V = P v (left: left=P, core=I, right=v^T)
+    if e.side == "right":
+        ob.load_second_moment(shape_name, v, torch.eye(r), p.T)
+    else:
+        ob.load_second_moment(shape_name, p, torch.eye(r), v.T)
+    got = ob.export_state()[shape_name]
+    torch.testing.assert_close(got.exp_avg_sq, v, atol=1e-9, rtol=1e-5)
+    assert got.warm
+
+
+def test_load_second_moment_before_first_refresh_clamps_and_skips_bias_correction():
+    pr = Problem(11)
+    lr, eps, b1, b2 = 1e-2, 1e-8, 0.9, 0.999
+    opt = _opt(pr, lr=lr, wd=0.0, **_galore(rank=4, tau=50, projector="random", projection_seed=1))
+    g = _gen(12)
+    left, core, right = torch.randn(64, 3, generator=g), torch.randn(3, 5, generator=g), torch.randn(32, 5, generator=g)
+    opt.load_second_moment("w", left, core, right)  # no basis yet: projected at the first refresh
+    w_before = pr.w.detach().clone()
+    pr.grads(0)
+    grad = pr.w.grad.clone()
+    opt.step()
+    p = seeded_basis(derive_seed(1, "w", 0), 64, 32, 4, "right")
+    v_loaded = (left @ core @ right.T @ p.T).clamp(min=0)
+    assert (left @ core @ right.T @ p.T < 0).any()  # the clamp mattered
+    rproj = grad @ p.T
+    v = b2 * v_loaded + (1 - b2) * rproj * rproj
+    m = (1 - b1) * rproj
+    e = opt.export_state()["w"]
+    torch.testing.assert_close(e.exp_avg_sq, v, atol=1e-5 * v.abs().max().item(), rtol=1e-5)
+    # warm v: denominator sqrt(v) + eps with no 1/(1 - b2^t); the first moment is corrected
+    expected = w_before - lr / (1 - b1) * (m / (v.sqrt() + eps)) @ p
+    torch.testing.assert_close(pr.w.detach(), expected, atol=1e-6, rtol=1e-5)
+    cold = w_before - lr / (1 - b1) * (m / ((v / (1 - b2)).sqrt() + eps)) @ p
+    assert (cold - expected).abs().max() > 1e-3  # the rule is observable
+
+
+def test_load_second_moment_bad_input():
+    pr = Problem(0)
+    opt = _opt(pr, **_galore())
+    with pytest.raises(KeyError):
+        opt.load_second_moment("nope", torch.zeros(64, 1), torch.zeros(1, 1), torch.zeros(32, 1))
+    with pytest.raises(ValueError, match="do not form"):
+        opt.load_second_moment("w", torch.zeros(64, 2), torch.zeros(2, 1), torch.zeros(31, 1))
+    with pytest.raises(ValueError, match="not a GaLore"):
+        opt.load_second_moment("b", torch.zeros(24, 1), torch.zeros(1, 1), torch.zeros(1, 1))
+
+
+# ----------------------------------------------------------------------------- official compat
+def _official_step(w, g, st, lr, b1, b2, eps, wd, rank, tau, scale):
+    """The official galore_torch update written out (reference/algorithms.md §1.2)."""
+    if st["t"] % tau == 0:
+        u_, _, vh = torch.linalg.svd(g, full_matrices=False)
+        st["P"] = vh[:rank] if w.shape[0] >= w.shape[1] else u_[:, :rank]
+    p = st["P"]
+    right = w.shape[0] >= w.shape[1]
+    r = g @ p.T if right else p.T @ g
+    if "m" not in st:
+        st["m"], st["v"] = torch.zeros_like(r), torch.zeros_like(r)
+    st["t"] += 1
+    t = st["t"]
+    st["m"] = b1 * st["m"] + (1 - b1) * r
+    st["v"] = b2 * st["v"] + (1 - b2) * r * r
+    step = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
+    n = st["m"] / (st["v"].sqrt() + eps)
+    w = w - step * scale * ((n @ p) if right else (p @ n))
+    return w - lr * wd * w
+
+
+def test_compat_matches_official_equations():
+    pr = Problem(13)
+    lr, eps, wd, scale = 1e-2, 1e-6, 0.05, 0.25
+    groups = [{"params": [("w", pr.w), ("w2", pr.w2)], "rank": 4, "update_proj_gap": 3, "scale": scale,
+               "proj_type": "std", "projector": "svd"}]
+    opt = GaLoreAdamW(groups, lr=lr, eps=eps, weight_decay=wd, galore_torch_compat=True)
+    ws = {"w": pr.w.detach().clone(), "w2": pr.w2.detach().clone()}
+    sts = {"w": {"t": 0}, "w2": {"t": 0}}
+    for t in range(10):
+        pr.grads(t)
+        for name, p in (("w", pr.w), ("w2", pr.w2)):
+            ws[name] = _official_step(ws[name], p.grad, sts[name], lr, 0.9, 0.999, eps, wd, 4, 3, scale)
+        opt.step()
+    torch.testing.assert_close(pr.w.detach(), ws["w"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(pr.w2.detach(), ws["w2"], atol=1e-6, rtol=1e-5)
+    assert (pr.w.detach() - Problem(13).w).abs().max() > 1e-2
+
+
+def _import_galore_torch():
+    """galore_torch 1.0 imports bitsandbytes in its __init__ (8-bit variant only); stub it if absent."""
+    try:
+        return importlib.import_module("galore_torch.adamw")
+    except ModuleNotFoundError as exc:
+        if exc.name != "bitsandbytes" and not str(exc.name).startswith("bitsandbytes"):
+            pytest.skip(f"galore_torch not importable: {exc}")
+    stubs = {}
+    for mod in ("bitsandbytes", "bitsandbytes.optim", "bitsandbytes.optim.optimizer"):
+        if mod not in sys.modules:
+            stubs[mod] = sys.modules[mod] = types.ModuleType(mod)
+    sys.modules["bitsandbytes.optim.optimizer"].Optimizer2State = object  # type: ignore[attr-defined]
+    try:
+        return importlib.import_module("galore_torch.adamw")
+    except Exception as exc:  # pragma: no cover
+        pytest.skip(f"galore_torch not importable: {exc}")
+    finally:
+        for mod in stubs:
+            sys.modules.pop(mod, None)
+
+
+def test_compat_matches_galore_torch_package():
+    official = _import_galore_torch()
+    a, b = Problem(14), Problem(14)
+    kw = {"rank": 4, "update_proj_gap": 3, "scale": 0.25, "proj_type": "std"}
+    ours = GaLoreAdamW([{"params": [a.w, a.w2], **kw, "projector": "svd"}, {"params": [a.b]}],
+                       lr=1e-2, eps=1e-6, weight_decay=0.05, galore_torch_compat=True)
+    ref = official.AdamW([{"params": [b.w, b.w2], **kw}, {"params": [b.b]}],
+                         lr=1e-2, eps=1e-6, weight_decay=0.05, no_deprecation_warning=True)
+    for t in range(10):
+        a.grads(t)
+        b.grads(t)
+        ours.step()
+        ref.step()
+    for pa, pb in zip(a.params(), b.params()):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- checkpointing
+def _walk_plain(x):
+    if isinstance(x, torch.Tensor) or isinstance(x, (int, float, bool)) or x is None:
+        return True
+    if isinstance(x, dict):
+        return all(isinstance(k, (str, int)) and _walk_plain(v) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return all(_walk_plain(v) for v in x)
+    return False
+
+
+def test_state_dict_round_trip_weights_only_and_bitwise_resume():
+    galore = _galore(rank=4, tau=3, projector="rsvd_then_random", adaptive_proj_steps=1)
+
+    def make(pr):
+        opt = _opt(pr, **galore)
+        opt.set_projection_seed(9)
+        return opt
+
+    a = Problem(15)
+    oa = make(a)
+    oa.mark()
+    for t in range(5):
+        a.grads(t)
+        oa.step()
+    sd = oa.state_dict()
+    assert all(_walk_plain(s) for s in sd["state"].values())
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+
+    b = Problem(15)
+    for pb, pa in zip(b.params(), a.params()):
+        pb.data.copy_(pa.detach())
+    ob = make(b)
+    ob.set_projection_seed(0)  # overwritten by the checkpoint's groups
+    ob.load_state_dict(loaded)
+    assert ob.param_groups[0]["projection_seed"] == 9
+    for t in range(5, 12):
+        a.grads(t)
+        b.grads(t)
+        oa.step()
+        ob.step()
+    for pa, pb in zip(a.params(), b.params()):
+        assert torch.equal(pa, pb)
+    ua, ub = oa.export_update(), ob.export_update()
+    for name in ("w", "w2"):
+        assert len(ua[name].terms) == len(ub[name].terms)
+        assert torch.equal(rebuild_delta(ua[name], a.w if name == "w" else a.w2),
+                           rebuild_delta(ub[name], b.w if name == "w" else b.w2))
+
+
+def test_bf16_params_keep_fp32_state_and_checkpoint_dtype():
+    pr = Problem(16, dtype=torch.bfloat16)
+    opt = _opt(pr, **_galore(tau=2, projector="rsvd"))
+    w0 = pr.w.detach().clone()
+    for t in range(3):
+        pr.grads(t)
+        opt.step()
+    assert pr.w.dtype == torch.bfloat16 and not torch.equal(pr.w, w0)
+    e = opt.export_state()["w"]
+    assert e.exp_avg.dtype == e.exp_avg_sq.dtype == e.basis.dtype == torch.float32
+    opt2 = _opt(Problem(16, dtype=torch.bfloat16), **_galore(tau=2, projector="rsvd"))
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.export_state()["w"].exp_avg_sq.dtype == torch.float32
+    assert isinstance(opt2.export_state()["w"], GaLoreStateEntry)
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ({"rank": 0}, "rank"),
+        ({"rank": -2}, "rank"),
+        ({"rank": 2.5}, "rank"),
+        ({"projector": "qr"}, "projector"),
+        ({"proj_type": "full"}, "proj_type"),
+        ({"moment_transfer": "rotate"}, "moment_transfer"),
+        ({"adaptive_scope": "epoch"}, "adaptive_scope"),
+        ({"update_proj_gap": 0}, "update_proj_gap"),
+    ],
+)
+def test_bad_group_keys_raise(override, match):
+    pr = Problem(0)
+    with pytest.raises(ValueError, match=match):
+        _opt(pr, **{**_galore(), **override})
+
+
+def test_rank_on_non_2d_parameter_names_it():
+    pr = Problem(0)
+    with pytest.raises(ValueError, match="'bias'"):
+        GaLoreAdamW([{"params": [("bias", pr.b)], "rank": 2}])
+    with pytest.raises(ValueError, match="nonfinite"):
+        GaLoreAdamW([pr.w], nonfinite="ignore")
+    with pytest.raises(ValueError, match="duplicate"):
+        GaLoreAdamW([{"params": [("x", pr.w)]}, {"params": [("x", pr.w2)]}])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_gradient_raises_with_name(bad):
+    pr = Problem(0)
+    opt = _opt(pr, **_galore(tau=2))
+    for t in range(3):  # second call hits a non-refresh step
+        pr.grads(t)
+        if t == 2:
+            pr.w2.grad[3, 5] = bad
+            with pytest.raises(FloatingPointError, match="'w2'"):
+                opt.step()
+        else:
+            opt.step()
+
+
+def test_nonfinite_gradient_skip_policy_leaves_param_and_state_untouched():
+    pr = Problem(0)
+    opt = GaLoreAdamW([{"params": [("w", pr.w), ("w2", pr.w2)], **_galore(tau=2)}, {"params": [("b", pr.b)]}],
+                      nonfinite="skip")
+    pr.grads(0)
+    opt.step()
+    snapshot = pr.state()
+    st = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[pr.w].items()}
+    pr.grads(1)
+    pr.w.grad[0, 0] = float("nan")
+    pr.b.grad[0] = float("inf")
+    opt.step()
+    assert torch.equal(pr.w, snapshot[0]) and torch.equal(pr.b, snapshot[2])
+    assert not torch.equal(pr.w2, snapshot[1])  # the finite parameter still stepped
+    assert opt.state[pr.w]["skipped"] == 1 and opt.state[pr.b]["skipped"] == 1
+    assert opt.state[pr.w]["step"] == st["step"]
+    assert torch.equal(opt.state[pr.w]["exp_avg"], st["exp_avg"])

@@ -1,0 +1,186 @@
+"""Reports from hand-written run directories (the exact format the engine writes)."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from fedgalore.report import ReportError, build_report, find_runs, load_run
+from fedgalore.report import tables as T
+
+LABELS = ["business", "sport", "tech"]
+
+
+def write_run(
+    root: Path,
+    method: str,
+    setting: str,
+    seed: int,
+    final: float,
+    *,
+    task: str = "tiny_text",
+    rounds: int = 3,
+    status: str = "complete",
+    up: int = 1000,
+    down: int = 2000,
+    tpr: float = 0.5,
+    metric: str = "accuracy",
+    higher_is_better: bool = True,
+    name: str | None = None,
+) -> Path:
+    """A run directory in the engine's format; the metric climbs linearly to ``final``."""
+    d = root / (name or f"{method}-{setting.replace(':', '')}-s{seed}")
+    d.mkdir(parents=True)
+    hist, cum_up, cum_down = [], 0, 0
+    clients = [0, 1]
+    for k in range(1, rounds + 1):
+        cum_up += up * len(clients)
+        cum_down += down * len(clients)
+        v = final - 0.1 * (rounds - k)
+        hist.append({
+            "round": k, "clients": clients, "train_loss": 1.0 / k, f"eval/{metric}": v, "eval/loss": 2.0 / k,
+            "bytes_up": up * 2, "bytes_down": down * 2, "cum_bytes_up": cum_up, "cum_bytes_down": cum_down,
+            "time_round": tpr, "time_clients": tpr * 0.8, "time_server": 0.05, "time_eval": 0.05,
+        })
+    (d / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hist))
+    diags = [{"round": k, "tail_energy_mean": 0.1 / k, "tail_energy_max": 0.2 / k, "drift_mean": 1.0 + k,
+              "mismatch_before": 0.5, "mismatch_after": 0.1, "ajive_rank": 2.0} for k in range(1, rounds + 1)]
+    (d / "diagnostics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in diags))
+    hists = [[10, 0, 5], [1, 12, 2]] if setting != "iid" else [[5, 5, 5], [5, 5, 5]]
+    (d / "partition.json").write_text(json.dumps({"setting": setting, "label_names": LABELS, "histograms": hists,
+                                                  "sizes": [sum(h) for h in hists]}))
+    (d / "config.yaml").write_text(f"name: test\nseed: {seed}\n")
+    summary = {
+        "name": d.name, "task": task, "method": method, "setting": setting, "seed": seed,
+        "rounds_completed": rounds if status == "complete" else rounds - 1, "rounds": rounds, "status": status,
+        "primary_metric": metric, "higher_is_better": higher_is_better,
+        "final": {metric: final, "loss": 0.5}, "best": {metric: final + 0.01, "loss": 0.4},
+        "bytes_up_total": up * 2 * rounds, "bytes_down_total": down * 2 * rounds,
+        "bytes_up_per_client_round": up, "bytes_down_per_client_round": down,
+        "wall_time": tpr * rounds, "time_per_round": tpr,
+    }
+    (d / "summary.json").write_text(json.dumps(summary))
+    return d
+
+
+# accuracy (final) per method / setting / seed
+GRID = {
+    ("fedavg_full", "iid"): [0.90, 0.92],
+    ("fedavg_full", "dirichlet:0.5"): [0.80, 0.84],
+    ("fedgalore", "iid"): [0.88, 0.90],
+    ("fedgalore", "dirichlet:0.5"): [0.86, 0.88],
+}
+
+
+@pytest.fixture
+def comparison_dir(tmp_path: Path) -> Path:
+    root = tmp_path / "cmp"
+    for (m, s), vals in GRID.items():
+        for seed, v in enumerate(vals):
+            write_run(root / "runs", m, s, seed, v, up=50_000 if m == "fedavg_full" else 4_000, tpr=1.0 + seed)
+    return root
+
+
+def _md_row(md: str, name: str) -> list[str]:
+    row = next(line for line in md.splitlines() if line.startswith(f"| {name} |"))
+    return [c.strip() for c in row.strip("|").split("|")]
+
+
+def test_load_and_find_runs(comparison_dir: Path) -> None:
+    runs = find_runs(comparison_dir)
+    assert len(runs) == 8
+    r = load_run(runs[0].path)
+    assert r.complete and r.history[-1]["round"] == 3 and r.partition["label_names"] == LABELS
+
+
+def test_aggregate_mean_std_delta_best(comparison_dir: Path) -> None:
+    comp = T.aggregate(find_runs(comparison_dir))
+    assert comp["methods"] == ["fedavg_full", "fedgalore"]  # paper order
+    assert comp["settings"] == ["iid", "dirichlet:0.5"]
+    c = comp["cells"]["fedavg_full"]["tiny_text"]["iid"]
+    assert c["mean"] == pytest.approx(0.91) and c["std"] == pytest.approx(math.sqrt(2) * 0.01) and c["n"] == 2
+    d = comp["delta"]["fedavg_full"]["tiny_text"]["dirichlet:0.5"]
+    assert d["mean"] == pytest.approx(-0.09) and d["std"] == pytest.approx(math.sqrt(2) * 0.01) and d["paired"]
+    assert comp["delta"]["fedgalore"]["tiny_text"]["dirichlet:0.5"]["mean"] == pytest.approx(-0.02)
+    best = comp["best"]["tiny_text"]
+    assert best["iid"] == ["fedavg_full"] and best["dirichlet:0.5"] == ["fedgalore"]
+    assert best["delta:dirichlet:0.5"] == ["fedgalore"]
+    assert comp["comm"]["fedavg_full"]["bytes_up_per_client_round"] == 50_000
+    assert comp["comm"]["fedgalore"]["time_per_round"] == pytest.approx(1.5)
+
+
+def test_report_writes_tables_and_plots(comparison_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    res = build_report(comparison_dir, out)
+    md = (out / "table.md").read_text()
+    tex = (out / "table.tex").read_text()
+    full, gal = _md_row(md, "FedAvg-Full"), _md_row(md, "FedGaLore")
+    # columns: method | ✓ | ✗ | Δ | up | down | s/round
+    assert full[1] == "**91.0 ± 1.4**" and full[2] == "82.0 ± 2.8" and full[3] == "↓9.0 ± 1.4"
+    assert gal[1] == "89.0 ± 1.4" and gal[2] == "**87.0 ± 1.4**" and gal[3] == "**↓2.0 ± 0.0**"
+    assert full[4] == "48.83 KiB" and gal[4] == "3.91 KiB" and gal[5] == "1.95 KiB" and gal[6] == "1.50"
+    assert "tiny_text ✓" in md and "tiny_text Δ" in md
+    assert r"\textbf{87.0 $\pm$ 1.4}" in tex and r"\textbf{$\downarrow$2.0 $\pm$ 0.0}" in tex
+    assert r"\ding{51}" in tex and r"\ding{53}" in tex and r"\begin{tabular}" in tex and r"\bottomrule" in tex
+    assert r"FedAvg-Full & \textbf{91.0 $\pm$ 1.4} & 82.0 $\pm$ 2.8 & $\downarrow$9.0 $\pm$ 1.4" in tex
+    comp = json.loads((out / "comparison.json").read_text())
+    assert comp["cells"]["fedgalore"]["tiny_text"]["dirichlet:0.5"]["values"] == [0.86, 0.88]
+    names = {p.name for p in res["files"]}
+    for fig in ("curves", "train_loss", "iid_vs_noniid", "partition", "comm_vs_metric", "diagnostics"):
+        for ext in ("png", "pdf"):
+            f = out / "plots" / f"{fig}.{ext}"
+            assert f.name in names and f.stat().st_size > 1000, f
+    assert (out / "plots" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "plots" / "curves.pdf").read_bytes()[:5] == b"%PDF-"
+
+
+def test_single_run_report_one_row(tmp_path: Path) -> None:
+    run = write_run(tmp_path, "fedgalore", "dirichlet:0.5", 0, 0.75, status="running")
+    res = build_report(run)  # writes into the run dir; an unfinished single run is still reported
+    md = (run / "table.md").read_text()
+    row = _md_row(md, "FedGaLore")
+    assert row[1] == "75.0" and len(row) == 5  # ✗ only (no IID, no Δ) + 3 cost columns
+    assert "tiny_text ✗" in md and "Δ" not in md.split("### Runs")[0].split("\n|")[1]
+    files = {p.name for p in res["files"]}
+    assert {"curves.png", "partition.png", "diagnostics.png", "comm_vs_metric.pdf"} <= files
+    assert "iid_vs_noniid.png" not in files
+
+
+def test_incomplete_runs_excluded_from_comparison(tmp_path: Path) -> None:
+    write_run(tmp_path / "runs", "fedit", "iid", 0, 0.8)
+    write_run(tmp_path / "runs", "fedit", "iid", 1, 0.1, status="running")
+    comp = build_report(tmp_path, plots=False)["comparison"]
+    assert comp["cells"]["fedit"]["tiny_text"]["iid"]["values"] == [0.8]
+    assert comp["excluded_incomplete"] == 1
+    assert "1 unfinished run(s) not included" in (tmp_path / "table.md").read_text()
+
+
+def test_lower_is_better_and_multiple_noniid_settings(tmp_path: Path) -> None:
+    for m, vals in {"a": (1.0, 1.5, 2.0), "b": (1.2, 1.4, 1.6)}.items():
+        for s, v in zip(("iid", "dirichlet:1", "dirichlet:0.1"), vals):
+            write_run(tmp_path, m, s, 0, v, metric="mse", higher_is_better=False)
+    comp = build_report(tmp_path, plots=False)["comparison"]
+    assert comp["settings"] == ["iid", "dirichlet:1", "dirichlet:0.1"]
+    assert comp["best"]["tiny_text"]["iid"] == ["a"]  # lower mse wins
+    assert comp["best"]["tiny_text"]["delta:dirichlet:0.1"] == ["b"]  # smaller degradation (0.4 < 1.0)
+    md = (tmp_path / "table.md").read_text()
+    assert "tiny_text ✗ α=0.1" in md and "tiny_text Δ α=1" in md
+    row = _md_row(md, "b")
+    assert row[1] == "1.200" and row[5] == "**↑0.400**"  # not a percentage; mse went up
+
+
+def test_ties_are_all_bold(tmp_path: Path) -> None:
+    write_run(tmp_path, "x", "iid", 0, 0.5)
+    write_run(tmp_path, "y", "iid", 0, 0.5)
+    md = build_report(tmp_path, plots=False) and (tmp_path / "table.md").read_text()
+    assert _md_row(md, "x")[1] == "**50.0**" and _md_row(md, "y")[1] == "**50.0**"
+
+
+def test_report_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        find_runs(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReportError, match="no run directories"):
+        find_runs(tmp_path / "empty")
