@@ -9,9 +9,11 @@ export TOKENIZERS_PARALLELISM := false
 setup:
 	bash scripts/setup.sh
 
+# six runs (3 methods x IID/Dirichlet 0.5) at a budget that fits ~15 min on 2 CPU cores
 demo: setup
 	$(VENV)/bin/fedgalore compare --config conf/pipeline/offline_text.yaml \
-	  --methods fedgalore,fedit,fedavg_full --settings iid,dirichlet:0.5 --out runs/demo
+	  --methods fedgalore,fedit,fedavg_full --settings iid,dirichlet:0.5 --out runs/demo \
+	  federation.rounds=6 task.options.max_length=64
 
 test: setup
 	$(PYTHON) -m pytest -q

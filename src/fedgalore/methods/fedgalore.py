@@ -15,6 +15,7 @@ S: matrix views V_i = ṽ_i R_iᵀ and v̄_{k+1} = Σ_i p̃_i (μ_i + J_i) from 
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -269,14 +270,18 @@ class FedGaLore(Method):
         diags: dict[str, list[float]] = {}
         for j, n in enumerate(self.targets):
             views = [u[f"moment/{n}"] for u in uploads]
-            res = synchronize_moments(
-                views,  # type: ignore[arg-type]
-                weights,
-                mode=self.sync,
-                joint_rank=self.joint_rank,
-                center=self.options["sync_center"],
-                seed=(ctx.round_seed + j) % (2**63),
-            )
+            with warnings.catch_warnings():
+                # client views are exactly rank r, so AJIVE lowers ranks it cannot use every round;
+                # expected, and recorded in the diagnostics (joint_rank, state_rank)
+                warnings.simplefilter("ignore", RuntimeWarning)
+                res = synchronize_moments(
+                    views,  # type: ignore[arg-type]
+                    weights,
+                    mode=self.sync,
+                    joint_rank=self.joint_rank,
+                    center=self.options["sync_center"],
+                    seed=(ctx.round_seed + j) % (2**63),
+                )
             key = f"moment/{n}"
             if res.state is not None:
                 state.extras[f"{key}/left"] = res.state.left.float()

@@ -1,0 +1,20 @@
+"""Server-side optimizer-state synchronisation ``S`` (paper §5; DESIGN §3.2).
+
+:func:`ajive` — AJIVE on dense or factored views; :func:`synchronize_moments` — the server's
+second-moment sync (``none | mean | mean_svd | ajive``) on client :class:`MomentView` uploads.
+"""
+from fedgalore.sync.ajive import AJIVEResult, ajive, elbow_rank, thin_svd_factored
+from fedgalore.sync.moments import MODES, SyncResult, frobenius_gram, project_moment, synchronize, synchronize_moments
+
+__all__ = [
+    "AJIVEResult",
+    "ajive",
+    "elbow_rank",
+    "thin_svd_factored",
+    "MODES",
+    "SyncResult",
+    "synchronize",
+    "synchronize_moments",
+    "project_moment",
+    "frobenius_gram",
+]
