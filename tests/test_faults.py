@@ -238,3 +238,28 @@ def test_payload_decoder_never_fails_unexpectedly(blob):
             e.materialize() if not isinstance(e, GaLoreUpdate) else e.materialize(torch.zeros(e.shape))
         except (RuntimeError, ValueError, PayloadError):
             pass  # inconsistent factor shapes are caught by server validation, tested above
+
+
+@register
+class LyingFedIT(__import__("fedgalore.methods.fedit", fromlist=["FedIT"]).FedIT):
+    """FedIT whose client 0 sends LoRA factors of the wrong rank."""
+
+    name = "test_lying_fedit"
+
+    def client_update(self, model, broadcast, ctx):
+        from fedgalore.federated.payload import LowRank
+
+        up = super().client_update(model, broadcast, ctx)
+        if ctx.client != 0:
+            return up
+        entries = {k: (LowRank(torch.zeros(e.left.shape[0], 2), torch.zeros(2, e.right.shape[1])) if isinstance(e, LowRank) else e)
+                   for k, e in up.entries.items()}
+        return Payload(entries, up.meta)
+
+
+def test_misshaped_lora_factors_are_rejected(tmp_path):
+    cfg = tiny_cfg(tmp_path, "test_lying_fedit", rounds=1)
+    cfg.federation.clients_per_round = None
+    res = fedgalore.run(cfg)
+    assert res.history[0]["dropped"] == [0]
+    assert any("factors" in r.get("rejected", "") for r in _ledger(res.run_dir))

@@ -19,7 +19,7 @@ __all__ = ["tail_energy", "update_space_diagnostics", "drift_diagnostics"]
 
 def tail_energy(delta: torch.Tensor, rank: int) -> float:
     """(Σ_{j>r} σ_j²)^{1/2} / (Σ_j σ_j²)^{1/2} of ``delta``; 0 for a zero matrix."""
-    s = torch.linalg.svdvals(delta.double())
+    s = torch.linalg.svdvals(delta.float()).double()  # fp32 singular values: ample for an energy ratio
     total = float((s * s).sum())
     if total == 0.0:
         return 0.0
@@ -38,12 +38,12 @@ def drift_diagnostics(client_deltas: Sequence[dict[str, torch.Tensor]], weights:
     if not client_deltas or not client_deltas[0]:
         return {}
     names = list(client_deltas[0])
-    mean = {n: sum(float(w) * d[n].double() for d, w in zip(client_deltas, weights)) for n in names}
-    den = math.sqrt(sum(float((m * m).sum()) for m in mean.values()))
+    mean = {n: sum(float(w) * d[n].float() for d, w in zip(client_deltas, weights)) for n in names}
+    den = math.sqrt(sum(float(m.square().sum(dtype=torch.float64)) for m in mean.values()))
     if den == 0.0:
         return {}
-    drifts = [math.sqrt(sum(float(((d[n].double() - mean[n]) ** 2).sum()) for n in names)) / den for d in client_deltas]
-    norms = [math.sqrt(sum(float((d[n].double() ** 2).sum()) for n in names)) for d in client_deltas]
+    drifts = [math.sqrt(sum(float((d[n].float() - mean[n]).square().sum(dtype=torch.float64)) for n in names)) / den for d in client_deltas]
+    norms = [math.sqrt(sum(float(d[n].float().square().sum(dtype=torch.float64)) for n in names)) for d in client_deltas]
     return {
         "drift_mean": sum(drifts) / len(drifts),
         "drift_max": max(drifts),

@@ -284,10 +284,12 @@ class Federation:
         t_server = time.perf_counter() - t_server
 
         diag: dict[str, Any] = {"round": k + 1, **{f"{kk}": v for kk, v in sync_diag.items()}}
+        t_diag = time.perf_counter()
         if cfg.diagnostics:
             diag.update(update_space_diagnostics(applied, self.method.rank))
             deltas = [self.method.client_deltas(self.state, u) for u in uploads]
             diag.update(drift_diagnostics(deltas, kept_w))
+        t_diag = time.perf_counter() - t_diag
 
         t_eval, evals = 0.0, {}
         if (k + 1) % fed.eval_every == 0 or k + 1 == fed.rounds:
@@ -308,6 +310,7 @@ class Federation:
             "cum_bytes_down": self.ledger.total("down"),
             "time_clients": t_clients,
             "time_server": t_server,
+            "time_diagnostics": t_diag,
             "time_eval": t_eval,
             "time_round": time.perf_counter() - t0,
         }

@@ -205,6 +205,8 @@ class LoraMethod(Method):
         self.targets, self.heads = list(target_modules), list(head_params)
         if not self.targets:
             raise MethodError(f"{self.name}: no target modules to adapt")
+        mods = dict(model.named_modules())
+        self.shapes = {m: tuple(mods[m].weight.shape) for m in self.targets}  # (out, in) per target
         named_params(model, self.heads)  # fail early on a wrong head name
         config = LoraConfig(
             r=self.rank,
@@ -301,6 +303,20 @@ class LoraMethod(Method):
     @staticmethod
     def round_meta(ctx: Any) -> dict[str, Any]:
         return {"round": int(ctx.round), "round_seed": int(ctx.round_seed)}
+
+    def validate_upload(self, state: ServerState, upload: Payload, ctx: Any) -> str | None:
+        """Factor pairs must be ``LowRank(B (out×r), A (r×in))`` of each adapted module."""
+        for m in self.targets:
+            key = pair_key(m)
+            if key not in upload.entries:
+                continue
+            e = upload.entries[key]
+            if not isinstance(e, LowRank):
+                return f"{key}: expected a LoRA factor pair, got {type(e).__name__}"
+            out_f, in_f = self.shapes[m]
+            if tuple(e.left.shape) != (out_f, self.rank) or tuple(e.right.shape) != (self.rank, in_f):
+                return f"{key}: factors {tuple(e.left.shape)}·{tuple(e.right.shape)} != ({out_f}, {self.rank})·({self.rank}, {in_f})"
+        return None
 
     @staticmethod
     def upload_pair(upload: Payload, module: str) -> tuple[torch.Tensor, torch.Tensor]:
