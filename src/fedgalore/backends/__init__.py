@@ -16,4 +16,6 @@ def make_backend(name: str, runtime, options: dict | None = None):
         except ImportError as exc:
             raise ConfigError(f"backend 'ray' needs Ray: pip install 'fedgalore[ray]' ({exc})") from None
         return RayBackend(runtime, **(options or {}))
-    raise ConfigError(f"unknown backend {name!r}; available: sequential, ray")
+    if name == "flower":
+        raise ConfigError("backend 'flower' runs through the Flower app (`flwr run`), not `fedgalore run`: see docs/scale-out.md")
+    raise ConfigError(f"unknown backend {name!r}; available: sequential, ray (flower via docs/scale-out.md)")
