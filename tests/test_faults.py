@@ -263,3 +263,46 @@ def test_misshaped_lora_factors_are_rejected(tmp_path):
     res = fedgalore.run(cfg)
     assert res.history[0]["dropped"] == [0]
     assert any("factors" in r.get("rejected", "") for r in _ledger(res.run_dir))
+
+
+# values a user might type, right or wrong, for keys right or wrong
+_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-5, 200), st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8), st.lists(st.integers(0, 3), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+_KEYS = st.sampled_from([
+    "seed", "name", "device", "diagnostics", "method.rank", "method.name", "task.name", "train.lr", "train.batch_size",
+    "train.local_epochs", "train.local_steps", "train.warmup_ratio", "train.schedule", "train.betas", "train.grad_clip",
+    "federation.num_clients", "federation.clients_per_round", "federation.rounds", "federation.min_clients",
+    "federation.partition.alpha", "federation.partition.kind", "federation.partition.min_size", "federation.max_update_norm",
+    "output.progress", "output.keep_checkpoints", "backend.name", "nonsense", "train.nonsense", "federation.partition.x",
+])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(_KEYS, _VALUES, max_size=5))
+def test_config_loader_accepts_or_names_the_problem_in_one_line(flat):
+    """Any mapping either validates into a FederatedConfig or raises ConfigError with one line
+    naming a key — never another exception type."""
+    from fedgalore.federated.config import ConfigError, FederatedConfig
+
+    nested: dict = {}
+    for dotted, value in flat.items():
+        node = nested
+        *parents, leaf = dotted.split(".")
+        ok = True
+        for p in parents:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                ok = False
+                break
+            node = nxt
+        if ok:
+            node[leaf] = value
+    try:
+        cfg = FederatedConfig.from_dict(nested)
+    except ConfigError as exc:
+        msg = str(exc)
+        assert msg and "\n" not in msg
+        return
+    assert cfg.federation.num_clients >= 1 and cfg.train.lr > 0

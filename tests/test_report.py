@@ -184,3 +184,23 @@ def test_report_errors(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ReportError, match="no run directories"):
         find_runs(tmp_path / "empty")
+
+
+def test_tensorboard_sink_writes_the_run_records(comparison_dir: Path, tmp_path: Path) -> None:
+    """Event files hold exactly the metrics.jsonl values (read back with tensorboard's reader)."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fedgalore.report.tensorboard import write_tensorboard
+
+    written = write_tensorboard(comparison_dir, tmp_path / "tb")
+    assert written
+    run_dir = sorted(p for p in (comparison_dir / "runs").iterdir() if (p / "metrics.jsonl").exists())[0]
+    acc = EventAccumulator(str(next(p for p in written if p.name == run_dir.name)))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    acc_tag = next(t for t in tags if t.endswith("accuracy"))
+    got = [(e.step, round(e.value, 5)) for e in acc.Scalars(acc_tag)]
+    want = [(r["round"], round(r["eval/accuracy"], 5)) for r in recs if "eval/accuracy" in r]
+    assert got == want
