@@ -17,15 +17,6 @@ from fedgalore.methods.lora_fair import fair_correction
 from fedgalore.tasks.base import resolve_target_modules
 from fedgalore.tasks.synthetic import TinyTextTask
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one intra-op thread is much faster on a shared CPU (restored afterwards)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 NAMES = ["fedit", "ffa_lora", "flora", "fr_lora", "lora_fair"]
 M, N, R = 6, 5, 2  # one adapted matrix W (M×N), rank R
 MOD, HEAD = "lin", "head.weight"

@@ -37,6 +37,7 @@ from fedgalore.federated.events import LogProgress, ProgressSink
 from fedgalore.federated.partition import label_histograms
 from fedgalore.federated.payload import Ledger, Payload, PayloadError, decode, encode
 from fedgalore.federated.validation import expected_keys, upload_norm, validate_upload
+from fedgalore.jsonl import append_jsonl, read_jsonl
 from fedgalore.methods.base import Method, RoundContext
 from fedgalore.tasks.base import Task
 
@@ -71,29 +72,9 @@ def sample_clients(run_seed: int, round_idx: int, num_clients: int, k: int | Non
     return sorted(int(c) for c in rng.choice(num_clients, size=k, replace=False))
 
 
-def _jsonl_append(path: Path, rec: dict[str, Any]) -> None:
-    with open(path, "a") as fh:
-        fh.write(json.dumps(rec, sort_keys=True) + "\n")
-
-
-def _jsonl_read(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            break  # a torn last line from a killed process
-    return out
-
-
 def _jsonl_truncate(path: Path, max_round: int) -> list[dict[str, Any]]:
     """Keep only records of completed (checkpointed) rounds; returns them."""
-    recs = [r for r in _jsonl_read(path) if int(r.get("round", 0)) <= max_round]
+    recs = [r for r in read_jsonl(path) if int(r.get("round", 0)) <= max_round]
     atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in recs))
     return recs
 
@@ -316,17 +297,17 @@ class Federation:
         }
         self.history.append(rec)
         self._append_round_logs(k, client_recs)
-        _jsonl_append(self.run_dir / "diagnostics.jsonl", diag)
-        _jsonl_append(self.run_dir / "metrics.jsonl", rec)
+        append_jsonl(self.run_dir / "diagnostics.jsonl", diag)
+        append_jsonl(self.run_dir / "metrics.jsonl", rec)
         self._write_csv()
         self.progress.round_end(k, rec)
 
     def _append_round_logs(self, k: int, client_recs: list[dict[str, Any]]) -> None:
         for r in client_recs:
-            _jsonl_append(self.run_dir / "clients.jsonl", r)
+            append_jsonl(self.run_dir / "clients.jsonl", r)
         for r in self.ledger.records:
             if r["round"] == k + 1:
-                _jsonl_append(self.run_dir / "ledger.jsonl", r)
+                append_jsonl(self.run_dir / "ledger.jsonl", r)
 
     def _collect(self, k, attempt, rctx, results, weights, client_recs):
         """Decode, validate (and optionally clip) the uploads of one attempt."""
@@ -401,7 +382,7 @@ def _resume(run_dir: Path, *, progress=None, task=None, method=None, cfg: Federa
     summary = run_dir / "summary.json"
     if summary.exists() and json.loads(summary.read_text()).get("status") == "complete":
         s = json.loads(summary.read_text())
-        return RunResult(run_dir, s, _jsonl_read(run_dir / "metrics.jsonl"))
+        return RunResult(run_dir, s, read_jsonl(run_dir / "metrics.jsonl"))
     return Federation(saved, run_dir=run_dir, progress=progress, task=task, method=method, resume=True).run()
 
 

@@ -39,10 +39,9 @@ def weighted_sum(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> t
     return out
 
 
-@register
-class FedAvgFull(Method):
-    name = "fedavg_full"
-    summary = "full fine-tuning of target matrices + head with AdamW; FedAvg of dense deltas"
+class DenseTargetsMethod(Method):
+    """Shared by methods whose client trains the adapted matrices W themselves (+ head) and whose
+    server holds them densely: FedAvg-Full and the FedGaLore family."""
 
     def setup(self, model, target_modules, head_params):
         self.targets = [m + ".weight" for m in target_modules]
@@ -53,6 +52,20 @@ class FedAvgFull(Method):
     def init_server_state(self, model):
         params = named_params(model, self.targets + self.heads)
         return ServerState(params={n: p.detach().float().clone() for n, p in params.items()})
+
+    def average_heads(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float]) -> None:
+        """Head: θ ← θ + Σ_i p_i Δθ_i."""
+        for n in self.heads:
+            state.params[n] += weighted_sum([u[n].materialize() for u in uploads], weights)
+
+    def load_global(self, model, state):
+        load_params(model, state.params)
+
+
+@register
+class FedAvgFull(DenseTargetsMethod):
+    name = "fedavg_full"
+    summary = "full fine-tuning of target matrices + head with AdamW; FedAvg of dense deltas"
 
     def client_update(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> Payload:
         start = {n: broadcast[n].materialize() for n in self.targets + self.heads}
@@ -69,11 +82,10 @@ class FedAvgFull(Method):
 
     def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext):
         applied = {}
-        for n in self.targets + self.heads:
-            delta = weighted_sum([u[n].materialize() for u in uploads], weights)
-            state.params[n] += delta
-            if n in self.targets:
-                applied[n] = delta
+        for n in self.targets:
+            applied[n] = weighted_sum([u[n].materialize() for u in uploads], weights)
+            state.params[n] += applied[n]
+        self.average_heads(state, uploads, weights)
         return applied
 
     def client_deltas(self, state, upload):
@@ -81,6 +93,3 @@ class FedAvgFull(Method):
 
     def scale_upload(self, upload, factor):
         return Payload({k: Dense(e.tensor * factor) for k, e in upload.entries.items()}, dict(upload.meta))
-
-    def load_global(self, model, state):
-        load_params(model, state.params)

@@ -33,7 +33,6 @@ from fedgalore.federated.payload import (
 )
 from fedgalore.methods.base import (
     ClientContext,
-    Method,
     MethodError,
     RoundContext,
     ServerState,
@@ -41,7 +40,7 @@ from fedgalore.methods.base import (
     named_params,
     register,
 )
-from fedgalore.methods.fedavg_full import _freeze_all_but, weighted_sum
+from fedgalore.methods.fedavg_full import DenseTargetsMethod
 
 _SYNC_MODES = ("none", "mean", "mean_svd", "ajive")
 
@@ -75,7 +74,7 @@ def aggregate_galore_updates(
 
 
 @register
-class FedGaLore(Method):
+class FedGaLore(DenseTargetsMethod):
     name = "fedgalore"
     summary = "GaLore-AdamW clients (seeded SVD→random projectors) + FedAvg + AJIVE sync of projected second moments"
     default_sync = "ajive"
@@ -121,17 +120,6 @@ class FedGaLore(Method):
         extra = set(options) - {"adaptive_scope", "rsvd_oversample", "rsvd_niter", "nonfinite"}
         if extra:
             raise MethodError(f"unknown fedgalore option(s) {sorted(extra)}")
-
-    # ------------------------------------------------------------------ setup
-    def setup(self, model, target_modules, head_params):
-        self.targets = [m + ".weight" for m in target_modules]
-        self.heads = list(head_params)
-        _freeze_all_but(model, self.targets + self.heads)
-        return model
-
-    def init_server_state(self, model):
-        params = named_params(model, self.targets + self.heads)
-        return ServerState(params={n: p.detach().float().clone() for n, p in params.items()})
 
     def _galore_group(self, named: list[tuple[str, nn.Parameter]], ctx: ClientContext) -> dict[str, Any]:
         o = self.options
@@ -214,8 +202,7 @@ class FedGaLore(Method):
             delta = aggregate_galore_updates([u[n] for u in uploads], weights, state.params[n])  # type: ignore[misc]
             state.params[n] += delta
             applied[n] = delta
-        for n in self.heads:
-            state.params[n] += weighted_sum([u[n].materialize() for u in uploads], weights)
+        self.average_heads(state, uploads, weights)
         return applied
 
     def validate_upload(self, state, upload, ctx):
@@ -292,8 +279,6 @@ class FedGaLore(Method):
                     diags.setdefault(k, []).append(float(v))
         return {k: sum(v) / len(v) for k, v in diags.items()}
 
-    def load_global(self, model, state):
-        load_params(model, state.params)
 
 
 @register

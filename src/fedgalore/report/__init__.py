@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedgalore.jsonl import read_jsonl
+
 __all__ = ["RunRecord", "ReportError", "load_run", "find_runs", "build_report", "method_display_name"]
 
 
@@ -99,19 +101,6 @@ class RunRecord:
         return float(values[-1])
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line being written right now (run in progress)
-            continue
-    return out
 
 
 def load_run(path: str | Path, label: str | None = None) -> RunRecord:
@@ -133,8 +122,8 @@ def load_run(path: str | Path, label: str | None = None) -> RunRecord:
     return RunRecord(
         path=p,
         summary=summary,
-        history=sorted(_read_jsonl(p / "metrics.jsonl"), key=lambda r: r.get("round", 0)),
-        diagnostics=sorted(_read_jsonl(p / "diagnostics.jsonl"), key=lambda r: r.get("round", 0)),
+        history=sorted(read_jsonl(p / "metrics.jsonl"), key=lambda r: r.get("round", 0)),
+        diagnostics=sorted(read_jsonl(p / "diagnostics.jsonl"), key=lambda r: r.get("round", 0)),
         partition=partition,
         label=label,
     )
