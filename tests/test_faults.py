@@ -306,3 +306,25 @@ def test_config_loader_accepts_or_names_the_problem_in_one_line(flat):
         assert msg and "\n" not in msg
         return
     assert cfg.federation.num_clients >= 1 and cfg.train.lr > 0
+
+
+@register
+class SlowFedAvg(FedAvgFull):
+    """Client 0 takes far too long (a straggler)."""
+
+    name = "test_slow_fedavg"
+
+    def client_update(self, model, broadcast, ctx):
+        if ctx.client == 0:
+            time.sleep(6.0)
+        return super().client_update(model, broadcast, ctx)
+
+
+def test_client_over_deadline_is_dropped_in_sequential_backend(tmp_path):
+    cfg = tiny_cfg(tmp_path, "test_slow_fedavg", rounds=1)
+    cfg.federation.clients_per_round = None
+    cfg.federation.client_timeout_s = 4.0  # honest clients take well under a second
+    res = fedgalore.run(cfg)
+    assert res.history[0]["dropped"] == [0]
+    clients = [json.loads(line) for line in (res.run_dir / "clients.jsonl").read_text().splitlines()]
+    assert "timed out" in next(c for c in clients if c["client"] == 0)["error"]

@@ -69,6 +69,7 @@ class FederationConfig:
     max_round_retries: int = 2
     max_update_norm: float | None = None  # reject uploads whose ‖ΔW‖_F exceeds this
     clip_update_norm: float | None = None  # scale uploads down to this ‖ΔW‖_F (dense/GaLore methods)
+    client_timeout_s: float | None = None  # uploads that took longer are dropped (Ray: backend.options.timeout_s preempts)
     partition: PartitionConfig = field(default_factory=lambda: PartitionConfig(kind="dirichlet", alpha=0.5))
 
 
@@ -129,7 +130,7 @@ class FederatedConfig:
             f"federation.min_clients={f.min_clients} exceeds the clients sampled per round",
         )
         _check(f.max_round_retries >= 0, "federation.max_round_retries must be >= 0")
-        for key in ("max_update_norm", "clip_update_norm"):
+        for key in ("max_update_norm", "clip_update_norm", "client_timeout_s"):
             v = getattr(f, key)
             _check(v is None or (math.isfinite(v) and v > 0), f"federation.{key} must be a positive number or null")
         _check(p.kind in ("iid", "dirichlet"), f"federation.partition.kind={p.kind!r} must be 'iid' or 'dirichlet'")

@@ -327,6 +327,10 @@ class Federation:
         for res, up, w in zip(results, decoded, weights):
             rec = {"round": k + 1, "attempt": attempt, "client": res.client, "time": res.time,
                    "num_examples": len(self.runtime.parts[res.client])}
+            if up is not None and fed.client_timeout_s is not None and res.time > fed.client_timeout_s:
+                # the sequential backend cannot preempt a client; a late upload is discarded
+                res.error = f"timed out: {res.time:.1f}s > federation.client_timeout_s={fed.client_timeout_s:g}"
+                up = None
             if up is not None:
                 reason = validate_upload(self.method, self.state, up, rctx, keys, fed.max_update_norm)
                 if reason is None and fed.clip_update_norm is not None:
