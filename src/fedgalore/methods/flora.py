@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from fedgalore.federated.payload import Dense, Payload
+from fedgalore.federated.payload import Payload
 from fedgalore.methods.base import ClientContext, MethodError, RoundContext, ServerState, register
 from fedgalore.methods.lora_common import LoraMethod, check_weights, derive_seed, lifted, w_key
 
@@ -59,15 +59,11 @@ class FLoRA(LoraMethod):
         return ServerState(params=params, meta={"scaling": self.scaling})
 
     def broadcast(self, state: ServerState, ctx: RoundContext) -> Payload:
-        entries: dict[str, Any] = {w_key(m): Dense(state.params[w_key(m)]) for m in self.targets}
-        entries.update({n: Dense(state.params[n]) for n in self.heads})
-        return Payload(entries, self.round_meta(ctx))
+        return self.broadcast_merged(state, ctx)
 
     @torch.no_grad()
     def load_broadcast(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> None:
-        for m in self.targets:
-            self.assign(self.base_weight(model, m), self.upload_tensor(broadcast, w_key(m)))
-        self.load_heads(model, {n: self.upload_tensor(broadcast, n) for n in self.heads})
+        self.load_merged(model, broadcast)
         self.init_adapters(model, self.fresh_seed(ctx.round_seed, ctx.client))
 
     def upload_entries(self, model: nn.Module) -> dict[str, Any]:

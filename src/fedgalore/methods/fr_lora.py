@@ -113,15 +113,11 @@ class FRLoRA(LoraMethod):
         return ServerState(params=params, extras=extras, meta={"scaling": self.scaling})
 
     def broadcast(self, state: ServerState, ctx: RoundContext) -> Payload:
-        entries: dict[str, Any] = {w_key(m): Dense(state.params[w_key(m)]) for m in self.targets}
-        entries.update({n: Dense(state.params[n]) for n in self.heads})
-        return Payload(entries, self.round_meta(ctx))
+        return self.broadcast_merged(state, ctx)
 
     @torch.no_grad()
     def load_broadcast(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> None:
-        for m in self.targets:
-            self.assign(self.base_weight(model, m), self.upload_tensor(broadcast, w_key(m)))
-        self.load_heads(model, {n: self.upload_tensor(broadcast, n) for n in self.heads})
+        self.load_merged(model, broadcast)
         self.reset_adapters(model)
 
     @torch.no_grad()

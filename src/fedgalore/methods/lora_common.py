@@ -304,6 +304,20 @@ class LoraMethod(Method):
     def round_meta(ctx: Any) -> dict[str, Any]:
         return {"round": int(ctx.round), "round_seed": int(ctx.round_seed)}
 
+    def broadcast_merged(self, state: ServerState, ctx: Any) -> Payload:
+        """Down-link of methods that merge updates into the base (FLoRA, FR-LoRA): the dense
+        adapted matrices W and the head."""
+        entries: dict[str, Any] = {w_key(m): Dense(state.params[w_key(m)]) for m in self.targets}
+        entries.update({n: Dense(state.params[n]) for n in self.heads})
+        return Payload(entries, self.round_meta(ctx))
+
+    @torch.no_grad()
+    def load_merged(self, model: nn.Module, broadcast: Payload) -> None:
+        """Load :meth:`broadcast_merged`'s W into the base layers and the head."""
+        for m in self.targets:
+            self.assign(self.base_weight(model, m), self.upload_tensor(broadcast, w_key(m)))
+        self.load_heads(model, {n: self.upload_tensor(broadcast, n) for n in self.heads})
+
     def validate_upload(self, state: ServerState, upload: Payload, ctx: Any) -> str | None:
         """Factor pairs must be ``LowRank(B (out×r), A (r×in))`` of each adapted module."""
         for m in self.targets:
