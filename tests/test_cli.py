@@ -340,3 +340,38 @@ def test_config_difference_ignores_schema_changes() -> None:
     old = {"train": {"lr": 1e-3}, "federation": {"rounds": 2}}
     assert _first_difference(old, {"train": {"lr": 1e-3}, "federation": {"rounds": 2, "new_key": 5}}) is None
     assert _first_difference(old, {"train": {"lr": 5e-4}, "federation": {"rounds": 2}}) == "train.lr: 0.001 -> 0.0005"
+
+
+def test_plan_grid_per_row_train_overrides(tmp_path) -> None:
+    """A row's ``train`` mapping changes only that row's train section (e.g. a per-method lr)."""
+    from fedgalore.compare import plan_grid
+    from fedgalore.federated.config import ConfigError, load_config
+
+    base = load_config(tiny_config(tmp_path))
+    opts = {"fedit": {"train": {"lr": 5e-3}}, "galore_hi": {"method": "fedgalore", "scale": 1.0, "train": {"lr": 2e-3, "warmup_ratio": 0.1}}}
+    cells = {c.label: c for c in plan_grid(base, ["fedavg_full", "fedit", "galore_hi"], ["iid"], [0], tmp_path / "g", opts)}
+    assert cells["fedavg_full"].cfg.train.lr == base.train.lr == 1e-3
+    assert cells["fedit"].cfg.train.lr == 5e-3 and cells["fedit"].cfg.method.options == {}
+    hi = cells["galore_hi"].cfg
+    assert hi.train.lr == 2e-3 and hi.train.warmup_ratio == 0.1 and hi.method.options == {"scale": 1.0}
+    assert hi.train.local_steps == base.train.local_steps and hi.train.batch_size == base.train.batch_size  # budget kept
+    with pytest.raises(ConfigError, match="unknown train key 'lrr'"):
+        plan_grid(base, ["fedit"], ["iid"], [0], tmp_path / "g", {"fedit": {"train": {"lrr": 1.0}}})
+    with pytest.raises(ConfigError, match="train must be a mapping"):
+        plan_grid(base, ["fedit"], ["iid"], [0], tmp_path / "g", {"fedit": {"train": 0.1}})
+
+
+@pytest.mark.slow
+def test_compare_shards_split_cells_and_last_writes_report(tmp_path, capsys) -> None:
+    cfg = tiny_config(tmp_path, rounds=1)
+    out = tmp_path / "cmp"
+    argv = ["compare", "--config", str(cfg), "--methods", "fedavg_full,fedgalore", "--settings", "iid",
+            "--seeds", "0,1", "--out", str(out), "--progress", "quiet"]
+    assert main(argv + ["--shard", "1/2"]) == 0, capsys.readouterr().err
+    done = sorted(p.name for p in (out / "runs").iterdir())
+    assert done == ["fedavg_full-iid-s1", "fedgalore-iid-s1"]  # cells 2 and 4 of 4 (grid order)
+    assert not (out / "table.md").exists()  # other shard still pending
+    assert main(argv + ["--shard", "0/2"]) == 0
+    assert len(list((out / "runs").iterdir())) == 4 and (out / "table.md").is_file()
+    assert "--shard" in _error(capsys, argv + ["--shard", "2/2"])
+    assert "--shard" in _error(capsys, argv + ["--shard", "x"])

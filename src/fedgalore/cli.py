@@ -203,8 +203,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     progress = _progress(args.progress, cfg)
     quiet = (args.progress or cfg.output.progress) == "quiet"
     say = (lambda text: None) if quiet else (lambda text: print(text, flush=True))
-    run_grid(cfg, methods, settings, seeds, out, progress, method_options=options, on_cell=say, report=not args.no_report)
-    if not quiet and not args.no_report:
+    shard = None
+    if args.shard:
+        try:
+            i, n = (int(x) for x in args.shard.split("/"))
+        except ValueError:
+            raise ConfigError(f"--shard must be I/N (e.g. 0/2), got {args.shard!r}") from None
+        if not (n >= 1 and 0 <= i < n):
+            raise ConfigError(f"--shard I/N needs 0 <= I < N, got {args.shard!r}")
+        shard = (i, n)
+    run_grid(cfg, methods, settings, seeds, out, progress, method_options=options, on_cell=say, report=not args.no_report,
+             shard=shard)
+    if not quiet and not args.no_report and (out / "table.md").is_file():
         print((out / "table.md").read_text().split("### Runs")[0].rstrip())
     print(f"comparison dir: {out}")
     return 0
@@ -342,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--method-options", metavar="FILE", help="YAML/JSON mapping method -> options (see docs/cli.md)")
     c.add_argument("--progress", choices=PROGRESS_MODES, help="display (default: output.progress, i.e. auto)")
     c.add_argument("--no-report", action="store_true", help="only run the cells (write the report later with fedgalore report DIR)")
+    c.add_argument("--shard", metavar="I/N", help="run only cells I, I+N, ... (start N workers on one --out; the last writes the report)")
     c.set_defaults(func=cmd_compare)
 
     rp = sub.add_parser("report", parents=[common], help="tables and plots for a run or comparison directory")

@@ -19,6 +19,15 @@ An entry with a ``method`` key defines a *row label* that runs that registered m
 options, e.g. the paper's FedGaLore⁻ ablation as ``fedgalore`` with ``sync: none``. Labels are
 what ``methods`` lists and what the table rows show.
 
+An entry's ``train`` mapping overrides the base config's ``train`` section for that row only
+(e.g. ``{"fedit": {"train": {"lr": 1e-3}}}`` — a per-method learning rate); the row's cells
+record it in their configs and the budget (rounds, local epochs, batch size) stays shared unless
+a row changes it explicitly.
+
+Parallel workers. ``shard=(i, n)`` runs only the cells whose index (in grid order) is ``i``
+modulo ``n``; start ``n`` processes on the same ``out_dir`` with ``i = 0..n-1`` and the one that
+finds every cell complete writes the report.
+
 Layout of ``out_dir``::
 
     grid.json               the grid: methods, settings, seeds, options, base config, cells
@@ -115,6 +124,12 @@ def plan_grid(
     for label in methods:
         opts = dict(method_options.get(label, {}))
         method = str(opts.pop("method", label))
+        train_over = opts.pop("train", None) or {}
+        if not isinstance(train_over, Mapping):
+            raise ConfigError(f"row {label!r}: train must be a mapping of train.* overrides, e.g. {{lr: 1.0e-3}}, got {train_over!r}")
+        unknown = sorted(set(train_over) - set(base["train"]))
+        if unknown:
+            raise ConfigError(f"row {label!r}: unknown train key {unknown[0]!r}; valid: {', '.join(sorted(base['train']))}")
         options = dict(base["method"]["options"]) if method.startswith("fedgalore") else {}
         options.update(opts)
         _check_options(label, method, base_cfg.method.rank, options)
@@ -124,6 +139,7 @@ def plan_grid(
                 d = json.loads(json.dumps(base))  # deep copy
                 d["method"]["name"] = method
                 d["method"]["options"] = options
+                d["train"].update(json.loads(json.dumps(dict(train_over))))
                 p = d["federation"]["partition"]
                 p["kind"] = part.kind
                 if part.kind == "dirichlet":
@@ -224,15 +240,21 @@ def run_grid(
     method_options: Mapping[str, Mapping[str, Any]] | None = None,
     report: bool = True,
     on_cell: Callable[[str], None] | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> Path:
     """Run every cell of the grid that has not finished yet; write the report; return ``out_dir``.
 
     ``progress`` is passed to each run; ``on_cell`` receives one line per cell (default: the
-    ``fedgalore`` logger at INFO level).
+    ``fedgalore`` logger at INFO level). ``shard=(i, n)`` runs only cells ``i, i+n, i+2n, ...``
+    (parallel workers on one ``out_dir``); the report is written once every cell is complete.
     """
     from fedgalore.federated.server import run as run_one
 
     out = Path(out_dir)
+    if shard is not None:
+        i, n = shard
+        if not (isinstance(n, int) and isinstance(i, int) and n >= 1 and 0 <= i < n):
+            raise ConfigError(f"shard must be (i, n) with 0 <= i < n, got {shard!r}")
     method_options = dict(method_options or {})
     cells = plan_grid(base_cfg, methods, settings, seeds, out, method_options)
     for cell in cells:  # check every cell before running any (a config clash fails fast)
@@ -243,6 +265,8 @@ def run_grid(
         run_dir = out / "runs" / cell.name
         status = cell_status(run_dir)
         head = f"[cell {i}/{len(cells)}] {cell.label} {cell.setting} seed={cell.seed}"
+        if shard is not None and (i - 1) % shard[1] != shard[0]:
+            continue
         if status == "complete":
             say(f"{head}: complete, skipped ({run_dir})")
             continue
@@ -252,6 +276,11 @@ def run_grid(
         else:
             run_one(cell.cfg, progress=progress)
     if report:
+        pending = [c.name for c in cells if cell_status(out / "runs" / c.name) != "complete"]
+        if pending:
+            say(f"report not written yet: {len(pending)} cell(s) of other shards still running (e.g. {pending[0]}); "
+                f"the last shard to finish writes it, or run: fedgalore report {out}")
+            return out
         from fedgalore.report import build_report
 
         build_report(out)
