@@ -53,3 +53,18 @@ def test_linear_connectivity_endpoints_and_merged_lora_agree() -> None:
         chord_mid = 0.5 * (r["loss"][0] + r["loss"][-1])
         assert r["barrier"] == pytest.approx(r["loss"][1] - chord_mid)
     assert by["full"]["distance"] > 0 and by["galore"]["distance"] > 0
+
+
+def test_head_spreads_over_a_label_sorted_set() -> None:
+    """Held-out subsets must cover every class even when the test set is sorted by label."""
+    import torch
+
+    from fedgalore.experiments._common import head
+    from fedgalore.tasks.base import ArrayDataset
+
+    ds = ArrayDataset({"labels": torch.arange(5).repeat_interleave(20), "x": torch.arange(100)})
+    sub = head(ds, 25)
+    assert isinstance(sub, ArrayDataset) and len(sub) == 25
+    assert torch.bincount(sub.columns["labels"]).tolist() == [5, 5, 5, 5, 5]
+    assert sub.columns["x"][0] == 0 and sub.columns["x"][-1] == 99
+    assert len(head(ds, 1000)) == 100 and [e for e in head(list(range(10)), 3)] == [0, 4, 9]

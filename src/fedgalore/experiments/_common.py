@@ -43,12 +43,16 @@ def batches(task: Task, indices: Sequence[int], batch_size: int, steps: int, see
 
 
 def head(examples: Sequence[Any], n: int) -> Sequence[Any]:
-    """The first ``n`` examples, keeping the dataset type (tasks batch their own datasets faster)."""
+    """``n`` examples spread evenly over the set (not the first ``n``: test sets may be sorted by
+    label), keeping the dataset type (tasks batch their own datasets faster)."""
     from fedgalore.tasks.base import ArrayDataset
 
+    total = len(examples)
+    idx = np.unique(np.linspace(0, total - 1, num=min(n, total)).round().astype(int)) if total else np.zeros(0, dtype=int)
     if isinstance(examples, ArrayDataset):
-        return type(examples)({k: v[:n] for k, v in examples.columns.items()})
-    return [examples[i] for i in range(min(n, len(examples)))]
+        t = torch.as_tensor(idx, dtype=torch.long)
+        return type(examples)({k: v[t] for k, v in examples.columns.items()})
+    return [examples[int(i)] for i in idx]
 
 
 @torch.no_grad()
