@@ -55,10 +55,15 @@ HETERO_METHODS = ["fedgalore", "fedit", "ffa_lora", "fedavg_full"]
 HETERO_NEW = ["dirichlet:0.1", "dirichlet:0.3", "dirichlet:1", "dirichlet:10"]
 # ablation rows: label -> fedgalore options on top of the base config's (moment transfer, sync,
 # projector scope, GaLore scale). "fedgalore" and "fedgalore_minus" come from the main grid.
+# The moment-transfer rule acts at projector refreshes *within* a client's round; with the base
+# tau = 50 and ~6 local steps there is only the round's first refresh (where the synchronised v
+# is loaded by linear projection + clamp, whatever the rule), so the transfer rows use tau = 2
+# (3 refreshes per client-round) and are compared with each other, not with the tau = 50 rows.
 ABLATIONS = {
-    "fedgalore_mt_linear": {"moment_transfer": "linear"},
-    "fedgalore_mt_keep": {"moment_transfer": "keep"},
-    "fedgalore_mt_reset": {"moment_transfer": "reset"},
+    "fedgalore_tau2_squared": {"update_proj_gap": 2, "moment_transfer": "squared"},
+    "fedgalore_tau2_linear": {"update_proj_gap": 2, "moment_transfer": "linear"},
+    "fedgalore_tau2_keep": {"update_proj_gap": 2, "moment_transfer": "keep"},
+    "fedgalore_tau2_reset": {"update_proj_gap": 2, "moment_transfer": "reset"},
     "fedgalore_sync_mean": {"sync": "mean"},
     "fedgalore_sync_mean_svd": {"sync": "mean_svd"},
     "fedgalore_ajive_auto": {"joint_rank": "auto"},
