@@ -85,14 +85,15 @@ def _run_stage(out: Path, methods: list[str], settings: list[str], seeds: list[i
             "--settings", ",".join(settings), "--seeds", ",".join(map(str, seeds)), "--out", str(out),
             "--method-options", str(opt_file), "--progress", "plain", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    procs = []
+    procs = []  # workers share the cells through run_grid's per-cell claims (no cell runs twice)
     for i in range(workers):
-        log = open(out / f"worker{i}.log", "a")
-        procs.append(subprocess.Popen([*base, "--shard", f"{i}/{workers}"], env=env, stdout=log, stderr=subprocess.STDOUT))
+        log = open(out / f"worker{i}-{os.getpid()}.log", "a")
+        procs.append(subprocess.Popen(base, env=env, stdout=log, stderr=subprocess.STDOUT))
     rcs = [p.wait() for p in procs]
     if any(rcs):
         raise SystemExit(f"stage {out.name}: a worker failed (exit codes {rcs}); see {out}/worker*.log")
-    # the last worker to finish wrote the report unless they finished together; make sure
+    # rebuild the report from every finished cell (another driver may still be running a last cell;
+    # it rewrites the report when it ends)
     subprocess.check_call([sys.executable, "-m", "fedgalore", "report", str(out)], env=env, stdout=subprocess.DEVNULL)
     dest = RESULTS / out.name
     dest.mkdir(parents=True, exist_ok=True)

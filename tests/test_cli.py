@@ -368,10 +368,33 @@ def test_compare_shards_split_cells_and_last_writes_report(tmp_path, capsys) -> 
     argv = ["compare", "--config", str(cfg), "--methods", "fedavg_full,fedgalore", "--settings", "iid",
             "--seeds", "0,1", "--out", str(out), "--progress", "quiet"]
     assert main(argv + ["--shard", "1/2"]) == 0, capsys.readouterr().err
-    done = sorted(p.name for p in (out / "runs").iterdir())
+    done = sorted(p.name for p in (out / "runs").iterdir() if not p.name.startswith("."))
     assert done == ["fedavg_full-iid-s1", "fedgalore-iid-s1"]  # cells 2 and 4 of 4 (grid order)
     assert not (out / "table.md").exists()  # other shard still pending
     assert main(argv + ["--shard", "0/2"]) == 0
-    assert len(list((out / "runs").iterdir())) == 4 and (out / "table.md").is_file()
+    assert len([p for p in (out / "runs").iterdir() if not p.name.startswith(".")]) == 4 and (out / "table.md").is_file()
+    assert not any((out / ".claims").iterdir())  # claims released
     assert "--shard" in _error(capsys, argv + ["--shard", "2/2"])
     assert "--shard" in _error(capsys, argv + ["--shard", "x"])
+
+
+@pytest.mark.slow
+def test_compare_workers_skip_cells_claimed_by_a_live_process(tmp_path, capsys) -> None:
+    """Two workers on one grid never run a cell twice: a live claim is skipped (and the report
+    waits for it), a claim left by a dead process is taken over."""
+    cfg = tiny_config(tmp_path, rounds=1)
+    out = tmp_path / "cmp"
+    claims = out / ".claims"
+    claims.mkdir(parents=True)
+    (claims / "fedavg_full-iid-s0").write_text(str(os.getppid()))  # a live process holds it
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (claims / "fedgalore-iid-s0").write_text(str(dead.pid))  # its holder has exited
+    argv = ["compare", "--config", str(cfg), "--methods", "fedavg_full,fedgalore", "--settings", "iid",
+            "--out", str(out), "--progress", "plain"]
+    assert main(argv) == 0, capsys.readouterr().err
+    text = capsys.readouterr().out
+    assert "fedavg_full iid seed=0: claimed by another worker, skipped" in text
+    assert not (out / "runs" / "fedavg_full-iid-s0").exists() and (out / "runs" / "fedgalore-iid-s0" / "summary.json").is_file()
+    assert not (out / "table.md").exists() and "report not written yet" in text
+    assert (claims / "fedavg_full-iid-s0").is_file() and not (claims / "fedgalore-iid-s0").exists()

@@ -24,9 +24,12 @@ An entry's ``train`` mapping overrides the base config's ``train`` section for t
 record it in their configs and the budget (rounds, local epochs, batch size) stays shared unless
 a row changes it explicitly.
 
-Parallel workers. ``shard=(i, n)`` runs only the cells whose index (in grid order) is ``i``
-modulo ``n``; start ``n`` processes on the same ``out_dir`` with ``i = 0..n-1`` and the one that
-finds every cell complete writes the report.
+Parallel workers. Before running a cell a process claims it (``.claims/<cell>`` in
+``out_dir``, created atomically, holding the process id); a cell claimed by another live process
+is skipped, a claim left by a dead process is taken over. So several ``run_grid`` processes on one ``out_dir`` share
+the cells without running any twice, and whichever finds every cell complete writes the report.
+``shard=(i, n)`` additionally restricts a process to cells whose index (in grid order) is ``i``
+modulo ``n``.
 
 Layout of ``out_dir``::
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -150,6 +154,41 @@ def plan_grid(
                 d["output"]["run_name"] = name
                 cells.append(Cell(label, method, setting, int(seed), name, FederatedConfig.from_dict(d)))
     return cells
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _claim(out: Path, name: str) -> Path | None:
+    """Atomically claim cell ``name`` for this process; ``None`` if a live process holds it."""
+    d = out / ".claims"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / name
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                holder = int(path.read_text().strip() or "0")
+            except (OSError, ValueError):
+                holder = 0
+            if holder == os.getpid():
+                return path
+            if holder and _pid_alive(holder):
+                return None
+            path.unlink(missing_ok=True)  # stale claim of a dead process
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return path
+    return None
 
 
 def cell_status(run_dir: Path) -> str:
@@ -270,11 +309,22 @@ def run_grid(
         if status == "complete":
             say(f"{head}: complete, skipped ({run_dir})")
             continue
-        say(f"{head}: {'resuming' if status == 'running' else 'running'} -> {run_dir}")
-        if status == "running":
-            run_one(cell.cfg, resume=run_dir, progress=progress)
-        else:
-            run_one(cell.cfg, progress=progress)
+        claim = _claim(out, cell.name)
+        if claim is None:
+            say(f"{head}: claimed by another worker, skipped")
+            continue
+        try:
+            status = cell_status(run_dir)  # another worker may have finished it meanwhile
+            if status == "complete":
+                say(f"{head}: complete, skipped ({run_dir})")
+                continue
+            say(f"{head}: {'resuming' if status == 'running' else 'running'} -> {run_dir}")
+            if status == "running":
+                run_one(cell.cfg, resume=run_dir, progress=progress)
+            else:
+                run_one(cell.cfg, progress=progress)
+        finally:
+            claim.unlink(missing_ok=True)
     if report:
         pending = [c.name for c in cells if cell_status(out / "runs" / c.name) != "complete"]
         if pending:
