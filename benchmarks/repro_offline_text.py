@@ -6,7 +6,8 @@ Usage (from the repo root; each stage skips the cells that already finished)::
     python benchmarks/repro_offline_text.py main        # 8 methods x {IID, Dir 0.5} x 3 seeds
     python benchmarks/repro_offline_text.py ablations   # FedGaLore moment transfer / sync / scope / scale
     python benchmarks/repro_offline_text.py hetero      # alpha sweep for 4 methods
-    python benchmarks/repro_offline_text.py all         # the four in this order
+    python benchmarks/repro_offline_text.py stepsize    # sync vs step size: client update norms
+    python benchmarks/repro_offline_text.py all         # the five in this order
     options: --workers N (parallel single-threaded worker processes, default 2)
 
 Budget: ``conf/repro/offline_text_50.yaml`` (MiniLM-L6 x BBC News, 50 clients, 5 per round,
@@ -22,6 +23,7 @@ Later stages reuse the main grid's cells the same way, so every number of a give
 Runs go to ``benchmarks/runs/repro_text/<stage>/`` (ignored); each stage's report (table.md,
 comparison.json, plots) is copied to ``benchmarks/results/repro_text/<stage>/``.
 """
+# fedgalore-bench: not-in-all (a long study with stages; run it by name)
 from __future__ import annotations
 
 import argparse
@@ -30,6 +32,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,8 +52,27 @@ LRS.update({m: [2.0e-2, 1.0e-1, 5.0e-1] for m in SGD_METHODS})
 
 def _lr_key(method: str) -> str:
     return "sgd_lr" if method in SGD_METHODS else "lr"
+
+
 MAIN_SETTINGS = ["iid", "dirichlet:0.5"]
 MAIN_SEEDS = [0, 1, 2]
+
+
+@dataclass(frozen=True)
+class Study:
+    """One task's grids: its budget config, run and result folders, probe rates and seeds."""
+
+    name: str
+    config: Path
+    runs: Path
+    results: Path
+    lrs: dict = field(default_factory=lambda: dict(LRS))
+    seeds: tuple = tuple(MAIN_SEEDS)
+    settings: tuple = tuple(MAIN_SETTINGS)
+    title: str = "MiniLM-L6 x BBC News"
+
+
+TEXT = Study("text", CONFIG, RUNS, RESULTS)
 HETERO_METHODS = ["fedgalore", "fedit", "ffa_lora", "fedavg_full"]
 HETERO_NEW = ["dirichlet:0.1", "dirichlet:0.3", "dirichlet:1", "dirichlet:10"]
 # ablation rows: label -> fedgalore options on top of the base config's (moment transfer, sync,
@@ -77,11 +99,11 @@ def _lr_label(method: str, lr: float) -> str:
 
 
 def _run_stage(out: Path, methods: list[str], settings: list[str], seeds: list[int], options: dict, workers: int,
-               overrides: tuple[str, ...] = ()) -> None:
+               overrides: tuple[str, ...] = (), study: Study = TEXT) -> None:
     out.mkdir(parents=True, exist_ok=True)
     opt_file = out / "method_options.json"
     opt_file.write_text(json.dumps(options, indent=1))
-    base = [sys.executable, "-m", "fedgalore", "compare", "--config", str(CONFIG), "--methods", ",".join(methods),
+    base = [sys.executable, "-m", "fedgalore", "compare", "--config", str(study.config), "--methods", ",".join(methods),
             "--settings", ",".join(settings), "--seeds", ",".join(map(str, seeds)), "--out", str(out),
             "--method-options", str(opt_file), "--progress", "plain", *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
@@ -95,7 +117,7 @@ def _run_stage(out: Path, methods: list[str], settings: list[str], seeds: list[i
     # rebuild the report from every finished cell (another driver may still be running a last cell;
     # it rewrites the report when it ends)
     subprocess.check_call([sys.executable, "-m", "fedgalore", "report", str(out)], env=env, stdout=subprocess.DEVNULL)
-    dest = RESULTS / out.name
+    dest = study.results / out.name
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("table.md", "table.tex", "comparison.json", "method_options.json"):
         if (out / name).is_file():
@@ -105,10 +127,11 @@ def _run_stage(out: Path, methods: list[str], settings: list[str], seeds: list[i
             shutil.copy2(png, dest / png.name)
 
 
-def _reuse(src_stage: str, src_label: str, dst: Path, dst_label: str, setting: str, seed: int) -> None:
+def _reuse(src_stage: str, src_label: str, dst: Path, dst_label: str, setting: str, seed: int,
+           study: Study = TEXT) -> None:
     """Hard-link a finished cell of another stage into ``dst`` (same config except the name)."""
     slug = setting.replace(":", "")
-    src = RUNS / src_stage / "runs" / f"{src_label}-{slug}-s{seed}"
+    src = study.runs / src_stage / "runs" / f"{src_label}-{slug}-s{seed}"
     target = dst / "runs" / f"{dst_label}-{slug}-s{seed}"
     if target.exists() or not (src / "summary.json").is_file():
         return
@@ -118,28 +141,28 @@ def _reuse(src_stage: str, src_label: str, dst: Path, dst_label: str, setting: s
     shutil.copytree(src, target, copy_function=os.link)
 
 
-def _lr_choice() -> dict[str, float]:
-    path = RESULTS / "lr_choice.json"
+def _lr_choice(study: Study = TEXT) -> dict[str, float]:
+    path = study.results / "lr_choice.json"
     if not path.is_file():
-        raise SystemExit("run the lr stage first (python benchmarks/repro_offline_text.py lr)")
+        raise SystemExit(f"run the lr stage first (python benchmarks/repro_offline_{study.name}.py lr)")
     return {m: float(v["lr"]) for m, v in json.loads(path.read_text())["choice"].items()}
 
 
-def stage_lr(workers: int) -> None:
-    out = RUNS / "lr"
+def stage_lr(workers: int, study: Study = TEXT) -> None:
+    out = study.runs / "lr"
     rows = {}
     for m in METHODS:
-        for lr in LRS[m]:
+        for lr in study.lrs[m]:
             rows[_lr_label(m, lr)] = {"method": m, "train": {_lr_key(m): lr}}
-    _run_stage(out, list(rows), ["dirichlet:0.5"], [0], rows, workers)
+    _run_stage(out, list(rows), ["dirichlet:0.5"], [0], rows, workers, study=study)
     finals = {run["label"]: run["final"] for run in _runs(out)}
     choice = {}
     for m in METHODS:
-        scores = {lr: finals[_lr_label(m, lr)] for lr in LRS[m]}
-        best = max(LRS[m], key=lambda lr: (scores[lr], -lr))
-        choice[m] = {"lr": best, "key": f"train.{_lr_key(m)}", "final_accuracy": {f"{lr:g}": scores[lr] for lr in LRS[m]}}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "lr_choice.json").write_text(json.dumps({"setting": "dirichlet:0.5", "seed": 0, "choice": choice}, indent=1))
+        scores = {lr: finals[_lr_label(m, lr)] for lr in study.lrs[m]}
+        best = max(study.lrs[m], key=lambda lr: (scores[lr], -lr))
+        choice[m] = {"lr": best, "key": f"train.{_lr_key(m)}", "final_accuracy": {f"{lr:g}": scores[lr] for lr in study.lrs[m]}}
+    study.results.mkdir(parents=True, exist_ok=True)
+    (study.results / "lr_choice.json").write_text(json.dumps({"setting": "dirichlet:0.5", "seed": 0, "choice": choice}, indent=1))
     print(json.dumps(choice, indent=1))
 
 
@@ -153,13 +176,13 @@ def _runs(out: Path) -> list[dict]:
     return res
 
 
-def stage_main(workers: int) -> None:
-    lr = _lr_choice()
-    out = RUNS / "main"
+def stage_main(workers: int, study: Study = TEXT) -> None:
+    lr = _lr_choice(study)
+    out = study.runs / "main"
     for m in METHODS:
-        _reuse("lr", _lr_label(m, lr[m]), out, m, "dirichlet:0.5", 0)
+        _reuse("lr", _lr_label(m, lr[m]), out, m, "dirichlet:0.5", 0, study=study)
     opts = {m: {"train": {_lr_key(m): lr[m]}} for m in METHODS}
-    _run_stage(out, METHODS, MAIN_SETTINGS, MAIN_SEEDS, opts, workers)
+    _run_stage(out, METHODS, list(study.settings), list(study.seeds), opts, workers, study=study)
 
 
 def stage_ablations(workers: int) -> None:
@@ -187,6 +210,56 @@ def stage_hetero(workers: int) -> None:
     _run_stage(out, HETERO_METHODS, ["iid", *HETERO_NEW[:2], "dirichlet:0.5", *HETERO_NEW[2:]], [0], opts, workers,
                overrides=("federation.partition.min_size=1", "federation.partition.max_retries=1000"))
     alpha_sweep_figure(out, RESULTS / "hetero")
+
+
+STEPSIZE_ROWS = [("fedgalore", 1.0e-3), ("fedgalore", 5.0e-3), ("fedgalore_minus", 1.0e-3), ("fedgalore_minus", 5.0e-3)]
+
+
+def stage_stepsize(workers: int) -> None:
+    """Is FedGaLore's second-moment sync a larger effective step? FedGaLore and FedGaLore-minus at
+    both probed rates (Dirichlet 0.5, seed 0: the probe's cells, re-run here because the probe's
+    run folders may be gone); the clients' mean update norm ||Delta W_i||_F per round against
+    the final accuracy (``results/repro_text/stepsize/stepsize.{json,png}``)."""
+    out = RUNS / "stepsize"
+    rows = {}
+    for m, lr in STEPSIZE_ROWS:
+        _reuse("lr", _lr_label(m, lr), out, _lr_label(m, lr), "dirichlet:0.5", 0)
+        rows[_lr_label(m, lr)] = {"method": m, "train": {"lr": lr}}
+    _run_stage(out, list(rows), ["dirichlet:0.5"], [0], rows, workers)
+    stepsize_figure(out, RESULTS / "stepsize")
+
+
+def stepsize_figure(out: Path, dest: Path) -> dict:
+    """Per-round client update norm (mean over the round's clients) for every run of ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = json.loads((out / "grid.json").read_text())
+    result = {}
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for c in grid["cells"]:
+        run = out / c["run_dir"]
+        diag = [json.loads(line) for line in (run / "diagnostics.jsonl").read_text().splitlines() if line.strip()]
+        diag = [d for d in diag if "client_update_norm_mean" in d]
+        norms = [d["client_update_norm_mean"] for d in diag]
+        final = json.loads((run / "summary.json").read_text())["final"]["accuracy"]
+        result[c["label"]] = {"round": [d["round"] for d in diag], "client_update_norm_mean": norms,
+                              "mismatch_after": [d.get("mismatch_after") for d in diag], "final_accuracy": final}
+        ax.plot(result[c["label"]]["round"], norms, marker="o", label=f"{c['label']} ({100 * final:.1f} %)")
+    ax.set_yscale("log")
+    ax.set_xlabel("round")
+    ax.set_ylabel("mean client update norm ||ΔW_i||_F")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Second-moment sync vs step size (Dirichlet 0.5, seed 0)")
+    fig.tight_layout()
+    dest.mkdir(parents=True, exist_ok=True)
+    fig.savefig(dest / "stepsize.png", dpi=120)
+    plt.close(fig)
+    (dest / "stepsize.json").write_text(json.dumps(result, indent=1))
+    return result
 
 
 def alpha_sweep_figure(out: Path, dest: Path) -> dict:
@@ -221,10 +294,10 @@ def alpha_sweep_figure(out: Path, dest: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["lr", "main", "ablations", "hetero", "all"])
+    ap.add_argument("stage", choices=["lr", "main", "ablations", "hetero", "stepsize", "all"])
     ap.add_argument("--workers", type=int, default=2)
     a = ap.parse_args(argv)
-    stages = ["lr", "main", "ablations", "hetero"] if a.stage == "all" else [a.stage]
+    stages = ["lr", "main", "ablations", "hetero", "stepsize"] if a.stage == "all" else [a.stage]
     for s in stages:
         print(f"== stage {s}", flush=True)
         globals()[f"stage_{s}"](a.workers)

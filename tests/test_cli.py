@@ -155,6 +155,18 @@ def test_bench_dispatch_runs_script_with_args(tmp_path, capsys, monkeypatch) -> 
     assert r.returncode == 3 and "ARGS ['--n', '5']" in r.stdout
 
 
+def test_bench_all_skips_staged_studies(tmp_path) -> None:
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "quick.py").write_text("print('QUICK RAN')\n")
+    (bench / "study.py").write_text("# fedgalore-bench: not-in-all\nimport sys\nsys.exit('needs a stage')\n")
+    r = cli("bench", "all", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "QUICK RAN" in r.stdout and "skipped: study" in r.stdout
+    r = cli("bench", "study", cwd=tmp_path)  # by name it runs (and fails as written)
+    assert r.returncode == 1 and "needs a stage" in r.stderr
+
+
 def test_repro_dispatch(monkeypatch, capsys) -> None:
     calls = []
     mod = types.ModuleType("fedgalore.experiments.fake_study")

@@ -1,0 +1,71 @@
+"""The issue-8 grid driver's summaries (benchmarks/repro_offline_text.py): the heterogeneity sweep
+and the step-size study read every finished cell of a stage from its run folders."""
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture()
+def driver(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("repro_offline_text")
+
+
+def _stage(tmp_path: Path, cells: list[tuple[str, str, float, list[float]]]) -> Path:
+    out = tmp_path / "stage"
+    grid = []
+    for label, setting, acc, norms in cells:
+        rd = f"runs/{label}-{setting.replace(':', '')}-s0"
+        (out / rd).mkdir(parents=True)
+        (out / rd / "summary.json").write_text(json.dumps({"status": "complete", "final": {"accuracy": acc}}))
+        (out / rd / "diagnostics.jsonl").write_text(
+            "".join(json.dumps({"round": i + 1, "client_update_norm_mean": n, "mismatch_after": 0.5}) + "\n"
+                    for i, n in enumerate(norms)))
+        grid.append({"label": label, "setting": setting, "seed": 0, "run_dir": rd})
+    (out / "grid.json").write_text(json.dumps({"cells": grid}))
+    return out
+
+
+def test_alpha_sweep_orders_settings_by_alpha_with_iid_last(driver, tmp_path) -> None:
+    out = _stage(tmp_path, [("a", "iid", 0.9, [1]), ("a", "dirichlet:10", 0.85, [1]), ("a", "dirichlet:0.1", 0.3, [1]),
+                            ("b", "dirichlet:0.5", 0.6, [1]), ("b", "iid", 0.95, [1])])
+    res = driver.alpha_sweep_figure(out, tmp_path / "res")
+    assert res["settings"] == ["dirichlet:0.1", "dirichlet:0.5", "dirichlet:10", "iid"]
+    assert res["final_accuracy"] == {"a": {"iid": 0.9, "dirichlet:10": 0.85, "dirichlet:0.1": 0.3},
+                                     "b": {"dirichlet:0.5": 0.6, "iid": 0.95}}
+    assert (tmp_path / "res" / "alpha_sweep.png").stat().st_size > 0
+    assert json.loads((tmp_path / "res" / "alpha_sweep.json").read_text()) == res
+
+
+def test_stepsize_reads_update_norms_per_round(driver, tmp_path) -> None:
+    out = _stage(tmp_path, [("fedgalore_lr1e-3", "dirichlet:0.5", 0.8, [0.3, 4.0, 3.0]),
+                            ("fedgalore_minus_lr1e-3", "dirichlet:0.5", 0.3, [0.3, 0.5, 0.4])])
+    res = driver.stepsize_figure(out, tmp_path / "res")
+    assert res["fedgalore_lr1e-3"]["client_update_norm_mean"] == [0.3, 4.0, 3.0]
+    assert res["fedgalore_lr1e-3"]["round"] == [1, 2, 3]
+    assert res["fedgalore_minus_lr1e-3"]["final_accuracy"] == 0.3
+    assert (tmp_path / "res" / "stepsize.png").is_file()
+
+
+def test_lr_labels_and_keys(driver) -> None:
+    assert driver._lr_label("fedit", 5e-3) == "fedit_lr5e-3"
+    assert driver._lr_label("ffa_lora", 0.5) == "ffa_lora_sgdlr5e-1"
+    assert driver._lr_key("lora_fair") == "sgd_lr" and driver._lr_key("fedgalore") == "lr"
+    assert sys.modules["repro_offline_text"].TEXT.config.is_file()
+
+
+def test_vision_study_covers_every_method(driver) -> None:
+    vision = importlib.import_module("repro_offline_vision").VISION
+    assert vision.config.is_file() and vision.runs.name == "repro_vision"
+    assert set(vision.lrs) == set(driver.METHODS) and all(vision.lrs.values())
+    from fedgalore.federated.config import load_config
+
+    cfg = load_config(vision.config)
+    assert (cfg.federation.num_clients, cfg.federation.clients_per_round, cfg.train.local_epochs) == (50, 5, 2)
