@@ -155,6 +155,9 @@ def test_incomplete_runs_excluded_from_comparison(tmp_path: Path) -> None:
     assert comp["cells"]["fedit"]["tiny_text"]["iid"]["values"] == [0.8]
     assert comp["excluded_incomplete"] == 1
     assert "1 unfinished run(s) not included" in (tmp_path / "table.md").read_text()
+    # run folders are given relative to the report (a copied report holds no machine paths)
+    assert sorted(r["run_dir"] for r in comp["runs"]) == ["runs/fedit-iid-s0", "runs/fedit-iid-s1"]
+    assert str(tmp_path) not in (tmp_path / "table.md").read_text()
 
 
 def test_lower_is_better_and_multiple_noniid_settings(tmp_path: Path) -> None:

@@ -191,6 +191,11 @@ def build_report(
     out.mkdir(parents=True, exist_ok=True)
     order = grid_method_order(root)
     comp = tables.aggregate(runs, which=which, method_order=order, include_incomplete=single)
+    for row in comp["runs"]:  # run folders relative to the report, so a copied report stays valid
+        try:
+            row["run_dir"] = Path(row["run_dir"]).resolve().relative_to(out.resolve()).as_posix()
+        except ValueError:
+            pass
     files = tables.write_tables(comp, out)
     if plots:
         from fedgalore.report import plots as _plots
