@@ -46,6 +46,17 @@ __all__ = ["Federation", "RunResult", "run", "resume", "round_seed", "sample_cli
 log = logging.getLogger("fedgalore")
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 @dataclass
 class RunResult:
     run_dir: Path
@@ -149,6 +160,10 @@ class Federation:
             "platform": platform.platform(),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
+            # the CPU and the kernel set torch dispatches to: results are bitwise reproducible on
+            # one machine, but float kernels differ across CPUs (last digits, which chaotic runs amplify)
+            "cpu": _cpu_model(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "seed": self.cfg.seed,
             "method": self.method.describe(),
             "target_modules": self.runtime.target_modules,
