@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 TINY = {"n_train": 64, "n_test": 24, "hidden_size": 16, "num_layers": 1, "seq_len": 8}
 
@@ -23,7 +24,10 @@ def test_projector_schedules_same_start_same_batches() -> None:
     from fedgalore.experiments.projector_schedules import Config, run
 
     cfg = Config(task="tiny_text", task_options=TINY, steps=4, tau=2, rank=2, seeds=(0,), eval_examples=8, shards=2, alpha=10.0)
+    before = torch.random.get_rng_state()
     res = run(cfg)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's global RNG is left alone
+    assert run(cfg)["runs"][0]["loss"] == res["runs"][0]["loss"]  # and the study is reproducible
     runs = {r["variant"]: r for r in res["runs"]}
     assert set(runs) == {"rsvd_then_random", "svd", "rsvd", "random"}
     first = {v: r["loss"][0] for v, r in runs.items()}
@@ -43,7 +47,9 @@ def test_linear_connectivity_endpoints_and_merged_lora_agree() -> None:
 
     cfg = Config(task="tiny_text", task_options=TINY, rank=2, examples_per_client=16, epochs=1, batch_size=8,
                  lrs=(1e-2,), seeds=(0,), points=3, eval_examples=16)
+    before = torch.random.get_rng_state()
     res = run(cfg)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's global RNG is left alone
     by = {r["method"]: r for r in res["results"]}
     assert set(by) == {"full", "galore", "lora", "lora_merged"}
     for a, b in ((0, 0), (-1, -1)):

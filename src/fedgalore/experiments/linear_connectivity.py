@@ -162,6 +162,15 @@ def _line(task, model, a: dict, b: dict, lams, held_out, merged_into=None):
 
 
 def run(cfg: Config) -> dict:
+    """Two clients per seed, one local round each from a common start, per method and lr; the
+    held-out loss along θ(λ) = (1−λ)θ_A + λθ_B and its barrier (paper Fig. 3c)."""
+    # the models' initialisation and dropout draw from torch's global RNG, which each seed
+    # reseeds; fork it so the caller's global RNG state is left as it was
+    with torch.random.fork_rng(devices=[]):
+        return _run(cfg)
+
+
+def _run(cfg: Config) -> dict:
     torch.set_num_threads(1)
     prep = prepare_task(cfg.task, **cfg.task_options)
     task = prep.task

@@ -75,6 +75,13 @@ def _optimizer(model: torch.nn.Module, prep, projector: str, cfg: Config, seed: 
 
 def run(cfg: Config) -> dict:
     """All variants × seeds; returns the JSON-able result (curves, times, final losses)."""
+    # the models' initialisation and dropout draw from torch's global RNG, which each seed
+    # reseeds; fork it so the caller's global RNG state is left as it was
+    with torch.random.fork_rng(devices=[]):
+        return _run(cfg)
+
+
+def _run(cfg: Config) -> dict:
     torch.set_num_threads(1)
     prep = prepare_task(cfg.task, **cfg.task_options)
     task = prep.task
