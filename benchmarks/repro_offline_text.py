@@ -17,8 +17,10 @@ at {2e-4, 1e-3, 5e-3} (FedAvg-Full: {2e-4, 1e-3}; Dirichlet 0.5, seed 0) and kee
 (``benchmarks/results/repro_text/lr_choice.json``). That selection uses the test split (there is no
 separate validation split at this scale) and seed 0, which is also one of the three seeds of the
 main grid: its Dirichlet-0.5 seed-0 cells are the probe's runs (copied, same config but the name).
-Later stages reuse the main grid's cells the same way, so every number of a given
-(method, setting, seed) comes from one run.
+The ablations reuse the main grid's FedGaLore cells the same way, so every number of a given
+(method, setting, seed) comes from one run; the heterogeneity sweep draws its partitions with
+``min_size 1`` and so has its own cells (see ``stage_hetero``), and the step-size stage re-runs
+four probe cells for their per-round diagnostics when the probe's run folders are gone.
 
 Runs go to ``benchmarks/runs/repro_text/<stage>/`` (ignored); each stage's report (table.md,
 comparison.json, plots) is copied to ``benchmarks/results/repro_text/<stage>/``.
@@ -69,7 +71,6 @@ class Study:
     lrs: dict = field(default_factory=lambda: dict(LRS))
     seeds: tuple = tuple(MAIN_SEEDS)
     settings: tuple = tuple(MAIN_SETTINGS)
-    title: str = "MiniLM-L6 x BBC News"
 
 
 TEXT = Study("text", CONFIG, RUNS, RESULTS)
