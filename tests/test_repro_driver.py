@@ -69,3 +69,23 @@ def test_vision_study_covers_every_method(driver) -> None:
 
     cfg = load_config(vision.config)
     assert (cfg.federation.num_clients, cfg.federation.clients_per_round, cfg.train.local_epochs) == (50, 5, 2)
+
+
+def test_math_driver_runs_the_command_it_documents(driver) -> None:
+    """The math study's docstring gives the `fedgalore compare` command by hand; the driver must run
+    exactly that grid, or a user extending the grid by hand would collide with the driver's cells."""
+    import re
+
+    math = importlib.import_module("repro_offline_math")
+    doc = " ".join(math.__doc__.replace("\\\n", " ").split())
+    cmd = re.search(r"fedgalore compare (.*?) Runs go", doc).group(1).split()
+    assert cmd[cmd.index("--methods") + 1].split(",") == math.METHODS
+    assert cmd[cmd.index("--settings") + 1].split(",") == math.SETTINGS
+    assert cmd[cmd.index("--out") + 1] == str(math.OUT) and not math.OUT.is_absolute()
+    assert tuple(a for a in cmd if "=" in a) == math.OVERRIDES
+    assert math.MATH.results / math.OUT.name == BENCH / "results" / "repro_math"
+    from fedgalore.federated.config import load_config
+
+    cfg = load_config(math.MATH.config, math.OVERRIDES)
+    assert cfg.task.options["n_test"] == 30 and cfg.federation.eval_every == cfg.federation.rounds == 4
+    assert cfg.train.lr == 1e-4  # the paper's shared NLG rate, every method
