@@ -9,7 +9,7 @@ Budget: ``conf/pipeline/offline_math.yaml`` (SmolLM2-135M-Instruct on reasoning-
 word problems, 4 clients, full participation, R = 4 rounds x 6 local steps of batch 4, rank 8 on
 every attention and MLP matrix) evaluated once, after the last round, by greedy generation on 30
 held-out problems (exact match of the final number) and by the response-token loss on them.
-Every method runs at the paper's shared NLG rate 1e-4: one run takes ~17 min on one core, so there
+Every method runs at the paper's shared NLG rate 1e-4: one run takes 14–17 min on one core, so there
 is no learning-rate probe and one seed; the table is a small-sample check, not a ranking.
 
 This is the command the driver runs (two such processes share the cells), so a user can run or
