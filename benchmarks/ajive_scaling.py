@@ -16,6 +16,12 @@ Cells (all float32 for ours, float64 for mvlearn, which casts; one process, side
 (d) Llama-7B block ``4096 × 11008`` (left side: basis ``4096 × 32``, moments ``32 × 11008``),
     r = 32, views 4 and 50, factored only: :func:`synchronize_moments` mode ``ajive`` (the full
     server operation, diagnostics included) and ``mean``.
+(e) ``--llama-only`` (issue 18): the same block, side by side and interleaved in one process —
+    :func:`fedgalore.sync.ajive` now vs the baseline ``ajive.py`` of git revision
+    ``BASELINE_REV`` (loaded from git, not kept in the package), the full server sync with each,
+    the sync without diagnostics, and the diagnostics in the closed form proposed for
+    ``sync/moments.py`` (:func:`proposed_shared_basis_diagnostics`) with their agreement with the
+    current ones. Writes ``benchmarks/results/ajive_llama_sync.json``.
 
 Dense data for (a)/(b): ``V_i = (C + 0.3 O_i) P + 0.01 Ξ_i`` with ``C``, ``O_i`` ``n × R0``
 uniform, ``P`` a random orthonormal ``R0 × n`` basis, ``Ξ_i`` standard normal — rank-``R0`` signal
@@ -200,18 +206,155 @@ def llama(quick: bool) -> list[dict]:
     return rows
 
 
+BASELINE_REV = "c4baba6"  # the last ajive.py before the issue-18 speed-ups
+
+
+def _baseline_ajive():
+    """``ajive`` from ``BASELINE_REV``'s ``src/fedgalore/sync/ajive.py`` (None without git)."""
+    import importlib.util
+    import subprocess
+    import tempfile
+
+    try:
+        code = subprocess.run(["git", "show", f"{BASELINE_REV}:src/fedgalore/sync/ajive.py"], check=True,
+                              capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1]).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    path = Path(tempfile.mkdtemp()) / "ajive_baseline.py"
+    path.write_text(code)
+    spec = importlib.util.spec_from_file_location("fedgalore_ajive_baseline", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod.ajive
+
+
+def proposed_shared_basis_diagnostics(pairs, p, state) -> dict:
+    """The sync diagnostics of ``sync/moments.py`` in closed form for views on one right factor
+    ``B`` (every call from ``synchronize_moments``): ``V_i − V̄ = (A_i − Ā)Bᵀ`` and, since ``v̄``
+    lies in span(B), ``V_i − v̄ = (A_i − X̄)Bᵀ`` with ``X̄ = v̄ B (BᵀB)⁻¹``; ``‖X Bᵀ‖_F = ‖X L‖_F``
+    for ``BᵀB = L Lᵀ`` (``L = I`` for an orthonormal basis). ``O(K m r)``, no ``K × K`` Gram in
+    float64 and no cancellation in ``G_ii − 2 G_i·p + pᵀGp``. Proposed for moments.py (not ours)."""
+    b = pairs[0][1]
+    btb = b.double().T @ b.double()
+    eye = torch.eye(btb.shape[0], dtype=torch.float64, device=btb.device)
+    chol = None if float((btb - eye).abs().max()) < 1e-6 else torch.linalg.cholesky(btb).to(b.dtype)
+
+    def fro(x: torch.Tensor) -> float:
+        return float((x if chol is None else x @ chol).norm())
+
+    pw = [float(w) for w in p]
+    abar = sum(w * a for w, (a, _) in zip(pw, pairs))
+    mean = fro(abar)
+    before = sum(w * fro(a - abar) for w, (a, _) in zip(pw, pairs)) / mean if mean > 0 else 0.0
+    if state is None:
+        return {"mismatch_before": before, "mismatch_after": before, "removed_fraction": 0.0}
+    xbar = ((state.left @ state.core) @ (state.right.T @ b)).double() @ torch.linalg.inv(btb)
+    xbar = xbar.to(b.dtype)
+    vnorm = fro(xbar)
+    after = sum(w * fro(a - xbar) for w, (a, _) in zip(pw, pairs)) / vnorm if vnorm > 0 else 0.0
+    return {"mismatch_before": before, "mismatch_after": after,
+            "removed_fraction": fro(abar - xbar) / mean if mean > 0 else 0.0}
+
+
+def llama_sync(repeats: int) -> dict:
+    """(e): one Llama-2-7B block, the server's AJIVE sync before/after, interleaved."""
+    import importlib
+
+    moments = importlib.import_module("fedgalore.sync.moments")
+    new_ajive = moments.ajive
+    old_ajive = _baseline_ajive()
+    m, n, r = 4096, 11008, 32
+    rows = []
+    for k in (4, 50):
+        g = torch.Generator().manual_seed(7)
+        p = torch.linalg.qr(torch.randn(m, r, generator=g))[0].contiguous()
+        common = torch.rand(r, n, generator=g)
+        moms = [common + 0.3 * torch.rand(r, n, generator=g) for _ in range(k)]
+        views = [MomentView(v, "left", (m, n), basis=p) for v in moms]
+        w = [1.0 + i for i in range(k)]
+        pw = [x / sum(w) for x in w]
+        eye = torch.eye(r)
+        fviews = [Factored(v.T, eye, p) for v in moms]  # what synchronize hands AJIVE
+        kw = dict(init_signal_ranks=[r] * k, joint_rank=r, compute_individual=False, check_finite=False, seed=11)
+        pairs = [(v.T, p) for v in moms]
+
+        def sync_with(fn, diagnostics=True):
+            moments.ajive = fn
+            try:
+                return moments.synchronize_moments(views, w, "ajive", seed=11, diagnostics=diagnostics)
+            finally:
+                moments.ajive = new_ajive
+
+        variants = {"ajive_new": lambda: new_ajive(fviews, **kw),
+                    "sync_new": lambda: sync_with(new_ajive),
+                    "sync_new_no_diagnostics": lambda: sync_with(new_ajive, diagnostics=False)}
+        if old_ajive is not None:
+            variants["ajive_baseline"] = lambda: old_ajive(fviews, **kw)
+            variants["sync_baseline"] = lambda: sync_with(old_ajive)
+        state = moments.synchronize(pairs, w, "ajive", seed=11, diagnostics=False).state
+        variants["diagnostics_proposed"] = lambda: proposed_shared_basis_diagnostics(pairs, pw, state)
+        out = {name: fn() for name, fn in variants.items()}  # warm-up, and the results compared
+        wall = {name: [] for name in variants}
+        cpu = {name: [] for name in variants}
+        load = [os.getloadavg()[0]]
+        for _ in range(repeats):  # interleaved: every variant once per repeat
+            for name, fn in variants.items():
+                c, t = time.process_time(), time.perf_counter()
+                fn()
+                wall[name].append(time.perf_counter() - t)
+                cpu[name].append(time.process_time() - c)
+            load.append(os.getloadavg()[0])
+        row = {"shape": [m, n], "r": r, "views": k, "repeats": repeats, "loadavg_1min": load,
+               "min_s": {kk: min(v) for kk, v in wall.items()}, "median_s": {kk: statistics.median(v) for kk, v in wall.items()},
+               "cpu_s_of_min": {kk: cpu[kk][wall[kk].index(min(wall[kk]))] for kk in wall}}
+        med = row["median_s"]
+        row["diagnostics_current_s"] = med["sync_new"] - med["sync_new_no_diagnostics"]
+        row["sync_with_proposed_diagnostics_s"] = med["sync_new_no_diagnostics"] + med["diagnostics_proposed"]
+        cur = out["sync_new"].diagnostics
+        row["diagnostics_agreement"] = {kk: [cur[kk], out["diagnostics_proposed"][kk]] for kk in ("mismatch_before", "mismatch_after", "removed_fraction")}
+        if old_ajive is not None:
+            row["speedup_ajive"] = med["ajive_baseline"] / med["ajive_new"]
+            row["speedup_sync"] = med["sync_baseline"] / med["sync_new"]
+            a, b = out["ajive_baseline"], out["ajive_new"]
+            row["joint_rank"] = [a.joint_rank, b.joint_rank]
+            row["joint_rel_diff_new_vs_baseline"] = max(_rel(x, y) for x, y in zip(b.joint, a.joint))
+            sa, sb = out["sync_baseline"].state, out["sync_new"].state
+            row["synced_state_rel_diff"] = float((sb.moment.double() - sa.moment.double()).norm() / sa.moment.double().norm())
+        rows.append(row)
+        print(f"llama 4096x11008 r=32 views={k:2d} (median of {repeats}, load {load[0]:.1f}-{max(load):.1f}): "
+              + ", ".join(f"{kk} {v:.3f}s" for kk, v in med.items()), flush=True)
+        if old_ajive is not None:
+            print(f"   ajive {row['speedup_ajive']:.2f}x faster, sync {row['speedup_sync']:.2f}x; joint rel diff "
+                  f"{row['joint_rel_diff_new_vs_baseline']:.1e}, synced state rel diff {row['synced_state_rel_diff']:.1e}; "
+                  f"sync with the proposed diagnostics {row['sync_with_proposed_diagnostics_s']:.3f}s", flush=True)
+    return {"baseline_rev": BASELINE_REV if old_ajive is not None else None, "rows": rows}
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description="AJIVE scaling benchmark")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--llama-only", action="store_true", help="only (e): the Llama block before/after, ajive_llama_sync.json")
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved repeats for --llama-only")
     ap.add_argument("--out", default=None, help="default benchmarks/results/ajive_scaling.json (…_quick.json with --quick)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
     args = ap.parse_args(argv)
     if args.out is None:
-        args.out = "benchmarks/results/ajive_scaling_quick.json" if args.quick else "benchmarks/results/ajive_scaling.json"
+        args.out = ("benchmarks/results/ajive_llama_sync.json" if args.llama_only else
+                    "benchmarks/results/ajive_scaling_quick.json" if args.quick else "benchmarks/results/ajive_scaling.json")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     load0 = os.getloadavg()
+    if args.llama_only:
+        out = {"meta": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                        "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(), "loadavg_start": load0}}
+        out["llama_sync"] = llama_sync(args.repeats)
+        out["meta"]["loadavg_end"] = os.getloadavg()
+        out["meta"]["seconds"] = time.perf_counter() - t0
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        return out
     out = {"meta": {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
                     "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "machine": platform.processor() or platform.machine(),
                     "loadavg_start": load0, "quick": args.quick,
