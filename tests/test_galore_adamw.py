@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from fedgalore.federated.payload import GaLoreUpdate, LowRank, Payload, SeededLowRank, decode, encode
+from fedgalore.federated.payload import GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank, decode, encode
 from fedgalore.optim import GaLoreAdamW, GaLoreStateEntry, derive_seed, rebuild_delta, seeded_basis
 
 
@@ -284,65 +284,212 @@ def test_export_update_requires_mark():
 
 
 # ----------------------------------------------------------------------------- warm start
+def _view_of(opt, name, **kw):
+    return opt.export_moments(**kw)[name]
+
+
 @pytest.mark.parametrize("shape_name", ["w", "w2"])
-def test_load_second_moment_recovers_v_on_shared_seeded_basis(shape_name):
+def test_lift_then_warm_start_on_the_same_basis_returns_v_exactly(shape_name):
+    """Weight rule: a state exported on a basis and loaded by a client on that basis is the
+    client's state again — coordinates and prior weights — and the next export returns it."""
     a, b = Problem(9), Problem(10)
-    oa = _opt(a, **_galore(rank=4, tau=50, projector="random", projection_seed=42))
-    ob = _opt(b, **_galore(rank=4, tau=50, projector="random", projection_seed=42))
+    cfg = _galore(rank=4, tau=50, projector="random", projection_seed=42, bias_correction="weight")
+    oa, ob = _opt(a, **cfg), _opt(b, **cfg)
     for t in range(4):
         a.grads(t)
         oa.step()
     b.grads(0)
-    ob.step()
-    e = oa.export_state()[shape_name]
-    v, p = e.exp_avg_sq, e.basis
-    assert e.seed == ob.export_state()[shape_name].seed
-    r = v.shape[1] if e.side == "right" else v.shape[0]
-    # factored lift V = v P (right: left=v, core=I, right=P^T) / V = P v (left: left=P, core=I, right=v^T)
-    if e.side == "right":
-        ob.load_second_moment(shape_name, v, torch.eye(r), p.T)
+    ob.step()  # b is on the same seeded basis (same round seed, refresh 0)
+    va = _view_of(oa, shape_name)
+    assert va.basis is None and va.seed == ob.export_state()[shape_name].seed
+    torch.testing.assert_close(va.weight, torch.full((4,), 1 - 0.999**4))
+    ob.load_second_moment(shape_name, va)
+    st = ob.export_state()[shape_name]
+    raw = oa.export_state()[shape_name].exp_avg_sq
+    torch.testing.assert_close(st.exp_avg_sq, raw, atol=0, rtol=1e-6)  # c·(V/c) = V
+    torch.testing.assert_close(st.v_weight, va.weight)
+    vb = _view_of(ob, shape_name)
+    torch.testing.assert_close(vb.moment, va.moment, atol=0, rtol=1e-6)
+    torch.testing.assert_close(vb.weight, va.weight)
+    assert ob.moment_diagnostics()[shape_name]["prior_retained"] == pytest.approx(1.0)
+
+
+def _flip(view, j):
+    """The same state on a basis whose j-th vector has the opposite sign (v is unchanged)."""
+    p = view.basis_matrix().clone()
+    if view.side == "right":
+        p[j] = -p[j]
     else:
-        ob.load_second_moment(shape_name, p, torch.eye(r), v.T)
-    got = ob.export_state()[shape_name]
-    torch.testing.assert_close(got.exp_avg_sq, v, atol=1e-9, rtol=1e-5)
-    assert got.warm
+        p[:, j] = -p[:, j]
+    return MomentView(view.moment, view.side, view.shape, p, None, view.weight)
 
 
-def test_load_second_moment_before_first_refresh_clamps_and_skips_bias_correction():
+@pytest.mark.parametrize("rule", ["weight", "steps"])
+def test_warm_start_sign_flip_invariance(rule):
+    """Flipping the sign of a basis vector describes the same second moment. The weight rule's
+    squared transfer gives the same warm state; the paper's linear re-projection does not."""
+    src = Problem(13)
+    os_ = _opt(src, **_galore(rank=4, tau=50, projector="random", projection_seed=5, bias_correction="weight"))
+    for t in range(3):
+        src.grads(t)
+        os_.step()
+    view = _view_of(os_, "w")
+    states = []
+    for v in (view, _flip(view, 1)):
+        pr = Problem(14)
+        o = _opt(pr, **_galore(rank=4, tau=50, projector="svd", bias_correction=rule))
+        o.load_second_moment("w", v)  # pending: applied on the first (data-driven) basis
+        pr.grads(0)
+        o.step()
+        states.append(o.export_state()["w"].exp_avg_sq)
+    if rule == "weight":
+        torch.testing.assert_close(states[0], states[1], atol=1e-9, rtol=1e-6)
+    else:
+        assert (states[0] - states[1]).abs().max() > 1e-6
+
+
+def test_paper_warm_start_is_linear_clamped_and_uncorrected():
+    """bias_correction='steps' (paper mode): v = max(x (B Pᵀ), 0) on the first basis P, then
+    used without 1/(1 - b2^t) while the first moment is corrected."""
     pr = Problem(11)
     lr, eps, b1, b2 = 1e-2, 1e-8, 0.9, 0.999
     opt = _opt(pr, lr=lr, wd=0.0, **_galore(rank=4, tau=50, projector="random", projection_seed=1))
     g = _gen(12)
-    left, core, right = torch.randn(64, 3, generator=g), torch.randn(3, 5, generator=g), torch.randn(32, 5, generator=g)
-    opt.load_second_moment("w", left, core, right)  # no basis yet: projected at the first refresh
+    x = torch.randn(64, 5, generator=g)
+    b = torch.linalg.qr(torch.randn(32, 5, generator=g))[0].T  # (5 x 32), orthonormal rows
+    opt.load_second_moment("w", MomentView(x, "right", (64, 32), b))
     w_before = pr.w.detach().clone()
     pr.grads(0)
     grad = pr.w.grad.clone()
     opt.step()
     p = seeded_basis(derive_seed(1, "w", 0), 64, 32, 4, "right")
-    v_loaded = (left @ core @ right.T @ p.T).clamp(min=0)
-    assert (left @ core @ right.T @ p.T < 0).any()  # the clamp mattered
+    v_loaded = (x @ (b @ p.T)).clamp(min=0)
+    assert (x @ (b @ p.T) < 0).any()  # the clamp mattered
+    assert opt.moment_diagnostics()["w"]["warm_clamped"] == pytest.approx(float((x @ (b @ p.T) < 0).float().mean()))
     rproj = grad @ p.T
     v = b2 * v_loaded + (1 - b2) * rproj * rproj
     m = (1 - b1) * rproj
     e = opt.export_state()["w"]
     torch.testing.assert_close(e.exp_avg_sq, v, atol=1e-5 * v.abs().max().item(), rtol=1e-5)
-    # warm v: denominator sqrt(v) + eps with no 1/(1 - b2^t); the first moment is corrected
     expected = w_before - lr / (1 - b1) * (m / (v.sqrt() + eps)) @ p
     torch.testing.assert_close(pr.w.detach(), expected, atol=1e-6, rtol=1e-5)
     cold = w_before - lr / (1 - b1) * (m / ((v / (1 - b2)).sqrt() + eps)) @ p
     assert (cold - expected).abs().max() > 1e-3  # the rule is observable
 
 
+def test_weight_rule_warm_start_transfers_prior_weights_and_debiases():
+    """bias_correction='weight': V = (c x)(C∘C), c' = c (C∘C) on the first basis; one step later
+    c'' = b2 c' + (1 - b2) and the update divides by sqrt(V / c'')."""
+    pr = Problem(15)
+    lr, eps, b1, b2 = 1e-2, 1e-8, 0.9, 0.999
+    opt = _opt(pr, lr=lr, wd=0.0, **_galore(rank=4, tau=50, projector="random", projection_seed=3, bias_correction="weight"))
+    g = _gen(16)
+    x = torch.rand(64, 4, generator=g)
+    b = torch.linalg.qr(torch.randn(32, 4, generator=g))[0].T
+    c = torch.tensor([0.2, 0.05, 0.5, 0.0])
+    opt.load_second_moment("w", MomentView(x, "right", (64, 32), b, None, c))
+    w_before = pr.w.detach().clone()
+    pr.grads(0)
+    grad = pr.w.grad.clone()
+    opt.step()
+    p = seeded_basis(derive_seed(3, "w", 0), 64, 32, 4, "right")
+    cc = (b @ p.T) ** 2
+    v0, c0 = (x * c) @ cc, c[None, :] @ cc
+    assert opt.moment_diagnostics()["w"]["prior_retained"] == pytest.approx(float(c0.sum() / c.sum()), rel=1e-5)
+    r = grad @ p.T
+    v, c1 = b2 * v0 + (1 - b2) * r * r, b2 * c0 + (1 - b2)
+    e = opt.export_state()["w"]
+    torch.testing.assert_close(e.exp_avg_sq, v, atol=1e-9, rtol=1e-5)
+    torch.testing.assert_close(e.v_weight, c1.flatten(), atol=1e-9, rtol=1e-5)
+    expected = w_before - lr / (1 - b1) * (((1 - b1) * r) / ((v / c1).sqrt() + eps)) @ p
+    torch.testing.assert_close(pr.w.detach(), expected, atol=1e-6, rtol=1e-5)
+
+
+def test_weight_rule_without_warm_start_is_adamw_bias_correction():
+    """A cold weight-rule optimizer is the steps rule (c = 1 - b2^t), refreshes without transfer."""
+    a, b = Problem(17), Problem(17)
+    oa = _opt(a, **_galore(rank=4, tau=50, projector="svd", bias_correction="steps"))
+    ob = _opt(b, **_galore(rank=4, tau=50, projector="svd", bias_correction="weight"))
+    for t in range(12):
+        a.grads(t)
+        oa.step()
+        b.grads(t)
+        ob.step()
+    for pa, pb in zip(a.params(), b.params()):
+        torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(oa.export_state()["w"].v_weight, ob.export_state()["w"].v_weight)
+
+
+@pytest.mark.parametrize("transfer", ["squared", "linear"])
+def test_export_moments_on_the_seeded_view_basis(transfer):
+    """export_moments(view_seeds) moves V and its weights to R = seeded_basis(seed) by the
+    transfer rule and carries the seed only; on R already it is V/c unchanged."""
+    pr = Problem(18)
+    opt = _opt(pr, **_galore(rank=4, tau=50, projector="svd", moment_transfer=transfer, bias_correction="weight"))
+    for t in range(5):
+        pr.grads(t)
+        opt.step()
+    st = opt.export_state()["w"]
+    seed = opt.view_seed("w")
+    assert seed == derive_seed(0, "w", 0)
+    view = opt.export_moments({"w": seed, "w2": opt.view_seed("w2")})["w"]
+    assert view.basis is None and view.seed == seed
+    r = seeded_basis(seed, 64, 32, 4, "right")
+    c = st.basis @ r.T
+    raw = (st.exp_avg_sq @ c).clamp(min=0) if transfer == "linear" else st.exp_avg_sq @ (c * c)
+    w = st.v_weight[None, :] @ (c * c)
+    torch.testing.assert_close(view.weight, w.flatten(), atol=1e-9, rtol=1e-5)
+    torch.testing.assert_close(view.moment, raw / w, atol=1e-9, rtol=1e-4)
+    own = opt.export_moments()["w"]
+    torch.testing.assert_close(own.basis, st.basis)
+    torch.testing.assert_close(own.moment, st.exp_avg_sq / st.v_weight[None, :])
+
+
+def test_track_cold_reports_the_step_inflation_of_an_underestimated_prior():
+    """Shadow cold moment: without a warm start the update equals the cold one; a prior that
+    underestimates E[g²] (paper rule, uncorrected) inflates it, the weight rule does not."""
+    def run(rule, prior):
+        pr = Problem(19)
+        opt = _opt(pr, lr=1e-2, wd=0.0, **_galore(rank=4, tau=50, projector="svd", bias_correction=rule, track_cold=True))
+        if prior is not None:
+            opt.load_second_moment("w", prior)
+        opt.mark()
+        for t in range(6):
+            pr.grads(t)
+            opt.step()
+        return opt.moment_diagnostics()["w"], opt
+    cold, opt = run("steps", None)
+    assert cold["update_norm"] == pytest.approx(cold["update_norm_cold"], rel=1e-6)
+    assert cold["v_ratio_median"] == pytest.approx(1.0, rel=1e-5)
+    delta = opt.export_update()["w"].materialize()
+    assert cold["update_norm"] == pytest.approx(float(delta.norm()), rel=1e-4)  # wd = 0: the whole update
+    tiny = MomentView(torch.full((64, 4), 1e-8), "right", (64, 32), torch.eye(32)[:4], None, torch.full((4,), 0.006))
+    paper, _ = run("steps", tiny)
+    weight, _ = run("weight", tiny)
+    assert paper["update_norm"] > 3 * paper["update_norm_cold"]
+    assert weight["update_norm"] < 1.5 * weight["update_norm_cold"]
+
+
 def test_load_second_moment_bad_input():
     pr = Problem(0)
     opt = _opt(pr, **_galore())
+    good = MomentView(torch.zeros(64, 4), "right", (64, 32), torch.eye(32)[:4])
     with pytest.raises(KeyError):
-        opt.load_second_moment("nope", torch.zeros(64, 1), torch.zeros(1, 1), torch.zeros(32, 1))
-    with pytest.raises(ValueError, match="do not form"):
-        opt.load_second_moment("w", torch.zeros(64, 2), torch.zeros(2, 1), torch.zeros(31, 1))
+        opt.load_second_moment("nope", good)
+    with pytest.raises(TypeError, match="MomentView"):
+        opt.load_second_moment("w", torch.zeros(64, 4))
+    with pytest.raises(ValueError, match="does not fit"):
+        opt.load_second_moment("w", MomentView(torch.zeros(64, 4), "right", (64, 33), torch.eye(33)[:4]))
+    with pytest.raises(ValueError, match="does not fit"):
+        opt.load_second_moment("w", MomentView(torch.zeros(63, 4), "right", (64, 32), torch.eye(32)[:4]))
     with pytest.raises(ValueError, match="not a GaLore"):
-        opt.load_second_moment("b", torch.zeros(24, 1), torch.zeros(1, 1), torch.zeros(1, 1))
+        opt.load_second_moment("b", good)
+    with pytest.raises(ValueError, match="negative prior"):
+        opt.load_second_moment("w", MomentView(torch.zeros(64, 4), "right", (64, 32), torch.eye(32)[:4], None, -torch.ones(4)))
+    bad = torch.zeros(64, 4)
+    bad[0, 0] = float("nan")
+    with pytest.raises(FloatingPointError):
+        opt.load_second_moment("w", MomentView(bad, "right", (64, 32), torch.eye(32)[:4]))
 
 
 # ----------------------------------------------------------------------------- official compat
@@ -433,8 +580,9 @@ def _walk_plain(x):
     return False
 
 
-def test_state_dict_round_trip_weights_only_and_bitwise_resume():
-    galore = _galore(rank=4, tau=3, projector="rsvd_then_random", adaptive_proj_steps=1)
+@pytest.mark.parametrize("extra", [{}, {"bias_correction": "weight", "track_cold": True}])
+def test_state_dict_round_trip_weights_only_and_bitwise_resume(extra):
+    galore = _galore(rank=4, tau=3, projector="rsvd_then_random", adaptive_proj_steps=1, **extra)
 
     def make(pr):
         opt = _opt(pr, **galore)
@@ -443,6 +591,8 @@ def test_state_dict_round_trip_weights_only_and_bitwise_resume():
 
     a = Problem(15)
     oa = make(a)
+    if extra:  # a warm-started state (prior weights, warm diagnostics) survives the round trip too
+        oa.load_second_moment("w", MomentView(torch.rand(64, 4), "right", (64, 32), torch.eye(32)[:4], None, torch.full((4,), 0.3)))
     oa.mark()
     for t in range(5):
         a.grads(t)
@@ -468,6 +618,7 @@ def test_state_dict_round_trip_weights_only_and_bitwise_resume():
         ob.step()
     for pa, pb in zip(a.params(), b.params()):
         assert torch.equal(pa, pb)
+    assert oa.moment_diagnostics() == ob.moment_diagnostics()
     ua, ub = oa.export_update(), ob.export_update()
     for name in ("w", "w2"):
         assert len(ua[name].terms) == len(ub[name].terms)
@@ -502,6 +653,7 @@ def test_bf16_params_keep_fp32_state_and_checkpoint_dtype():
         ({"proj_type": "full"}, "proj_type"),
         ({"moment_transfer": "rotate"}, "moment_transfer"),
         ({"adaptive_scope": "epoch"}, "adaptive_scope"),
+        ({"bias_correction": "none"}, "bias_correction"),
         ({"update_proj_gap": 0}, "update_proj_gap"),
     ],
 )

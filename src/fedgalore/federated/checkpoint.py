@@ -1,6 +1,7 @@
 """Crash-safe checkpoints of the server state: safetensors + JSON, written atomically.
 
-Layout: ``<run>/checkpoints/round_0007/{state.safetensors, state.json}``, plus
+Layout: ``<run>/checkpoints/round_0007/{state.safetensors, state.json}`` (params ``p/``, extras
+``x/``, synchronised moments ``m/`` with their entry specs in ``state.json``), plus
 ``<run>/checkpoints/LATEST`` naming the newest complete checkpoint. A checkpoint directory is
 written under a temporary name, fsynced and renamed (rename is atomic on POSIX), and only then
 ``LATEST`` is replaced (temp file + ``os.replace``). ``state.json`` holds the SHA-256 of the
@@ -20,6 +21,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from fedgalore.federated.payload import flatten_entries, unflatten_entries
 from fedgalore.methods.base import ServerState
 
 __all__ = ["save_checkpoint", "load_latest_checkpoint", "CheckpointError", "atomic_write_text"]
@@ -60,12 +62,15 @@ def save_checkpoint(run_dir: Path, round_done: int, state: ServerState, meta: di
     tmp.mkdir()
     tensors = {f"p/{k}": v.detach().contiguous().cpu() for k, v in state.params.items()}
     tensors.update({f"x/{k}": v.detach().contiguous().cpu() for k, v in state.extras.items()})
+    moment_specs, moment_tensors = flatten_entries(state.moments)
+    tensors.update({f"m/{k}": v for k, v in moment_tensors.items()})
     blob = st_save(tensors)
     with open(tmp / "state.safetensors", "wb") as fh:
         fh.write(blob)
         fh.flush()
         os.fsync(fh.fileno())
-    info = {"round": round_done, "sha256": hashlib.sha256(blob).hexdigest(), "server_meta": state.meta, **meta}
+    info = {"round": round_done, "sha256": hashlib.sha256(blob).hexdigest(), "server_meta": state.meta,
+            "moments": moment_specs, **meta}
     with open(tmp / "state.json", "w") as fh:
         json.dump(info, fh, indent=1, sort_keys=True)
         fh.flush()
@@ -92,6 +97,7 @@ def _load_one(path: Path) -> tuple[ServerState, dict[str, Any]]:
         params={k[2:]: v for k, v in tensors.items() if k.startswith("p/")},
         extras={k[2:]: v for k, v in tensors.items() if k.startswith("x/")},
         meta=info.get("server_meta", {}),
+        moments=unflatten_entries(info.get("moments", {}), {k[2:]: v for k, v in tensors.items() if k.startswith("m/")}),
     )
     return state, info
 

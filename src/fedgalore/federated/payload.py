@@ -16,9 +16,15 @@ Entry types and the matrix each one stands for:
   and the seed travel.
 * :class:`GaLoreUpdate` — the exact low-rank update record of one GaLore matrix,
   ``ΔW = decay · W0 + Σ_q term_q`` (each term a ``LowRank`` or ``SeededLowRank``).
-* :class:`MomentView` — a client's projected second moment ``v`` and its basis identity; its
-  full-space view is ``V = v @ P`` (right) or ``P @ v`` (left) (paper eq. "matrix view", §5).
-* :class:`Factored` — ``X = left @ core @ right.T``; used for synchronised second moments.
+* :class:`MomentView` — a projected second moment ``v`` in the coordinates of a basis ``P`` (a
+  matrix, or an integer seed when it is a seeded basis), with the prior weight of each
+  coordinate; its full-space view is ``V = v @ P`` (right) or ``P @ v`` (left) (paper eq.
+  "matrix view", §5). Clients upload one per GaLore matrix; the server's synchronised state
+  ``v̄`` is one too (DESIGN §3.2).
+* :class:`Factored` — ``X = left @ core @ right.T`` (AJIVE's factored views).
+
+The wire format stores a tensor that several entries share (the same tensor object, e.g. a
+data-driven basis used by both an update term and a moment view) once; the ledger counts it once.
 """
 from __future__ import annotations
 
@@ -42,6 +48,8 @@ __all__ = [
     "Payload",
     "encode",
     "decode",
+    "flatten_entries",
+    "unflatten_entries",
     "Ledger",
     "PayloadError",
 ]
@@ -106,11 +114,26 @@ class GaLoreUpdate:
 
 @dataclass(frozen=True)
 class MomentView:
+    """A projected second moment ``v`` in the coordinates of a rank-``r`` basis ``P``.
+
+    ``moment``: ``(m, r)`` (right side, ``P`` is ``(r, n)``) or ``(r, n)`` (left side, ``P`` is
+    ``(m, r)``); an estimate of ``E[g̃²]`` (bias-corrected), never a raw EMA. ``basis`` is the
+    matrix ``P``, or ``None`` when ``P`` is the seeded basis ``seeded_basis(seed, m, n, r, side)``.
+    ``weight`` (``(r,)``, optional): the prior weight of each basis coordinate — the mass
+    ``1 − β2^t`` an Adam EMA of that coordinate has accumulated, moved through basis changes
+    (``GaLoreAdamW`` ``bias_correction="weight"``); ``None`` means "use as a full estimate".
+    """
+
     moment: torch.Tensor  # projected second moment: (m, r) right side, (r, n) left side
     side: str  # "right" | "left"
     shape: tuple[int, int]  # (m, n)
     basis: torch.Tensor | None = None  # (r, n) right / (m, r) left; None when seeded
     seed: int | None = None
+    weight: torch.Tensor | None = None  # (r,) prior weight per basis coordinate
+
+    @property
+    def rank(self) -> int:
+        return int(self.moment.shape[1] if self.side == "right" else self.moment.shape[0])
 
     def basis_matrix(self) -> torch.Tensor:
         if self.basis is not None:
@@ -120,8 +143,7 @@ class MomentView:
         from fedgalore.optim.projector import seeded_basis
 
         m, n = self.shape
-        rank = self.moment.shape[1] if self.side == "right" else self.moment.shape[0]
-        return seeded_basis(self.seed, m, n, rank, self.side)
+        return seeded_basis(self.seed, m, n, self.rank, self.side)
 
     def materialize(self) -> torch.Tensor:
         p = self.basis_matrix()
@@ -172,14 +194,27 @@ class Payload:
 
 
 # ----------------------------------------------------------------------------- wire format
-def _flatten(name: str, entry: Entry, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _identity(t: torch.Tensor) -> tuple:
+    """Identity of a tensor's contents while it is alive (same storage, offset and layout)."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
+
+
+def _flatten(name: str, entry: Entry, tensors: dict[str, torch.Tensor], seen: dict[tuple, str] | None = None) -> dict[str, Any]:
+    """Header spec of ``entry``; its tensors go into ``tensors``. ``seen`` maps tensor identities
+    already stored (by any entry) to their key, so a shared tensor is written once."""
     kind = _KINDS.get(type(entry))
     if kind is None:
         raise PayloadError(f"unsupported payload entry type {type(entry).__name__} for {name!r}")
 
     def put(suffix: str, t: torch.Tensor) -> str:
+        if seen is not None and t.numel() > 0:
+            ident = _identity(t)
+            if ident in seen:
+                return seen[ident]
         key = f"{name}/{suffix}"
         tensors[key] = t.detach().contiguous().cpu()
+        if seen is not None and t.numel() > 0:
+            seen[_identity(t)] = key
         return key
 
     if isinstance(entry, Dense):
@@ -195,7 +230,7 @@ def _flatten(name: str, entry: Entry, tensors: dict[str, torch.Tensor]) -> dict[
             "shape": list(entry.shape),
         }
     if isinstance(entry, GaLoreUpdate):
-        terms = [_flatten(f"{name}/term{q}", t, tensors) for q, t in enumerate(entry.terms)]
+        terms = [_flatten(f"{name}/term{q}", t, tensors, seen) for q, t in enumerate(entry.terms)]
         return {"kind": kind, "decay": float(entry.decay), "terms": terms, "shape": list(entry.shape)}
     if isinstance(entry, MomentView):
         spec = {"kind": kind, "moment": put("v", entry.moment), "side": entry.side, "shape": list(entry.shape)}
@@ -203,6 +238,8 @@ def _flatten(name: str, entry: Entry, tensors: dict[str, torch.Tensor]) -> dict[
             spec["basis"] = put("p", entry.basis)
         if entry.seed is not None:
             spec["seed"] = int(entry.seed)
+        if entry.weight is not None:
+            spec["weight"] = put("w", entry.weight)
         return spec
     assert isinstance(entry, Factored)
     return {"kind": kind, "left": put("l", entry.left), "core": put("c", entry.core), "right": put("r", entry.right)}
@@ -232,16 +269,35 @@ def _unflatten(spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Entry:
             tuple(spec["shape"]),
             tensors[spec["basis"]] if "basis" in spec else None,
             int(spec["seed"]) if "seed" in spec else None,
+            tensors[spec["weight"]] if "weight" in spec else None,
         )
     if kind == "factored":
         return Factored(get("left"), get("core"), get("right"))
     raise PayloadError(f"unknown payload entry kind {kind!r}")
 
 
+def flatten_entries(entries: dict[str, Entry]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(specs, tensors)`` for named entries: JSON specs and the tensors they refer to (a tensor
+    shared by several entries is stored once). Inverse: :func:`unflatten_entries`."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
+    specs = {name: _flatten(name, e, tensors, seen) for name, e in entries.items()}
+    return specs, tensors
+
+
+def unflatten_entries(specs: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Entry]:
+    """Entries from :func:`flatten_entries` output (raises :class:`PayloadError` when malformed)."""
+    try:
+        return {str(name): _unflatten(s, tensors) for name, s in specs.items()}
+    except PayloadError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise PayloadError(f"malformed payload header: {type(exc).__name__}: {exc}") from None
+
+
 def encode(payload: Payload) -> bytes:
     """Serialise to one safetensors blob; entry specs and ``meta`` go in the header as JSON."""
-    tensors: dict[str, torch.Tensor] = {}
-    specs = {name: _flatten(name, e, tensors) for name, e in payload.entries.items()}
+    specs, tensors = flatten_entries(payload.entries)
     header = json.dumps({"entries": specs, "meta": payload.meta}, sort_keys=True)
     return st_save(tensors, metadata={"fedgalore": header})
 
@@ -268,26 +324,24 @@ def decode(blob: bytes) -> Payload:
         tensors = st_load(blob)
     except Exception as exc:  # safetensors raises its own error types
         raise PayloadError(f"payload tensors could not be read: {exc}") from None
-    try:
-        entries = {str(name): _unflatten(s, tensors) for name, s in spec.get("entries", {}).items()}
-        meta = spec.get("meta", {})
-        if not isinstance(meta, dict):
-            raise TypeError("meta is not a mapping")
-    except PayloadError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise PayloadError(f"malformed payload header: {type(exc).__name__}: {exc}") from None
-    return Payload(entries, meta)
+    specs = spec.get("entries", {})
+    meta = spec.get("meta", {})
+    if not isinstance(specs, dict) or not isinstance(meta, dict):
+        raise PayloadError("malformed payload header: entries and meta must be mappings")
+    return Payload(unflatten_entries(specs, tensors), meta)
 
 
 def tensor_bytes_by_kind(payload: Payload) -> dict[str, int]:
-    """Raw tensor bytes per entry kind (the header is the remainder of the blob size)."""
+    """Raw tensor bytes per entry kind (the header is the remainder of the blob size); a tensor
+    shared by several entries counts once, for the first entry that stores it."""
     out: dict[str, int] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple, str] = {}
     for name, entry in payload.entries.items():
-        tensors: dict[str, torch.Tensor] = {}
-        _flatten(name, entry, tensors)
+        before = set(tensors)
+        _flatten(name, entry, tensors, seen)
         kind = _KINDS[type(entry)]
-        out[kind] = out.get(kind, 0) + sum(t.numel() * t.element_size() for t in tensors.values())
+        out[kind] = out.get(kind, 0) + sum(tensors[k].numel() * tensors[k].element_size() for k in set(tensors) - before)
     return out
 
 

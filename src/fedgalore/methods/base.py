@@ -66,13 +66,17 @@ class ServerState:
     """Everything the server owns between rounds; checkpointed as safetensors + JSON.
 
     ``params``: the global federated tensors (dense, fp32), keyed by parameter name.
-    ``extras``: method-specific tensors (synchronised second-moment factors, fixed inits, ...).
+    ``extras``: method-specific tensors (fixed inits, ...).
+    ``moments``: synchronised optimizer states as typed payload entries (FedGaLore's ``v̄`` per
+    adapted matrix, a :class:`~fedgalore.federated.payload.MomentView`), checkpointed with
+    the payload codec.
     ``meta``: JSON-able method state (round seed chain, counters, ...).
     """
 
     params: dict[str, torch.Tensor] = field(default_factory=dict)
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    moments: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

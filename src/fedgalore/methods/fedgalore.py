@@ -2,16 +2,37 @@
 
 T: GaLoreAdamW (:class:`fedgalore.optim.GaLoreAdamW`) on every adapted weight matrix, AdamW on
 the head; the projection seed s_k is broadcast, the optimizer's second moment is warm-started
-from the server's synchronised state v̄_k projected onto the client's first basis, and the
-client uploads (i) its exact low-rank update record ΔW_i = decay·W̄ + Σ_q U_iq P_q
-(coefficients + seeds for seeded bases) and (ii) its final projected second moment ṽ_i with its
-basis identity (Algorithm 1, lines 8–9).
+from the server's synchronised state v̄_k, and the client uploads (i) its exact low-rank update
+record ΔW_i = decay·W̄ + Σ_q U_iq P_q (coefficients + seeds for seeded bases) and (ii) its final
+projected second moment ṽ_i as a :class:`MomentView` (Algorithm 1, lines 8–10).
 
 A: FedAvg, θ̄_{k+1} = θ̄_k + Σ_i p̃_i Δθ_i (line 11). Terms on the same seeded basis are summed
 in coefficient space first, (Σ_i p̃_i U_iq) P_q, so the aggregate stays factored.
 
-S: matrix views V_i = ṽ_i R_iᵀ and v̄_{k+1} = Σ_i p̃_i (μ_i + J_i) from AJIVE
-(:func:`fedgalore.sync.synchronize_moments`, lines 12–13), kept factored and broadcast.
+S: AJIVE (or mean) on the views V_i = ṽ_i Bᵀ over one shared basis B, v̄_{k+1} = Σ_i p̃_i (μ_i +
+J_i) kept as coordinates on B (:func:`fedgalore.sync.synchronize_moments`, lines 12–14).
+
+Two protocols for the second moment (method option ``moment_protocol``; DESIGN §3.1–3.2):
+
+* ``paper`` — Algorithm 1 as written. B = R_k, the round's seeded basis
+  (``GaLoreAdamW.view_seed``: seed s_k and the parameter only), identical for every client: a
+  client that trained on another basis moves ṽ there with ``moment_transfer`` before upload, and
+  uploads the seed, not the basis. The next round's warm start re-projects v̄ *linearly* onto the
+  client's first basis, clamps at 0 and uses it uncorrected (``bias_correction="steps"``).
+* ``aligned`` — keeps the preconditioner across the round boundary: each coordinate carries its
+  prior weight (``bias_correction="weight"``, uploads and v̄ debiased by it), the warm start is
+  exact on the basis v̄ is expressed in and moves to the client's first basis by the in-round
+  (sign-invariant, ``squared``) rule, weights included — a direction the prior does not cover
+  gets its scale from the fresh gradients instead of an underestimated prior. ``view_basis``
+  picks B: ``seeded`` (R_k, as the paper) or ``consensus`` (the top-r principal subspace of the
+  clients' own data-driven bases, computed by the server and broadcast with v̄).
+
+Per round the diagnostics record, averaged over the round's clients: ``warm_clamped`` (share of
+warm-start entries clamped at 0), ``prior_retained`` (aligned: share of the prior weight that
+the move to the first basis kept), ``v_warm_cold_ratio`` (median of V̂ / V̂_cold at the round's
+end, V̂_cold a shadow cold start fed the same gradients), ``client_update_norm_precond`` and
+``client_update_norm_cold`` (‖Σ_q C_q P_q‖_F of the update with the warm and the shadow cold
+second moment) and their ratio ``update_norm_vs_cold``.
 """
 from __future__ import annotations
 
@@ -24,7 +45,6 @@ from torch import nn
 from fedgalore.federated.client import local_train
 from fedgalore.federated.payload import (
     Dense,
-    Factored,
     GaLoreUpdate,
     LowRank,
     MomentView,
@@ -43,6 +63,10 @@ from fedgalore.methods.base import (
 from fedgalore.methods.fedavg_full import DenseTargetsMethod
 
 _SYNC_MODES = ("none", "mean", "mean_svd", "ajive")
+_PROTOCOLS = ("paper", "aligned")
+_VIEW_BASES = ("seeded", "consensus")
+#: per-client numbers the optimizer reports (upload meta) and the round's diagnostics average
+_CLIENT_DIAGS = ("warm_clamped", "prior_retained", "v_warm_cold_ratio", "client_update_norm_precond", "client_update_norm_cold")
 
 
 def aggregate_galore_updates(
@@ -80,6 +104,8 @@ class FedGaLore(DenseTargetsMethod):
     default_sync = "ajive"
     #: variants pin their sync mode; a ``sync`` option from a shared config does not override it
     fixed_sync: str | None = None
+    #: GaLoreAdamW group keys passed through ``**options``
+    extra_options = ("adaptive_scope", "rsvd_oversample", "rsvd_niter", "nonfinite")
 
     def __init__(
         self,
@@ -94,6 +120,8 @@ class FedGaLore(DenseTargetsMethod):
         joint_rank: int | str | None = None,
         sync_center: bool = True,
         galore_torch_compat: bool = False,
+        moment_protocol: str = "aligned",
+        view_basis: str | None = None,
         **options: Any,
     ) -> None:
         sync = self.fixed_sync or (self.default_sync if sync is None else sync)
@@ -101,6 +129,16 @@ class FedGaLore(DenseTargetsMethod):
             raise MethodError(f"method option sync={sync!r} must be one of {', '.join(_SYNC_MODES)}")
         if update_proj_gap < 1:
             raise MethodError("method option update_proj_gap (tau) must be >= 1")
+        if moment_protocol not in _PROTOCOLS:
+            raise MethodError(f"method option moment_protocol={moment_protocol!r} must be one of {', '.join(_PROTOCOLS)}")
+        if view_basis is None:
+            view_basis = "seeded" if moment_protocol == "paper" else "consensus"
+        if view_basis not in _VIEW_BASES:
+            raise MethodError(f"method option view_basis={view_basis!r} must be one of {', '.join(_VIEW_BASES)}")
+        if moment_protocol == "paper" and view_basis != "seeded":
+            raise MethodError("moment_protocol='paper' synchronises on the round's seeded basis R_k: use view_basis='seeded' (or moment_protocol='aligned')")
+        if galore_torch_compat and moment_protocol == "aligned" and sync != "none":
+            raise MethodError("galore_torch_compat reproduces the official optimizer, which has no prior weights: use moment_protocol='paper'")
         super().__init__(
             rank,
             update_proj_gap=update_proj_gap,
@@ -113,13 +151,19 @@ class FedGaLore(DenseTargetsMethod):
             joint_rank=joint_rank,
             sync_center=sync_center,
             galore_torch_compat=galore_torch_compat,
+            moment_protocol=moment_protocol,
+            view_basis=view_basis,
             **options,
         )
         self.sync = sync
         self.joint_rank = rank if joint_rank is None else joint_rank
-        extra = set(options) - {"adaptive_scope", "rsvd_oversample", "rsvd_niter", "nonfinite"}
+        extra = set(options) - set(self.extra_options)
         if extra:
             raise MethodError(f"unknown fedgalore option(s) {sorted(extra)}")
+
+    @property
+    def synced(self) -> bool:
+        return self.sync != "none"
 
     def _galore_group(self, named: list[tuple[str, nn.Parameter]], ctx: ClientContext) -> dict[str, Any]:
         o = self.options
@@ -132,8 +176,11 @@ class FedGaLore(DenseTargetsMethod):
             "projector": o["projector"],
             "adaptive_proj_steps": o["adaptive_proj_steps"],
             "moment_transfer": o["moment_transfer"],
+            # FedGaLore⁻ starts cold every round: AdamW's rule (bit-identical to earlier runs)
+            "bias_correction": "weight" if self.synced and o["moment_protocol"] == "aligned" else "steps",
+            "track_cold": self.synced and not o["galore_torch_compat"],
         }
-        for k in ("adaptive_scope", "rsvd_oversample", "rsvd_niter", "nonfinite"):
+        for k in self.extra_options:
             if k in o:
                 group[k] = o[k]
         return group
@@ -142,9 +189,8 @@ class FedGaLore(DenseTargetsMethod):
     def broadcast(self, state: ServerState, ctx: RoundContext) -> Payload:
         entries: dict[str, Any] = {k: Dense(v) for k, v in state.params.items()}
         for n in self.targets:
-            key = f"moment/{n}"
-            if f"{key}/left" in state.extras:
-                entries[key] = Factored(state.extras[f"{key}/left"], state.extras[f"{key}/core"], state.extras[f"{key}/right"])
+            if n in state.moments:
+                entries[f"moment/{n}"] = state.moments[n]
         return Payload(entries, {"round": ctx.round, "round_seed": ctx.round_seed})
 
     def client_update(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> Payload:
@@ -172,29 +218,27 @@ class FedGaLore(DenseTargetsMethod):
             # identical for every client, so from round ⌈S/refreshes per round⌉ on all bases are seeded)
             per_round = -(-ctx.steps_per_round // int(self.options["update_proj_gap"]))
             opt.set_global_refresh_offset(ctx.round * per_round)
-        if self.sync != "none":
+        if self.synced:
             for n in self.targets:
-                key = f"moment/{n}"
-                if key in broadcast:
-                    f = broadcast[key]
-                    assert isinstance(f, Factored)
-                    opt.load_second_moment(n, f.left, f.core, f.right)
+                view = broadcast.entries.get(f"moment/{n}")
+                if view is not None:
+                    if not isinstance(view, MomentView):
+                        raise MethodError(f"broadcast entry moment/{n} is a {type(view).__name__}, expected a MomentView")
+                    opt.load_second_moment(n, view)
         opt.mark()
         stats = local_train(model, opt, ctx, params.values())
-        entries: dict[str, Any] = dict(opt.export_update())
+        updates = opt.export_update()
+        entries: dict[str, Any] = dict(updates)
         for n in self.heads:
             entries[n] = Dense(params[n].detach().float() - start[n].float())
-        if self.sync != "none":
-            beta2 = float(tc.betas[1])
-            for n, st in opt.export_state().items():
-                view = st.moment_view()  # the basis travels only when it is data-driven
-                if not st.warm and st.step > 0:
-                    # upload an estimate of E[g̃²]: a cold EMA is biased low by (1 − β2^t); a
-                    # warm-started one already is an estimate (it was never bias-corrected)
-                    view = MomentView(view.moment / (1.0 - beta2 ** st.step), view.side, view.shape, view.basis, view.seed)
-                entries[f"moment/{n}"] = view
-        return Payload(entries, {"num_examples": ctx.num_examples, **stats})
-
+        meta: dict[str, Any] = {"num_examples": ctx.num_examples, **stats}
+        if self.synced:
+            seeded = self.options["view_basis"] == "seeded"
+            views = opt.export_moments({n: opt.view_seed(n) for n in self.targets} if seeded else None)
+            for n, view in views.items():
+                entries[f"moment/{n}"] = _share_basis(view, updates[n])
+            meta.update(_client_diagnostics(opt.moment_diagnostics()))
+        return Payload(entries, meta)
     # ------------------------------------------------------------------ A
     def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext):
         applied = {}
@@ -206,7 +250,9 @@ class FedGaLore(DenseTargetsMethod):
         return applied
 
     def validate_upload(self, state, upload, ctx):
-        """Seeded bases must come from this round's seed chain; ranks must not exceed r."""
+        """Seeded bases must come from this round's seed chain (moment views: the round's view
+        basis R_k under ``view_basis='seeded'``); ranks must not exceed r; second-moment
+        estimates and weights must be non-negative."""
         from fedgalore.optim import derive_seed
 
         identity = self.options["projector"] == "identity"
@@ -225,9 +271,19 @@ class FedGaLore(DenseTargetsMethod):
                     if term.seed not in valid:
                         return f"{n}: basis seed {term.seed} does not belong to round seed {ctx.round_seed}"
             mv = upload.entries.get(f"moment/{n}")
-            if mv is not None and mv.seed is not None:
-                if mv.seed not in valid:
-                    return f"moment/{n}: basis seed {mv.seed} does not belong to round seed {ctx.round_seed}"
+            if mv is None:
+                continue
+            if not isinstance(mv, MomentView):
+                return f"moment/{n}: expected a MomentView, got {type(mv).__name__}"
+            if self.options["view_basis"] == "seeded":
+                if mv.basis is not None or mv.seed != derive_seed(ctx.round_seed, n, 0):
+                    return f"moment/{n}: must be on the round's seeded view basis R_k (seed {derive_seed(ctx.round_seed, n, 0)})"
+            elif mv.basis is None and mv.seed not in valid:
+                return f"moment/{n}: basis seed {mv.seed} does not belong to round seed {ctx.round_seed}"
+            if mv.weight is not None and bool((mv.weight < 0).any()):
+                return f"moment/{n}: negative prior weights"
+            if bool((mv.moment < 0).any()):
+                return f"moment/{n}: a second-moment estimate must be >= 0"
         return None
 
     def scale_upload(self, upload, factor):
@@ -250,7 +306,7 @@ class FedGaLore(DenseTargetsMethod):
 
     # ------------------------------------------------------------------ S
     def synchronize(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext):
-        if self.sync == "none":
+        if not self.synced:
             return {}
         from fedgalore.sync import synchronize_moments
 
@@ -269,16 +325,55 @@ class FedGaLore(DenseTargetsMethod):
                     center=self.options["sync_center"],
                     seed=(ctx.round_seed + j) % (2**63),
                 )
-            key = f"moment/{n}"
             if res.state is not None:
-                state.extras[f"{key}/left"] = res.state.left.float()
-                state.extras[f"{key}/core"] = res.state.core.float()
-                state.extras[f"{key}/right"] = res.state.right.float()
+                st = res.state
+                state.moments[n] = MomentView(st.moment.float(), st.side, st.shape,
+                                              None if st.basis is None else st.basis.float(), st.seed,
+                                              None if st.weight is None else st.weight.float())
             for k, v in res.diagnostics.items():
                 if isinstance(v, (int, float)):
                     diags.setdefault(k, []).append(float(v))
-        return {k: sum(v) / len(v) for k, v in diags.items()}
+        out = {k: sum(v) / len(v) for k, v in diags.items()}
+        for key in _CLIENT_DIAGS:
+            vals = [float(u.meta[key]) for u in uploads if isinstance(u.meta.get(key), (int, float))]
+            if vals:
+                out[key] = sum(vals) / len(vals)
+        if out.get("client_update_norm_cold"):
+            out["update_norm_vs_cold"] = out["client_update_norm_precond"] / out["client_update_norm_cold"]
+        return out
 
+
+def _share_basis(view: MomentView, update: GaLoreUpdate) -> MomentView:
+    """The view with its basis replaced by the identical basis tensor of an update term, so the
+    wire format stores the client's data-driven basis once (it is in both entries)."""
+    if view.basis is None:
+        return view
+    for term in reversed(update.terms):
+        b = term.right if (isinstance(term, LowRank) and view.side == "right") else (
+            term.left if isinstance(term, LowRank) else None)
+        if b is not None and b.shape == view.basis.shape and torch.equal(b, view.basis):
+            return MomentView(view.moment, view.side, view.shape, b, view.seed, view.weight)
+    return view
+
+
+def _client_diagnostics(per_param: dict[str, dict[str, float]]) -> dict[str, float]:
+    """One client's moment diagnostics over its GaLore matrices: means of the warm-start shares,
+    the median of the per-matrix V̂/V̂_cold medians, and the update norms over all matrices."""
+    import math
+    import statistics
+
+    out: dict[str, float] = {}
+    for key, src in (("warm_clamped", "warm_clamped"), ("prior_retained", "prior_retained")):
+        vals = [d[src] for d in per_param.values() if src in d]
+        if vals:
+            out[key] = sum(vals) / len(vals)
+    ratios = [d["v_ratio_median"] for d in per_param.values() if "v_ratio_median" in d and math.isfinite(d["v_ratio_median"])]
+    if ratios:
+        out["v_warm_cold_ratio"] = statistics.median(ratios)
+    if any("update_norm" in d for d in per_param.values()):
+        out["client_update_norm_precond"] = math.sqrt(sum(d.get("update_norm", 0.0) ** 2 for d in per_param.values()))
+        out["client_update_norm_cold"] = math.sqrt(sum(d.get("update_norm_cold", 0.0) ** 2 for d in per_param.values()))
+    return out
 
 
 @register

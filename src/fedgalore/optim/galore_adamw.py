@@ -6,23 +6,35 @@ the mirror image, see :mod:`fedgalore.optim.projector`) one step ``t`` is::
     R_t = G_t P^T                                       (m x r)
     M_t = b1 M_{t-1} + (1 - b1) R_t
     V_t = b2 V_{t-1} + (1 - b2) R_t * R_t
-    U_t = M_t / (sqrt(V_t / c2_t) + eps),   c2_t = 1 - b2^s   (c2_t = 1 when V was warm-started)
+    U_t = M_t / (sqrt(V_t / c2_t) + eps)
     W_t = (1 - lr_t wd) W_{t-1} - (lr_t / (1 - b1^t)) * scale * U_t P
 
 i.e. torch AdamW (decoupled decay applied before the update) with the moments kept in the
-projected shape. ``s`` counts steps since the second moment last started cold (start or a
-``reset`` transfer); ``t`` is the step count of the first moment.
+projected shape; ``t`` is the step count of the first moment, which always starts cold.
 
 Refreshes happen at local steps ``0, tau, 2 tau, ...`` (``update_proj_gap = tau``). At a refresh
 with an old basis the moments move to the new coordinates, ``C = P_old P_new^T`` (right) /
 ``C = P_new^T P_old`` (left): ``M <- M C`` and, by ``moment_transfer``, ``V <- max(V C, 0)``
-(``linear``, the paper's literal rule), ``V <- V (C∘C)`` (``squared``, the default), ``keep`` or
-``reset``.
+(``linear``, the paper's literal rule, App. B "buffer reprojection"), ``V <- V (C∘C)``
+(``squared``, the default: the second moment of ``g p_new`` when the old coordinates are
+uncorrelated; non-negative and invariant to the sign of any basis vector), ``keep`` or ``reset``.
 
-Second-moment bias correction: a cold ``V`` (zeros at start or after ``reset``) is corrected
-with ``1 - b2^s``; a ``V`` warm-started by :meth:`GaLoreAdamW.load_second_moment` (the server's
-synchronised state, paper Alg. 1 line "Broadcast vbar") is already an estimate of the second
-moment and is used uncorrected. The first moment always starts cold and is corrected as AdamW.
+Second-moment bias correction ``c2_t`` (group key ``bias_correction``):
+
+* ``"steps"`` (default; AdamW's rule): ``c2_t = 1 - b2^s`` with ``s`` the steps since ``V`` last
+  started cold (start or a ``reset`` transfer). A ``V`` warm-started by
+  :meth:`GaLoreAdamW.load_second_moment` is the server's estimate projected *linearly* onto the
+  client's first basis and clamped at 0 (paper Alg. 1: "reprojected ... when the seed
+  increments") and is used uncorrected (``c2_t = 1``). This is the paper mode. Measured cost: when
+  the first basis is not the one ``v̄`` is expressed in, the projected ``V`` underestimates the new
+  coordinates' ``E[g̃²]`` and the steps grow (benchmarks/RESULTS.md §9).
+* ``"weight"``: every coordinate ``j`` of the projected axis carries the prior weight
+  ``c_j`` of its EMA (the mass ``1 - b2^s`` an EMA accumulates): ``c <- b2 c + (1 - b2)`` per step,
+  ``V / c`` is the estimate. A warm start loads ``V = c̄ v̄`` and ``c = c̄`` *on the basis v̄ is
+  expressed in* (exact), and every basis change — including the move to the round's first basis —
+  moves ``V`` by ``moment_transfer`` and the weights by ``c <- c (C∘C)``: a direction the old basis
+  does not span carries no prior, so the fresh gradients set its scale (no step inflation, and
+  sign-invariant with ``squared``). For a cold start ``c = 1 - b2^s``: identical to ``"steps"``.
 
 Projector kinds (group key ``projector``): ``identity`` (basis ``I`` of the projected side's
 full dimension, ``rank`` ignored, never refreshed: exactly AdamW when ``scale = 1``), ``svd``, ``rsvd``, ``random`` (seeded Haar), ``svd_then_random`` and
@@ -41,6 +53,12 @@ training run. Seeds always use the local refresh index ``q``:
 ``lr sqrt(1 - b2^t) / (1 - b1^t)``, ``W <- W - step * scale * U P`` then ``W <- W - lr wd W``,
 no moment transfer (the moments are kept across refreshes), and the same for plain groups.
 
+``track_cold=True`` keeps a shadow cold second moment (zeros at :meth:`GaLoreAdamW.mark`, moved
+like ``V``, corrected by steps) and the update the same first moments would have made with it:
+:meth:`GaLoreAdamW.moment_diagnostics` reports both update norms, the warm/cold ``V̂`` ratio and
+what the warm start clamped or kept — the evidence that a synchronised state conditions the step
+instead of inflating it.
+
 Optimizer state holds tensors and plain Python numbers only (side is stored as ``0=right,
 1=left``), so ``state_dict()`` loads with ``torch.load(weights_only=True)``. GaLore state
 (moments, bases, update record) is always fp32, also for bf16 parameters.
@@ -55,7 +73,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
-from fedgalore.federated.payload import GaLoreUpdate, LowRank, MomentView, SeededLowRank
+from fedgalore.federated.payload import Factored, GaLoreUpdate, LowRank, MomentView, SeededLowRank
 from fedgalore.optim.projector import (
     PROJ_TYPES,
     SIDES,
@@ -73,6 +91,7 @@ __all__ = ["GaLoreAdamW", "GaLoreStateEntry", "rebuild_delta", "PROJECTORS", "MO
 
 PROJECTORS = ("identity", "svd", "rsvd", "random", "svd_then_random", "rsvd_then_random")
 MOMENT_TRANSFERS = ("linear", "squared", "keep", "reset")
+BIAS_CORRECTIONS = ("steps", "weight")
 _SCOPES = ("round", "global")
 _NONFINITE = ("raise", "skip")
 
@@ -87,6 +106,8 @@ GALORE_DEFAULTS: dict[str, Any] = {
     # Provisional default: non-negative by construction (reference §2.6(d)); DESIGN §3.1 leaves the
     # final choice to the reproduction measurement.
     "moment_transfer": "squared",
+    "bias_correction": "steps",
+    "track_cold": False,
     "rsvd_oversample": 8,
     "rsvd_niter": 2,
 }
@@ -114,20 +135,7 @@ class GaLoreStateEntry:
     refresh_index: Optional[int]
     projection_seed: int
     warm: bool
-
-    def moment_view(self, with_basis: Optional[bool] = None) -> MomentView:
-        """Payload view of ``v``; the basis matrix travels only for data-driven bases by default."""
-        if with_basis is None:
-            with_basis = self.seed is None
-        if self.basis is None:
-            raise ValueError(f"parameter {self.name!r} has no basis yet (no refresh happened)")
-        return MomentView(
-            self.exp_avg_sq.detach().float().cpu(),
-            self.side,
-            self.shape,
-            self.basis.detach().float().cpu() if with_basis else None,
-            self.seed,
-        )
+    v_weight: torch.Tensor  # (r,): prior weight c of each projected coordinate (see bias_correction)
 
 
 def rebuild_delta(update: GaLoreUpdate, w0: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -137,6 +145,23 @@ def rebuild_delta(update: GaLoreUpdate, w0: Optional[torch.Tensor] = None) -> to
     seeded terms. ``w0`` is needed when weight decay was on (``decay != 0``). Returns fp32 CPU.
     """
     return update.materialize(None if w0 is None else w0.detach().cpu())
+
+
+def _mul(side: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Apply a change of basis ``C`` to projected coordinates: ``X C`` (right) / ``C X`` (left)."""
+    return (lambda x, c: x @ c) if side == "right" else (lambda x, c: c @ x)
+
+
+def _record_norm(coefs: list[torch.Tensor], bases: list[torch.Tensor], side: str) -> float:
+    """``‖Σ_q C_q P_q‖_F`` (right) / ``‖Σ_q P_q C_q‖_F`` (left) from ``r × r`` basis overlaps."""
+    total = 0.0
+    for i, (ci, pi) in enumerate(zip(coefs, bases)):
+        for j, (cj, pj) in enumerate(zip(coefs, bases)):
+            if side == "right":
+                total += float(((ci @ (pi @ pj.T)) * cj).sum())
+            else:
+                total += float(((pi.T @ pj) @ cj * ci).sum())
+    return math.sqrt(max(total, 0.0))
 
 
 def _is_int(x: Any) -> bool:
@@ -241,6 +266,12 @@ class GaLoreAdamW(Optimizer):
             raise ValueError(
                 f"unknown moment_transfer {group['moment_transfer']!r}; expected one of {MOMENT_TRANSFERS}"
             )
+        if group["bias_correction"] not in BIAS_CORRECTIONS:
+            raise ValueError(
+                f"unknown bias_correction {group['bias_correction']!r}; expected one of {BIAS_CORRECTIONS}"
+            )
+        if group["galore_torch_compat"] and (group["bias_correction"] != "steps" or group["track_cold"]):
+            raise ValueError("galore_torch_compat reproduces the official rule: use bias_correction='steps' and track_cold=False")
         if group["adaptive_scope"] not in _SCOPES:
             raise ValueError(f"unknown adaptive_scope {group['adaptive_scope']!r}; expected one of {_SCOPES}")
         if not _is_int(group["update_proj_gap"]) or group["update_proj_gap"] < 1:
@@ -317,7 +348,19 @@ class GaLoreAdamW(Optimizer):
             exp_avg_sq=torch.zeros(shape, dtype=torch.float32, device=p.device),
             rec_on=0,
         )
+        if group["bias_correction"] == "weight":
+            # prior weight per projected coordinate, shaped to broadcast against V
+            d = shape[1] if side == "right" else shape[0]
+            wshape = (1, d) if side == "right" else (d, 1)
+            state["v_weight"] = torch.zeros(wshape, dtype=torch.float32, device=p.device)
+        if group["track_cold"]:
+            self._reset_cold(state)
         return state
+
+    @staticmethod
+    def _reset_cold(state: dict[str, Any]) -> None:
+        state["cold_v"] = torch.zeros_like(state["exp_avg_sq"])
+        state["cold_step"] = 0
 
     def _has_basis(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
         return group["projector"] == "identity" or "basis" in state
@@ -349,27 +392,42 @@ class GaLoreAdamW(Optimizer):
         old = state.get("basis")
         if state["rec_on"]:
             self._close_term(state)
-        if old is not None and not group["galore_torch_compat"]:
-            c = change_of_basis(old, new, side)
-            mt = group["moment_transfer"]
-            mul = (lambda x, y: x @ y) if side == "right" else (lambda x, y: y @ x)
-            state["exp_avg"] = mul(state["exp_avg"], c)
-            if mt == "linear":
-                state["exp_avg_sq"] = mul(state["exp_avg_sq"], c).clamp_(min=0.0)
-            elif mt == "squared":
-                state["exp_avg_sq"] = mul(state["exp_avg_sq"], c * c)
-            elif mt == "reset":
-                state["exp_avg_sq"].zero_()
-                state["v_step"] = 0
-                state["v_warm"] = 0
+        if "warm_v" in state:
+            self._apply_warm(state, group, side, new)
+        elif old is not None and not group["galore_torch_compat"]:
+            self._transfer(state, group, side, change_of_basis(old, new, side))
         state["basis"] = new
         state["basis_seed"] = seed
         state["basis_refresh"] = q
         state["refresh"] = q + 1
-        if "warm_core" in state:
-            self._apply_warm(state, side, state.pop("warm_left"), state.pop("warm_core"), state.pop("warm_right"))
         if state["rec_on"]:
             self._open_term(state)
+
+    def _transfer(self, state: dict[str, Any], group: dict[str, Any], side: str, c: torch.Tensor) -> None:
+        """Move the moments to new coordinates (``C`` from :func:`change_of_basis`) by the group's
+        ``moment_transfer``; prior weights (``bias_correction="weight"``) move by ``C∘C``."""
+        mt = group["moment_transfer"]
+        mul = _mul(side)
+        state["exp_avg"] = mul(state["exp_avg"], c)
+        for key in ("exp_avg_sq", "cold_v"):
+            if key not in state:
+                continue
+            if mt == "linear":
+                state[key] = mul(state[key], c).clamp_(min=0.0)
+            elif mt == "squared":
+                state[key] = mul(state[key], c * c)
+            elif mt == "reset":
+                state[key].zero_()
+        if "v_weight" in state:
+            if mt == "reset":
+                state["v_weight"].zero_()
+            elif mt != "keep":
+                state["v_weight"] = mul(state["v_weight"], c * c)
+        if mt == "reset":
+            state["v_step"] = 0
+            state["v_warm"] = 0
+            if "cold_v" in state:
+                state["cold_step"] = 0
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -477,11 +535,21 @@ class GaLoreAdamW(Optimizer):
             return
         m.lerp_(r, 1.0 - b1)
         v.mul_(b2).addcmul_(r, r, value=1.0 - b2)
-        if state["v_warm"]:
+        if "v_weight" in state:
+            w8 = state["v_weight"]
+            w8.mul_(b2).add_(1.0 - b2)
+            denom = (v / w8).sqrt_().add_(eps)
+        elif state["v_warm"]:
             denom = v.sqrt().add_(eps)
         else:
             denom = (v.sqrt() / math.sqrt(1.0 - b2 ** state["v_step"])).add_(eps)
         u = m / denom
+        u_cold = None
+        if "cold_v" in state:
+            cv = state["cold_v"]
+            cv.mul_(b2).addcmul_(r, r, value=1.0 - b2)
+            state["cold_step"] += 1
+            u_cold = m / (cv.sqrt() / math.sqrt(1.0 - b2 ** state["cold_step"])).add_(eps)
         coef = -lr / (1.0 - b1**t) * scale
         w = p if p.dtype == torch.float32 else p.float()
         if decay != 1.0:  # a separate pass is faster than addmm's beta on CPU (benchmarks/optimizer_step.py)
@@ -495,29 +563,38 @@ class GaLoreAdamW(Optimizer):
         if w is not p:
             p.copy_(w)
         if state["rec_on"]:
-            self._record(state, u, coef, decay, after=False)
+            self._record(state, u, coef, decay, after=False, u_cold=u_cold)
 
     # ------------------------------------------------------------------ update record
     def _open_term(self, state: dict[str, Any]) -> None:
         state["rec_coef"] = torch.zeros_like(state["exp_avg"])
         state["rec_n"] = 0
+        if "cold_v" in state:
+            state["rec_cold"] = torch.zeros_like(state["exp_avg"])
 
     def _close_term(self, state: dict[str, Any]) -> None:
         if "rec_coef" not in state:
             return
         coef = state.pop("rec_coef")
+        cold = state.pop("rec_cold", None)
         if state.pop("rec_n") > 0:
             term = {"coef": coef, "factor": 1.0, "seed": state["basis_seed"]}
             if state["basis_seed"] < 0 and "basis" in state:
                 term["basis"] = state["basis"]
+            if cold is not None:
+                term["cold"] = cold
             state["rec_terms"].append(term)
 
-    def _record(self, state: dict[str, Any], u: torch.Tensor, alpha: float, decay: float, after: bool) -> None:
+    def _record(
+        self, state: dict[str, Any], u: torch.Tensor, alpha: float, decay: float, after: bool,
+        u_cold: Optional[torch.Tensor] = None,
+    ) -> None:
         """Keep ``ΔW = (a_t - 1) W0 + Σ_q f_q C_q P_q`` exact under decay ``d_t = 1 - lr_t wd``.
 
         torch order (decay, then update): ``C <- d C + alpha U``; compat order (update, then
         decay): ``C <- d (C + alpha U)``. Every step ``a <- d a`` and each closed term's factor
-        ``f_q <- d f_q``.
+        ``f_q <- d f_q``. With ``track_cold`` the shadow coefficients follow the same rule with the
+        cold-start direction ``U_cold``.
         """
         c = state["rec_coef"]
         if after:
@@ -528,6 +605,11 @@ class GaLoreAdamW(Optimizer):
             if decay != 1.0:
                 c.mul_(decay)
             c.add_(u, alpha=alpha)
+        if u_cold is not None and "rec_cold" in state:
+            cc = state["rec_cold"]
+            if decay != 1.0:
+                cc.mul_(decay)
+            cc.add_(u_cold, alpha=alpha)
         state["rec_n"] += 1
         if decay != 1.0:
             state["rec_A"] *= decay
@@ -535,7 +617,8 @@ class GaLoreAdamW(Optimizer):
                 term["factor"] *= decay
 
     def mark(self) -> None:
-        """Start recording the exact low-rank update ``W_T - W_0`` of every GaLore parameter."""
+        """Start recording the exact low-rank update ``W_T - W_0`` of every GaLore parameter
+        (and, with ``track_cold``, restart the shadow cold second moment)."""
         for _, p, group in self._galore_items():
             state = self._init_state(p, group)
             state["rec_on"] = 1
@@ -543,6 +626,9 @@ class GaLoreAdamW(Optimizer):
             state["rec_terms"] = []
             state.pop("rec_coef", None)
             state.pop("rec_n", None)
+            state.pop("rec_cold", None)
+            if "cold_v" in state:
+                self._reset_cold(state)
             if self._has_basis(group, state):
                 self._open_term(state)
 
@@ -582,17 +668,33 @@ class GaLoreAdamW(Optimizer):
         return out
 
     # ------------------------------------------------------------------ state export / warm start
+    def _current_basis(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> Optional[torch.Tensor]:
+        if group["projector"] == "identity":
+            side = SIDES[state["side"]]
+            return torch.eye(p.shape[1] if side == "right" else p.shape[0], device=p.device)
+        return state.get("basis")
+
+    def _v_weight(self, group: dict[str, Any], state: dict[str, Any]) -> torch.Tensor:
+        """Prior weight ``c`` of each projected coordinate, shaped to broadcast against ``V``."""
+        if "v_weight" in state:
+            return state["v_weight"]
+        side = SIDES[state["side"]]
+        v = state["exp_avg_sq"]
+        d = v.shape[1] if side == "right" else v.shape[0]
+        shape = (1, d) if side == "right" else (d, 1)
+        if state["v_warm"]:
+            value = 1.0
+        else:
+            value = 1.0 - group["betas"][1] ** state["v_step"] if state["v_step"] > 0 else 0.0
+        return torch.full(shape, value, dtype=torch.float32, device=v.device)
+
     def export_state(self) -> dict[str, GaLoreStateEntry]:
         """Per GaLore parameter name: projected moments, shape/side and basis identity."""
         out: dict[str, GaLoreStateEntry] = {}
         for name, p, group in self._galore_items():
             state = self._init_state(p, group)
             side = SIDES[state["side"]]
-            if group["projector"] == "identity":
-                d = p.shape[1] if side == "right" else p.shape[0]
-                basis: Optional[torch.Tensor] = torch.eye(d, device=p.device)
-            else:
-                basis = state.get("basis")
+            basis = self._current_basis(p, group, state)
             seeded = state["basis_seed"] >= 0
             out[name] = GaLoreStateEntry(
                 name=name,
@@ -606,55 +708,192 @@ class GaLoreAdamW(Optimizer):
                 seed=int(state["basis_seed"]) if seeded else None,
                 refresh_index=int(state["basis_refresh"]) if seeded else None,
                 projection_seed=int(group["projection_seed"]),
-                warm=bool(state["v_warm"]),
+                warm=bool(state["v_warm"]) or "warm_diag" in state,
+                v_weight=self._v_weight(group, state).detach().flatten().clone(),
             )
         return out
 
-    def _apply_warm(
-        self, state: dict[str, Any], side: str, left: torch.Tensor, core: torch.Tensor, right: torch.Tensor
-    ) -> None:
-        basis = state.get("basis")
-        if basis is None:  # identity
-            v = left @ core @ right.T
-        elif side == "right":
-            v = left @ (core @ (right.T @ basis.T))
-        else:
-            v = (basis.T @ left) @ core @ right.T
-        state["exp_avg_sq"] = v.clamp_(min=0.0).contiguous()
-        state["v_warm"] = 1
-
-    def load_second_moment(self, name: str, left: torch.Tensor, core: torch.Tensor, right: torch.Tensor) -> None:
-        """Warm-start ``v`` from a factored full-space second moment ``V = left @ core @ right^T``.
-
-        ``left (m x a)``, ``core (a x b)``, ``right (n x b)`` (e.g. the server's synchronised
-        ``vbar``, DESIGN §3.2). Projected onto the current basis, or onto the first basis at the
-        first refresh when none exists yet: right side ``v = V P^T = left core (right^T P^T)``,
-        left side ``v = P^T V``; then ``v <- max(v, 0)``. For a shared basis this inverts the
-        lift ``V = v P`` exactly. A warm ``v`` is not bias-corrected.
-        """
+    def view_seed(self, name: str) -> int:
+        """Seed of the round's shared view basis ``R_k`` of parameter ``name`` (paper Alg. 1 line
+        13, §5 "Seeded matrix view"): ``derive_seed(s_k, name, 0)`` — a function of the round
+        seed and the parameter only, identical for every client whatever its step count. It is
+        also the basis of a seeded refresh at local refresh 0, so a client whose round starts in
+        the seeded phase trains on ``R_k`` itself."""
         if name not in self._by_name:
             raise KeyError(f"unknown parameter name {name!r}")
         p = self._by_name[name]
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        return derive_seed(int(group["projection_seed"]), name, 0)
+
+    def export_moments(self, view_seeds: Optional[dict[str, int]] = None) -> dict[str, MomentView]:
+        """Per GaLore parameter, the projected second moment as a :class:`MomentView` (paper
+        Alg. 1 line 10, "upload ṽ"): the estimate ``V / c`` (bias-corrected by the prior weights
+        ``c``, see ``bias_correction``) and ``c`` itself.
+
+        Without ``view_seeds`` it is expressed in the current basis (the matrix, or its seed when
+        seeded). With ``view_seeds[name] = s`` it is expressed in the seeded basis
+        ``R = seeded_basis(s, ...)``: unless the current basis already is ``R``, ``V`` and ``c``
+        move there by the group's ``moment_transfer`` (``C = P R^T``; linear: ``max(V C, 0)``,
+        squared: ``V (C∘C)``; weights ``c (C∘C)``), and the view carries the seed only.
+        """
+        out: dict[str, MomentView] = {}
+        for name, p, group in self._galore_items():
+            state = self._init_state(p, group)
+            side = SIDES[state["side"]]
+            basis = self._current_basis(p, group, state)
+            if basis is None:
+                raise ValueError(f"parameter {name!r} has no basis yet (no optimizer step happened)")
+            shape = (int(p.shape[0]), int(p.shape[1]))
+            v, w = state["exp_avg_sq"], self._v_weight(group, state)
+            seed: Optional[int] = int(state["basis_seed"]) if state["basis_seed"] >= 0 else None
+            target = None if view_seeds is None else view_seeds.get(name)
+            out_basis: Optional[torch.Tensor] = None if seed is not None else basis
+            if target is not None and target != seed:
+                rank = v.shape[1] if side == "right" else v.shape[0]
+                new = seeded_basis(int(target), shape[0], shape[1], rank, side).to(v.device)
+                c = change_of_basis(basis, new, side)
+                mul, mt = _mul(side), group["moment_transfer"]
+                if mt == "linear":
+                    v = mul(v, c).clamp_(min=0.0)
+                elif mt == "squared":
+                    v = mul(v, c * c)
+                elif mt == "reset":
+                    v = torch.zeros_like(mul(v, c))
+                if mt == "reset":
+                    w = torch.zeros_like(mul(w, c))
+                elif mt != "keep":
+                    w = mul(w, c * c)
+                seed, out_basis = int(target), None
+            est = torch.where(w > 0, v / w.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(v))
+            out[name] = MomentView(
+                est.detach().float().cpu(), side, shape,
+                None if out_basis is None else out_basis.detach().float().cpu().clone(),
+                seed, w.detach().flatten().float().cpu().clone(),
+            )
+        return out
+
+    def _apply_warm(self, state: dict[str, Any], group: dict[str, Any], side: str, new: torch.Tensor) -> None:
+        """Start ``V`` from the pending synchronised state, for the basis ``new`` now in use.
+
+        ``x`` holds the coordinates of ``v̄`` on basis ``b``, ``c`` their prior weights;
+        ``C = change_of_basis(b, new)``. ``bias_correction="steps"`` (paper): ``V = max(x C, 0)``
+        (linear re-projection, then clamp), used uncorrected. ``"weight"``: ``V = max(x, 0) ∘ c``,
+        weights ``c``, both moved to ``new`` by ``moment_transfer`` exactly as an in-round refresh
+        (``C = I`` when ``new`` is ``b``: the lift is inverted exactly).
+        """
+        x, b, c = state.pop("warm_v"), state.pop("warm_basis"), state.pop("warm_weight")
+        cb = change_of_basis(b, new, side)
+        mul = _mul(side)
+        diag: dict[str, float] = {}
+        if group["bias_correction"] == "steps":
+            raw = mul(x, cb)
+            diag["warm_clamped"] = float((raw < 0).float().mean())
+            state["exp_avg_sq"] = raw.clamp_(min=0.0).contiguous()
+            state["v_warm"] = 1
+        else:
+            diag["warm_clamped"] = float((x < 0).float().mean())
+            d = x.shape[1] if side == "right" else x.shape[0]
+            wshape = (1, d) if side == "right" else (d, 1)
+            c = torch.ones(wshape, dtype=torch.float32, device=x.device) if c is None else c.reshape(wshape)
+            raw = x.clamp(min=0.0) * c
+            mt = group["moment_transfer"]
+            if mt == "keep":
+                if raw.shape != state["exp_avg_sq"].shape:
+                    raise ValueError("moment_transfer='keep' needs the synchronised state at the optimizer's rank")
+                v, w = raw, c
+            elif mt == "reset":
+                v, w = torch.zeros_like(mul(raw, cb)), torch.zeros_like(mul(c, cb))
+            else:
+                v = mul(raw, cb).clamp_(min=0.0) if mt == "linear" else mul(raw, cb * cb)
+                w = mul(c, cb * cb)
+            total = float(c.sum())
+            diag["prior_retained"] = float(w.sum()) / total if total > 0 else 0.0
+            state["exp_avg_sq"] = v.contiguous()
+            state["v_weight"] = w.contiguous()
+        state["warm_diag"] = diag
+
+    def load_second_moment(self, name: str, view: MomentView) -> None:
+        """Warm-start ``V`` of parameter ``name`` from a synchronised state ``v̄`` (paper Alg. 1,
+        lines 3 and 14; DESIGN §3.1): ``view.moment`` are its coordinates on the basis
+        ``view.basis_matrix()``, ``view.weight`` their prior weights (``None``: full weight).
+
+        Applied to the current basis, or — before the first step — to the round's first basis
+        when the first refresh picks it (see :meth:`_apply_warm` for the two rules).
+        """
+        if name not in self._by_name:
+            raise KeyError(f"unknown parameter name {name!r}")
+        if not isinstance(view, MomentView):
+            raise TypeError(f"load_second_moment({name!r}): expected a MomentView, got {type(view).__name__}")
+        p = self._by_name[name]
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         if "rank" not in group:
             raise ValueError(f"parameter {name!r} is not a GaLore parameter")
-        m, n = p.shape
-        if left.dim() != 2 or core.dim() != 2 or right.dim() != 2:
-            raise ValueError(f"load_second_moment({name!r}): factors must be 2-D")
-        if left.shape[0] != m or right.shape[0] != n or core.shape != (left.shape[1], right.shape[1]):
-            raise ValueError(
-                f"load_second_moment({name!r}): factors {tuple(left.shape)}, {tuple(core.shape)}, "
-                f"{tuple(right.shape)} do not form an {m}x{n} matrix left @ core @ right.T"
-            )
-        factors = [x.detach().to(device=p.device, dtype=torch.float32) for x in (left, core, right)]
-        if not all(bool(torch.isfinite(x).all()) for x in factors):
-            raise FloatingPointError(f"load_second_moment({name!r}): non-finite factors")
         state = self._init_state(p, group)
         side = SIDES[state["side"]]
-        if self._has_basis(group, state):
-            self._apply_warm(state, side, *factors)
-        else:
-            state["warm_left"], state["warm_core"], state["warm_right"] = factors
+        m, n = p.shape
+        x = view.moment
+        if view.side != side or tuple(view.shape) != (m, n):
+            raise ValueError(
+                f"load_second_moment({name!r}): a {view.side}-side view of a {tuple(view.shape)} matrix does not fit "
+                f"this {side}-side {m}x{n} parameter"
+            )
+        if x.dim() != 2 or (side == "right" and x.shape[0] != m) or (side == "left" and x.shape[1] != n):
+            raise ValueError(f"load_second_moment({name!r}): moment of shape {tuple(x.shape)} does not fit a {m}x{n} {side}-side view")
+        r = view.rank
+        basis = view.basis_matrix()
+        if tuple(basis.shape) != ((r, n) if side == "right" else (m, r)):
+            raise ValueError(f"load_second_moment({name!r}): basis {tuple(basis.shape)} does not match rank {r}")
+        weight = view.weight
+        if weight is not None and tuple(weight.shape) != (r,):
+            raise ValueError(f"load_second_moment({name!r}): weight must have shape ({r},), got {tuple(weight.shape)}")
+        tensors = [t.detach().to(device=p.device, dtype=torch.float32) for t in (x, basis)]
+        w8 = None if weight is None else weight.detach().to(device=p.device, dtype=torch.float32)
+        if not all(bool(torch.isfinite(t).all()) for t in tensors + ([w8] if w8 is not None else [])):
+            raise FloatingPointError(f"load_second_moment({name!r}): non-finite values")
+        if w8 is not None and bool((w8 < 0).any()):
+            raise ValueError(f"load_second_moment({name!r}): negative prior weights")
+        state["warm_v"], state["warm_basis"], state["warm_weight"] = tensors[0], tensors[1], w8
+        current = self._current_basis(p, group, state)
+        if current is not None:
+            self._apply_warm(state, group, side, current)
+
+    def moment_diagnostics(self) -> dict[str, dict[str, float]]:
+        """Per GaLore parameter: what the warm start did (``warm_clamped``: fraction of entries
+        clamped at 0; ``prior_retained``: share of the prior weight the move to the first basis
+        kept) and, with ``track_cold``, since :meth:`mark`: ``update_norm`` = ``‖Σ_q f_q C_q P_q‖_F``
+        (the record without its decay term), ``update_norm_cold`` (the same with the shadow cold
+        second moment) and ``v_ratio_median`` = median of ``V̂ / V̂_cold`` at the last step."""
+        out: dict[str, dict[str, float]] = {}
+        for name, p, group in self._galore_items():
+            state = self.state.get(p, {})
+            d = dict(state.get("warm_diag", {}))
+            if "cold_v" in state and state.get("rec_on") and state.get("cold_step", 0) > 0:
+                side = SIDES[state["side"]]
+                terms = list(state["rec_terms"])
+                if state.get("rec_n", 0) > 0:
+                    cur = {"coef": state["rec_coef"], "factor": 1.0, "seed": state["basis_seed"], "cold": state["rec_cold"]}
+                    if "basis" in state:
+                        cur["basis"] = state["basis"]
+                    terms.append(cur)
+                bases = [self._term_basis(p, group, state, t) for t in terms]
+                d["update_norm"] = _record_norm([t["coef"] * t["factor"] for t in terms], bases, side)
+                d["update_norm_cold"] = _record_norm([t["cold"] * t["factor"] for t in terms], bases, side)
+                b2 = group["betas"][1]
+                warm_hat = state["exp_avg_sq"] / self._v_weight(group, state).clamp(min=torch.finfo(torch.float32).tiny)
+                cold_hat = state["cold_v"] / (1.0 - b2 ** state["cold_step"])
+                ok = cold_hat > 0
+                d["v_ratio_median"] = float((warm_hat[ok] / cold_hat[ok]).median()) if bool(ok.any()) else float("nan")
+            out[name] = d
+        return out
+
+    def _term_basis(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], term: dict[str, Any]) -> torch.Tensor:
+        if term.get("basis") is not None:
+            return term["basis"]
+        if term["seed"] >= 0:
+            rank = state["rank"]
+            side = SIDES[state["side"]]
+            return seeded_basis(int(term["seed"]), int(p.shape[0]), int(p.shape[1]), rank, side).to(p.device)
+        return self._current_basis(p, group, state)
 
     # ------------------------------------------------------------------ checkpointing
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -4,7 +4,7 @@
 second-moment sync (``none | mean | mean_svd | ajive``) on client :class:`MomentView` uploads.
 """
 from fedgalore.sync.ajive import AJIVEResult, ajive, elbow_rank, thin_svd_factored
-from fedgalore.sync.moments import MODES, SyncResult, frobenius_gram, project_moment, synchronize, synchronize_moments
+from fedgalore.sync.moments import MODES, SyncResult, consensus_basis, frobenius_gram, synchronize, synchronize_moments
 
 __all__ = [
     "AJIVEResult",
@@ -15,6 +15,6 @@ __all__ = [
     "SyncResult",
     "synchronize",
     "synchronize_moments",
-    "project_moment",
+    "consensus_basis",
     "frobenius_gram",
 ]

