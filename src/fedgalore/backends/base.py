@@ -22,6 +22,7 @@ from fedgalore.federated.client import ClientError
 from fedgalore.federated.payload import decode, encode
 from fedgalore.methods.base import ClientContext, Method, TrainConfig, get_method
 from fedgalore.tasks import Task, get_task, resolve_target_modules
+from fedgalore.tasks.base import stratified_holdout, subset_examples
 
 __all__ = ["Runtime", "ClientJob", "ClientResult", "Backend", "client_seed"]
 
@@ -67,8 +68,13 @@ class Runtime:
         self.device = torch.device(cfg.device)
         self.model = self.method.setup(model.to(self.device), self.target_modules, self.head_params)
         self.train_data = self.task.train_set()
+        labels = np.asarray(self.task.partition_labels())
+        #: training examples held out from every client for model selection (federation.validation_fraction)
+        self.validation_idx, pool = np.zeros(0, dtype=np.int64), np.arange(len(labels))
+        if cfg.federation.validation_fraction > 0:
+            self.validation_idx, pool = stratified_holdout(labels, cfg.federation.validation_fraction, cfg.seed)
         if parts is None:
-            parts = make_partition(self.task.partition_labels(), cfg.federation.num_clients, cfg.federation.partition, cfg.seed)
+            parts = [pool[p] for p in make_partition(labels[pool], cfg.federation.num_clients, cfg.federation.partition, cfg.seed)]
         self.parts = [np.asarray(p) for p in parts]
         sizes = [len(p) for p in self.parts]
         tc: TrainConfig = cfg.train
@@ -85,6 +91,12 @@ class Runtime:
                 f"method.rank={self.cfg.method.rank} exceeds the smallest adapted matrix dimension ({smallest}); "
                 f"use method.rank<={smallest}"
             )
+
+    def validation_set(self):
+        """The held-out training examples (``None`` when ``federation.validation_fraction`` is 0)."""
+        if len(self.validation_idx) == 0:
+            return None
+        return subset_examples(self.train_data, self.validation_idx)
 
     @staticmethod
     def _steps_for(n: int, tc: TrainConfig) -> int:

@@ -70,6 +70,7 @@ class FederationConfig:
     max_update_norm: float | None = None  # reject uploads whose ‖ΔW‖_F exceeds this
     clip_update_norm: float | None = None  # scale uploads down to this ‖ΔW‖_F (dense/GaLore methods)
     client_timeout_s: float | None = None  # uploads that took longer are dropped (Ray: backend.options.timeout_s preempts)
+    validation_fraction: float = 0.0  # share of the training pool held out (stratified) for model selection
     partition: PartitionConfig = field(default_factory=lambda: PartitionConfig(kind="dirichlet", alpha=0.5))
 
 
@@ -133,6 +134,10 @@ class FederatedConfig:
         for key in ("max_update_norm", "clip_update_norm", "client_timeout_s"):
             v = getattr(f, key)
             _check(v is None or (math.isfinite(v) and v > 0), f"federation.{key} must be a positive number or null")
+        _check(
+            0.0 <= f.validation_fraction < 1.0,
+            f"federation.validation_fraction={f.validation_fraction} must be in [0, 1) (e.g. 0.1 holds out 10 % of the training pool)",
+        )
         _check(p.kind in ("iid", "dirichlet"), f"federation.partition.kind={p.kind!r} must be 'iid' or 'dirichlet'")
         if p.kind == "dirichlet":
             _check(

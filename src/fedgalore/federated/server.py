@@ -118,6 +118,7 @@ class Federation:
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.backend = make_backend(cfg.backend.name, self.runtime, cfg.backend.options)
+        self._validation = self.runtime.validation_set()
         self.ledger = Ledger()
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
@@ -180,7 +181,8 @@ class Federation:
     def _summary(self, status: str, wall: float) -> dict[str, Any]:
         cfg, task = self.cfg, self.task
         evals = [h for h in self.history if any(k.startswith("eval/") for k in h)]
-        final = {k[5:]: v for k, v in evals[-1].items() if k.startswith("eval/")} if evals else {}
+        final = {k[5:]: v for k, v in evals[-1].items() if k.startswith("eval/") and not k.startswith("eval/val_")} if evals else {}
+        final_val = {k[9:]: v for k, v in evals[-1].items() if k.startswith("eval/val_")} if evals else {}
         key = f"eval/{task.primary_metric}"
         best = {}
         if evals and key in evals[-1]:
@@ -202,6 +204,7 @@ class Federation:
             "primary_metric": task.primary_metric,
             "higher_is_better": task.higher_is_better,
             "final": final,
+            **({"final_validation": final_val} if final_val else {}),
             "best": best,
             "bytes_up_total": self.ledger.total("up"),
             "bytes_down_total": self.ledger.total("down"),
@@ -292,6 +295,9 @@ class Federation:
             t_eval = time.perf_counter()
             self.method.load_global(self.runtime.model, self.state)
             evals = self.task.evaluate(self.runtime.model, self.task.test_set(), fed.eval_batch_size)
+            if self._validation is not None:  # held-out training examples: for model selection
+                val = self.task.evaluate(self.runtime.model, self._validation, fed.eval_batch_size)
+                evals.update({f"val_{kk}": v for kk, v in val.items()})
             t_eval = time.perf_counter() - t_eval
         losses = [r["loss_mean"] for r in client_recs if "loss_mean" in r and math.isfinite(r["loss_mean"])]
         rec = {

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["Task", "TaskError", "resolve_target_modules"]
+__all__ = ["Task", "TaskError", "resolve_target_modules", "subset_examples", "stratified_holdout"]
 
 
 class TaskError(ValueError):
@@ -130,3 +130,38 @@ class ArrayDataset:
     def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         idx = torch.as_tensor(list(indices), dtype=torch.long)
         return {k: v[idx] for k, v in self.columns.items()}
+
+
+def subset_examples(examples: Any, indices: Sequence[int]) -> Any:
+    """The examples at ``indices`` in the container's own type: column datasets
+    (:class:`ArrayDataset` and subclasses) slice every column; dataclass datasets (prompt lists,
+    image file lists) slice every per-example field; plain sequences give a list."""
+    import dataclasses
+
+    idx = np.asarray(indices, dtype=np.int64)
+    if hasattr(examples, "columns"):
+        t = torch.as_tensor(idx)
+        return type(examples)({k: v[t] for k, v in examples.columns.items()})
+    if dataclasses.is_dataclass(examples):
+        n = len(examples)
+        changes = {}
+        for f in dataclasses.fields(examples):
+            value = getattr(examples, f.name)
+            if isinstance(value, (list, np.ndarray, torch.Tensor)) and len(value) == n:
+                changes[f.name] = [value[i] for i in idx] if isinstance(value, list) else value[idx]
+        return dataclasses.replace(examples, **changes)
+    return [examples[int(i)] for i in idx]
+
+
+def stratified_holdout(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(held_out, rest)`` sorted index arrays: ``round(fraction · n_c)`` of each category ``c``
+    (a seeded permutation per category), so the held-out set has the pool's label mix."""
+    labels = np.asarray(labels)
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), 11]))
+    held, rest = [], []
+    for c in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        k = int(round(fraction * len(idx)))
+        held.append(idx[:k])
+        rest.append(idx[k:])
+    return np.sort(np.concatenate(held)), np.sort(np.concatenate(rest))
