@@ -3,11 +3,27 @@
 ``local_train`` runs the client's local steps: forward, loss, backward, optional global-norm
 gradient clipping (the paper's bounded-gradient assumption), optimizer step, with the learning
 rate set every step from the paper's schedule (Appendix H: linear warmup then cosine decay).
+
+Gradient accumulation (``train.grad_accum_steps = k``; Appendix H, Table 8: Llama-2-7B trains
+with per-device batch 2 and 32 accumulation steps, an effective batch of 64). The data pipeline
+yields micro-batches of ``train.batch_size``; every ``k`` of them make one optimizer step, whose
+gradient is that of the mean loss over the step's *whole* batch,
+
+    ∇L = Σ_j (n_j / N) ∇L_j,    N = Σ_j n_j,
+
+where ``L_j`` is micro-batch ``j``'s mean loss and ``n_j`` the number of terms it averages over:
+the task's ``loss_items(batch)`` when the task defines one (a causal LM's loss is a mean over
+response tokens), else the micro-batch's rows (per-example means). So ``k`` micro-batches give
+the gradient of one batch ``k`` times as large, to float rounding (without dropout). The last
+step of a round may hold fewer than ``k`` micro-batches; it is weighted the same way. Steps,
+the LR schedule (warmup, cosine), gradient clipping and the reported losses count *optimizer*
+steps; ``ctx.on_step`` (progress) is called per micro-batch.
 """
 from __future__ import annotations
 
+import itertools
 import math
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -15,7 +31,7 @@ from torch import nn
 if TYPE_CHECKING:  # methods import this module; keep the dependency one-way at run time
     from fedgalore.methods.base import ClientContext
 
-__all__ = ["lr_factor", "local_train", "ClientError"]
+__all__ = ["lr_factor", "local_train", "ClientError", "optimizer_steps", "loss_items"]
 
 
 class ClientError(RuntimeError):
@@ -23,7 +39,7 @@ class ClientError(RuntimeError):
 
 
 def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> float:
-    """Multiplier of the peak LR at global step ``step`` of ``total``.
+    """Multiplier of the peak LR at global step ``step`` of ``total`` (optimizer steps).
 
     η_t = η · t/W for t < W (W = ⌈warmup_ratio · total⌉), then
     cosine: η · ½(1 + cos(π (t−W)/(total−W))); linear: η · (total−t)/(total−W); constant: η.
@@ -40,6 +56,24 @@ def lr_factor(step: int, total: int, warmup_ratio: float, schedule: str) -> floa
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def optimizer_steps(micro_batches: int, grad_accum_steps: int) -> int:
+    """Optimizer steps made from ``micro_batches`` micro-batches, ``grad_accum_steps`` per step
+    (a last, partial group is a step of its own): ``⌈micro_batches / k⌉``."""
+    k = max(int(grad_accum_steps), 1)
+    return -(-int(micro_batches) // k)
+
+
+def loss_items(loss_fn: Callable[..., Any], batch: dict[str, torch.Tensor]) -> int:
+    """How many terms ``loss_fn``'s mean runs over for ``batch``: the task's ``loss_items(batch)``
+    when the task that owns ``loss_fn`` defines one (e.g. response tokens of a causal LM), else the
+    batch's rows."""
+    counter = getattr(getattr(loss_fn, "__self__", None), "loss_items", None)
+    if counter is not None:
+        return int(counter(batch))
+    first = next(iter(batch.values()), None)
+    return int(first.shape[0]) if first is not None and first.dim() > 0 else 1
+
+
 def _set_lr(optimizer: torch.optim.Optimizer, factor: float) -> None:
     for g in optimizer.param_groups:
         g.setdefault("initial_lr", g["lr"])
@@ -52,37 +86,60 @@ def local_train(
     ctx: ClientContext,
     clip_params: Iterable[torch.Tensor] | None = None,
 ) -> dict[str, float]:
-    """Run this round's local steps on one client; returns loss statistics.
+    """Run this round's local steps on one client; returns loss statistics per optimizer step.
 
     The schedule scope is ``ctx.train.schedule_scope``: ``global`` places local step t of round
     k at global step k·T_nom + t of R·T_nom (one warmup+cosine over the whole federation, like
-    the centralised reference); ``round`` restarts the schedule every round.
+    the centralised reference); ``round`` restarts the schedule every round. ``T`` counts
+    optimizer steps: ``⌈micro-batches / train.grad_accum_steps⌉`` (module doc).
     """
     tc = ctx.train
+    k = max(int(getattr(tc, "grad_accum_steps", 1)), 1)
     if tc.schedule_scope == "global":
-        offset, total = ctx.round * ctx.steps_per_round, ctx.total_rounds * ctx.steps_per_round
+        per_round = optimizer_steps(ctx.steps_per_round, k)
+        offset, total = ctx.round * per_round, ctx.total_rounds * per_round
     else:
-        offset, total = 0, ctx.steps
+        offset, total = 0, optimizer_steps(ctx.steps, k)
     params = [p for p in (clip_params if clip_params is not None else model.parameters()) if p.requires_grad]
     model.train()
     losses: list[float] = []
-    for t, batch in enumerate(ctx.batches()):
+    micro = 0
+    batches = iter(ctx.batches())
+    for t in itertools.count():
+        group = list(itertools.islice(batches, k))
+        if not group:
+            break
         _set_lr(optimizer, lr_factor(offset + t, total, tc.warmup_ratio, tc.schedule))
-        batch = {k: v.to(ctx.device) for k, v in batch.items()}
-        loss = ctx.loss_fn(model, batch)
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            optimizer.zero_grad(set_to_none=True)
-            raise ClientError(f"client {ctx.client}: non-finite loss {value} at local step {t}")
-        loss.backward()
+        counts = [loss_items(ctx.loss_fn, b) for b in group] if k > 1 else [1]
+        n_total = sum(counts)
+        step_loss = 0.0
+        for batch, n in zip(group, counts):
+            if n == 0:  # nothing to average over (e.g. no response token): no term in the mean
+                micro += 1
+                continue
+            batch = {key: v.to(ctx.device) for key, v in batch.items()}
+            loss = ctx.loss_fn(model, batch)
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                optimizer.zero_grad(set_to_none=True)
+                raise ClientError(f"client {ctx.client}: non-finite loss {value} at local step {t} (micro-batch {micro})")
+            weight = n / n_total
+            (loss if weight == 1.0 else loss * weight).backward()
+            step_loss += weight * value
+            if ctx.on_step is not None:
+                ctx.on_step(micro, value)
+            micro += 1
+        if n_total == 0:
+            continue
         if tc.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(value)
-        if ctx.on_step is not None:
-            ctx.on_step(t, value)
+        losses.append(step_loss)
     model.eval()
     if not losses:
         return {"steps": 0, "loss_first": float("nan"), "loss_last": float("nan"), "loss_mean": float("nan")}
-    return {"steps": len(losses), "loss_first": losses[0], "loss_last": losses[-1], "loss_mean": sum(losses) / len(losses)}
+    out = {"steps": len(losses), "loss_first": losses[0], "loss_last": losses[-1], "loss_mean": sum(losses) / len(losses)}
+    if k > 1:
+        out["micro_batches"] = micro
+    return out
