@@ -7,7 +7,10 @@ Usage (from the repo root; each stage skips the cells that already finished)::
     python benchmarks/repro_offline_text.py ablations   # FedGaLore moment transfer / sync / scope / scale
     python benchmarks/repro_offline_text.py hetero      # alpha sweep for 4 methods
     python benchmarks/repro_offline_text.py stepsize    # sync vs step size: client update norms
-    python benchmarks/repro_offline_text.py all         # the five in this order
+    python benchmarks/repro_offline_text.py alignment_sweep   # issue 17: accuracy vs lr, 6 rows x 6 rates x alpha 0.3/0.5
+    python benchmarks/repro_offline_text.py alignment_seeds   # issue 17: seeds 1-3 at the rates chosen on validation
+    python benchmarks/repro_offline_text.py alignment_report  # rebuild results/repro_text/alignment/ from the runs
+    python benchmarks/repro_offline_text.py all         # the first five in this order
     options: --workers N (parallel single-threaded worker processes, default 2)
 
 Budget: ``conf/repro/offline_text_50.yaml`` (MiniLM-L6 x BBC News, 50 clients, 5 per round,
@@ -291,11 +294,162 @@ def alpha_sweep_figure(out: Path, dest: Path) -> dict:
     return result
 
 
+# ----------------------------------------------------------------------------- issue 17: alignment
+# Does synchronising the second moment beat not synchronising it at each method's own best rate?
+# Rows: FedGaLore in paper mode (Algorithm 1 literally) and in the aligned mode (consensus view
+# basis; and on the seeded R_k), FedGaLore-minus, FedAvg-Full, FedIT; six rates over 40-100x
+# each; Dirichlet 0.3 and 0.5 (both drawn with min_size 1: 50 clients cannot all hold 10 articles
+# at 0.3); 10 % of the training pool held out as a validation split on which the rate is chosen
+# (seed 0); seeds 1-3, which took no part in the choice, confirm at the chosen rates.
+ALIGN_ROWS = {
+    "fedgalore_paper": {"method": "fedgalore", "moment_protocol": "paper"},
+    "fedgalore_aligned": {"method": "fedgalore", "moment_protocol": "aligned", "view_basis": "consensus"},
+    "fedgalore_aligned_seeded": {"method": "fedgalore", "moment_protocol": "aligned", "view_basis": "seeded"},
+    "fedgalore_minus": {"method": "fedgalore_minus"},
+    "fedavg_full": {"method": "fedavg_full"},
+    "fedit": {"method": "fedit"},
+}
+_HIGH = [5.0e-4, 1.0e-3, 2.0e-3, 5.0e-3, 1.0e-2, 2.0e-2]
+ALIGN_LRS = {
+    "fedgalore_paper": [2.0e-4, 5.0e-4, 1.0e-3, 2.0e-3, 5.0e-3, 1.0e-2],
+    "fedgalore_aligned": _HIGH,
+    "fedgalore_aligned_seeded": _HIGH,
+    "fedgalore_minus": _HIGH,
+    "fedavg_full": [5.0e-5, 1.0e-4, 2.0e-4, 5.0e-4, 1.0e-3, 2.0e-3],
+    "fedit": _HIGH,
+}
+ALIGN_ALPHAS = ["dirichlet:0.3", "dirichlet:0.5"]
+ALIGN_SEEDS = [1, 2, 3]
+ALIGN_OVERRIDES = ("federation.partition.min_size=1", "federation.partition.max_retries=1000",
+                   "federation.validation_fraction=0.1")
+
+
+def _alpha_dir(setting: str) -> str:
+    return "a" + setting.split(":")[1]
+
+
+def stage_alignment_sweep(workers: int) -> None:
+    """Final accuracy against the learning rate, seed 0, both alphas (36 rows x 2 settings)."""
+    for setting in ALIGN_ALPHAS:
+        out = RUNS / "alignment" / f"sweep_{_alpha_dir(setting)}"
+        rows = {}
+        for label, opts in ALIGN_ROWS.items():
+            for lr in ALIGN_LRS[label]:
+                rows[_lr_label(label, lr)] = {**opts, "train": {"lr": lr}}
+        _run_stage(out, list(rows), [setting], [0], rows, workers, overrides=ALIGN_OVERRIDES)
+    alignment_report()
+
+
+def alignment_choice() -> dict[str, dict[str, float]]:
+    """Per alpha and method, the rate with the best final *validation* accuracy on seed 0."""
+    choice: dict[str, dict[str, float]] = {}
+    for setting in ALIGN_ALPHAS:
+        sweep = _sweep_table(setting)
+        choice[setting] = {}
+        for label in ALIGN_ROWS:
+            scores = {lr: sweep[label][lr]["val"] for lr in ALIGN_LRS[label] if lr in sweep.get(label, {})}
+            if scores:
+                choice[setting][label] = max(scores, key=lambda lr: (scores[lr], -lr))
+    return choice
+
+
+def stage_alignment_seeds(workers: int) -> None:
+    """Seeds 1-3 at each method's chosen rate (chosen on seed 0's validation split)."""
+    choice = alignment_choice()
+    for setting in ALIGN_ALPHAS:
+        out = RUNS / "alignment" / f"seeds_{_alpha_dir(setting)}"
+        rows = {label: {**ALIGN_ROWS[label], "train": {"lr": lr}} for label, lr in choice[setting].items()}
+        _run_stage(out, list(rows), [setting], ALIGN_SEEDS, rows, workers, overrides=ALIGN_OVERRIDES)
+    alignment_report()
+
+
+def _summaries(out: Path) -> list[dict]:
+    if not (out / "grid.json").is_file():
+        return []
+    grid = json.loads((out / "grid.json").read_text())
+    res = []
+    for c in grid["cells"]:
+        path = out / c["run_dir"] / "summary.json"
+        if not path.is_file():
+            continue
+        s = json.loads(path.read_text())
+        if s.get("status") != "complete":
+            continue
+        diag = [json.loads(line) for line in (out / c["run_dir"] / "diagnostics.jsonl").read_text().splitlines() if line.strip()]
+        res.append({"label": c["label"], "seed": c["seed"], "test": s["final"]["accuracy"],
+                    "val": s.get("final_validation", {}).get("accuracy"), "diag": diag,
+                    "bytes_up": s["bytes_up_per_client_round"], "bytes_down": s["bytes_down_per_client_round"]})
+    return res
+
+
+def _sweep_table(setting: str) -> dict[str, dict[float, dict]]:
+    """label -> lr -> {"test", "val", "diag"} from the sweep of ``setting``."""
+    out = RUNS / "alignment" / f"sweep_{_alpha_dir(setting)}"
+    table: dict[str, dict[float, dict]] = {}
+    for r in _summaries(out):
+        for label in ALIGN_ROWS:
+            for lr in ALIGN_LRS[label]:
+                if r["label"] == _lr_label(label, lr):
+                    table.setdefault(label, {})[lr] = r
+    return table
+
+
+def alignment_report(dest: Path = RESULTS / "alignment") -> dict:
+    """Curves (accuracy vs rate), the chosen rates, the seed confirmation and the good-rate bands
+    (rates within 2 points of the method's best test accuracy), as JSON + PNG + markdown."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dest.mkdir(parents=True, exist_ok=True)
+    result: dict = {"alphas": {}, "rows": ALIGN_ROWS, "rates": ALIGN_LRS}
+    choice = alignment_choice()
+    fig, axes = plt.subplots(1, len(ALIGN_ALPHAS), figsize=(11, 4), sharey=True)
+    for ax, setting in zip(axes, ALIGN_ALPHAS):
+        sweep = _sweep_table(setting)
+        entry: dict = {"sweep": {}, "choice": choice.get(setting, {}), "seeds": {}, "band": {}}
+        for label, by_lr in sweep.items():
+            lrs = sorted(by_lr)
+            entry["sweep"][label] = {f"{lr:g}": {"test": by_lr[lr]["test"], "val": by_lr[lr]["val"],
+                                                 "update_norm_vs_cold": [d.get("update_norm_vs_cold") for d in by_lr[lr]["diag"]],
+                                                 "client_update_norm_mean": [d.get("client_update_norm_mean") for d in by_lr[lr]["diag"]]}
+                                     for lr in lrs}
+            tests = {lr: by_lr[lr]["test"] for lr in lrs}
+            best = max(tests.values())
+            entry["band"][label] = {"best_test": best, "rates_within_2_points": [f"{lr:g}" for lr in lrs if tests[lr] >= best - 0.02],
+                                    "best_at_edge": max(tests, key=tests.get) in (min(lrs), max(lrs))}
+            ax.plot(lrs, [100 * tests[lr] for lr in lrs], marker="o", label=label)
+        out = RUNS / "alignment" / f"seeds_{_alpha_dir(setting)}"
+        for r in _summaries(out):
+            entry["seeds"].setdefault(r["label"], {})[str(r["seed"])] = r["test"]
+        entry["seed_mean"] = {k: statistics.mean(v.values()) for k, v in entry["seeds"].items()}
+        entry["seed_std"] = {k: statistics.stdev(v.values()) if len(v) > 1 else 0.0 for k, v in entry["seeds"].items()}
+        result["alphas"][setting] = entry
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate (train.lr)")
+        ax.set_title(f"Dirichlet α = {setting.split(':')[1]}, seed 0 (final test accuracy)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("final test accuracy (%)")
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(dest / "accuracy_vs_lr.png", dpi=120)
+    plt.close(fig)
+    (dest / "alignment.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["lr", "main", "ablations", "hetero", "stepsize", "all"])
+    ap.add_argument("stage", choices=["lr", "main", "ablations", "hetero", "stepsize", "alignment_sweep",
+                                      "alignment_seeds", "alignment_report", "all"])
     ap.add_argument("--workers", type=int, default=2)
     a = ap.parse_args(argv)
+    if a.stage == "alignment_report":
+        alignment_report()
+        return 0
     stages = ["lr", "main", "ablations", "hetero", "stepsize"] if a.stage == "all" else [a.stage]
     for s in stages:
         print(f"== stage {s}", flush=True)
