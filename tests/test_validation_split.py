@@ -9,19 +9,38 @@ import pytest
 
 import fedgalore
 from fedgalore.federated.config import ConfigError
-from fedgalore.tasks.base import stratified_holdout, subset_examples
+from fedgalore.tasks.base import stratified_split, subset_examples
 
 from test_engine import tiny_cfg
 
 
-def test_stratified_holdout_keeps_the_label_mix_and_is_seeded():
+def test_stratified_split_keeps_the_label_mix_and_is_seeded():
     labels = np.repeat([0, 1, 2], [50, 30, 20])
-    held, rest = stratified_holdout(labels, 0.2, seed=3)
+    rest, held = stratified_split(labels, 0.2, np.random.default_rng(3))
     assert sorted(np.concatenate([held, rest]).tolist()) == list(range(100))
     assert np.bincount(labels[held]).tolist() == [10, 6, 4]
-    again, _ = stratified_holdout(labels, 0.2, seed=3)
-    other, _ = stratified_holdout(labels, 0.2, seed=4)
+    again = stratified_split(labels, 0.2, np.random.default_rng(3))[1]
+    other = stratified_split(labels, 0.2, np.random.default_rng(4))[1]
     assert np.array_equal(held, again) and not np.array_equal(held, other)
+
+
+def test_the_offline_tasks_split_as_before():
+    """BBC News' and the vision tasks' train/test splits are this function with default_rng(seed)
+    (the same permutations as their former private copies: recorded runs keep their data)."""
+    from fedgalore.tasks.image_classification import _stratified_split
+    from fedgalore.tasks.text_classification import OfflineBBCNewsTask
+
+    labels = np.random.default_rng(0).integers(0, 5, 300)
+    rng = np.random.default_rng(7)
+    old_train, old_test = [], []
+    for c in np.unique(labels):  # the former implementation, verbatim
+        idx = rng.permutation(np.flatnonzero(labels == c))
+        k = int(round(0.2 * len(idx)))
+        old_test.append(idx[:k])
+        old_train.append(idx[k:])
+    expected = (np.sort(np.concatenate(old_train)), np.sort(np.concatenate(old_test)))
+    for got in (OfflineBBCNewsTask.split_indices(labels, 0.2, 7), _stratified_split(labels, 0.2, 7)):
+        assert np.array_equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
 
 
 def test_validation_examples_reach_no_client_and_are_evaluated(tmp_path):

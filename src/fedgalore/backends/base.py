@@ -22,7 +22,7 @@ from fedgalore.federated.client import ClientError
 from fedgalore.federated.payload import decode, encode
 from fedgalore.methods.base import ClientContext, Method, TrainConfig, get_method
 from fedgalore.tasks import Task, get_task, resolve_target_modules
-from fedgalore.tasks.base import stratified_holdout, subset_examples
+from fedgalore.tasks.base import stratified_split, subset_examples
 
 __all__ = ["Runtime", "ClientJob", "ClientResult", "Backend", "client_seed"]
 
@@ -72,7 +72,8 @@ class Runtime:
         #: training examples held out from every client for model selection (federation.validation_fraction)
         self.validation_idx, pool = np.zeros(0, dtype=np.int64), np.arange(len(labels))
         if cfg.federation.validation_fraction > 0:
-            self.validation_idx, pool = stratified_holdout(labels, cfg.federation.validation_fraction, cfg.seed)
+            rng = np.random.default_rng(np.random.SeedSequence([int(cfg.seed), 11]))
+            pool, self.validation_idx = stratified_split(labels, cfg.federation.validation_fraction, rng)
         if parts is None:
             parts = [pool[p] for p in make_partition(labels[pool], cfg.federation.num_clients, cfg.federation.partition, cfg.seed)]
         self.parts = [np.asarray(p) for p in parts]

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["Task", "TaskError", "resolve_target_modules", "subset_examples", "stratified_holdout"]
+__all__ = ["Task", "TaskError", "resolve_target_modules", "subset_examples", "stratified_split"]
 
 
 class TaskError(ValueError):
@@ -153,15 +153,16 @@ def subset_examples(examples: Any, indices: Sequence[int]) -> Any:
     return [examples[int(i)] for i in idx]
 
 
-def stratified_holdout(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(held_out, rest)`` sorted index arrays: ``round(fraction · n_c)`` of each category ``c``
-    (a seeded permutation per category), so the held-out set has the pool's label mix."""
+def stratified_split(labels: np.ndarray, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``(kept, held_out)`` sorted index arrays: per category ``c`` (in sorted order) a permutation
+    of its indices drawn from ``rng``, whose first ``round(fraction · n_c)`` are held out — so the
+    held-out set has the pool's label mix. The one stratified split of the package: train/test
+    splits of the offline tasks and the validation hold-out (``federation.validation_fraction``)."""
     labels = np.asarray(labels)
-    rng = np.random.default_rng(np.random.SeedSequence([int(seed), 11]))
-    held, rest = [], []
+    held, kept = [], []
     for c in np.unique(labels):
         idx = rng.permutation(np.flatnonzero(labels == c))
         k = int(round(fraction * len(idx)))
         held.append(idx[:k])
-        rest.append(idx[k:])
-    return np.sort(np.concatenate(held)), np.sort(np.concatenate(rest))
+        kept.append(idx[k:])
+    return np.sort(np.concatenate(kept)), np.sort(np.concatenate(held))

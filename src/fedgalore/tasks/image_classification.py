@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedgalore.tasks.base import ArrayDataset, Task, TaskError, resolve_target_modules
+from fedgalore.tasks.base import ArrayDataset, Task, TaskError, resolve_target_modules, stratified_split
 from fedgalore.tasks.metrics import accuracy, macro_f1
 
 __all__ = [
@@ -221,15 +221,7 @@ def _to_pixels(images: np.ndarray) -> torch.Tensor:
 
 def _stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Seeded per-class split; returns sorted (train, test) index arrays."""
-    rng = np.random.default_rng(seed)
-    train, test = [], []
-    for c in np.unique(labels):
-        idx = np.flatnonzero(labels == c)
-        idx = idx[rng.permutation(len(idx))]
-        k = int(round(test_fraction * len(idx)))
-        test.append(idx[:k])
-        train.append(idx[k:])
-    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+    return stratified_split(labels, test_fraction, np.random.default_rng(seed))
 
 
 def _subsample(n_avail: int, n: int | None, seed: int) -> np.ndarray:

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedgalore.tasks.base import ArrayDataset, Task, TaskError
+from fedgalore.tasks.base import ArrayDataset, Task, TaskError, stratified_split
 from fedgalore.tasks.metrics import accuracy, binary_f1, macro_f1, matthews_corrcoef, mse, pearson, spearman
 
 __all__ = [
@@ -444,14 +444,7 @@ class OfflineBBCNewsTask(TextClassificationTask):
     @staticmethod
     def split_indices(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
         """Stratified split: sorted train and test indices, ``round(test_fraction·n_c)`` test per class."""
-        rng = np.random.default_rng(seed)
-        train, test = [], []
-        for c in np.unique(labels):
-            idx = rng.permutation(np.flatnonzero(labels == c))
-            k = int(round(test_fraction * len(idx)))
-            test.append(idx[:k])
-            train.append(idx[k:])
-        return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
+        return stratified_split(labels, test_fraction, np.random.default_rng(seed))
 
 
 # ---------------------------------------------------------------------- offline: Amazon reviews
