@@ -327,8 +327,11 @@ def test_plan_grid_budgets_options_and_aliases(tmp_path) -> None:
         assert d == b
     with pytest.raises(MethodError, match="unknown method 'nope'"):
         plan_grid(base, ["nope"], ["iid"], None, tmp_path, {})
-    with pytest.raises(ConfigError, match="not in the grid"):
-        plan_grid(base, ["fedgalore"], ["iid"], None, tmp_path, {"fedit": {}})
+    # options for a registered method outside the grid are fine (one options file serves any subset) ...
+    assert len(plan_grid(base, ["fedgalore"], ["iid"], None, tmp_path, {"fedit": {"lora_alpha": 4}})) == 1
+    # ... a name that can never be a row (no such method, no `method` key) is a typo
+    with pytest.raises(ConfigError, match="'fedti', which is neither a registered method"):
+        plan_grid(base, ["fedgalore"], ["iid"], None, tmp_path, {"fedti": {}})
     with pytest.raises(MethodError, match="bogus"):
         plan_grid(base, ["fedit"], ["iid"], None, tmp_path, {"fedit": {"bogus": 1}})
     with pytest.raises(ConfigError, match="duplicates"):

@@ -3,14 +3,16 @@
 :func:`run_grid` takes a base :class:`~fedgalore.federated.config.FederatedConfig` and changes
 only the method, the partition setting and the seed per cell — rounds, local steps, rank, lr,
 clients, evaluation and everything else stay those of the base config, so every method gets the
-same training budget (DESIGN.md §4). Cells run one after another; each cell's resolved config is
+same training budget (docs/design.md §4). Cells run one after another; each cell's resolved config is
 saved before it runs, and a restart skips the finished cells (``summary.json`` says
 ``status: complete``) and resumes an unfinished one from its last checkpoint. At the end the
 comparison table and plots are written (:func:`fedgalore.report.build_report`).
 
-Method options. The base config's ``method.options`` are FedGaLore's options (GaLore/AJIVE
-knobs); they apply to the fedgalore family (registered names starting with ``fedgalore``) and
-not to the baselines. ``method_options`` gives per-method options on top::
+Method options. The base config's ``method.options`` is a pool: every cell's method takes the
+options it accepts (FedGaLore's GaLore/AJIVE knobs go to the fedgalore family, ``lora_alpha`` to
+the LoRA baselines, ``trainable`` to FedAvg-Full; :func:`fedgalore.methods.base.method_options_for`).
+``method_options`` gives per-row options on top (entries for rows that are not in this grid are
+ignored, so one options file serves any subset of methods)::
 
     {"fedit": {"lora_alpha": 16},
      "fedgalore_minus": {"method": "fedgalore", "sync": "none"}}   # an alias row (ablation)
@@ -43,6 +45,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -81,10 +84,13 @@ def _check_methods(labels: Sequence[str], method_options: Mapping[str, Mapping[s
 
     if not labels:
         raise ConfigError("no methods given; pass e.g. --methods fedgalore,fedit")
-    unknown_opts = sorted(set(method_options) - set(labels))
-    if unknown_opts:
-        raise ConfigError(f"method options given for {unknown_opts[0]!r}, which is not in the grid's methods ({', '.join(labels)})")
     names = available_methods()
+    # entries for rows outside this grid are fine (one options file serves any subset of methods);
+    # an entry that can never be a row (no registered method of that name, no `method` key) is a typo
+    for label, opts in method_options.items():
+        if label not in labels and label not in names and "method" not in opts:
+            raise ConfigError(f"method options given for {label!r}, which is neither a registered method "
+                              f"({', '.join(names)}) nor a row alias (an entry with a `method` key)")
     for label in labels:
         target = str(method_options.get(label, {}).get("method", label))
         if target not in names:
@@ -92,6 +98,12 @@ def _check_methods(labels: Sequence[str], method_options: Mapping[str, Mapping[s
             raise MethodError(f"unknown method {target!r}{hint}; available: {', '.join(names)}")
     if len(set(labels)) != len(labels):
         raise ConfigError(f"methods list has duplicates: {', '.join(labels)}")
+
+
+def method_options_for(method: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    from fedgalore.methods.base import method_options_for as split
+
+    return split(method, options)
 
 
 def _check_options(label: str, method: str, rank: int, options: dict[str, Any]) -> None:
@@ -134,7 +146,7 @@ def plan_grid(
         unknown = sorted(set(train_over) - set(base["train"]))
         if unknown:
             raise ConfigError(f"row {label!r}: unknown train key {unknown[0]!r}; valid: {', '.join(sorted(base['train']))}")
-        options = dict(base["method"]["options"]) if method.startswith("fedgalore") else {}
+        options, _ = method_options_for(method, dict(base["method"]["options"]))
         options.update(opts)
         _check_options(label, method, base_cfg.method.rank, options)
         for part in parts:
@@ -268,6 +280,28 @@ def _write_grid(out: Path, base_cfg: FederatedConfig, labels: Sequence[str], cel
     tmp.replace(grid_path)
 
 
+class _GridEta:
+    """Time left for the whole grid: the mean wall time of the cells this process has run so
+    far times the cells still to run (shown once one cell has finished)."""
+
+    def __init__(self, todo: int) -> None:
+        self.todo, self.done, self.spent, self._t0 = todo, 0, 0.0, 0.0
+
+    def begin(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def end(self) -> None:
+        self.done += 1
+        self.spent += time.perf_counter() - self._t0
+
+    def text(self) -> str:
+        left = self.todo - self.done
+        if self.done == 0:
+            return f" ({left} cell(s) to run)"
+        secs = int(self.spent / self.done * left)
+        return f" ({left} cell(s) to run, grid eta {secs // 60}:{secs % 60:02d} at {self.spent / self.done / 60:.1f} min a cell)"
+
+
 def run_grid(
     base_cfg: FederatedConfig,
     methods: Sequence[str],
@@ -287,8 +321,10 @@ def run_grid(
     ``fedgalore`` logger at INFO level). ``shard=(i, n)`` runs only cells ``i, i+n, i+2n, ...``
     (parallel workers on one ``out_dir``); the report is written once every cell is complete.
     """
+    from fedgalore.federated.resolve import check_device
     from fedgalore.federated.server import run as run_one
 
+    check_device(base_cfg.device)
     out = Path(out_dir)
     if shard is not None:
         i, n = shard
@@ -300,11 +336,14 @@ def run_grid(
         _save_cell_config(cell, out)
     _write_grid(out, base_cfg, methods, cells, method_options)
     say = on_cell or log.info
+    mine = [i for i in range(1, len(cells) + 1) if shard is None or (i - 1) % shard[1] == shard[0]]
+    todo = sum(1 for i in mine if cell_status(out / "runs" / cells[i - 1].name) != "complete")
+    eta = _GridEta(todo)
     for i, cell in enumerate(cells, 1):
         run_dir = out / "runs" / cell.name
         status = cell_status(run_dir)
         head = f"[cell {i}/{len(cells)}] {cell.label} {cell.setting} seed={cell.seed}"
-        if shard is not None and (i - 1) % shard[1] != shard[0]:
+        if i not in mine:
             continue
         if status == "complete":
             say(f"{head}: complete, skipped ({run_dir})")
@@ -318,11 +357,13 @@ def run_grid(
             if status == "complete":
                 say(f"{head}: complete, skipped ({run_dir})")
                 continue
-            say(f"{head}: {'resuming' if status == 'running' else 'running'} -> {run_dir}")
+            say(f"{head}: {'resuming' if status == 'running' else 'running'} -> {run_dir}{eta.text()}")
+            eta.begin()
             if status == "running":
                 run_one(cell.cfg, resume=run_dir, progress=progress)
             else:
                 run_one(cell.cfg, progress=progress)
+            eta.end()
         finally:
             claim.unlink(missing_ok=True)
     if report:

@@ -1,6 +1,6 @@
 """The method interface: local training T, aggregation A and state synchronisation S (paper §3).
 
-A federated method is data, not a fork of the round loop (DESIGN.md §2). It declares
+A federated method is data, not a fork of the round loop (docs/design.md §2). It declares
 
 * ``setup`` — how the shared model is prepared once per process (e.g. PEFT adapters, which
   parameters train);
@@ -16,6 +16,7 @@ Methods register themselves with :func:`register`; the loop looks them up by nam
 from __future__ import annotations
 
 import abc
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterable, Sequence
 
@@ -34,6 +35,7 @@ __all__ = [
     "get_method",
     "available_methods",
     "MethodError",
+    "method_options_for",
 ]
 
 
@@ -46,7 +48,8 @@ class TrainConfig:
     """Local-training hyperparameters shared by every method (paper Appendix H, Table 8)."""
 
     lr: float = 5e-5
-    batch_size: int = 32
+    batch_size: int = 32  # examples per micro-batch (per forward/backward)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step: effective batch = batch_size × grad_accum_steps
     local_epochs: float | None = 2.0  # E; ignored when local_steps is set
     local_steps: int | None = None  # T
     warmup_ratio: float = 0.06
@@ -112,6 +115,23 @@ class Method(abc.ABC):
     name: ClassVar[str] = "method"
     #: short description for ``fedgalore methods`` / README tables
     summary: ClassVar[str] = ""
+    #: options the constructor takes through ``**options`` (not visible in its signature)
+    extra_options: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def option_names(cls) -> frozenset[str]:
+        """The option names this method accepts: the keyword parameters of ``__init__`` along
+        the class hierarchy (except ``rank``) plus :attr:`extra_options`. Used to route a shared
+        ``method.options`` mapping to the method that owns each option."""
+        names: set[str] = set(cls.extra_options)
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None or klass is object:
+                continue
+            for p in inspect.signature(init).parameters.values():
+                if p.name not in ("self", "rank") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+                    names.add(p.name)
+        return frozenset(names)
 
     def __init__(self, rank: int = 8, **options: Any) -> None:
         if rank <= 0:
@@ -195,6 +215,27 @@ def get_method(name: str, **kwargs: Any) -> Method:
     if name not in _REGISTRY:
         raise MethodError(f"unknown method {name!r}; available: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name](**kwargs)
+
+
+def method_options_for(name: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a shared ``method.options`` mapping into (options for method ``name``, ignored).
+
+    The rule (docs/cli.md, "Method options"): ``method.options`` may hold options of several
+    methods — a pipeline written for FedGaLore keeps working with ``method.name=fedit``. An
+    option goes to ``name`` when ``name`` accepts it; an option that only *other* registered
+    methods accept is ignored (returned second); an option that no registered method accepts is
+    passed on too, so the method rejects it with its own one-line error. An unregistered
+    ``name`` (a method object passed to ``fedgalore.run``) gets every option.
+    """
+    available_methods()
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        return dict(options), {}
+    own = cls.option_names()
+    others = set().union(*(c.option_names() for n, c in _REGISTRY.items() if n != name))
+    kept = {k: v for k, v in options.items() if k in own or k not in others}
+    ignored = {k: v for k, v in options.items() if k not in kept}
+    return kept, ignored
 
 
 # ----------------------------------------------------------------------------- shared helpers

@@ -132,6 +132,11 @@ class LoraMethod(Method):
     }
     _SGD_DEFAULTS: ClassVar[dict[str, Any]] = {"sgd_lr": None, "sgd_weight_decay": 0.0}
 
+    @classmethod
+    def option_names(cls) -> frozenset[str]:
+        """``defaults`` (plus the SGD options for SGD methods): what ``__init__`` accepts."""
+        return frozenset(cls.defaults) | (frozenset(cls._SGD_DEFAULTS) if cls.optimizer_kind == "sgd" else frozenset())
+
     def __init__(self, rank: int = 8, **options: Any) -> None:
         super().__init__(rank, **options)
         known = dict(self.defaults)

@@ -1,0 +1,47 @@
+"""What a validated config means on this machine, right before a run starts.
+
+* :func:`config_for_method` — ``method.options`` may hold options of several methods (a pipeline
+  written for FedGaLore runs unchanged with ``method.name=fedit``); the run keeps the options its
+  method accepts (:func:`fedgalore.methods.base.method_options_for`), and that is what its
+  ``config.yaml`` records;
+* :func:`check_device` — ``device=cuda`` on a torch without CUDA (or ``cuda:3`` with one GPU, or
+  ``mps`` off Apple silicon) is one :class:`~fedgalore.federated.config.ConfigError` line that
+  says what to change, before any model or data is loaded.
+"""
+from __future__ import annotations
+
+from fedgalore.federated.config import ConfigError, FederatedConfig
+
+__all__ = ["config_for_method", "check_device"]
+
+
+def config_for_method(cfg: FederatedConfig) -> FederatedConfig:
+    """A copy of ``cfg`` whose ``method.options`` holds only what ``method.name`` takes.
+
+    Options that only other registered methods accept are dropped; an option that no registered
+    method accepts is kept, so the method rejects it with its own one-line error.
+    """
+    from fedgalore.methods.base import method_options_for
+
+    kept, _ = method_options_for(cfg.method.name, cfg.method.options)
+    out = FederatedConfig.from_dict(cfg.to_dict())
+    out.method.options = kept
+    return out
+
+
+def check_device(device: str) -> None:
+    """Raise :class:`ConfigError` when ``device`` is not usable by this torch build and machine."""
+    import torch
+
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            why = (f"this torch ({torch.__version__}) is built without CUDA" if torch.version.cuda is None
+                   else "no CUDA GPU is visible (check CUDA_VISIBLE_DEVICES / the driver)")
+            raise ConfigError(f"device={device} but {why}; run on the CPU with device=cpu, "
+                              "or install a CUDA build of torch on a machine with a GPU")
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"device={device} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                              f"use device=cuda:0 ... cuda:{torch.cuda.device_count() - 1}")
+    elif device == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device=mps but MPS (Apple GPU) is not available here; use device=cpu")
