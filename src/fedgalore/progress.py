@@ -70,7 +70,8 @@ class PlainProgress(ProgressSink):
         self.first_round = int(info.get("start_round", 0) or 0)
         what = " ".join(f"{k}={info[k]}" for k in ("method", "task") if info.get(k))
         resumed = f" (resuming after round {self.first_round})" if self.first_round else ""
-        self._print(f"run {info.get('run_name', '')}: {what} rounds={total_rounds}{resumed}")
+        where = f" -> {info['run_dir']}" if info.get("run_dir") else ""
+        self._print(f"run {info.get('run_name', '')}: {what} rounds={total_rounds}{resumed}{where}")
 
     def round_end(self, round: int, record: dict[str, Any]) -> None:
         done = round + 1 - self.first_round

@@ -35,13 +35,14 @@ from fedgalore.federated.config import ConfigError, FederatedConfig
 from fedgalore.federated.diagnostics import drift_diagnostics, update_space_diagnostics
 from fedgalore.federated.events import LogProgress, ProgressSink
 from fedgalore.federated.partition import label_histograms
+from fedgalore.federated.resolve import check_device, config_for_method
 from fedgalore.federated.payload import Ledger, Payload, PayloadError, decode, encode
 from fedgalore.federated.validation import expected_keys, upload_norm, validate_upload
 from fedgalore.jsonl import append_jsonl, read_jsonl
 from fedgalore.methods.base import Method, RoundContext
 from fedgalore.tasks.base import Task
 
-__all__ = ["Federation", "RunResult", "run", "resume", "round_seed", "sample_clients"]
+__all__ = ["Federation", "RunResult", "run", "resume", "round_seed", "sample_clients", "extension_problem"]
 
 log = logging.getLogger("fedgalore")
 
@@ -105,17 +106,14 @@ class Federation:
         method: Method | None = None,
         resume: bool = False,
     ) -> None:
-        self.cfg = cfg.validate()
+        # method.options may hold options of several methods; this run keeps its method's own
+        cfg = config_for_method(cfg.validate()) if method is None else cfg.validate()
+        check_device(cfg.device)
+        self.cfg = cfg
         self.progress = progress or LogProgress()
+        self.run_dir = self._choose_run_dir(cfg, run_dir, resume)  # before the (slow) model load
         self.runtime = Runtime(cfg, task=task, method=method)
         self.task, self.method = self.runtime.task, self.runtime.method
-        name = cfg.output.run_name or f"{cfg.name}-{cfg.method.name}-{cfg.setting_label().replace(':', '')}-s{cfg.seed}"
-        self.run_dir = Path(run_dir) if run_dir is not None else Path(cfg.output.dir) / name
-        if not resume and (self.run_dir / "summary.json").exists():
-            raise ConfigError(
-                f"run directory {self.run_dir} already holds a run; resume it with --resume {self.run_dir} "
-                f"or choose another output.run_name"
-            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.backend = make_backend(cfg.backend.name, self.runtime, cfg.backend.options)
         self._validation = self.runtime.validation_set()
@@ -139,6 +137,33 @@ class Federation:
                     self.ledger.records = recs
             self.progress.message(f"resuming {self.run_dir} after round {self.start_round}")
         self._write_static()
+
+    def _choose_run_dir(self, cfg: FederatedConfig, run_dir: str | Path | None, resume: bool) -> Path:
+        """The run directory: ``run_dir``, else ``<output.dir>/<output.run_name>``, else the default
+        name ``<name>-<method>-<setting>-s<seed>``. A directory that already holds this very run
+        (same config) is refused with what to do instead; under the default name, a directory
+        holding a run with another config (e.g. other rounds) is left alone and this run goes to
+        the first free ``<default name>-2``, ``-3``, ... (announced, never silent)."""
+        default = run_dir is None and cfg.output.run_name is None
+        name = cfg.output.run_name or f"{cfg.name}-{cfg.method.name}-{cfg.setting_label().replace(':', '')}-s{cfg.seed}"
+        base = Path(run_dir) if run_dir is not None else Path(cfg.output.dir) / name
+        if resume:
+            return base
+        candidate, n, first = base, 1, None
+        while (candidate / "summary.json").exists():
+            diff = _config_difference(candidate, cfg)
+            if diff is None:
+                raise ConfigError(_holds_this_run(candidate))
+            if not default:
+                raise ConfigError(f"run directory {candidate} already holds another run ({diff}); choose another "
+                                  f"output.run_name{_extend_hint(candidate, cfg)}")
+            first = first or diff
+            n += 1
+            candidate = base.with_name(f"{base.name}-{n}")
+        if candidate != base:
+            self.progress.message(f"{base} holds a run with another config ({first}); this run goes to {candidate}"
+                                  f"{_extend_hint(base, cfg)}")
+        return candidate
 
     # ------------------------------------------------------------------ files
     def _write_static(self) -> None:
@@ -221,7 +246,8 @@ class Federation:
     def run(self) -> RunResult:
         cfg, fed = self.cfg, self.cfg.federation
         t_start = time.perf_counter()
-        self.progress.start(fed.rounds, {"run_name": self.run_dir.name, "method": cfg.method.name, "task": cfg.task.name, "start_round": self.start_round})
+        self.progress.start(fed.rounds, {"run_name": self.run_dir.name, "run_dir": str(self.run_dir), "method": cfg.method.name,
+                                         "task": cfg.task.name, "start_round": self.start_round})
         atomic_write_text(self.run_dir / "summary.json", json.dumps(self._summary("running", self.wall_time_before), indent=1))
         try:
             for k in range(self.start_round, fed.rounds):
@@ -233,6 +259,9 @@ class Federation:
             summary = self._summary("complete", wall)
             atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=1))
             self.progress.finish(summary)
+        except KeyboardInterrupt as exc:
+            exc.run_dir = self.run_dir  # type: ignore[attr-defined]  # the CLI names it in "continue with ..."
+            raise
         finally:
             self.progress.close()
             self.backend.close()
@@ -398,19 +427,110 @@ def run(cfg: FederatedConfig, *, resume: str | Path | None = None, progress: Pro
     return Federation(cfg, run_dir=run_dir, progress=progress, task=task, method=method).run()
 
 
-def _resume(run_dir: Path, *, progress=None, task=None, method=None, cfg: FederatedConfig | None = None) -> RunResult:
+def _saved_summary(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _config_difference(run_dir: Path, cfg: FederatedConfig) -> str | None:
+    """The first difference between ``run_dir``'s saved config and ``cfg`` (None: the same run;
+    the progress display does not count)."""
+    from omegaconf import OmegaConf
+
+    from fedgalore.compare import _comparable, _first_difference
+
+    try:
+        old = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    except Exception:  # noqa: BLE001 - no or unreadable config: not this run
+        return "no readable config.yaml"
+    return _first_difference(_comparable(old), _comparable(cfg.to_dict()))
+
+
+def _holds_this_run(run_dir: Path) -> str:
+    s = _saved_summary(run_dir)
+    done, total = s.get("rounds_completed", "?"), s.get("rounds", "?")
+    if s.get("status") == "complete":
+        final = " ".join(f"{k}={v:.4f}" for k, v in (s.get("final") or {}).items() if isinstance(v, float))
+        return (f"{run_dir} already holds this run (complete, {done}/{total} rounds{': ' + final if final else ''}); "
+                f"see it with `fedgalore report {run_dir}`, or set output.run_name=<new name> to run it again")
+    return (f"{run_dir} already holds this run, stopped after round {done}/{total}; continue it with "
+            f"`fedgalore run --resume {run_dir}`, or set output.run_name=<new name> to start over")
+
+
+def extension_problem(cfg: FederatedConfig, rounds: int, completed: int) -> str | None:
+    """Why a run configured as ``cfg`` (``completed`` rounds done) cannot be continued to
+    ``rounds`` rounds with exactly the result of an uninterrupted ``rounds``-round run; None if it can.
+
+    Only the learning-rate schedule depends on ``federation.rounds`` (sampling, round seeds and
+    data order derive from (seed, round, client)). With ``train.schedule_scope=global`` the
+    warm-up + decay spans all rounds, so the rounds already run used another schedule than a
+    longer run would — unless the schedule is flat (``constant`` without warm-up).
+    """
+    t = cfg.train
+    if rounds < completed:
+        return f"it has already completed {completed} rounds (federation.rounds must be >= {completed})"
+    if t.schedule_scope == "round" or (t.schedule == "constant" and t.warmup_ratio == 0):
+        return None
+    return (f"its learning-rate schedule (train.schedule={t.schedule}, train.warmup_ratio={t.warmup_ratio:g}, "
+            f"train.schedule_scope=global) spans federation.rounds={cfg.federation.rounds}, so rounds 1-{completed} "
+            f"differ from those of a {rounds}-round run")
+
+
+def _extend_hint(run_dir: Path, cfg: FederatedConfig) -> str:
+    """'; to extend that run instead: ...' when ``run_dir`` holds ``cfg`` with fewer rounds and
+    continuing it is exact (:func:`extension_problem`); else ''."""
+    from fedgalore.compare import _comparable, _first_difference
+    from fedgalore.federated.config import load_config
+
+    try:
+        saved = load_config(run_dir / "config.yaml")
+    except Exception:  # noqa: BLE001 - unreadable: no hint
+        return ""
+    rounds = cfg.federation.rounds
+    done = int(_saved_summary(run_dir).get("rounds_completed", 0) or 0)
+    if saved.federation.rounds >= rounds or extension_problem(saved, rounds, done) is not None:
+        return ""
+    saved.federation.rounds = rounds
+    if _first_difference(_comparable(saved.to_dict()), _comparable(cfg.to_dict())) is not None:
+        return ""
+    return f"; to extend that run instead: fedgalore run --resume {run_dir} federation.rounds={rounds}"
+
+
+def _resume(run_dir: Path, *, progress=None, task=None, method=None, cfg: FederatedConfig | None = None,
+            rounds: int | None = None) -> RunResult:
     from fedgalore.federated.config import load_config
 
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); nothing to resume")
     saved = load_config(run_dir / "config.yaml")
-    summary = run_dir / "summary.json"
-    if summary.exists() and json.loads(summary.read_text()).get("status") == "complete":
-        s = json.loads(summary.read_text())
+    s = _saved_summary(run_dir)
+    if rounds is not None and int(rounds) != saved.federation.rounds:
+        if int(rounds) < 1:
+            raise ConfigError(f"federation.rounds={rounds} must be >= 1")
+        done = int(s.get("rounds_completed", 0) or 0)
+        problem = extension_problem(saved, int(rounds), done)
+        if problem is not None:
+            again = " output.run_name=<new name>" if saved.output.run_name else ""
+            raise ConfigError(
+                f"cannot continue {run_dir} to {rounds} rounds exactly: {problem}. Start a {rounds}-round run instead "
+                f"(fedgalore run --config {run_dir / 'config.yaml'} federation.rounds={rounds}{again}); runs meant to be "
+                f"extended need train.schedule_scope=round, or train.schedule=constant with train.warmup_ratio=0"
+            )
+        saved.federation.rounds = int(rounds)
+    elif s.get("status") == "complete":
         return RunResult(run_dir, s, read_jsonl(run_dir / "metrics.jsonl"))
     return Federation(saved, run_dir=run_dir, progress=progress, task=task, method=method, resume=True).run()
 
 
-def resume(run_dir: str | Path, *, progress: ProgressSink | None = None) -> RunResult:
-    """Continue a stopped run from its last complete round (a finished run is returned as is)."""
-    return _resume(Path(run_dir), progress=progress)
+def resume(run_dir: str | Path, *, progress: ProgressSink | None = None, rounds: int | None = None) -> RunResult:
+    """Continue a stopped run from its last complete round (a finished run is returned as is).
+
+    ``rounds`` extends (or shortens) the run to that many rounds. It is allowed only when the
+    result equals an uninterrupted run of ``rounds`` rounds, i.e. when the learning-rate schedule
+    does not depend on the total (``train.schedule_scope=round``, or ``train.schedule=constant``
+    with ``train.warmup_ratio=0``); otherwise :class:`ConfigError` says why and what to run
+    instead (:func:`extension_problem`).
+    """
+    return _resume(Path(run_dir), progress=progress, rounds=rounds)
