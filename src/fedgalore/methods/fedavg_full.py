@@ -1,9 +1,15 @@
-"""FedAvg-Full: full fine-tuning of the target matrices (+ head) with AdamW, FedAvg of deltas.
+"""FedAvg-Full: full fine-tuning with AdamW, FedAvg of the dense deltas.
 
-T: AdamW (fresh each round) on every adapted weight matrix W and the head; the client uploads
-the dense deltas ΔW_i = W_i^T − W̄_k. A: θ̄_{k+1} = θ̄_k + Σ_i p_i Δ_i (paper §3, "Server
-Aggregation Operator", FedAvg). S: none. This is the paper's FFT baseline; for Llama it is the
-"full weight matrices of the target modules" variant (paper §6 footnote).
+T: AdamW (fresh each round) on the trained parameters; the client uploads the dense deltas
+Δθ_i = θ_i^T − θ̄_k. A: θ̄_{k+1} = θ̄_k + Σ_i p_i Δ_i (paper §3, "Server Aggregation
+Operator", FedAvg). S: none. This is the paper's FFT baseline. Option ``trainable``:
+
+* ``"all"`` — every parameter of the model (embeddings, norms, biases, all matrices, head):
+  the paper's FedAvg-Full for RoBERTa-base and ViT-base (the GLUE and DomainNet pipelines);
+* ``"targets"`` (default) — only the adapted weight matrices W and the head: the "full weight
+  matrices of the target modules" variant the paper's §6 footnote reserves for Llama (the
+  MetaMath pipeline), and what the offline CPU pipelines and benchmarks use (the same matrices
+  FedGaLore and the LoRA baselines adapt).
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from fedgalore.federated.payload import Dense, Payload
 from fedgalore.methods.base import (
     ClientContext,
     Method,
+    MethodError,
     RoundContext,
     ServerState,
     load_params,
@@ -65,19 +72,47 @@ class DenseTargetsMethod(Method):
 @register
 class FedAvgFull(DenseTargetsMethod):
     name = "fedavg_full"
-    summary = "full fine-tuning of target matrices + head with AdamW; FedAvg of dense deltas"
+    summary = "full fine-tuning with AdamW (target matrices + head, or the whole model: trainable=all); FedAvg of dense deltas"
+
+    def __init__(self, rank: int = 8, trainable: str = "targets") -> None:
+        if trainable not in ("targets", "all"):
+            raise MethodError(f"fedavg_full option trainable={trainable!r} must be 'targets' (adapted matrices + head) "
+                              "or 'all' (the whole model, as the paper for RoBERTa/ViT)")
+        super().__init__(rank, trainable=trainable)
+        self.trainable = trainable
+        self.others: list[str] = []  # parameters trained besides targets and heads (trainable=all)
+
+    def setup(self, model, target_modules, head_params):
+        model = super().setup(model, target_modules, head_params)
+        if self.trainable == "all":
+            fixed = set(self.targets) | set(self.heads)
+            self.others = [n for n, _ in model.named_parameters() if n not in fixed]
+            _freeze_all_but(model, self.targets + self.heads + self.others)
+        return model
+
+    def _trained(self) -> list[str]:
+        return self.targets + self.heads + self.others
+
+    def init_server_state(self, model):
+        params = named_params(model, self._trained())
+        return ServerState(params={n: p.detach().float().clone() for n, p in params.items()})
 
     def client_update(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> Payload:
-        start = {n: broadcast[n].materialize() for n in self.targets + self.heads}
+        names = self._trained()
+        start = {n: broadcast[n].materialize() for n in names}
         load_params(model, start)
-        params = named_params(model, self.targets + self.heads)
+        params = named_params(model, names)
         tc = ctx.train
-        groups = [{"params": [params[n] for n in self.targets], "lr": tc.lr}]
+        decay = [n for n in self.others if params[n].ndim >= 2]
+        no_decay = [n for n in self.others if params[n].ndim < 2]  # biases, norms (HF Trainer's rule)
+        groups = [{"params": [params[n] for n in self.targets + decay], "lr": tc.lr}]
+        if no_decay:
+            groups.append({"params": [params[n] for n in no_decay], "lr": tc.lr, "weight_decay": 0.0})
         if self.heads:
             groups.append({"params": [params[n] for n in self.heads], "lr": tc.head_lr or tc.lr})
         opt = torch.optim.AdamW(groups, lr=tc.lr, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay)
         stats = local_train(model, opt, ctx, params.values())
-        entries = {n: Dense((params[n].detach().float() - start[n].float())) for n in self.targets + self.heads}
+        entries = {n: Dense((params[n].detach().float() - start[n].float())) for n in names}
         return Payload(entries, {"num_examples": ctx.num_examples, **stats})
 
     def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext):
@@ -85,6 +120,8 @@ class FedAvgFull(DenseTargetsMethod):
         for n in self.targets:
             applied[n] = weighted_sum([u[n].materialize() for u in uploads], weights)
             state.params[n] += applied[n]
+        for n in self.others:
+            state.params[n] += weighted_sum([u[n].materialize() for u in uploads], weights)
         self.average_heads(state, uploads, weights)
         return applied
 
