@@ -9,7 +9,8 @@ from typing import Any
 
 from fedgalore.tasks.base import ArrayDataset, Task, TaskError, resolve_target_modules
 
-__all__ = ["Task", "TaskError", "ArrayDataset", "resolve_target_modules", "get_task", "available_tasks", "TASKS"]
+__all__ = ["Task", "TaskError", "ArrayDataset", "resolve_target_modules", "get_task", "available_tasks", "TASKS",
+           "TASK_NEEDS", "HUB_TASKS"]
 
 #: name -> "module:Class" (paper-scale hub tasks and their offline CPU counterparts)
 TASKS: dict[str, str] = {
@@ -26,6 +27,23 @@ TASKS: dict[str, str] = {
     # causal LM for math (paper: Llama-2-7B x MetaMathQA -> GSM8K / MATH)
     "offline_math": "fedgalore.tasks.causal_lm:OfflineGsmSymbolicTask",
     "metamath": "fedgalore.tasks.causal_lm:MetaMathQATask",
+}
+
+
+#: tasks that download their model or data from the Hugging Face hub unless given local paths
+HUB_TASKS = frozenset({"glue", "domainnet", "metamath"})
+
+#: what each task needs to run (``fedgalore tasks``); "offline assets" = installed by ``make setup``
+TASK_NEEDS: dict[str, str] = {
+    "tiny_text": "CPU, nothing to download (random weights; smoke tests)",
+    "offline_text": "CPU, offline assets",
+    "offline_text_amazon": "CPU, offline assets",
+    "offline_vision": "CPU, offline assets",
+    "offline_vision_mnist": "CPU, offline assets",
+    "offline_math": "CPU (about 15 min a run), offline assets",
+    "glue": "GPU; hub (roberta-base, GLUE) or task.options.model / data_dir",
+    "domainnet": "GPU; hub ViT (or task.options.model) + DomainNet images on disk (task.options.root)",
+    "metamath": "GPU (7B model); hub (Llama-2, MetaMathQA, GSM8K, MATH) or local paths in task.options",
 }
 
 

@@ -1,0 +1,68 @@
+"""Hugging Face hub access for the command line: no network calls unless a task needs the hub.
+
+Rule (docs/cli.md, "The Hugging Face hub"): when ``HF_HUB_OFFLINE`` is not set,
+
+* a task that does not use the hub (the offline tasks, ``tiny_text``) runs with
+  ``HF_HUB_OFFLINE=1`` and ``TRANSFORMERS_OFFLINE=1`` — nothing is looked up online;
+* a hub task (:data:`fedgalore.tasks.HUB_TASKS`: ``glue``, ``domainnet``, ``metamath``) first
+  checks once whether the hub answers (a TCP connection to ``$HF_ENDPOINT``, default
+  ``huggingface.co:443``, within 3 s). If it does, the libraries use the hub as usual; if not,
+  the run goes offline the same way, so a model or data set that is neither cached nor given as
+  a local path fails at once with one line instead of after ~30 s of retries.
+
+``HF_HUB_OFFLINE`` set by the user (to anything, ``0`` included) is left alone.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from urllib.parse import urlparse
+
+__all__ = ["prepare_hub", "go_offline", "hub_reachable"]
+
+_OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def go_offline() -> None:
+    """Set the offline variables in this process (and in libraries already imported)."""
+    for var in _OFFLINE_VARS:
+        os.environ[var] = "1"
+    consts = sys.modules.get("huggingface_hub.constants")
+    if consts is not None:  # read once at import time
+        consts.HF_HUB_OFFLINE = True
+    dcfg = sys.modules.get("datasets.config")
+    if dcfg is not None:
+        for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+            if hasattr(dcfg, name):
+                setattr(dcfg, name, True)
+
+
+def hub_reachable(timeout: float = 3.0) -> tuple[bool, str]:
+    """(whether a TCP connection to the hub opens within ``timeout`` seconds, the host)."""
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host = url.hostname or "huggingface.co"
+    port = url.port or (80 if url.scheme == "http" else 443)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True, host
+    except OSError:
+        return False, host
+
+
+def prepare_hub(task: str, timeout: float = 3.0) -> str | None:
+    """Apply the rule above for a run of ``task``; returns a note to show when a hub task goes
+    offline because the hub is unreachable (else None)."""
+    from fedgalore.tasks import HUB_TASKS
+
+    if "HF_HUB_OFFLINE" in os.environ:
+        return None
+    if task not in HUB_TASKS:
+        go_offline()
+        return None
+    ok, host = hub_reachable(timeout)
+    if ok:
+        return None
+    go_offline()
+    return (f"note: the Hugging Face hub ({host}) is unreachable, so task {task!r} runs offline (HF_HUB_OFFLINE=1): "
+            "models and data come from the local cache or the task's local-path options")
