@@ -69,3 +69,59 @@ def test_flower_simulation_reproduces_sequential(tmp_path):
         assert a["bytes_up"] == b["bytes_up"] and a["bytes_down"] == b["bytes_down"]
         for k in ("train_loss", "eval/accuracy", "eval/loss"):
             assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), (k, a[k], b[k])
+
+
+def test_server_app_shows_progress_result_and_refuses_a_rerun(tmp_path, capsys):
+    """The ServerApp prints one line per round (output.progress), the final metrics and the run
+    directory; started again on the same run directory it fails with one fedgalore line."""
+    from flwr.simulation import run_simulation
+
+    from fedgalore.flower.client_app import app as client_app
+    from fedgalore.flower.server_app import make_server_app
+
+    c = cfg(tmp_path, "fedavg_full", {})
+    c.output.progress = "plain"
+    run_dir = tmp_path / "run"
+    sim = dict(client_app=client_app, num_supernodes=4,
+               backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                               "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    run_simulation(server_app=make_server_app(c, run_dir=run_dir), **sim)
+    out = capsys.readouterr().out
+    assert "round 1/2 | clients" in out and "round 2/2 | clients" in out
+    assert "final (2/2 rounds, complete): accuracy=" in out and f"run dir: {run_dir.resolve()}" in out
+    with pytest.raises(Exception) as err:  # Flower re-raises the ServerApp's error (the run fails)
+        run_simulation(server_app=make_server_app(c, run_dir=run_dir), **sim)
+    text = str(err.value) + str(err.value.__cause__ or "") + capsys.readouterr().err
+    assert f"fedgalore: error: {run_dir} already holds this run (complete, 2/2 rounds" in text
+
+
+def _fake_flwr(tmp_path: Path, status: str) -> dict:
+    """A `flwr` on PATH that streams a log (with a fedgalore error line) and reports ``status``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "flwr"
+    script.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = "run" ]; then echo "Successfully started run 42"; echo "round 1/2 | clients 0,1";\n'
+        '  echo "fedgalore: error: runs/x already holds this run (complete, 2/2 rounds)"; exit 0; fi\n'
+        'if [ "$1" = "ls" ]; then echo "{\\"success\\": true, \\"runs\\": [{\\"run-id\\": \\"42\\", '
+        f'\\"status\\": \\"{status}\\", \\"status-details\\": \\"\\"}}]}}"; exit 0; fi\n'
+        "exit 3\n")
+    script.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize("status, rc", [("finished:completed", 0), ("finished:failed", 1)])
+def test_launcher_exit_status_follows_the_run(tmp_path, status, rc):
+    """`python -m fedgalore.flower . local ...` exits 0 only when the run completed (flwr run exits 0 always)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "fedgalore.flower", ".", "local", "--federation-config", "num-supernodes=4"],
+                       capture_output=True, text=True, env=_fake_flwr(tmp_path, status), timeout=120)
+    assert r.returncode == rc, r.stderr
+    assert "round 1/2 | clients 0,1" in r.stdout  # the log is passed through
+    if rc:
+        assert r.stderr.strip().endswith("run 42 finished:failed: fedgalore: error: runs/x already holds this run (complete, 2/2 rounds)")
+    else:
+        assert "fedgalore.flower: run 42 finished:completed" in r.stdout

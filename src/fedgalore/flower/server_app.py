@@ -8,11 +8,18 @@ Run config keys (``[tool.flwr.app.config]`` in the Flower project's pyproject.to
 * ``overrides`` — space-separated ``key=value`` overrides (``"federation.rounds=2 seed=1"``);
 * ``run-dir`` — where the run directory goes (default: ``output.dir`` of the config);
 * ``timeout`` — seconds to wait for a round's replies (default 3600).
+
+The app shows the run as ``fedgalore run`` does: the progress display of ``output.progress``
+(``auto`` is one line per round here, Flower's log is not a terminal), then the final metrics and
+the run directory. A user error (bad config, a run directory that already holds this run) is one
+``fedgalore: error: ...`` line and fails the Flower run; ``python -m fedgalore.flower`` turns a
+failed run into a non-zero exit status (``flwr run`` itself exits 0).
 """
 from __future__ import annotations
 
 import os
 import shlex
+import sys
 from pathlib import Path
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -22,7 +29,11 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from fedgalore.flower.strategy import FedGaLoreStrategy  # noqa: E402
 
-__all__ = ["app", "make_server_app", "config_from_run_config"]
+__all__ = ["app", "make_server_app", "config_from_run_config", "FlowerRunError"]
+
+
+class FlowerRunError(RuntimeError):
+    """The fedgalore run inside the ServerApp failed; the message is the one-line reason."""
 
 
 def config_from_run_config(run_config, app_dir: str | Path | None = None) -> "FederatedConfig":  # noqa: F821
@@ -46,11 +57,26 @@ def make_server_app(cfg=None, *, app_dir: str | Path | None = None, run_dir=None
 
     @server.main()
     def main(grid: Grid, context: Context) -> None:
+        from fedgalore.cli import _fmt_metrics, _one_line, _user_errors
+        from fedgalore.progress import make_progress
+
         rc = context.run_config
-        c = cfg if cfg is not None else config_from_run_config(rc, app_dir)
-        rd = run_dir if run_dir is not None else (rc.get("run-dir") or None)
-        strategy = FedGaLoreStrategy(c, run_dir=rd, timeout=float(rc.get("timeout", 3600)), progress=progress)
-        res = strategy.start(grid)
+        try:
+            c = cfg if cfg is not None else config_from_run_config(rc, app_dir)
+            rd = run_dir if run_dir is not None else (rc.get("run-dir") or None)
+            sink = progress if progress is not None else make_progress(c.output.progress)
+            strategy = FedGaLoreStrategy(c, run_dir=rd, timeout=float(rc.get("timeout", 3600)), progress=sink)
+            res = strategy.start(grid)
+        except _user_errors() as exc:
+            line = f"fedgalore: error: {_one_line(exc)}"
+            print(line + "  (Flower app: change the run with --run-config 'overrides=\"key=value ...\"' "
+                  "or run-dir=...)", file=sys.stderr, flush=True)
+            raise FlowerRunError(line) from None
+        s = res.summary
+        print(f"final ({s.get('rounds_completed')}/{s.get('rounds')} rounds, {s.get('status')}): "
+              f"{_fmt_metrics(s.get('final') or {})}", flush=True)
+        print(f"run dir: {Path(res.run_dir).resolve()}", flush=True)
+        print(f"report:  fedgalore report {Path(res.run_dir).resolve()}", flush=True)
         if results is not None:
             results["result"] = res
 

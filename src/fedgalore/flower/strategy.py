@@ -158,10 +158,11 @@ class FedGaLoreStrategy(Strategy):
         if num_rounds is not None:
             self.cfg.federation.rounds = int(num_rounds)
         self.cfg.backend.name, self.cfg.backend.options = "flower", {}
-        self.cfg_json = json.dumps(self.cfg.to_dict(), sort_keys=True)
-        self.node_of = self.discover_nodes(grid)
         fed_cfg = type(self.cfg).from_dict({**self.cfg.to_dict(), "backend": {"name": "sequential", "options": {}}})
-        fed = Federation(fed_cfg, run_dir=self.run_dir, progress=self.progress)
+        fed = Federation(fed_cfg, run_dir=self.run_dir, progress=self.progress)  # refuses a taken run dir first
+        # nodes build their runtime from the config the Federation runs (its method's own options)
+        self.cfg_json = json.dumps({**fed.cfg.to_dict(), "backend": {"name": "flower", "options": {}}}, sort_keys=True)
+        self.node_of = self.discover_nodes(grid)
         fed.backend = GridBackend(self, grid, fed.runtime)  # the Federation's loop, clients on SuperNodes
         self._parts_blob = encode_partition(fed.runtime.parts)
         self._key = hashlib.sha256(self.cfg_json.encode() + self._parts_blob).hexdigest()[:16]
