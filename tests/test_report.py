@@ -29,6 +29,7 @@ def write_run(
     metric: str = "accuracy",
     higher_is_better: bool = True,
     name: str | None = None,
+    lr: float = 1e-3,
 ) -> Path:
     """A run directory in the engine's format; the metric climbs linearly to ``final``."""
     d = root / (name or f"{method}-{setting.replace(':', '')}-s{seed}")
@@ -51,7 +52,10 @@ def write_run(
     hists = [[10, 0, 5], [1, 12, 2]] if setting != "iid" else [[5, 5, 5], [5, 5, 5]]
     (d / "partition.json").write_text(json.dumps({"setting": setting, "label_names": LABELS, "histograms": hists,
                                                   "sizes": [sum(h) for h in hists]}))
-    (d / "config.yaml").write_text(f"name: test\nseed: {seed}\n")
+    (d / "config.yaml").write_text(
+        f"name: test\nseed: {seed}\ntask: {{name: {task}, options: {{}}}}\nmethod: {{name: {method}, rank: 4, options: {{}}}}\n"
+        f"federation: {{num_clients: 4, clients_per_round: 2, rounds: {rounds}}}\n"
+        f"train: {{lr: {lr}, batch_size: 8, local_epochs: 1.0, local_steps: 2, sgd_lr: null}}\n")
     summary = {
         "name": d.name, "task": task, "method": method, "setting": setting, "seed": seed,
         "rounds_completed": rounds if status == "complete" else rounds - 1, "rounds": rounds, "status": status,
@@ -79,7 +83,8 @@ def comparison_dir(tmp_path: Path) -> Path:
     root = tmp_path / "cmp"
     for (m, s), vals in GRID.items():
         for seed, v in enumerate(vals):
-            write_run(root / "runs", m, s, seed, v, up=50_000 if m == "fedavg_full" else 4_000, tpr=1.0 + seed)
+            write_run(root / "runs", m, s, seed, v, up=50_000 if m == "fedavg_full" else 4_000, tpr=1.0 + seed,
+                      lr=2e-4 if m == "fedavg_full" else 1e-3)
     return root
 
 
@@ -117,10 +122,17 @@ def test_report_writes_tables_and_plots(comparison_dir: Path, tmp_path: Path) ->
     md = (out / "table.md").read_text()
     tex = (out / "table.tex").read_text()
     full, gal = _md_row(md, "FedAvg-Full"), _md_row(md, "FedGaLore")
-    # columns: method | ✓ | ✗ | Δ | up | down | s/round
+    # columns: method | ✓ | ✗ | Δ | up | down (no wall-time column: that measures the machine's load)
     assert full[1] == "**91.0 ± 1.4**" and full[2] == "82.0 ± 2.8" and full[3] == "↓9.0 ± 1.4"
     assert gal[1] == "89.0 ± 1.4" and gal[2] == "**87.0 ± 1.4**" and gal[3] == "**↓2.0 ± 0.0**"
-    assert full[4] == "48.83 KiB" and gal[4] == "3.91 KiB" and gal[5] == "1.95 KiB" and gal[6] == "1.50"
+    assert full[4] == "48.83 KiB" and gal[4] == "3.91 KiB" and gal[5] == "1.95 KiB" and len(gal) == 6
+    # one line under the table: the shared budget and each method's learning rate (from config.yaml)
+    table = md.split("### Runs")[0]
+    assert table.rstrip().splitlines()[-1] == (
+        "Budget (every method): 3 rounds × 2 of 4 clients, 2 local steps of batch 8, rank 4. "
+        "Learning rate, each method's own: FedAvg-Full 2e-4, FedGaLore 1e-3.")
+    assert "s / round" not in table and "| Wall s / round |" in md and "not a comparison of the methods' cost" in md
+    assert "Learning rate, each method's own: FedAvg-Full 2e-4" in tex and r"3 rounds $\times$ 2 of 4" in tex
     assert "tiny_text ✓" in md and "tiny_text Δ" in md
     assert r"\textbf{87.0 $\pm$ 1.4}" in tex and r"\textbf{$\downarrow$2.0 $\pm$ 0.0}" in tex
     assert r"\ding{51}" in tex and r"\ding{53}" in tex and r"\begin{tabular}" in tex and r"\bottomrule" in tex
@@ -141,7 +153,8 @@ def test_single_run_report_one_row(tmp_path: Path) -> None:
     res = build_report(run)  # writes into the run dir; an unfinished single run is still reported
     md = (run / "table.md").read_text()
     row = _md_row(md, "FedGaLore")
-    assert row[1] == "75.0" and len(row) == 5  # ✗ only (no IID, no Δ) + 3 cost columns
+    assert row[1] == "75.0" and len(row) == 4  # ✗ only (no IID, no Δ) + 2 communication columns
+    assert "Learning rate 1e-3 for every method." in md
     assert "tiny_text ✗" in md and "Δ" not in md.split("### Runs")[0].split("\n|")[1]
     files = {p.name for p in res["files"]}
     assert {"curves.png", "partition.png", "diagnostics.png", "comm_vs_metric.pdf"} <= files
@@ -207,3 +220,49 @@ def test_tensorboard_sink_writes_the_run_records(comparison_dir: Path, tmp_path:
     got = [(e.step, round(e.value, 5)) for e in acc.Scalars(acc_tag)]
     want = [(r["round"], round(r["eval/accuracy"], 5)) for r in recs if "eval/accuracy" in r]
     assert got == want
+
+
+def test_budget_line_shared_rate_and_sgd_methods(tmp_path: Path) -> None:
+    """One rate for all → said once; SGD baselines show their SGD rate (default 2e-2)."""
+    from fedgalore.report import find_runs
+
+    write_run(tmp_path, "fedit", "iid", 0, 0.6, lr=5e-3)
+    write_run(tmp_path, "ffa_lora", "iid", 0, 0.5, lr=5e-3)
+    comp = T.aggregate(find_runs(tmp_path))
+    assert comp["budget"].endswith("Learning rate, each method's own: FedIT 5e-3, FFA-LoRA 2e-2 (SGD).")
+    write_run(tmp_path, "fedavg_full", "iid", 0, 0.6, lr=5e-3, rounds=4)
+    comp = T.aggregate(find_runs(tmp_path))
+    assert comp["budget"].startswith("Budgets differ: FedAvg-Full: 4 rounds")
+
+
+def test_plots_say_what_they_show(comparison_dir: Path) -> None:
+    """Diagnostics panels are titled in words and the mismatch panel explains its two line styles;
+    the comm plot's byte ticks do not run into each other."""
+    from fedgalore.report import find_runs
+    from fedgalore.report.plots import comm_figure, diag_title, diagnostics_figure
+
+    runs = find_runs(comparison_dir)
+    methods = ["fedavg_full", "fedgalore"]
+    fig = diagnostics_figure(runs, methods)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert all("_" not in t.split("\n")[0] for t in titles), titles  # no raw keys such as drift_max
+    assert diag_title("drift_max") == "client drift ‖Δᵢ − Δ̄‖ / ‖Δ̄‖ (max)" and diag_title("new_key") == "new key"
+    mism = next(ax for ax in fig.axes if ax.get_title().startswith("second moments of the clients"))
+    legend = [t.get_text() for t in mism.get_legend().get_texts()]
+    assert any(t.startswith("before sync: spread across clients") for t in legend)
+    assert any(t.startswith("after sync: clients' own V to the synced v̄") for t in legend)
+
+    for r in runs:  # a wide byte range (16 KiB .. 64 GiB): the case whose labels ran together
+        for k, rec in enumerate(r.history):
+            rec["cum_bytes_up"] = 2 ** (14 + 11 * k)
+    fig, drew = comm_figure(runs, methods)
+    assert drew
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    for ax in fig.axes:
+        boxes = [t.get_window_extent(renderer) for t in ax.get_xticklabels() if t.get_text() and t.get_visible()
+                 and ax.get_xlim()[0] <= t.get_position()[0] <= ax.get_xlim()[1]]
+        assert 2 <= len(boxes) <= 6
+        assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])

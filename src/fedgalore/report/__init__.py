@@ -56,6 +56,7 @@ class RunRecord:
     diagnostics: list[dict[str, Any]] = field(default_factory=list)  # diagnostics.jsonl
     partition: dict[str, Any] | None = None  # partition.json
     label: str | None = None  # row label (comparison grids may alias a method, e.g. fedgalore_minus)
+    config: dict[str, Any] | None = None  # config.yaml (what ran: budget, learning rates)
 
     @property
     def method(self) -> str:
@@ -119,6 +120,15 @@ def load_run(path: str | Path, label: str | None = None) -> RunRecord:
             partition = json.loads((p / "partition.json").read_text())
         except json.JSONDecodeError:
             partition = None
+    config = None
+    if (p / "config.yaml").is_file():
+        try:
+            from omegaconf import OmegaConf
+
+            loaded = OmegaConf.to_container(OmegaConf.load(p / "config.yaml"), resolve=True)
+            config = loaded if isinstance(loaded, dict) else None
+        except Exception:  # noqa: BLE001 - an unreadable config only loses the budget line
+            config = None
     return RunRecord(
         path=p,
         summary=summary,
@@ -126,6 +136,7 @@ def load_run(path: str | Path, label: str | None = None) -> RunRecord:
         diagnostics=sorted(read_jsonl(p / "diagnostics.jsonl"), key=lambda r: r.get("round", 0)),
         partition=partition,
         label=label,
+        config=config,
     )
 
 

@@ -10,8 +10,10 @@ pyplot's global state or the user's backend. Seed replicates are drawn as their 
 * ``partition`` — per-client label counts of the Dirichlet / IID split (clients × classes
   heatmap, like the paper's Appendix I figure), one panel per setting;
 * ``comm_vs_metric`` — metric vs cumulative uplink bytes (log scale);
-* ``diagnostics`` — tail energy beyond rank r, client drift, second-moment mismatch before
-  (dashed) / after (solid) synchronisation, and any other diagnostic, vs round.
+* ``diagnostics`` — tail energy beyond rank r, client drift, the clients' second moments (dashed:
+  their spread around their mean before sync; solid: each client's distance to the synchronised
+  state v̄ it restarts from — not a cross-client mismatch, which sync makes 0), and any other
+  diagnostic (titled in words; wall times are left out), vs round.
 """
 from __future__ import annotations
 
@@ -20,20 +22,39 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from fedgalore.report import RunRecord, method_display_name
 from fedgalore.report.tables import setting_sort_key
 
-__all__ = ["plot_all", "plot_curves", "plot_bars", "plot_partition", "plot_comm", "plot_diagnostics"]
+__all__ = ["plot_all", "plot_curves", "plot_bars", "plot_partition", "plot_comm", "plot_diagnostics", "comm_figure",
+           "diagnostics_figure", "diag_title"]
 
 _DIAG_PREFERRED = ["tail_energy_mean", "tail_energy_max", "drift_mean", "mismatch"]
+#: panel titles (what each diagnostics.jsonl key measures; unknown keys get their words)
 _DIAG_TITLES = {
-    "tail_energy_mean": "update energy beyond rank r (mean)",
-    "tail_energy_max": "update energy beyond rank r (max)",
-    "drift_mean": "client drift (mean)",
-    "mismatch": "2nd-moment mismatch: before (--) / after (—) sync",
+    "tail_energy_mean": "aggregate update: energy beyond rank r (mean)",
+    "tail_energy_max": "aggregate update: energy beyond rank r (max)",
+    "drift_mean": "client drift ‖Δᵢ − Δ̄‖ / ‖Δ̄‖ (mean)",
+    "drift_max": "client drift ‖Δᵢ − Δ̄‖ / ‖Δ̄‖ (max)",
+    "aggregate_update_norm": "aggregate update norm ‖Δ̄‖_F",
+    "client_update_norm_mean": "client update norm ‖Δᵢ‖_F (mean)",
+    "client_update_norm_precond": "client update norm (preconditioned)",
+    "client_update_norm_cold": "client update norm (cold-start moments)",
+    "mismatch": "second moments of the clients (relative)",
+    "removed_fraction": "share of the mean moment removed by sync",
+    "joint_rank": "rank of the synchronised moment",
+    "state_rank": "rank of the broadcast moment state",
+    "n_views": "clients synchronised",
+    "basis_overlap": "client bases: overlap with the consensus basis",
+    "v_warm_cold_ratio": "warm / cold second-moment ratio",
+    "ajive_rank": "AJIVE joint rank",
 }
+#: legend entries explaining the mismatch panel's two line styles
+_MISMATCH_STYLES = (
+    ("--", "before sync: spread across clients, Σpᵢ‖Vᵢ−V̄‖/‖V̄‖"),
+    ("-", "after sync: clients' own V to the synced v̄ they all restart from"),
+)
 
 
 def _figure(nrows: int, ncols: int, w: float = 4.2, h: float = 3.2):
@@ -201,6 +222,12 @@ def plot_partition(runs: Sequence[RunRecord], out: Path) -> list[Path]:
 
 def plot_comm(runs: Sequence[RunRecord], out: Path, methods: Sequence[str]) -> list[Path]:
     """Primary metric vs cumulative uplink bytes, per task and setting."""
+    fig, drew = comm_figure(runs, methods)
+    return _save(fig, out, "comm_vs_metric") if drew else []
+
+
+def comm_figure(runs: Sequence[RunRecord], methods: Sequence[str]) -> tuple[Any, bool]:
+    """The ``comm_vs_metric`` figure and whether it holds any line."""
     tasks, settings, _ = _groups(runs)
     colors = _colors(methods)
     fig, axes = _figure(len(tasks), len(settings))
@@ -216,15 +243,17 @@ def plot_comm(runs: Sequence[RunRecord], out: Path, methods: Sequence[str]) -> l
                     _line(ax, s, method_display_name(m), colors[m], use_x=True)
                     drew = True
             ax.set_xscale("log", base=2)
+            ax.xaxis.set_major_locator(LogLocator(base=2, numticks=5))  # at most ~5 labels: they must not collide
             ax.xaxis.set_major_formatter(FuncFormatter(_short_bytes))
             ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.tick_params(axis="x", labelrotation=30, labelsize=8)
             ax.set_xlabel("cumulative uplink bytes (all clients)")
             ax.set_ylabel(key.removeprefix("eval/"))
             ax.set_title(f"{tk} — {st}", fontsize=10)
             ax.grid(alpha=0.3, which="both")
             if ax.lines:
                 ax.legend(fontsize=8)
-    return _save(fig, out, "comm_vs_metric") if drew else []
+    return fig, drew
 
 
 def _short_bytes(v: float, _pos: object = None) -> str:
@@ -241,6 +270,7 @@ def _diag_keys(runs: Sequence[RunRecord]) -> list[str]:
             for k, v in rec.items():
                 if k != "round" and isinstance(v, (int, float)) and not isinstance(v, bool):
                     keys[k] = None
+    keys = {k: None for k in keys if not (k.startswith("time") or k.endswith("time_s"))}  # wall times: machine load
     panels = [k for k in _DIAG_PREFERRED if k in keys]
     if "mismatch_before" in keys or "mismatch_after" in keys:
         panels = [p for p in panels if p != "mismatch"] + ["mismatch"]
@@ -250,11 +280,22 @@ def _diag_keys(runs: Sequence[RunRecord]) -> list[str]:
     return (panels + extra)[:8]
 
 
+def diag_title(key: str) -> str:
+    """The panel title of a diagnostics key (its words when the key is unknown)."""
+    return _DIAG_TITLES.get(key) or key.replace("_", " ")
+
+
 def plot_diagnostics(runs: Sequence[RunRecord], out: Path, methods: Sequence[str]) -> list[Path]:
     """Diagnostics vs round: rows = settings, columns = quantities, one line per method."""
+    fig = diagnostics_figure(runs, methods)
+    return _save(fig, out, "diagnostics") if fig is not None else []
+
+
+def diagnostics_figure(runs: Sequence[RunRecord], methods: Sequence[str]) -> Any:
+    """The ``diagnostics`` figure (None when the runs recorded no diagnostics)."""
     panels = _diag_keys(runs)
     if not panels:
-        return []
+        return None
     _, settings, _ = _groups([r for r in runs if r.diagnostics])
     colors = _colors(methods)
     ncols = min(4, len(panels))
@@ -278,13 +319,18 @@ def plot_diagnostics(runs: Sequence[RunRecord], out: Path, methods: Sequence[str
                     s = _series(rs, lambda r: r.diagnostics, key)
                     if s is not None:
                         _line(ax, s, method_display_name(m), colors[m])
-            ax.set_title(f"{_DIAG_TITLES.get(key, key)}\n{st}", fontsize=9)
+            ax.set_title(f"{diag_title(key)}\n{st}", fontsize=9)
             ax.set_xlabel("round")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             ax.grid(alpha=0.3)
-            if any(line.get_label() and not line.get_label().startswith("_") for line in ax.lines):
-                ax.legend(fontsize=7)
-    return _save(fig, out, "diagnostics")
+            handles = [line for line in ax.lines if line.get_label() and not line.get_label().startswith("_")]
+            if key == "mismatch" and ax.lines:
+                from matplotlib.lines import Line2D
+
+                handles += [Line2D([], [], color="0.3", linestyle=ls, label=text) for ls, text in _MISMATCH_STYLES]
+            if handles:
+                ax.legend(handles=handles, fontsize=6 if key == "mismatch" else 7)
+    return fig
 
 
 def plot_all(runs: Sequence[RunRecord], out: str | Path, comp: dict[str, Any]) -> list[Path]:

@@ -2,9 +2,11 @@
 
 Rows are methods; per task the columns are IID (✓), non-IID (✗, one per Dirichlet setting) and
 ``Δ = ✗ − ✓`` (shown as ↓/↑ and its magnitude, like the paper), followed by the communication
-columns (uplink / downlink bytes per client per round, measured from the serialised payloads)
-and wall time per round. Values are the final-round (or best-round) primary metric, mean ± std
-(sample std, ``ddof=1``) over seeds; Δ is the mean ± std of the per-seed differences when both
+columns (uplink / downlink bytes per client per round, measured from the serialised payloads),
+and under the table one line with the budget and each method's learning rate (from the runs'
+``config.yaml``). Wall time is listed per run only: it measures the machine's load, not a
+method. Values are the final-round (or best-round) primary metric, mean ± std (sample std,
+``ddof=1``) over seeds; Δ is the mean ± std of the per-seed differences when both
 settings ran the same seeds. The best value of every column is bold: the highest (lowest for
 lower-is-better metrics) mean, and for Δ the smallest degradation; ties at the displayed
 precision are all bold.
@@ -18,7 +20,7 @@ from typing import Any, Iterable, Sequence
 
 from fedgalore.report import METHOD_ORDER, RunRecord, method_display_name
 
-__all__ = ["aggregate", "to_markdown", "to_latex", "write_tables", "format_bytes"]
+__all__ = ["aggregate", "to_markdown", "to_latex", "write_tables", "format_bytes", "budget_line"]
 
 _NOT_PERCENT = ("loss", "mse", "mae", "perplexity", "ppl", "rmse")
 
@@ -142,6 +144,7 @@ def aggregate(
         comm[m] = entry
 
     comp = {
+        "budget": budget_line([r for r in used if r.method in methods], methods),
         "which": which,
         "tasks": list(tasks.values()),
         "settings": settings,
@@ -154,6 +157,69 @@ def aggregate(
     }
     comp["best"] = _best(comp)
     return comp
+
+
+def _fmt_lr(v: float) -> str:
+    """1e-3, 2e-4, 2.5e-4 (the way learning rates are written in configs)."""
+    mant, exp = f"{float(v):.2e}".split("e")
+    mant = mant.rstrip("0").rstrip(".")
+    return f"{mant}e{int(exp)}"
+
+
+def _is_sgd(method: str) -> bool:
+    from fedgalore.methods.base import _REGISTRY, available_methods
+
+    available_methods()
+    return getattr(_REGISTRY.get(method), "optimizer_kind", "adamw") == "sgd"
+
+
+def _run_budget(cfg: dict[str, Any]) -> str:
+    f, t, m = cfg["federation"], cfg["train"], cfg["method"]
+    k = f.get("clients_per_round") or f["num_clients"]
+    local = (f"{t['local_steps']} local step{'' if t['local_steps'] == 1 else 's'}" if t.get("local_steps") is not None
+             else f"{float(t['local_epochs']):g} local epoch{'' if float(t['local_epochs']) == 1 else 's'}")
+    text = f"{f['rounds']} rounds × {k} of {f['num_clients']} clients, {local} of batch {t['batch_size']}, rank {m['rank']}"
+    max_len = (cfg.get("task") or {}).get("options", {}).get("max_length")
+    return text + (f", {max_len} tokens" if max_len else "")
+
+
+def _run_lr(cfg: dict[str, Any]) -> str:
+    t, m = cfg["train"], cfg["method"]
+    if _is_sgd(str(m["name"])):
+        from fedgalore.methods.lora_common import DEFAULT_SGD_LR
+
+        v = t.get("sgd_lr") or (m.get("options") or {}).get("sgd_lr") or DEFAULT_SGD_LR
+        return f"{_fmt_lr(v)} (SGD)"
+    return _fmt_lr(t["lr"])
+
+
+def budget_line(runs: Sequence[RunRecord], methods: Sequence[str]) -> str | None:
+    """One line with the training budget and each method's learning rate, from the runs'
+    ``config.yaml`` (None when a run has none): what a reader needs to judge the table."""
+    try:
+        budgets = {r.method: set() for r in runs}
+        lrs: dict[str, list[str]] = {m: [] for m in methods}
+        for r in runs:
+            budgets[r.method].add(_run_budget(r.config))
+            lr = _run_lr(r.config)
+            if lr not in lrs.setdefault(r.method, []):
+                lrs[r.method].append(lr)
+    except (TypeError, KeyError, ValueError):
+        return None
+    if not runs:
+        return None
+    every = set().union(*budgets.values())
+    if len(every) == 1:
+        text = f"Budget (every method): {next(iter(every))}."
+    else:
+        text = "Budgets differ: " + "; ".join(f"{method_display_name(m)}: {' | '.join(sorted(budgets[m]))}"
+                                              for m in methods if budgets.get(m)) + "."
+    rates = {m: "/".join(v) for m, v in lrs.items() if v}
+    if len(set(rates.values())) == 1:
+        text += f" Learning rate {next(iter(rates.values()))} for every method."
+    else:
+        text += " Learning rate, each method's own: " + ", ".join(f"{method_display_name(m)} {v}" for m, v in rates.items()) + "."
+    return text
 
 
 # ----------------------------------------------------------------------------- formatting
@@ -259,10 +325,10 @@ def _cell_text(comp: dict[str, Any], m: str, t: dict[str, Any], kind: str, s: st
 
 
 def _comm_text(comp: dict[str, Any], m: str, latex: bool) -> list[str]:
+    # no time column: wall time per round measures the machine and its load (other jobs, threads),
+    # not a method's cost; it stays in the per-run list below, labelled as wall time
     c = comp["comm"].get(m, {})
-    tpr = c.get("time_per_round")
-    return [format_bytes(c.get("bytes_up_per_client_round")), format_bytes(c.get("bytes_down_per_client_round")),
-            "–" if tpr is None else f"{tpr:.2f}"]
+    return [format_bytes(c.get("bytes_up_per_client_round")), format_bytes(c.get("bytes_down_per_client_round"))]
 
 
 def _caption(comp: dict[str, Any], latex: bool) -> str:
@@ -272,7 +338,7 @@ def _caption(comp: dict[str, Any], latex: bool) -> str:
     non = [s for s in comp["settings"] if s != "iid"]
     text = (f"{comp['which'].capitalize()}-round {tasks}; mean ± std over seeds ({seeds}). "
             f"✓ = IID, ✗ = non-IID ({', '.join(non) or 'none'}), Δ = ✗ − ✓; best in bold. "
-            "Communication: bytes per participating client per round (serialised payloads) and wall time per round, averaged over each method's runs.")
+            "Communication: bytes per participating client per round (serialised payloads), averaged over each method's runs.")
     if comp.get("excluded_incomplete"):
         text += f" {comp['excluded_incomplete']} unfinished run(s) not included."
     if latex:
@@ -285,15 +351,19 @@ def to_markdown(comp: dict[str, Any]) -> str:
     cols = _columns(comp)
     multi = len([s for s in comp["settings"] if s != "iid"]) > 1
     head = ["Method"] + [f"{t['name']} {_header(kind, s, multi, latex=False)}" for t, kind, s in cols]
-    head += ["Up / client / round", "Down / client / round", "s / round"]
+    head += ["Up / client / round", "Down / client / round"]
     lines = [f"### Comparison ({', '.join(t['name'] for t in comp['tasks'])})", "", _caption(comp, False), ""]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" + "---:|" * (len(head) - 1))
     for m in comp["methods"]:
         row = [method_display_name(m)] + [_cell_text(comp, m, t, k, s, False) for t, k, s in cols] + _comm_text(comp, m, False)
         lines.append("| " + " | ".join(row) + " |")
-    lines += ["", "### Runs", ""]
-    lines.append("| Method | Task | Setting | Seed | Status | Rounds | Metric | Up total | Down total | s / round | Run dir |")
+    if comp.get("budget"):
+        lines += ["", comp["budget"]]
+    lines += ["", "### Runs", "",
+              "Wall s / round is wall-clock time on the machine that ran the run: it depends on that machine's load "
+              "(other jobs, threads) and is not a comparison of the methods' cost.", ""]
+    lines.append("| Method | Task | Setting | Seed | Status | Rounds | Metric | Up total | Down total | Wall s / round | Run dir |")
     lines.append("|---|---|---|---:|---|---:|---:|---:|---:|---:|---|")
     for r in sorted(comp["runs"], key=lambda r: (r["method"], r["task"], setting_sort_key(r["setting"]), r["seed"])):
         v = r["value"]
@@ -321,11 +391,12 @@ def _group(m: str) -> int:
 def to_latex(comp: dict[str, Any]) -> str:
     cols = _columns(comp)
     multi = len([s for s in comp["settings"] if s != "iid"]) > 1
-    spec = "@{}l " + " ".join("c" for _ in cols) + " rrr@{}"
+    spec = "@{}l " + " ".join("c" for _ in cols) + " rr@{}"
     out = [
         r"% fedgalore report -- requires \usepackage{booktabs} and \usepackage{pifont} (\ding)",
         r"\begin{table*}[t]",
-        r"\caption{" + _caption(comp, True) + "}",
+        r"\caption{" + _caption(comp, True) + (" " + _tex_escape(comp["budget"]).replace("×", r"$\times$")
+                                                 if comp.get("budget") else "") + "}",
         r"\label{tab:fedgalore-comparison}",
         r"\centering",
         r"\small",
@@ -341,11 +412,11 @@ def to_latex(comp: dict[str, Any]) -> str:
         top.append(rf"\multicolumn{{{n}}}{{c}}{{\textbf{{{_tex_escape(t['name'])}}}{unit}}}")
         rules.append(rf"\cmidrule(lr){{{col}-{col + n - 1}}}")
         col += n
-    top.append(r"\multicolumn{3}{c}{\textbf{Communication / time}}")
-    rules.append(rf"\cmidrule(lr){{{col}-{col + 2}}}")
+    top.append(r"\multicolumn{2}{c}{\textbf{Communication}}")
+    rules.append(rf"\cmidrule(lr){{{col}-{col + 1}}}")
     out.append(" & ".join(top) + r" \\")
     out.append(" ".join(rules))
-    sub = [""] + ["{" + _header(k, s, multi, latex=True) + "}" for _, k, s in cols] + ["Up/client/rd", "Down/client/rd", "s/rd"]
+    sub = [""] + ["{" + _header(k, s, multi, latex=True) + "}" for _, k, s in cols] + ["Up/client/rd", "Down/client/rd"]
     out.append(" & ".join(sub) + r" \\")
     out.append(r"\midrule")
     prev = None
