@@ -1,4 +1,6 @@
-"""Metric functions (fedgalore.tasks.metrics) against hand-computed values."""
+"""Metric functions (fedgalore.tasks.metrics: scikit-learn / SciPy with the evaluation's conventions)
+against hand-computed values — the checks the former hand-written implementations passed, kept as
+equivalence checks — and the conventions at the edges (no examples, constant inputs)."""
 from __future__ import annotations
 
 import math
@@ -66,3 +68,15 @@ def test_against_reference_implementations():
     a, b = rng.integers(0, 6, 300).astype(float), rng.normal(size=300)  # many ties in a
     assert spearman(a, b) == pytest.approx(stats.spearmanr(a, b).statistic)
     assert pearson(a, b) == pytest.approx(stats.pearsonr(a, b).statistic)
+
+
+def test_edge_conventions_without_warnings():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # SciPy/sklearn would warn on constant input or no positives
+        assert accuracy([], []) == macro_f1([], []) == binary_f1([], []) == matthews_corrcoef([], []) == mse([], []) == 0.0
+        assert pearson([2, 2, 2], [1, 2, 3]) == spearman([1, 2, 3], [5, 5, 5]) == 0.0
+        assert pearson([1.0], [2.0]) == 0.0
+        assert binary_f1([0, 0, 0], [0, 0, 0]) == 0.0
+        assert macro_f1([1, 1], [0, 1]) == pytest.approx((0.0 + 2 / 3) / 2)  # class 0 never predicted: F1 0
