@@ -623,6 +623,7 @@ class OfflineGsmSymbolicTask(CausalLMTask):
 
         pool = reasoning_gym.create_dataset("gsm_symbolic", size=4 * (n_test + n_train), seed=self.seed)
         test, train, labels, seen = [], [], [], set()
+        shortest = None  # tokens of the shortest problem (prompt + solution + end token) seen
         #: indices into the generated pool of the test / training problems (for provenance)
         self.test_indices: list[int] = []
         self.train_indices: list[int] = []
@@ -630,7 +631,11 @@ class OfflineGsmSymbolicTask(CausalLMTask):
             if len(train) == n_train:
                 break
             e = pool[i]
-            if e["question"] in seen or not self._fits(e):
+            if e["question"] in seen:
+                continue
+            n_tokens = self._length(e)
+            shortest = n_tokens if shortest is None else min(shortest, n_tokens)
+            if n_tokens > self.max_length:
                 continue
             seen.add(e["question"])
             if len(test) < n_test:
@@ -640,6 +645,12 @@ class OfflineGsmSymbolicTask(CausalLMTask):
                 train.append(e)
                 self.train_indices.append(i)
                 labels.append(int(pool.task_indices[i]))
+        if not train:
+            raise TaskError(
+                f"task.options.max_length={self.max_length} keeps {len(test)} of {n_test} test and 0 of {n_train} training "
+                f"problems: the shortest problem (prompt + worked solution + end token) is {shortest} tokens; "
+                f"set task.options.max_length to at least {shortest} (the pipeline's 160 keeps the 28 shorter templates)"
+            )
         if len(train) < n_train or len(test) < n_test:
             log.warning("offline_math: only %d/%d train and %d/%d test problems fit max_length=%d",
                         len(train), n_train, len(test), n_test, self.max_length)
@@ -647,11 +658,10 @@ class OfflineGsmSymbolicTask(CausalLMTask):
         self._train = self._dataset(train)
         self._test = self._dataset(test)
 
-    def _fits(self, e: dict) -> bool:
-        """Whether prompt + worked solution + end token fit in ``max_length`` tokens."""
+    def _length(self, e: dict) -> int:
+        """Tokens of prompt + worked solution + end token (a problem fits when <= ``max_length``)."""
         n = len(self.tokenizer(self._prompt(e["question"]))["input_ids"])
-        n += len(self.tokenizer(e["metadata"]["answer_cot"], add_special_tokens=False)["input_ids"]) + 1
-        return n <= self.max_length
+        return n + len(self.tokenizer(e["metadata"]["answer_cot"], add_special_tokens=False)["input_ids"]) + 1
 
     def _prompt(self, question: str) -> str:
         if self.chat_template and getattr(self.tokenizer, "chat_template", None):
