@@ -9,11 +9,13 @@ export TOKENIZERS_PARALLELISM := false
 setup:
 	bash scripts/setup.sh
 
-# six runs (3 methods x IID/Dirichlet 0.5) at a budget that fits ~15 min on 2 CPU cores
+# six runs (3 methods x IID/Dirichlet 0.5), each method at its own probed learning rate
+# (conf/demo_rates.yaml), one shared budget (conf/repro/offline_text_50.yaml): ~12-15 min on 2 idle CPU cores
 demo: setup
-	$(VENV)/bin/fedgalore compare --config conf/pipeline/offline_text.yaml \
-	  --methods fedgalore,fedit,fedavg_full --settings iid,dirichlet:0.5 --out runs/demo \
-	  federation.rounds=6 task.options.max_length=64
+	@echo "make demo: 6 federated runs (FedGaLore, FedIT, FedAvg-Full x IID, Dirichlet 0.5), about 12-15 min on 2 idle CPU cores"
+	$(VENV)/bin/fedgalore compare --config conf/repro/offline_text_50.yaml \
+	  --methods fedgalore,fedit,fedavg_full --settings iid,dirichlet:0.5 --seeds 1 \
+	  --method-options conf/demo_rates.yaml --out runs/demo
 
 test: setup
 	$(PYTHON) -m pytest -q

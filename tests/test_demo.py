@@ -1,0 +1,61 @@
+"""`make demo`: each method at its own probed learning rate (conf/demo_rates.yaml), one shared
+budget, and a line under the table that says both (issue 19, "A fair demo")."""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+from fedgalore.cli import _read_method_options, main
+from fedgalore.report.tables import _fmt_lr
+from test_newcomer import REPO, TINY_TEXT, minilm_or_skip
+
+import pytest
+
+
+def demo_argv() -> list[str]:
+    """The `fedgalore compare ...` arguments of the Makefile's demo recipe."""
+    text = (REPO / "Makefile").read_text().replace("\\\n", " ")
+    recipe = text.split("\ndemo:", 1)[1]
+    line = next(x for x in recipe.splitlines() if "fedgalore compare" in x)
+    argv = shlex.split(line.strip())
+    return argv[argv.index("compare"):]
+
+
+def test_demo_rates_are_the_probed_rates() -> None:
+    """conf/demo_rates.yaml holds each demo method's probed rate; when the probe is re-run (e.g. after
+    FedGaLore's state synchronisation changes) this fails until the demo's rates follow."""
+    argv = demo_argv()
+    methods = argv[argv.index("--methods") + 1].split(",")
+    rates = _read_method_options(str(REPO / argv[argv.index("--method-options") + 1]))
+    probe = json.loads((REPO / "benchmarks/results/repro_text/lr_choice.json").read_text())
+    assert set(rates) == set(methods)
+    for m in methods:
+        assert rates[m] == {"train": {"lr": probe["choice"][m]["lr"]}}, f"update conf/demo_rates.yaml for {m}"
+    # the demo reports other runs than those the rates were chosen on: another seed, the probe's budget
+    assert argv[argv.index("--seeds") + 1] != str(probe["seed"])
+    assert argv[argv.index("--config") + 1] == "conf/repro/offline_text_50.yaml"
+
+
+@pytest.mark.slow
+@pytest.mark.assets
+def test_make_demo_command_prints_budget_and_rates(tmp_path, monkeypatch, capsys) -> None:
+    """The Makefile's demo command at a tiny budget: the table is printed with one line under it
+    giving the budget and each method's own learning rate."""
+    minilm_or_skip()
+    (tmp_path / "conf").symlink_to(REPO / "conf")
+    monkeypatch.chdir(tmp_path)
+    argv = demo_argv()
+    rates = _read_method_options(str(REPO / "conf/demo_rates.yaml"))
+    assert main([*argv, *TINY_TEXT, "federation.rounds=2"]) == 0
+    out = capsys.readouterr().out
+    table = out.split("comparison dir:")[0]
+    names = {"fedgalore": "FedGaLore", "fedit": "FedIT", "fedavg_full": "FedAvg-Full"}
+    order = argv[argv.index("--methods") + 1].split(",")
+    expected = ", ".join(f"{names[m]} {_fmt_lr(rates[m]['train']['lr'])}" for m in order)  # the table's row order
+    assert table.rstrip().splitlines()[-1] == (
+        "Budget (every method): 2 rounds × 2 of 4 clients, 1 local step of batch 16, rank 8, 16 tokens. "
+        f"Learning rate, each method's own: {expected}.")
+    assert re.search(r"\| FedIT \| [\d.]+ \| [\d.]+ \|", table) and "s / round" not in table
+    assert (tmp_path / "runs" / "demo" / "runs" / "fedit-dirichlet0.5-s1" / "summary.json").is_file()
