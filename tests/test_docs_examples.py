@@ -1,0 +1,271 @@
+"""The documentation's examples run as written (issue 19): every command in the ``bash`` blocks of
+README.md, docs/cli.md, docs/scale-out.md and examples/flower/README.md, and their Python and
+YAML examples, at a tiny budget.
+
+A tiny budget means: budget overrides appended (``task.options.limit=80 ...`` and few rounds on
+the offline text pipeline — 2 per comparison cell, at most 5 per run, 3 when a run sets none; a
+tiny random model for the paper pipelines), ``--seeds 0`` for a seed list, 4 rounds for extending
+a run (of 3), and a temporary folder for absolute output paths. Every command is classified; a
+command in the docs that no rule covers fails :func:`test_every_documented_command_is_covered`,
+so new examples get a test. Commands that take hours (the staged studies) are checked to exist;
+the multi-machine Flower deployment is checked against the options its programs accept.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedgalore.cli import main
+from test_newcomer import REPO, TINY_PAPER, TINY_TEXT, minilm_or_skip
+
+DOCS = ["README.md", "docs/cli.md", "docs/scale-out.md", "examples/flower/README.md"]
+
+
+def blocks(doc: str, lang: str) -> list[str]:
+    return [m.group(2) for m in re.finditer(r"```(\w*)\n(.*?)```", (REPO / doc).read_text(), re.S) if m.group(1) == lang]
+
+
+def commands(doc: str) -> list[str]:
+    """The shell commands of ``doc``'s bash blocks (continuations joined, comments dropped)."""
+    out = []
+    for body in blocks(doc, "bash"):
+        for line in body.replace("\\\n", " ").splitlines():
+            line = re.sub(r"\s+#\s.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                out.append(" ".join(line.split()))
+    return out
+
+
+def kind(cmd: str) -> str:
+    """How a documented command is tested (see the module docstring)."""
+    rules = [
+        (r"^make demo$", "demo"),  # tests/test_demo.py runs the Makefile's demo recipe at a tiny budget
+        (r"^make test$", "suite"),  # this test suite
+        (r"^source \.venv/bin/activate$", "venv"),
+        (r"^pip install 'fedgalore\[(\w+)\]'$", "extra"),
+        (r"^export ", "env"),
+        (r"^cd examples/flower$", "cd"),
+        (r"(^|&& )python -m fedgalore\.flower \. local ", "flower"),
+        (r"^pgrep -af flower-superlink$|^kill \$\(pgrep -f ", "flower"),
+        (r"^python -m fedgalore\.flower \. myfed$|^flower-super(link|node) ", "deployment"),
+        (r"^fedgalore (repro|bench) (?!--list)\S+", "long"),
+        (r"^fedgalore ", "cli"),
+    ]
+    for pattern, name in rules:
+        if re.search(pattern, cmd):
+            return name
+    return "uncovered"
+
+
+def test_every_documented_command_is_covered() -> None:
+    found = {doc: commands(doc) for doc in DOCS}
+    assert sum(len(c) for c in found.values()) > 40
+    uncovered = [(doc, c) for doc, cs in found.items() for c in cs if kind(c) == "uncovered"]
+    assert not uncovered, f"documented commands without a test rule: {uncovered}"
+
+
+def test_static_examples_hold() -> None:
+    """Environment commands: the venv's activate script, the pip extras, the Flower example folder;
+    no reference to a DESIGN.md outside the repository or to a `fedgalore resume` command."""
+    import tomllib
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for doc in DOCS:
+        for cmd in commands(doc):
+            if kind(cmd) == "venv":
+                assert (REPO / ".venv" / "bin" / "activate").is_file() or not (REPO / ".venv").exists()
+            if kind(cmd) == "extra":
+                assert re.search(r"\[(\w+)\]", cmd).group(1) in extras, cmd
+            if kind(cmd) == "cd":
+                assert (REPO / "examples" / "flower" / "pyproject.toml").is_file()
+        text = (REPO / doc).read_text()
+        assert "fedgalore resume" not in text, doc
+    for path in [*REPO.glob("docs/*.md"), REPO / "README.md", REPO / "src/fedgalore/compare.py", REPO / "src/fedgalore/methods/base.py"]:
+        assert "DESIGN.md" not in path.read_text(), path
+
+
+def test_long_studies_exist(capsys) -> None:
+    """`fedgalore repro NAME` / `fedgalore bench NAME ...` (hours) name real experiments and benchmarks."""
+    assert main(["repro", "--list"]) == 0
+    experiments = set(capsys.readouterr().out.split())
+    assert main(["bench", "--list"]) == 0
+    benches = set(capsys.readouterr().out.split())
+    for doc in DOCS:
+        for cmd in commands(doc):
+            if kind(cmd) == "long":
+                _, what, name = cmd.split()[:3]
+                assert name in (experiments if what == "repro" else benches | {"all"}), cmd
+
+
+def _tiny(argv: list[str], tmp: Path) -> list[str]:
+    """The command at a tiny budget (see the module docstring)."""
+    argv = [str(tmp / "one-run") if a == "/tmp/one-run" else a for a in argv]
+    if "--seeds" in argv:
+        argv[argv.index("--seeds") + 1] = "0"
+    if argv[0] == "run" and "--resume" in argv:  # extending: one round beyond the 3 it ran
+        argv = [("federation.rounds=4" if a.startswith("federation.rounds=") else a) for a in argv]
+    if argv[0] in ("run", "compare") and "--resume" not in argv:
+        config = argv[argv.index("--config") + 1]
+        if config.endswith("offline_text.yaml"):
+            given = [int(a.split("=", 1)[1]) for a in argv if a.startswith("federation.rounds=")]
+            # runs keep their rounds distinct (two documented runs share a default directory)
+            rounds = 2 if argv[0] == "compare" else min(given[-1], 5) if given else 3
+            argv += [*TINY_TEXT, f"federation.rounds={rounds}"]
+        elif "conf/pipeline/" in config:
+            argv += TINY_PAPER
+    return argv
+
+
+@pytest.mark.slow
+@pytest.mark.assets
+def test_documented_cli_commands_run(tmp_path, monkeypatch, capsys) -> None:
+    """Every `fedgalore ...` command of README.md, docs/cli.md and docs/scale-out.md, in the docs'
+    order, in one working folder (so `report` and `--resume` find what earlier commands wrote)."""
+    minilm_or_skip()
+    pytest.importorskip("ray")
+    import torch
+
+    (tmp_path / "conf").symlink_to(REPO / "conf")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny.yaml").write_text(blocks("docs/cli.md", "yaml")[0])  # "Save this as tiny.yaml"
+    ran = 0
+    for doc in ("README.md", "docs/cli.md", "docs/scale-out.md"):
+        for cmd in commands(doc):
+            if kind(cmd) != "cli":
+                continue
+            argv = shlex.split(cmd)[1:]
+            if "conf/pipeline/glue_roberta.yaml" in argv and not torch.cuda.is_available():
+                # as written (device: cuda) on a CPU-only torch: one line naming the fix
+                assert main(argv) == 2, cmd
+                assert "device=cuda but this torch" in capsys.readouterr().err
+            rc = main(_tiny(argv, tmp_path))
+            captured = capsys.readouterr()
+            assert rc == 0, f"{doc}: {cmd}\n{captured.err[-2000:]}"
+            ran += 1
+    assert ran >= 20
+    assert (tmp_path / "runs" / "long" / "summary.json").is_file()
+    import json
+
+    assert json.loads((tmp_path / "runs" / "long" / "summary.json").read_text())["rounds_completed"] == 4  # extended
+
+
+@pytest.mark.slow
+@pytest.mark.assets
+def test_readme_python_api_example(tmp_path, monkeypatch) -> None:
+    """README's Python block, at a tiny budget (the 2-round run, the optimizer on its own, the imports)."""
+    minilm_or_skip()
+    (tmp_path / "conf").symlink_to(REPO / "conf")
+    monkeypatch.chdir(tmp_path)
+    code = blocks("README.md", "python")[0]
+    assert '["federation.rounds=2"]' in code
+    code = code.replace('["federation.rounds=2"]', repr(["federation.rounds=2", "output.progress=quiet", *TINY_TEXT]))
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the documentation's own example
+    assert scope["result"].summary["rounds_completed"] == 2 and "accuracy" in scope["result"].summary["final"]
+    assert set(scope["update"]) == {n for n, p in scope["model"].named_parameters() if p.ndim == 2}
+
+
+def test_cli_md_option_examples(tmp_path) -> None:
+    """docs/cli.md's method-options file and `compare:` section plan a valid grid."""
+    from fedgalore.cli import _load_config, _read_method_options
+    from fedgalore.compare import plan_grid
+
+    yaml_blocks = blocks("docs/cli.md", "yaml")
+    opts_file = tmp_path / "method-options.yaml"
+    opts_file.write_text(yaml_blocks[1])
+    opts = _read_method_options(str(opts_file))
+    base, _ = _load_config(str(REPO / "conf/pipeline/offline_text.yaml"), [])
+    cells = {c.label: c for c in plan_grid(base, list(opts), ["iid"], [0], tmp_path / "g", opts)}
+    assert cells["fedit_lr5e-3"].cfg.train.lr == 5e-3 and cells["fedgalore_tau10"].cfg.method.options["update_proj_gap"] == 10
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text((REPO / "conf/pipeline/offline_text.yaml").read_text() + yaml_blocks[2].split("\n", 1)[1])
+    cfg, section = _load_config(str(pipeline), [])
+    assert section["methods"] == ["fedavg_full", "fedit", "fedgalore"] and section["seeds"] == [0, 1, 2]
+    assert len(plan_grid(cfg, section["methods"], section["settings"], section["seeds"], tmp_path / "s",
+                         section["method_options"])) == 18
+
+
+def test_flower_deployment_commands_use_real_options() -> None:
+    """The SuperLink/SuperNode commands of examples/flower/README.md: every option exists."""
+    pytest.importorskip("flwr")
+    for cmd in commands("examples/flower/README.md"):
+        if not cmd.startswith("flower-super"):
+            continue
+        prog = cmd.split()[0]
+        exe = shutil.which(prog) or str(Path(sys.executable).parent / prog)
+        helptext = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=120).stdout
+        for opt in re.findall(r"(--[a-z-]+)", cmd):
+            assert opt in helptext, (prog, opt)
+
+
+def _local_superlinks() -> list[str]:
+    r = subprocess.run(["pgrep", "-f", "flower-superlink --insecure --simulation"], capture_output=True, text=True)
+    return r.stdout.split()
+
+
+@pytest.mark.slow
+@pytest.mark.assets
+def test_flower_readme_simulation_as_written(tmp_path) -> None:
+    """examples/flower/README.md end to end: `python -m fedgalore.flower . local ...` completes and
+    exits 0 (tiny pipeline), the same command again exits 1 with the one-line reason, and the
+    documented `kill $(pgrep ...)` leaves no local SuperLink behind."""
+    pytest.importorskip("flwr")
+    if shutil.which("pgrep") is None:
+        pytest.skip("needs pgrep")
+    if _local_superlinks():
+        pytest.skip("a local Flower SuperLink is already running (not ours to stop)")
+    venv_bin = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": f"{venv_bin}{os.pathsep}{os.environ['PATH']}", "FLWR_HOME": str(tmp_path / "flwr"),
+           "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+           "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+    cmd = next(c for c in commands("examples/flower/README.md") if kind(c) == "flower" and "fedgalore.flower" in c)
+    argv = shlex.split(cmd)
+    argv[0] = sys.executable
+    overrides = f'overrides="task.name=tiny_text task.options=null federation.rounds=2 output.dir={tmp_path / "runs"}"'
+    argv += ["--run-config", overrides]
+    cwd = REPO / "examples" / "flower"
+    try:
+        first = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+        assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+        assert "round 2/2 | clients" in first.stdout and "final (2/2 rounds, complete)" in first.stdout
+        assert f"run dir: {tmp_path / 'runs'}" in first.stdout
+        again = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+        assert again.returncode == 1
+        assert "already holds this run (complete, 2/2 rounds" in again.stderr.strip().splitlines()[-1]
+        assert _local_superlinks()  # it keeps running in the background, as the README says
+    finally:
+        for stop in (c for c in commands("examples/flower/README.md") if c.startswith("kill $(pgrep")):
+            subprocess.run(stop, shell=True, env=env, timeout=60)  # noqa: S602 - the README's own command
+    import time
+
+    for _ in range(20):
+        if not _local_superlinks():
+            break
+        time.sleep(0.5)
+    assert not _local_superlinks()
+    gone = subprocess.run(["pgrep", "-f", "flower-superexec --insecure"], capture_output=True, text=True).stdout
+    assert not gone.strip()
+
+
+@pytest.mark.slow
+def test_flower_readme_python_example(tmp_path, monkeypatch, capsys) -> None:
+    """examples/flower/README.md's `run_simulation` block, on the tiny task: it prints the rounds,
+    the result and the run directory."""
+    pytest.importorskip("flwr")
+    pytest.importorskip("ray")
+    (tmp_path / "examples").symlink_to(REPO / "examples")
+    monkeypatch.chdir(tmp_path)
+    code = blocks("examples/flower/README.md", "python")[0]
+    tiny = ["federation.rounds=2", "task.name=tiny_text", "task.options=null"]
+    assert '["federation.rounds=2"]' in code
+    exec(compile(code.replace('["federation.rounds=2"]', repr(tiny)), "examples/flower/README.md", "exec"), {})  # noqa: S102
+    out = capsys.readouterr().out
+    assert "round 2/2 | clients" in out and "final (2/2 rounds, complete)" in out
+    assert f"run dir: {(tmp_path / 'runs' / 'flower').resolve()}" in out
