@@ -1,0 +1,126 @@
+"""Gradient accumulation in the shared local loop (train.grad_accum_steps; issue 18, part B).
+
+k micro-batches of b examples must give one optimizer step on the batch of k·b examples, to float
+rounding: same parameters after several AdamW steps with warmup, cosine decay and clipping, also
+when the last step of a round is partial; for a token-mean loss the micro-batches are weighted by
+their token counts (the task's ``loss_items``)."""
+import pytest
+import torch
+from torch import nn
+
+from fedgalore.federated.client import local_train, loss_items, optimizer_steps
+from fedgalore.federated.config import ConfigError, FederatedConfig
+from fedgalore.methods.base import ClientContext, TrainConfig
+
+
+def _data(n=20, d=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, d, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+class _Cls:
+    """Per-example mean cross-entropy (rows weight the micro-batches)."""
+
+    def loss(self, model, batch):
+        return nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+
+
+class _TokenMean:
+    """A loss averaged over valid tokens (label ≠ −100), like a causal LM's response-only loss."""
+
+    def loss(self, model, batch):
+        logits = model(batch["x"])  # (B, T, C)
+        return nn.functional.cross_entropy(logits.flatten(0, 1), batch["y"].flatten(), ignore_index=-100)
+
+    def loss_items(self, batch):
+        return int((batch["y"] != -100).sum())
+
+
+def _model(d=6, c=3, seed=1):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(d, 16), nn.Tanh(), nn.Linear(16, c))  # no dropout
+
+
+def _run(task, data, batch_size, k, rounds=1, scope="round", lr=5e-2):
+    x, y = data
+    model = _model(x.shape[-1])
+    tc = TrainConfig(lr=lr, batch_size=batch_size, grad_accum_steps=k, warmup_ratio=0.25, schedule="cosine",
+                     schedule_scope=scope, grad_clip=0.5, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+    n = len(x)
+    micro = -(-n // batch_size)
+    stats = []
+    for r in range(rounds):
+        def batches():
+            for i in range(0, n, batch_size):
+                yield {"x": x[i : i + batch_size], "y": y[i : i + batch_size]}
+
+        ctx = ClientContext(round=r, total_rounds=rounds, client=0, round_seed=0, num_examples=n, train=tc,
+                            target_modules=[], head_params=[], loss_fn=task.loss, batches=batches,
+                            steps=micro, steps_per_round=micro)
+        stats.append(local_train(model, opt, ctx))
+    return model, stats
+
+
+def _max_diff(a, b):
+    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("scope", ["round", "global"])
+def test_k_micro_batches_equal_one_batch_k_times_larger(scope):
+    data = _data(n=20)
+    big, s_big = _run(_Cls(), data, batch_size=8, k=1, rounds=2, scope=scope)  # steps of 8, 8, 4 examples
+    acc, s_acc = _run(_Cls(), data, batch_size=2, k=4, rounds=2, scope=scope)  # 4, 4, 2 micro-batches of 2
+    assert [s["steps"] for s in s_acc] == [s["steps"] for s in s_big] == [3, 3]
+    assert s_acc[0]["micro_batches"] == 10 and "micro_batches" not in s_big[0]
+    for a, b in zip(s_acc, s_big):
+        for key in ("loss_first", "loss_last", "loss_mean"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6)
+    assert _max_diff(acc, big) < 1e-6
+    # and the run moved: accumulation is not a no-op
+    assert _max_diff(acc, _model()) > 1e-2
+
+
+def test_token_mean_loss_weights_micro_batches_by_tokens():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 5, 6, generator=g)
+    y = torch.randint(0, 3, (8, 5), generator=g)
+    mask = torch.rand(8, 5, generator=g) < 0.6  # uneven valid-token counts per sequence
+    mask[:, 0] = True
+    y = torch.where(mask, y, torch.full_like(y, -100))
+    task = _TokenMean()
+    big, s_big = _run(task, (x, y), batch_size=8, k=1)
+    acc, s_acc = _run(task, (x, y), batch_size=2, k=4)
+    assert s_acc[0]["steps"] == s_big[0]["steps"] == 1
+    assert s_acc[0]["loss_first"] == pytest.approx(s_big[0]["loss_first"], rel=1e-6)
+    assert _max_diff(acc, big) < 1e-6
+    # weighting by rows instead would be a different (wrong) gradient: the check above means something
+    class _Rows(_TokenMean):
+        loss_items = None
+    rows, _ = _run(_Rows(), (x, y), batch_size=2, k=4)
+    assert _max_diff(rows, big) > 1e-4
+
+
+def test_helpers():
+    assert optimizer_steps(10, 4) == 3 and optimizer_steps(8, 4) == 2 and optimizer_steps(5, 1) == 5 and optimizer_steps(0, 32) == 0
+    assert loss_items(_Cls().loss, {"x": torch.zeros(5, 2)}) == 5
+    assert loss_items(_TokenMean().loss, {"y": torch.tensor([[1, -100], [2, 3]])}) == 3
+
+
+def test_config_field_and_validation():
+    assert TrainConfig().grad_accum_steps == 1
+    cfg = FederatedConfig.from_dict({"train": {"batch_size": 2, "grad_accum_steps": 32}})
+    assert cfg.train.grad_accum_steps == 32
+    with pytest.raises(ConfigError, match="grad_accum_steps=0 must be >= 1"):
+        FederatedConfig.from_dict({"train": {"grad_accum_steps": 0}})
+    with pytest.raises(ConfigError, match="local_steps with train.grad_accum_steps"):
+        FederatedConfig.from_dict({"train": {"grad_accum_steps": 4, "local_steps": 10}})
+
+
+def test_llama_pipeline_uses_the_papers_batch():
+    """Appendix H, Table 8: per-device batch 2, 32 accumulation steps (effective 64)."""
+    from fedgalore.cli import _load_config  # the pipeline carries a compare: section
+
+    cfg, _ = _load_config("conf/pipeline/metamath_llama2.yaml", [])
+    assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (2, 32)
+    assert cfg.train.lr == 1e-4 and cfg.train.warmup_ratio == 0.03 and cfg.federation.rounds == 20
