@@ -34,6 +34,7 @@ class LyingFedAvg(FedAvgFull):
     """FedAvg-Full whose client 0 (and, with ``all_bad``, every client) sends a corrupted upload."""
 
     name = "test_lying_fedavg"
+    extra_options = ("mode", "all_bad")
 
     def client_update(self, model, broadcast, ctx):
         up = super().client_update(model, broadcast, ctx)

@@ -84,6 +84,8 @@ def test_unknown_method_option_is_still_one_line(tmp_path, capsys) -> None:
     assert "update_proj_gapp" in line
     line = _error(capsys, ["run", "--config", cfg, "method.name=fedit", "method.options.lora_alphaa=3", "--progress", "quiet"])
     assert "'fedit' has no option(s) ['lora_alphaa']" in line and "lora_alpha" in line
+    line = _error(capsys, ["run", "--config", cfg, "method.name=fedavg_full", "method.options.bogus=1", "--progress", "quiet"])
+    assert line.endswith("method 'fedavg_full' has no option(s) ['bogus']; options are ['trainable']")
 
 
 def test_method_options_can_be_cleared() -> None:

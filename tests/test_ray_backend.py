@@ -25,6 +25,7 @@ class CrashingFedAvg(FedAvgFull):
     client ``hang_client`` hangs in round 0."""
 
     name = "test_crash_fedavg"
+    extra_options = ("crash_client", "hang_client")
 
     def client_update(self, model, broadcast, ctx):
         if ctx.round == 0 and ctx.client == int(self.options.get("crash_client", -1)):

@@ -367,5 +367,7 @@ def test_text_pipeline_configs_are_valid():
     assert (t.lr, t.batch_size, t.warmup_ratio, t.weight_decay, t.schedule, t.local_epochs) == (5e-5, 32, 0.06, 0.01, "cosine", 2)
     assert (f.rounds, f.num_clients, f.clients_per_round, cfg.method.rank) == (50, 50, 5, 8)
     assert cfg.task.options == {"subtask": "sst2", "model": "roberta-base", "max_length": 128}
-    assert all(o == {"lora_alpha": 16} for o in compare["method_options"].values())
+    # one options pool: LoRA alpha 2r (Table 9) for the baselines, FedAvg-Full on the whole model
+    assert cfg.method.options["lora_alpha"] == 16 and cfg.method.options["trainable"] == "all"
+    assert "method_options" not in compare
     assert GlueTask.target_modules == ("query", "value", "dense") and GlueTask.head_modules == ("classifier",)

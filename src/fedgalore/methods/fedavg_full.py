@@ -13,7 +13,7 @@ Operator", FedAvg). S: none. This is the paper's FFT baseline. Option ``trainabl
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -74,11 +74,14 @@ class FedAvgFull(DenseTargetsMethod):
     name = "fedavg_full"
     summary = "full fine-tuning with AdamW (target matrices + head, or the whole model: trainable=all); FedAvg of dense deltas"
 
-    def __init__(self, rank: int = 8, trainable: str = "targets") -> None:
+    def __init__(self, rank: int = 8, trainable: str = "targets", **options: Any) -> None:
         if trainable not in ("targets", "all"):
             raise MethodError(f"fedavg_full option trainable={trainable!r} must be 'targets' (adapted matrices + head) "
                               "or 'all' (the whole model, as the paper for RoBERTa/ViT)")
-        super().__init__(rank, trainable=trainable)
+        unknown = sorted(set(options) - type(self).option_names())
+        if unknown:  # a subclass lists the options it reads in extra_options
+            raise MethodError(f"method {self.name!r} has no option(s) {unknown}; options are {sorted(type(self).option_names())}")
+        super().__init__(rank, trainable=trainable, **options)
         self.trainable = trainable
         self.others: list[str] = []  # parameters trained besides targets and heads (trainable=all)
 
