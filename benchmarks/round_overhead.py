@@ -1,0 +1,214 @@
+"""Round overhead: a federated round's wall time over a bare training loop doing the same steps.
+
+Issue 18, "round overhead" (measurement only; the optimisation follows the payload rewrite).
+For each scale — ``tiny_text`` (random BERT, milliseconds per step), ``offline_text`` (MiniLM-L6
+× BBC News, 64 tokens, batch 16) and ``offline_math`` (SmolLM2-135M, batch 4) — and each method
+(``fedgalore``, ``fedavg_full``), one process runs, interleaved round by round:
+
+* a real round of :class:`fedgalore.federated.server.Federation` (sequential backend, all
+  ``K = 2`` clients, ``T`` local steps each, diagnostics off, checkpoint every round) — timed
+  without its evaluation, which is not overhead;
+* a bare loop: the same model, the same clients' batches, the same optimizer class and options
+  (``GaLoreAdamW`` without the update record / ``AdamW``), the shared ``local_train``, nothing
+  else.
+
+Round 1 is a warm-up for both and not counted. The ratio is round time / bare time (goal ≤ 1.03
+at MiniLM and SmolLM2). The round is broken down by wrapping the engine's functions (times are
+inclusive; ``client: train`` is ``local_train``): server broadcast (build + encode), client
+decode, load params, train, rest of the client update (optimizer setup, export of the update,
+deltas), upload encode, server decode + validation, aggregate, sync, checkpoint, and the rest
+(logs, ledger). Single-threaded; the load average is recorded next to every timing. Writes
+``benchmarks/results/round_overhead.json``. ``--quick``: tiny and MiniLM only, 2 counted rounds.
+"""
+# fedgalore-bench: not-in-all (about 10 min single-threaded; run it by name)
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCALES = {
+    "tiny": {"task": {"name": "tiny_text", "options": {"n_train": 256, "n_test": 16}}, "train": {"batch_size": 16, "local_steps": 4}},
+    "minilm": {"task": {"name": "offline_text", "options": {"max_length": 64}}, "train": {"batch_size": 16, "local_steps": 4}},
+    "smollm2": {"task": {"name": "offline_math", "options": {"n_train": 64, "n_test": 2, "eval_max_new_tokens": 4, "eval_loss": False}},
+                "train": {"batch_size": 4, "local_steps": 3}},
+}
+METHODS = ("fedgalore", "fedavg_full")
+CLIENTS = 2
+
+
+class Clock:
+    """Inclusive wall time per wrapped function."""
+
+    def __init__(self) -> None:
+        self.t: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner, attr: str, label: str) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.t[label] += time.perf_counter() - t0
+
+        setattr(owner, attr, timed)
+
+
+def _config(scale: str, method: str, out: str):
+    from fedgalore.federated.config import FederatedConfig
+
+    s = SCALES[scale]
+    opts = {"update_proj_gap": 200, "projector": "rsvd_then_random"} if method == "fedgalore" else {}
+    return FederatedConfig.from_dict({
+        "name": f"overhead-{scale}", "seed": 0, "task": s["task"],
+        "method": {"name": method, "rank": 8, "options": opts},
+        "federation": {"num_clients": CLIENTS, "clients_per_round": None, "rounds": 10, "eval_every": 100,
+                       "partition": {"kind": "iid"}},
+        "train": {"lr": 1e-4, "local_epochs": None, "warmup_ratio": 0.0, **s["train"]},
+        "output": {"dir": out, "checkpoint_every": 1, "keep_checkpoints": 1, "progress": "quiet"},
+        "device": "cpu", "diagnostics": False,
+    })
+
+
+def _bare_optimizer(method, model, names, tc):
+    """The optimizer the method's client builds, without the federated update record."""
+    from fedgalore.methods.base import named_params
+
+    params = named_params(model, names)
+    if method.name == "fedgalore":
+        from fedgalore.optim import GaLoreAdamW
+
+        group = method._galore_group([(n, params[n]) for n in method.targets], None)
+        group["track_cold"] = False  # the shadow cold moment exists for the federated diagnostics only
+        groups = [group] + ([{"params": [(n, params[n]) for n in method.heads], "lr": tc.head_lr or tc.lr}] if method.heads else [])
+        return GaLoreAdamW(groups, lr=tc.lr, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay), params
+    groups = [{"params": [params[n] for n in method.targets], "lr": tc.lr}]
+    if method.heads:
+        groups.append({"params": [params[n] for n in method.heads], "lr": tc.head_lr or tc.lr})
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay), params
+
+
+def bare_round(fed, k: int) -> float:
+    """The same clients' steps of round ``k`` with a plain optimizer and ``local_train``."""
+    from fedgalore.backends.base import client_seed
+    from fedgalore.federated.client import local_train
+    from fedgalore.methods.base import ClientContext
+
+    rt, method, tc = fed.runtime, fed.method, fed.cfg.train
+    t0 = time.perf_counter()
+    for c in range(CLIENTS):
+        gen, steps = rt.batches(c, k)
+        ctx = ClientContext(round=k, total_rounds=fed.cfg.federation.rounds, client=c, round_seed=0, num_examples=len(rt.parts[c]),
+                            train=tc, target_modules=rt.target_modules, head_params=rt.head_params, loss_fn=rt.task.loss,
+                            batches=gen, steps=steps, steps_per_round=rt.steps_per_round, device=rt.device)
+        opt, params = _bare_optimizer(method, rt.model, method.targets + method.heads, tc)
+        if method.name == "fedgalore":
+            opt.set_projection_seed(int(client_seed(fed.cfg.seed, k, c, 9).generate_state(1)[0]))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(k * 100 + c)
+            local_train(rt.model, opt, ctx, params.values())
+    return time.perf_counter() - t0
+
+
+def measure(scale: str, method: str, rounds: int) -> dict:
+    from fedgalore.federated import server as server_mod
+    from fedgalore.federated.checkpoint import save_checkpoint
+    from fedgalore.federated.server import Federation
+
+    base = importlib.import_module("fedgalore.backends.base")
+    meth_mod = importlib.import_module(f"fedgalore.methods.{'fedgalore' if method == 'fedgalore' else 'fedavg_full'}")
+    clock = Clock()
+    out = tempfile.mkdtemp(prefix="overhead-")
+    cfg = _config(scale, method, out)
+    fed = Federation(cfg)
+    m = fed.method
+    clock.wrap(m, "broadcast", "server: broadcast build")
+    clock.wrap(server_mod, "encode", "server: broadcast encode")
+    clock.wrap(base, "decode", "client: decode broadcast")
+    clock.wrap(meth_mod, "load_params", "client: load params")
+    clock.wrap(meth_mod, "local_train", "client: train (local_train)")
+    clock.wrap(m, "client_update", "client: client_update (all)")
+    clock.wrap(base, "encode", "client: encode upload")
+    clock.wrap(server_mod, "decode", "server: decode uploads")
+    clock.wrap(server_mod, "validate_upload", "server: validate uploads")
+    clock.wrap(m, "aggregate", "server: aggregate")
+    clock.wrap(m, "synchronize", "server: sync")
+    clock.wrap(fed.task, "evaluate", "evaluation (excluded)")
+    rows = []
+    for k in range(rounds + 1):
+        clock.t.clear()
+        load = os.getloadavg()[0]
+        t0 = time.perf_counter()
+        fed._round(k)
+        tc0 = time.perf_counter()
+        save_checkpoint(fed.run_dir, k + 1, fed.state, {"wall_time": 0.0}, keep=1)
+        t_ckpt = time.perf_counter() - tc0
+        t_round = time.perf_counter() - t0 - clock.t.get("evaluation (excluded)", 0.0)
+        t_bare = bare_round(fed, k)
+        parts = dict(clock.t)
+        parts["server: checkpoint"] = t_ckpt
+        parts["client: rest of client_update (optimizer setup, export)"] = (
+            parts.get("client: client_update (all)", 0.0) - parts.get("client: load params", 0.0) - parts.get("client: train (local_train)", 0.0))
+        parts.pop("client: client_update (all)", None)
+        parts.pop("evaluation (excluded)", None)
+        named = sum(v for kk, v in parts.items() if kk != "client: train (local_train)")
+        parts["rest (ledger, logs, sampling)"] = t_round - parts.get("client: train (local_train)", 0.0) - named
+        rows.append({"round": k + 1, "warmup": k == 0, "round_s": t_round, "bare_s": t_bare, "ratio": t_round / t_bare,
+                     "breakdown_s": parts, "loadavg_1min": load})
+        print(f"  {scale:8s} {method:11s} round {k + 1}: {t_round:7.3f} s vs bare {t_bare:7.3f} s = {t_round / t_bare:5.3f}x (load {load:.1f})", flush=True)
+    fed.backend.close()
+    counted = [r for r in rows if not r["warmup"]]
+    mean = lambda key: sum(r[key] for r in counted) / len(counted)  # noqa: E731
+    breakdown = {kk: sum(r["breakdown_s"].get(kk, 0.0) for r in counted) / len(counted) for kk in counted[0]["breakdown_s"]}
+    params = sum(p.numel() for p in fed.runtime.model.parameters())
+    return {"scale": scale, "method": method, "params": params, "steps_per_client": fed.cfg.train.local_steps,
+            "batch": fed.cfg.train.batch_size, "rounds": rows, "round_s": mean("round_s"), "bare_s": mean("bare_s"),
+            "ratio": mean("round_s") / mean("bare_s"), "breakdown_s": breakdown,
+            "overhead_s": mean("round_s") - breakdown.get("client: train (local_train)", 0.0)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny and MiniLM, 2 counted rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="counted rounds per cell (after one warm-up)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/round_overhead.json"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    scales = ("tiny", "minilm") if args.quick else tuple(SCALES)
+    rounds = 2 if args.quick else args.rounds
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    cells = [measure(s, m, rounds) for s in scales for m in METHODS]
+    res = {"meta": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "clients": CLIENTS,
+                    "loadavg_start": load0, "loadavg_end": os.getloadavg(), "seconds": time.perf_counter() - t0},
+           "cells": cells}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    if args.quick and args.out.endswith("round_overhead.json"):
+        args.out = args.out.replace("round_overhead.json", "round_overhead_quick.json")
+    Path(args.out).write_text(json.dumps(res, indent=1))
+    print("\n| scale | method | params | round (s) | bare loop (s) | ratio | overhead (s) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for c in cells:
+        print(f"| {c['scale']} | {c['method']} | {c['params'] / 1e6:.1f} M | {c['round_s']:.3f} | {c['bare_s']:.3f} | {c['ratio']:.3f} | {c['overhead_s']:.3f} |")
+    print("\nbreakdown (s per round, mean over counted rounds):")
+    for c in cells:
+        print(f"{c['scale']} {c['method']}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(c["breakdown_s"].items(), key=lambda kv: -kv[1])))
+    print(f"load average {load0} -> {os.getloadavg()}; {time.perf_counter() - t0:.0f} s; written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
