@@ -10,9 +10,9 @@ setup:
 	bash scripts/setup.sh
 
 # six runs (3 methods x IID/Dirichlet 0.5), each method at its own probed learning rate
-# (conf/demo_rates.yaml), one shared budget (conf/repro/offline_text_50.yaml): ~12-15 min on 2 idle CPU cores
+# (conf/demo_rates.yaml), one shared budget (conf/repro/offline_text_50.yaml): ~15 min on 2 idle CPU cores
 demo: setup
-	@echo "make demo: 6 federated runs (FedGaLore, FedIT, FedAvg-Full x IID, Dirichlet 0.5), about 12-15 min on 2 idle CPU cores"
+	@echo "make demo: 6 federated runs (FedGaLore, FedIT, FedAvg-Full x IID, Dirichlet 0.5), about 15 min on 2 idle CPU cores (longer on a busy one)"
 	$(VENV)/bin/fedgalore compare --config conf/repro/offline_text_50.yaml \
 	  --methods fedgalore,fedit,fedavg_full --settings iid,dirichlet:0.5 --seeds 1 \
 	  --method-options conf/demo_rates.yaml --out runs/demo

@@ -58,4 +58,23 @@ def test_make_demo_command_prints_budget_and_rates(tmp_path, monkeypatch, capsys
         "Budget (every method): 2 rounds × 2 of 4 clients, 1 local step of batch 16, rank 8, 16 tokens. "
         f"Learning rate, each method's own: {expected}.")
     assert re.search(r"\| FedIT \| [\d.]+ \| [\d.]+ \|", table) and "s / round" not in table
+    header = next(line for line in table.splitlines() if line.startswith("| Method |"))
+    assert header in (REPO / "README.md").read_text()  # the README shows the demo's table as printed
     assert (tmp_path / "runs" / "demo" / "runs" / "fedit-dirichlet0.5-s1" / "summary.json").is_file()
+
+
+def test_readme_demo_table_states_the_demos_budget_and_rates() -> None:
+    """The line under the README's demo table is the one `make demo` prints for its budget and rates."""
+    from fedgalore.cli import _load_config
+    from fedgalore.compare import plan_grid
+    from fedgalore.report import RunRecord
+    from fedgalore.report.tables import budget_line
+
+    argv = demo_argv()
+    cfg, _ = _load_config(str(REPO / argv[argv.index("--config") + 1]), [])
+    rates = _read_method_options(str(REPO / argv[argv.index("--method-options") + 1]))
+    methods = argv[argv.index("--methods") + 1].split(",")
+    cells = plan_grid(cfg, methods, ["iid"], [1], "/tmp/unused", rates)
+    runs = [RunRecord(path=Path(c.name), summary={"method": c.method}, config=c.cfg.to_dict(), label=c.label) for c in cells]
+    line = budget_line(runs, methods)
+    assert line and line in (REPO / "README.md").read_text(), line

@@ -60,6 +60,7 @@ class PlainProgress(ProgressSink):
         self.total = 0
         self.started_at = 0.0
         self.first_round = 0
+        self.run_name = ""
 
     def _print(self, text: str) -> None:
         stream = self.stream or sys.stdout
@@ -68,6 +69,7 @@ class PlainProgress(ProgressSink):
     def start(self, total_rounds: int, info: dict[str, Any]) -> None:
         self.total, self.started_at = total_rounds, time.perf_counter()
         self.first_round = int(info.get("start_round", 0) or 0)
+        self.run_name = str(info.get("run_name") or "")
         what = " ".join(f"{k}={info[k]}" for k in ("method", "task") if info.get(k))
         resumed = f" (resuming after round {self.first_round})" if self.first_round else ""
         where = f" -> {info['run_dir']}" if info.get("run_dir") else ""
@@ -94,7 +96,8 @@ class PlainProgress(ProgressSink):
 
     def finish(self, summary: dict[str, Any]) -> None:
         final = " ".join(f"{k}={v:.4f}" for k, v in (summary.get("final") or {}).items() if isinstance(v, (int, float)))
-        self._print(f"done {summary.get('name', '')}: {final} ({_hms(summary.get('wall_time') or 0.0)})")
+        name = self.run_name or summary.get("name", "")  # the run, not the pipeline's name
+        self._print(f"done {name}: {final} ({_hms(summary.get('wall_time') or 0.0)})")
 
 
 class _StatusLine:
