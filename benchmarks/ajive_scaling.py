@@ -19,9 +19,8 @@ Cells (all float32 for ours, float64 for mvlearn, which casts; one process, side
 (e) ``--llama-only`` (issue 18): the same block, side by side and interleaved in one process —
     :func:`fedgalore.sync.ajive` now vs the baseline ``ajive.py`` of git revision
     ``BASELINE_REV`` (loaded from git, not kept in the package), the full server sync with each,
-    the sync without diagnostics, and the diagnostics in the closed form proposed for
-    ``sync/moments.py`` (:func:`proposed_shared_basis_diagnostics`) with their agreement with the
-    current ones. Writes ``benchmarks/results/ajive_llama_sync.json``.
+    and the sync without diagnostics (their difference is the cost of the diagnostics, now in
+    closed form for views on one basis). Writes ``benchmarks/results/ajive_llama_sync.json``.
 
 Dense data for (a)/(b): ``V_i = (C + 0.3 O_i) P + 0.01 Ξ_i`` with ``C``, ``O_i`` ``n × R0``
 uniform, ``P`` a random orthonormal ``R0 × n`` basis, ``Ξ_i`` standard normal — rank-``R0`` signal
@@ -229,34 +228,6 @@ def _baseline_ajive():
     return mod.ajive
 
 
-def proposed_shared_basis_diagnostics(pairs, p, state) -> dict:
-    """The sync diagnostics of ``sync/moments.py`` in closed form for views on one right factor
-    ``B`` (every call from ``synchronize_moments``): ``V_i − V̄ = (A_i − Ā)Bᵀ`` and, since ``v̄``
-    lies in span(B), ``V_i − v̄ = (A_i − X̄)Bᵀ`` with ``X̄ = v̄ B (BᵀB)⁻¹``; ``‖X Bᵀ‖_F = ‖X L‖_F``
-    for ``BᵀB = L Lᵀ`` (``L = I`` for an orthonormal basis). ``O(K m r)``, no ``K × K`` Gram in
-    float64 and no cancellation in ``G_ii − 2 G_i·p + pᵀGp``. Proposed for moments.py (not ours)."""
-    b = pairs[0][1]
-    btb = b.double().T @ b.double()
-    eye = torch.eye(btb.shape[0], dtype=torch.float64, device=btb.device)
-    chol = None if float((btb - eye).abs().max()) < 1e-6 else torch.linalg.cholesky(btb).to(b.dtype)
-
-    def fro(x: torch.Tensor) -> float:
-        return float((x if chol is None else x @ chol).norm())
-
-    pw = [float(w) for w in p]
-    abar = sum(w * a for w, (a, _) in zip(pw, pairs))
-    mean = fro(abar)
-    before = sum(w * fro(a - abar) for w, (a, _) in zip(pw, pairs)) / mean if mean > 0 else 0.0
-    if state is None:
-        return {"mismatch_before": before, "mismatch_after": before, "removed_fraction": 0.0}
-    xbar = ((state.left @ state.core) @ (state.right.T @ b)).double() @ torch.linalg.inv(btb)
-    xbar = xbar.to(b.dtype)
-    vnorm = fro(xbar)
-    after = sum(w * fro(a - xbar) for w, (a, _) in zip(pw, pairs)) / vnorm if vnorm > 0 else 0.0
-    return {"mismatch_before": before, "mismatch_after": after,
-            "removed_fraction": fro(abar - xbar) / mean if mean > 0 else 0.0}
-
-
 def llama_sync(repeats: int) -> dict:
     """(e): one Llama-2-7B block, the server's AJIVE sync before/after, interleaved."""
     import importlib
@@ -273,7 +244,6 @@ def llama_sync(repeats: int) -> dict:
         moms = [common + 0.3 * torch.rand(r, n, generator=g) for _ in range(k)]
         views = [MomentView(v, "left", (m, n), basis=p) for v in moms]
         w = [1.0 + i for i in range(k)]
-        pw = [x / sum(w) for x in w]
         eye = torch.eye(r)
         fviews = [Factored(v.T, eye, p) for v in moms]  # what synchronize hands AJIVE
         kw = dict(init_signal_ranks=[r] * k, joint_rank=r, compute_individual=False, check_finite=False, seed=11)
@@ -292,8 +262,6 @@ def llama_sync(repeats: int) -> dict:
         if old_ajive is not None:
             variants["ajive_baseline"] = lambda: old_ajive(fviews, **kw)
             variants["sync_baseline"] = lambda: sync_with(old_ajive)
-        state = moments.synchronize(pairs, w, "ajive", seed=11, diagnostics=False).state
-        variants["diagnostics_proposed"] = lambda: proposed_shared_basis_diagnostics(pairs, pw, state)
         out = {name: fn() for name, fn in variants.items()}  # warm-up, and the results compared
         wall = {name: [] for name in variants}
         cpu = {name: [] for name in variants}
@@ -310,9 +278,6 @@ def llama_sync(repeats: int) -> dict:
                "cpu_s_of_min": {kk: cpu[kk][wall[kk].index(min(wall[kk]))] for kk in wall}}
         med = row["median_s"]
         row["diagnostics_current_s"] = med["sync_new"] - med["sync_new_no_diagnostics"]
-        row["sync_with_proposed_diagnostics_s"] = med["sync_new_no_diagnostics"] + med["diagnostics_proposed"]
-        cur = out["sync_new"].diagnostics
-        row["diagnostics_agreement"] = {kk: [cur[kk], out["diagnostics_proposed"][kk]] for kk in ("mismatch_before", "mismatch_after", "removed_fraction")}
         if old_ajive is not None:
             row["speedup_ajive"] = med["ajive_baseline"] / med["ajive_new"]
             row["speedup_sync"] = med["sync_baseline"] / med["sync_new"]
@@ -326,8 +291,7 @@ def llama_sync(repeats: int) -> dict:
               + ", ".join(f"{kk} {v:.3f}s" for kk, v in med.items()), flush=True)
         if old_ajive is not None:
             print(f"   ajive {row['speedup_ajive']:.2f}x faster, sync {row['speedup_sync']:.2f}x; joint rel diff "
-                  f"{row['joint_rel_diff_new_vs_baseline']:.1e}, synced state rel diff {row['synced_state_rel_diff']:.1e}; "
-                  f"sync with the proposed diagnostics {row['sync_with_proposed_diagnostics_s']:.3f}s", flush=True)
+                  f"{row['joint_rel_diff_new_vs_baseline']:.1e}, synced state rel diff {row['synced_state_rel_diff']:.1e}", flush=True)
     return {"baseline_rev": BASELINE_REV if old_ajive is not None else None, "rows": rows}
 
 

@@ -113,8 +113,11 @@ def test_config_field_and_validation():
     assert cfg.train.grad_accum_steps == 32
     with pytest.raises(ConfigError, match="grad_accum_steps=0 must be >= 1"):
         FederatedConfig.from_dict({"train": {"grad_accum_steps": 0}})
-    with pytest.raises(ConfigError, match="local_steps with train.grad_accum_steps"):
-        FederatedConfig.from_dict({"train": {"grad_accum_steps": 4, "local_steps": 10}})
+    # T = train.local_steps counts optimizer steps: the client draws T·k micro-batches
+    from fedgalore.backends.base import Runtime
+
+    both = FederatedConfig.from_dict({"train": {"grad_accum_steps": 4, "local_steps": 10, "batch_size": 2}})
+    assert Runtime._steps_for(100, both.train) == 40
 
 
 def test_llama_pipeline_uses_the_papers_batch():

@@ -228,3 +228,27 @@ def test_seeded_views_sync_on_their_seed_and_match_explicit_basis():
     assert a.state.seed == 123 and a.state.basis is None
     assert _rel(a.state.moment.double(), b.state.moment.double()) < 1e-6
     assert a.diagnostics["mismatch_before"] == pytest.approx(b.diagnostics["mismatch_before"], rel=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["none", "mean", "ajive"])
+@pytest.mark.parametrize("orthonormal", [True, False])
+def test_closed_form_diagnostics_on_a_shared_basis_match_dense(mode, orthonormal):
+    """The shared-basis closed form equals the definitions on dense matrices (also for a shared
+    right factor that is not orthonormal)."""
+    from fedgalore.sync.moments import synchronize
+
+    views = _views(seed=12)
+    b = views[0].basis.T if orthonormal else views[0].basis.T * torch.tensor([1.0, 2.0, 0.5, 3.0], dtype=torch.float64)
+    res = synchronize([(v.moment, b) for v in views], W, mode, joint_rank=2)
+    dense = [v.moment @ b.T for v in views]
+    vbar_mean = sum(pi * d for pi, d in zip(P, dense))
+    before = sum(float(pi * (d - vbar_mean).norm()) for pi, d in zip(P, dense)) / float(vbar_mean.norm())
+    assert res.diagnostics["mismatch_before"] == pytest.approx(before, rel=1e-9)
+    if mode == "none":
+        assert res.diagnostics["mismatch_after"] == res.diagnostics["mismatch_before"]
+        return
+    st = res.state
+    vbar = st.left @ st.core @ st.right.T
+    after = sum(float(pi * (d - vbar).norm()) for pi, d in zip(P, dense)) / float(vbar.norm())
+    assert res.diagnostics["mismatch_after"] == pytest.approx(after, rel=1e-8)
+    assert res.diagnostics["removed_fraction"] == pytest.approx(float((vbar_mean - vbar).norm() / vbar_mean.norm()), rel=1e-7, abs=1e-10)

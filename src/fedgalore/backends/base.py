@@ -101,8 +101,11 @@ class Runtime:
 
     @staticmethod
     def _steps_for(n: int, tc: TrainConfig) -> int:
+        """Micro-batches of a client with ``n`` examples per round: ``T · k`` for ``T`` =
+        ``train.local_steps`` optimizer steps of ``k = train.grad_accum_steps`` micro-batches
+        each, else ``⌈E · n / batch_size⌉`` for ``E`` local epochs."""
         if tc.local_steps is not None:
-            return int(tc.local_steps)
+            return int(tc.local_steps) * max(int(tc.grad_accum_steps), 1)
         return int(math.ceil(float(tc.local_epochs) * n / tc.batch_size)) if n > 0 else 0
 
     def batches(self, client: int, round_idx: int) -> tuple[Callable, int]:

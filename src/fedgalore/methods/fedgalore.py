@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from fedgalore.federated.client import local_train
+from fedgalore.federated.client import local_train, optimizer_steps
 from fedgalore.federated.payload import (
     Dense,
     GaLoreUpdate,
@@ -216,7 +216,7 @@ class FedGaLore(DenseTargetsMethod):
             # the paper's "data-driven early, random later" over the whole federation: refreshes a
             # client would have made in earlier rounds at the nominal local step count (stateless,
             # identical for every client, so from round ⌈S/refreshes per round⌉ on all bases are seeded)
-            per_round = -(-ctx.steps_per_round // int(self.options["update_proj_gap"]))
+            per_round = -(-optimizer_steps(ctx.steps_per_round, tc.grad_accum_steps) // int(self.options["update_proj_gap"]))
             opt.set_global_refresh_offset(ctx.round * per_round)
         if self.synced:
             for n in self.targets:

@@ -60,7 +60,7 @@ from typing import Sequence, Union
 import torch
 
 from fedgalore.federated.payload import Factored, MomentView
-from fedgalore.sync.ajive import ajive, elbow_rank, thin_svd_factored
+from fedgalore.sync.ajive import ajive, all_finite, elbow_rank, thin_svd_factored
 
 __all__ = ["SyncResult", "MODES", "synchronize", "synchronize_moments", "consensus_basis", "frobenius_gram"]
 
@@ -134,6 +134,33 @@ def _signal_rank(a: torch.Tensor, b: torch.Tensor) -> int:
     return max(1, min(elbow_rank(s, 2), c - 1))
 
 
+def _shared_basis_diagnostics(pairs, pw: list[float], state: Factored | None) -> dict[str, float]:
+    """The mismatch diagnostics in closed form for views on one right factor ``B`` (every call
+    from :func:`synchronize_moments`): ``V_i − V̄ = (A_i − Ā) Bᵀ`` and, as ``v̄`` lies in span(B),
+    ``V_i − v̄ = (A_i − X̄) Bᵀ`` with ``X̄ = v̄ B (BᵀB)⁻¹``; ``‖X Bᵀ‖_F = ‖X L‖_F`` for
+    ``BᵀB = L Lᵀ`` (``L = I`` for an orthonormal basis). ``O(K m r)``: no ``K × K`` Gram and no
+    cancellation in ``G_ii − 2 G_i·p + pᵀGp``."""
+    b = pairs[0][1]
+    btb = b.double().T @ b.double()
+    eye = torch.eye(btb.shape[0], dtype=torch.float64, device=btb.device)
+    chol = None if float((btb - eye).abs().max()) < 1e-6 else torch.linalg.cholesky(btb).to(b.dtype)
+
+    def fro(x: torch.Tensor) -> float:
+        return float((x if chol is None else x @ chol).norm())
+
+    abar = sum(w * a for w, (a, _) in zip(pw, pairs))
+    mean = fro(abar)
+    before = _ratio(sum(w * fro(a - abar) for w, (a, _) in zip(pw, pairs)), mean)
+    if state is None:
+        return {"mismatch_before": before, "mismatch_after": before, "removed_fraction": 0.0}
+    xbar = (((state.left @ state.core) @ (state.right.T @ b)).double() @ torch.linalg.inv(btb)).to(b.dtype)
+    return {
+        "mismatch_before": before,
+        "mismatch_after": _ratio(sum(w * fro(a - xbar) for w, (a, _) in zip(pw, pairs)), fro(xbar)),
+        "removed_fraction": _ratio(fro(abar - xbar), mean),
+    }
+
+
 def _ratio(num: float, den: float) -> float:
     return 0.0 if den <= 0.0 else num / den
 
@@ -169,7 +196,7 @@ def synchronize(
     for i, (a, b) in enumerate(pairs):
         if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
             raise ValueError(f"view {i}: factors must be (m × r) and (d × r)")
-        if not (bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())):
+        if not (all_finite(a) and (b is pairs[0][1] and i > 0 or all_finite(b))):
             raise ValueError(f"view {i} contains NaN or Inf")
     m, d = pairs[0][0].shape[0], pairs[0][1].shape[0]
     if any(a.shape[0] != m or b.shape[0] != d for a, b in pairs):
@@ -221,7 +248,9 @@ def synchronize(
 
     diag: dict[str, float] = {"n_views": float(len(pairs)), "joint_rank": jr}
     diag["state_rank"] = float(state.core.shape[0]) if state is not None else 0.0
-    if diagnostics:
+    if diagnostics and shared:
+        diag.update(_shared_basis_diagnostics(pairs, pw, state))
+    elif diagnostics:
         g = frobenius_gram(pairs, shared_right=shared).cpu()
         pv = p.to(g.dtype)
         gp = g @ pv
