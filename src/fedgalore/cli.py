@@ -1,4 +1,4 @@
-"""The ``fedgalore`` command: run, compare, report, bench, repro, methods, tasks.
+"""The ``fedgalore`` command: run, compare, plan, report, bench, repro, methods, tasks.
 
 See ``docs/cli.md`` for every command with examples. User errors (unknown method / task / config
 key, a value of the wrong type or out of range, a missing file or asset) print one line on
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -159,22 +160,59 @@ def _fmt_metrics(final: dict[str, Any]) -> str:
     return " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in final.items())
 
 
+def _resume_rounds(overrides: Sequence[str]) -> int | None:
+    """``federation.rounds=N`` is the one override ``--resume`` takes (extending a run)."""
+    from fedgalore.federated.config import ConfigError
+
+    rounds = None
+    for ov in overrides:
+        key, _, value = ov.partition("=")
+        if key.strip() != "federation.rounds":
+            raise ConfigError(f"--resume continues a run with its saved config.yaml; the only override it takes is "
+                              f"federation.rounds=N (to extend the run); drop {ov!r}")
+        try:
+            rounds = int(value)
+        except ValueError:
+            raise ConfigError(f"federation.rounds must be an integer, got {value!r}") from None
+    return rounds
+
+
+def _saved_task(run_dir: Path) -> str:
+    from omegaconf import OmegaConf
+
+    try:
+        return str(OmegaConf.load(run_dir / "config.yaml").task.name)
+    except Exception:  # noqa: BLE001 - the resume itself reports an unreadable config
+        return ""
+
+
+def _hub_note(task: str) -> None:
+    """Offline unless the task needs the hub and it answers (fedgalore.hub); say so when it does not."""
+    from fedgalore.hub import prepare_hub
+
+    note = prepare_hub(task)
+    if note:
+        print(f"fedgalore: {note}", file=sys.stderr, flush=True)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from fedgalore.federated.config import ConfigError
     from fedgalore.federated.server import resume, run
 
     if args.resume is not None:
-        if args.overrides:
-            raise ConfigError(f"--resume continues a run with its saved config.yaml; drop the overrides ({args.overrides[0]} ...)")
         run_dir = Path(args.resume)
         if not run_dir.is_dir():
             raise ConfigError(f"--resume {str(run_dir)!r}: no such run directory")
+        rounds = _resume_rounds(args.overrides)
+        if (run_dir / "config.yaml").is_file():
+            _hub_note(_saved_task(run_dir))
         progress = _progress(args.progress, None)
-        result = resume(run_dir, progress=progress)
+        result = resume(run_dir, progress=progress, rounds=rounds)
     else:
         if args.config is None:
             raise ConfigError("fedgalore run needs --config conf/pipeline/<name>.yaml (or --resume RUN_DIR)")
         cfg, _ = _load_config(args.config, args.overrides)
+        _hub_note(cfg.task.name)
         result = run(cfg, progress=_progress(args.progress, cfg))
     s = result.summary
     print(f"final ({s.get('rounds_completed')}/{s.get('rounds')} rounds, {s.get('status')}): {_fmt_metrics(s.get('final') or {})}")
@@ -195,6 +233,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError("fedgalore compare needs --methods (e.g. --methods fedgalore,fedavg_full) or compare.methods in the config")
     if not settings:
         settings = [cfg.setting_label()]
+    _hub_note(cfg.task.name)
     options = _check_method_options(section.get("method_options"), "compare.method_options")
     if args.method_options:
         for label, opts in _read_method_options(args.method_options).items():
@@ -217,6 +256,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if not quiet and not args.no_report and (out / "table.md").is_file():
         print((out / "table.md").read_text().split("### Runs")[0].rstrip())
     print(f"comparison dir: {out}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from fedgalore.plan import format_plan, make_plan
+
+    cfg, section = _load_config(args.config, args.overrides)
+    methods = _split_list(args.methods if args.methods is not None else section.get("methods"), "--methods") or [cfg.method.name]
+    options = _check_method_options(section.get("method_options"), "compare.method_options")
+    plan = make_plan(cfg, methods, options, train_examples=args.train_examples)
+    print(format_plan(plan, accelerator_gib=args.accelerator_gib, host_gib=args.host_gib), end="")
+    if args.json:
+        Path(args.json).write_text(json.dumps(plan, indent=1, default=str))
+        print(f"plan written to {args.json}")
     return 0
 
 
@@ -323,10 +376,12 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
-    from fedgalore.tasks import TASKS
+    from fedgalore.tasks import TASK_NEEDS, TASKS
 
+    print(f"{'task':<21} {'needs':<88} class")
     for name in sorted(TASKS):
-        print(f"{name:<22} {TASKS[name]}")
+        print(f"{name:<21} {TASK_NEEDS.get(name, '?'):<88} {TASKS[name]}")
+    print("offline assets: installed by `make setup`; hub tasks also run offline from local paths (see their task.options)")
     return 0
 
 
@@ -362,6 +417,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--shard", metavar="I/N", help="run only cells I, I+N, ... (start N workers on one --out; the last writes the report)")
     c.set_defaults(func=cmd_compare)
 
+    pl = sub.add_parser("plan", parents=[common], help="bytes per round per method and peak memory, without training")
+    pl.add_argument("--config", required=True, help="pipeline YAML (conf/pipeline/<name>.yaml)")
+    pl.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.batch_size=4")
+    pl.add_argument("--methods", help="comma-separated methods (default: compare.methods of the config, else method.name)")
+    pl.add_argument("--train-examples", type=int, help="training-set size when the data is not available here")
+    pl.add_argument("--accelerator-gib", type=float, default=78.0, help="usable accelerator memory (default 78: an 80 GB GPU)")
+    pl.add_argument("--host-gib", type=float, default=120.0, help="usable host RAM (default 120: a 128 GB machine)")
+    pl.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
+    pl.set_defaults(func=cmd_plan)
+
     rp = sub.add_parser("report", parents=[common], help="tables and plots for a run or comparison directory")
     rp.add_argument("path", metavar="RUN_DIR_OR_COMPARISON_DIR")
     rp.add_argument("--out", help="where to write (default: the directory itself)")
@@ -387,19 +452,49 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _OwnHandlerFilter(logging.Filter):
+    """Drops records of libraries that already print them through their own handler
+    (huggingface_hub, datasets), which would otherwise appear twice."""
+
+    OWN = ("huggingface_hub", "datasets")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.name.split(".", 1)[0] not in self.OWN
+
+
+def _continue_hint(args: argparse.Namespace, run_dir: Any) -> str:
+    """How to continue after Ctrl-C, naming the interrupted run directory."""
+    if getattr(args, "command", None) == "compare":
+        where = f" ({run_dir} resumes from its last checkpoint)" if run_dir else ""
+        return f"continue the comparison by running the same fedgalore compare command again{where}"
+    if run_dir is not None:
+        return f"continue with: fedgalore run --resume {run_dir}"
+    return "nothing was run yet"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        # key=value overrides may come before and after options (`compare --config X a=1 --methods M b=2`);
+        # argparse takes only the first group as the positional list, the rest arrive here
+        if extra and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in extra):
+            args.overrides = list(args.overrides or []) + extra
+        elif extra:
+            parser.parse_args(argv)  # the usual usage error
     except SystemExit as exc:  # argparse: --help (0) or a usage error (2)
         return int(exc.code or 0)
     debug = bool(getattr(args, "debug", False)) or "--debug" in argv
     logging.basicConfig(level=logging.DEBUG if debug else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # libraries that print through their own handler: once
+        handler.addFilter(_OwnHandlerFilter())
+    if not debug:  # deprecation notices between transformers and peft are not the user's to fix
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)(\.|$)")
     try:
         return args.func(args)
-    except KeyboardInterrupt:
-        print("fedgalore: interrupted (a run continues with: fedgalore run --resume RUN_DIR)", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"fedgalore: interrupted; {_continue_hint(args, getattr(exc, 'run_dir', None))}", file=sys.stderr)
         return 130
     except _user_errors() as exc:
         if debug:

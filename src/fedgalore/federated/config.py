@@ -148,6 +148,10 @@ class FederatedConfig:
         _check(t.lr > 0 and math.isfinite(t.lr), f"train.lr={t.lr} must be a positive number")
         _check(t.batch_size >= 1, "train.batch_size must be >= 1")
         _check(
+            t.grad_accum_steps >= 1,
+            f"train.grad_accum_steps={t.grad_accum_steps} must be >= 1 (micro-batches of train.batch_size per optimizer step; 1 = none)",
+        )
+        _check(
             t.local_steps is not None or (t.local_epochs is not None and t.local_epochs > 0),
             "set train.local_epochs (E > 0) or train.local_steps (T >= 1)",
         )
@@ -219,6 +223,8 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         return _coerce(inner[0], value, path) if len(inner) == 1 else value
     if origin is dict:
+        if value is None:  # `method.options=null` clears the mapping
+            return {}
         if not isinstance(value, dict):
             raise ConfigError(f"{path} must be a mapping, got {value!r}")
         return dict(value)
@@ -266,7 +272,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         if "=" not in ov:
             raise ConfigError(f"override {ov!r} must look like key=value (e.g. federation.rounds=5)")
     try:
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        merged = base
+        for ov in overrides:  # in order; `key={}` / `key=null` on a mapping empties it (a merge would keep its keys)
+            key, value = (x.strip() for x in ov.split("=", 1))
+            if value in ("{}", "null", "~") and OmegaConf.is_dict(OmegaConf.select(merged, key, default=None)):
+                OmegaConf.update(merged, key, {}, merge=False)
+            else:
+                merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([ov]))
         data = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"bad override or interpolation: {str(exc).splitlines()[0]}") from None
