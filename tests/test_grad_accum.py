@@ -127,3 +127,30 @@ def test_llama_pipeline_uses_the_papers_batch():
     cfg, _ = _load_config("conf/pipeline/metamath_llama2.yaml", [])
     assert (cfg.train.batch_size, cfg.train.grad_accum_steps) == (2, 32)
     assert cfg.train.lr == 1e-4 and cfg.train.warmup_ratio == 0.03 and cfg.federation.rounds == 20
+
+
+def test_causal_lm_loss_items_are_the_tokens_its_mean_runs_over():
+    """CausalLMTask.loss_items counts the shifted response tokens, so weighting micro-batch losses
+    by it reproduces the loss of the whole batch (HF's token-mean causal LM loss)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fedgalore.tasks.causal_lm import CausalLMTask
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)).eval()
+    ids = torch.randint(0, 50, (2, 12))
+    labels = ids.clone()
+    labels[0, :9] = -100  # short response
+    labels[1, :3] = -100  # long response
+    mask = torch.ones_like(ids)
+
+    def loss(rows):
+        b = {"input_ids": ids[rows], "attention_mask": mask[rows], "labels": labels[rows]}
+        return float(model(**b).loss), CausalLMTask.loss_items(None, b)
+
+    full, n = loss([0, 1])
+    (l0, n0), (l1, n1) = loss([0]), loss([1])
+    assert (n0, n1, n) == (3, 9, 12)
+    assert full == pytest.approx((l0 * n0 + l1 * n1) / (n0 + n1), rel=1e-5)
+    assert full != pytest.approx((l0 + l1) / 2, rel=1e-3)  # row weighting would be wrong

@@ -1,4 +1,4 @@
-"""Per-round diagnostics of the paper's two mismatches (DESIGN.md §3.3).
+"""Per-round diagnostics of the paper's two mismatches (docs/design.md §3.3).
 
 * Update-space mismatch (paper §4.1): the Eckart–Young distance of the aggregated update to the
   rank-r set, dist_F(ΔW̄, M_{≤r}) = (Σ_{j>r} σ_j(ΔW̄)²)^{1/2}, reported relative to ‖ΔW̄‖_F

@@ -1,7 +1,7 @@
 """Typed payloads for client uploads and server broadcasts, their wire format, and the ledger.
 
 Every message that crosses the client/server boundary is a :class:`Payload`: named entries of
-explicit types (DESIGN.md §2 "Payloads are explicit types") plus JSON metadata. The wire format
+explicit types (docs/design.md §2 "Payloads are explicit types") plus JSON metadata. The wire format
 is a single safetensors blob whose header metadata holds the JSON description of the entries, so
 nothing is ever pickled. Communication is counted from the serialised bytes (:class:`Ledger`),
 never estimated.
@@ -20,7 +20,7 @@ Entry types and the matrix each one stands for:
   matrix, or an integer seed when it is a seeded basis), with the prior weight of each
   coordinate; its full-space view is ``V = v @ P`` (right) or ``P @ v`` (left) (paper eq.
   "matrix view", §5). Clients upload one per GaLore matrix; the server's synchronised state
-  ``v̄`` is one too (DESIGN §3.2).
+  ``v̄`` is one too (docs/design.md §3.2).
 * :class:`Factored` — ``X = left @ core @ right.T`` (AJIVE's factored views).
 
 The wire format stores a tensor that several entries share (the same tensor object, e.g. a

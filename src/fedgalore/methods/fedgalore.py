@@ -12,7 +12,7 @@ in coefficient space first, (Σ_i p̃_i U_iq) P_q, so the aggregate stays factor
 S: AJIVE (or mean) on the views V_i = ṽ_i Bᵀ over one shared basis B, v̄_{k+1} = Σ_i p̃_i (μ_i +
 J_i) kept as coordinates on B (:func:`fedgalore.sync.synchronize_moments`, lines 12–14).
 
-Two protocols for the second moment (method option ``moment_protocol``; DESIGN §3.1–3.2):
+Two protocols for the second moment (method option ``moment_protocol``; docs/design.md §3.1–3.2):
 
 * ``paper`` — Algorithm 1 as written. B = R_k, the round's seeded basis
   (``GaLoreAdamW.view_seed``: seed s_k and the parameter only), identical for every client: a
@@ -230,7 +230,7 @@ class FedGaLore(DenseTargetsMethod):
         updates = opt.export_update()
         entries: dict[str, Any] = dict(updates)
         for n in self.heads:
-            entries[n] = Dense(params[n].detach().float() - start[n].float())
+            entries[n] = Dense(params[n].detach().float().cpu() - start[n].float())
         meta: dict[str, Any] = {"num_examples": ctx.num_examples, **stats}
         if self.synced:
             seeded = self.options["view_basis"] == "seeded"

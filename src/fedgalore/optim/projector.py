@@ -47,7 +47,7 @@ def derive_seed(round_seed: int, param_key: str, refresh_index: int) -> int:
     """Stable seed for the basis of parameter ``param_key`` at refresh ``refresh_index``.
 
     ``seed = int64(SHA-256("fedgalore|round_seed|param_key|refresh_index")[:8]) mod 2^63``
-    (DESIGN §3.1 "Seeds"; paper Alg. 1, projection seed ``s_k``). Uses :mod:`hashlib`, not
+    (docs/design.md §3.1 "Seeds"; paper Alg. 1, projection seed ``s_k``). Uses :mod:`hashlib`, not
     Python's salted ``hash()``, so every process and machine derives the same integer.
     Result lies in ``[0, 2**63)``.
     """
@@ -156,7 +156,7 @@ def rsvd_basis(
 
 
 def change_of_basis(p_old: torch.Tensor, p_new: torch.Tensor, side: str) -> torch.Tensor:
-    """``C (r_old x r_new)`` mapping old projected coordinates to new ones (DESIGN §3.1).
+    """``C (r_old x r_new)`` mapping old projected coordinates to new ones (docs/design.md §3.1).
 
     Right: ``C = P_old P_new^T`` and ``M_new = M_old C``. Left: ``C = P_new^T P_old`` and
     ``M_new = C M_old``. Exact for the component of ``M`` lifted to the full space that lies in

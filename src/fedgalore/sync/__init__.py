@@ -1,4 +1,4 @@
-"""Server-side optimizer-state synchronisation ``S`` (paper §5; DESIGN §3.2).
+"""Server-side optimizer-state synchronisation ``S`` (paper §5; docs/design.md §3.2).
 
 :func:`ajive` — AJIVE on dense or factored views; :func:`synchronize_moments` — the server's
 second-moment sync (``none | mean | mean_svd | ajive``) on client :class:`MomentView` uploads.

@@ -1,4 +1,4 @@
-"""Server-side second-moment synchronisation ``S`` (paper §5, Algorithm 1 lines 12–14; DESIGN §3.2).
+"""Server-side second-moment synchronisation ``S`` (paper §5, Algorithm 1 lines 12–14; docs/design.md §3.2).
 
 Client ``i`` uploads its projected second moment as a :class:`MomentView`: coordinates ``v_i``
 (an estimate of ``E[g̃²]``) on a basis ``P_i`` and, optionally, their prior weights ``c_i``. Its

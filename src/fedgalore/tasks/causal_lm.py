@@ -359,6 +359,11 @@ class CausalLMTask(Task):
         """Mean token cross-entropy over the response positions (labels ≠ −100)."""
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
 
+    def loss_items(self, batch: dict[str, torch.Tensor]) -> int:
+        """Terms :meth:`loss` averages over: the predicted response tokens (labels shifted by one,
+        ≠ −100), so gradient accumulation weights micro-batches by tokens (train.grad_accum_steps)."""
+        return int((batch["labels"][:, 1:] != -100).sum())
+
     @torch.no_grad()
     def generate(self, model: nn.Module, prompts: Sequence[str], max_new_tokens: int | None = None) -> list[str]:
         """Greedy continuations of ``prompts`` (left-padded batch); returns the new text only."""
