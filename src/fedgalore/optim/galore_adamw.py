@@ -164,6 +164,135 @@ def _record_norm(coefs: list[torch.Tensor], bases: list[torch.Tensor], side: str
     return math.sqrt(max(total, 0.0))
 
 
+# ------------------------------------------------------------------ step kernels
+# A normal (non-refresh) GaLore step streams G once (the projection) and W once (read + write:
+# decay and back-projection); everything else is m x r (benchmarks/RESULTS.md §1 counts it).
+
+#: Projections of at least this many entries go through oneDNN on CPU (when it passes the probe).
+ONEDNN_MIN_NUMEL = 1 << 16
+#: Decay + back-projection run in row blocks of about this many bytes (one L2's worth), so the
+#: GEMM updates rows the decay pass has just brought into cache; 0 turns the blocking off.
+BLOCK_BYTES = 1 << 20
+_KERNELS: dict[Any, Any] = {}
+
+
+def _onednn_project(op: Callable[..., torch.Tensor], g: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
+    """``G P^T`` (right) / ``P^T G`` (left) with oneDNN's fp32 ``linear(X, W) = X W^T``."""
+    if side == "right":
+        return op(g, basis, None, "none", [], "")
+    return op(basis.T, g.T, None, "none", [], "")
+
+
+def _propagates_nonfinite(fn: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor], device: torch.device) -> bool:
+    """Whether ``fn(G, P, side)`` turns every NaN/Inf entry of ``G`` into a non-finite projection,
+    also where the basis entries it multiplies are exactly 0 (IEEE: ``NaN·0 = Inf·0 = NaN``; a
+    kernel that skips zero multiplicands would not). Probed at two sizes, both sides."""
+    for m, n, r in ((24, 16, 3), (384, 256, 8)):
+        for side in SIDES:
+            d = n if side == "right" else m
+            eye = torch.eye(d, r, device=device)  # zero rows beyond r: a "blind" part of the basis
+            basis = eye.T.contiguous() if side == "right" else eye.contiguous()
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                g = torch.ones(m, n, device=device)
+                g[m - 1, n - 1] = bad  # multiplied only by zeros of the basis
+                if bool(torch.isfinite(fn(g, basis, side)).all()):
+                    return False
+    return True
+
+
+def _onednn_linear() -> Optional[Callable[..., torch.Tensor]]:
+    """``torch.ops.mkldnn._linear_pointwise`` when it computes ``X W^T`` to fp32 rounding and
+    propagates non-finite entries (checked once per process), else ``None``."""
+    if "onednn" not in _KERNELS:
+        op = None
+        try:
+            cand = torch.ops.mkldnn._linear_pointwise.default
+            if torch.backends.mkldnn.is_available():
+                gen = torch.Generator().manual_seed(0)
+                g = torch.randn(96, 80, generator=gen)
+                ok = _propagates_nonfinite(lambda x, b, s: _onednn_project(cand, x, b, s), torch.device("cpu"))
+                for side, basis in (("right", torch.randn(5, 80, generator=gen)), ("left", torch.randn(96, 5, generator=gen))):
+                    ok = ok and torch.allclose(_onednn_project(cand, g, basis, side), project(g, basis, side), rtol=1e-5, atol=1e-5)
+                op = cand if ok else None
+        except Exception:  # op missing or failing in this torch build: plain matmul
+            op = None
+        _KERNELS["onednn"] = op
+    return _KERNELS["onednn"]
+
+
+def _matmul_propagates(device: torch.device) -> bool:
+    """Whether ``torch.matmul`` on ``device`` propagates non-finite entries (probed once per type)."""
+    key = ("matmul", device.type)
+    if key not in _KERNELS:
+        _KERNELS[key] = _propagates_nonfinite(project, device)
+    return _KERNELS[key]
+
+
+def _project_step(g: torch.Tensor, basis: torch.Tensor, side: str) -> tuple[torch.Tensor, bool]:
+    """``R = project(G, P, side)`` and whether a finite ``R`` proves ``G`` finite (the kernel used
+    propagates NaN/Inf, see :func:`_propagates_nonfinite`).
+
+    On CPU, fp32 projections of at least :data:`ONEDNN_MIN_NUMEL` entries use oneDNN: for the
+    skinny rank-r shapes MKL's sgemm runs ~1.5x slower (benchmarks/RESULTS.md §1).
+    """
+    if (
+        g.device.type == "cpu" and g.dtype == torch.float32 and basis.dtype == torch.float32
+        and g.numel() >= ONEDNN_MIN_NUMEL and g.is_contiguous() and basis.is_contiguous()
+    ):
+        op = _onednn_linear()
+        if op is not None:
+            return _onednn_project(op, g, basis, side), True
+    return project(g, basis, side), _matmul_propagates(g.device)
+
+
+def _decay_back_project(w: torch.Tensor, u: torch.Tensor, basis: Optional[torch.Tensor], side: str, decay: float, coef: float) -> None:
+    """``W <- decay W + coef U P`` (right) / ``decay W + coef P U`` (left) / ``decay W + coef U``
+    (identity, ``basis is None``), in place: one read and one write of ``W``.
+
+    torch order (decay first, then the update), as :meth:`GaLoreAdamW._galore_step` documents.
+    ``addmm_``'s ``beta`` would fold the decay into the GEMM, but MKL scales ``C`` in a separate
+    pass and measured slower than ``mul_`` + ``addmm_`` (benchmarks/RESULTS.md §1); instead, on
+    CPU, the two run per row block of :data:`BLOCK_BYTES`, so the GEMM finds its rows in cache.
+    """
+    if basis is None:
+        if decay != 1.0:
+            w.mul_(decay)
+        w.add_(u, alpha=coef)
+        return
+    a, b = (u, basis) if side == "right" else (basis, u)  # W += coef a @ b; rows of W are rows of a
+    if decay == 1.0:
+        w.addmm_(a, b, alpha=coef)
+        return
+    m = w.shape[0]
+    rows = m if BLOCK_BYTES <= 0 or w.device.type != "cpu" else max(1, BLOCK_BYTES // max(1, w.shape[1] * w.element_size()))
+    if rows >= m:
+        w.mul_(decay)
+        w.addmm_(a, b, alpha=coef)
+        return
+    for blk, a_blk in zip(w.split(rows), a.split(rows)):
+        blk.mul_(decay)
+        blk.addmm_(a_blk, b, alpha=coef)
+
+
+def _fusable(p: torch.Tensor, group: dict[str, Any]) -> bool:
+    """A plain-group parameter that :meth:`GaLoreAdamW._adamw_fused` steps: torch convention,
+    fp32, dense and contiguous, on CPU (torch's fused AdamW kernel; other devices and dtypes take
+    :meth:`GaLoreAdamW._adamw_step`)."""
+    g = p.grad
+    return (
+        not group["galore_torch_compat"] and p.device.type == "cpu" and p.dtype == torch.float32
+        and g.dtype == torch.float32 and p.is_contiguous() and g.is_contiguous() and _HAS_FUSED_ADAMW
+    )
+
+
+try:  # torch's functional AdamW; fused=True runs one kernel per (device, dtype) group
+    from torch.optim.adamw import adamw as _torch_adamw
+
+    _HAS_FUSED_ADAMW = hasattr(torch, "_fused_adamw_")
+except ImportError:  # pragma: no cover - older torch
+    _torch_adamw, _HAS_FUSED_ADAMW = None, False
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -438,16 +567,24 @@ class GaLoreAdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"GaLoreAdamW does not support sparse gradients ({self._names[p]!r})")
-                state = self._init_state(p, group)
-                if "rank" in group:
-                    self._galore_step(p, group, state)
-                else:
-                    self._adamw_step(p, group, state)
+            batch: list[tuple[torch.Tensor, dict[str, Any]]] = []  # plain parameters for one fused kernel
+            try:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if p.grad.is_sparse:
+                        raise RuntimeError(f"GaLoreAdamW does not support sparse gradients ({self._names[p]!r})")
+                    state = self._init_state(p, group)
+                    if "rank" in group:
+                        self._galore_step(p, group, state)
+                    elif _fusable(p, group):
+                        if not self._nonfinite(p, group, state, p.grad):
+                            batch.append((p, state))
+                    else:
+                        self._adamw_step(p, group, state)
+            finally:  # also when a later parameter raises: the ones before it have stepped, as unbatched
+                if batch:
+                    self._adamw_fused(group, batch)
         return loss
 
     def _nonfinite(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], x: torch.Tensor) -> bool:
@@ -456,12 +593,29 @@ class GaLoreAdamW(Optimizer):
         Fast path: a finite sum proves every entry finite (NaN/Inf propagate through a sum); only
         a non-finite sum (possibly an fp32 overflow of finite entries) triggers the full check.
         """
-        if bool(torch.isfinite(x.sum())) or bool(torch.isfinite(x).all()):
+        if math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all()):
             return False
         if group["nonfinite"] == "raise":
             raise FloatingPointError(f"non-finite gradient for parameter {self._names[p]!r} at step {state['step']}")
         state["skipped"] += 1
         return True
+
+    def _adamw_fused(self, group: dict[str, Any], items: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+        """Plain AdamW, torch convention, for the group's :func:`_fusable` parameters (already
+        checked finite) in one call of torch's fused kernel (``torch.optim.adamw.adamw(fused=True)``):
+        one read of ``p, g, m, v`` and one write of ``p, m, v`` per element, against about 20 passes
+        for :meth:`_adamw_step`'s separate ops (9x faster on a 50265 x 768 embedding). Same rule
+        as :meth:`_adamw_step` to fp32 rounding."""
+        b1, b2 = group["betas"]
+        steps = [torch.tensor(float(state["step"]), dtype=torch.float32) for _, state in items]  # the kernel adds 1
+        _torch_adamw(
+            [p for p, _ in items], [p.grad for p, _ in items],
+            [state["exp_avg"] for _, state in items], [state["exp_avg_sq"] for _, state in items], [], steps,
+            fused=True, amsgrad=False, beta1=b1, beta2=b2, lr=float(group["lr"]),
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )
+        for _, state in items:
+            state["step"] += 1
 
     def _adamw_step(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
         """Plain AdamW (torch convention; HF/official convention under compat)."""
@@ -492,17 +646,41 @@ class GaLoreAdamW(Optimizer):
         p.addcdiv_(m, denom, value=-lr / (1.0 - b1**t))
 
     def _galore_step(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        """One step of the module docstring's rule for a GaLore parameter.
+
+        Passes over ``m x n`` data in a normal (non-refresh) step of an fp32 parameter: ``G`` is
+        read once (the projection ``R``), ``W`` is read and written once (decay and
+        back-projection, :func:`_decay_back_project`); the non-finite check, the moments, the
+        shadow cold moment and the update record touch ``m x r`` / ``r x n`` tensors only. A
+        refresh step adds one finite-sum pass over ``G`` and the basis computation; bf16
+        parameters add the fp32 casts of ``G`` and ``W`` and the copy back.
+
+        Non-finite gradients (policy ``nonfinite``): a refresh step checks ``G`` itself, every
+        step checks ``R``. Under IEEE arithmetic a NaN/Inf entry of ``G`` makes its whole row
+        (right) / column (left) of ``R`` non-finite, whatever the basis entries it meets
+        (``NaN·0 = Inf·0 = NaN``); the projection kernel in use is probed for that once per
+        process (:func:`_propagates_nonfinite`), and a kernel that fails the probe gets ``G``
+        checked on every step. A finite ``G`` whose projection overflows fp32 also counts as
+        non-finite.
+        """
         g = p.grad
         g32 = g if g.dtype == torch.float32 else g.float()
         side = SIDES[state["side"]]
         identity = group["projector"] == "identity"
         compat = group["galore_torch_compat"]
+        checked = identity  # identity: R is G itself
         if not identity and (state["step"] % group["update_proj_gap"] == 0 or "basis" not in state):
             if self._nonfinite(p, group, state, g32):
                 return
             self._refresh(p, group, state, g32)
-        basis = None if identity else state["basis"]
-        r = g32 if identity else project(g32, basis, side)
+            checked = True
+        if identity:
+            basis, r = None, g32
+        else:
+            basis = state["basis"]
+            r, propagates = _project_step(g32, basis, side)
+            if not (propagates or checked) and self._nonfinite(p, group, state, g32):
+                return
         if self._nonfinite(p, group, state, r):
             return
         lr, wd, eps, scale = float(group["lr"]), group["weight_decay"], group["eps"], group["scale"]
@@ -535,35 +713,29 @@ class GaLoreAdamW(Optimizer):
             return
         m.lerp_(r, 1.0 - b1)
         v.mul_(b2).addcmul_(r, r, value=1.0 - b2)
+        coef = -lr / (1.0 - b1**t) * scale
         if "v_weight" in state:
             w8 = state["v_weight"]
             w8.mul_(b2).add_(1.0 - b2)
-            denom = (v / w8).sqrt_().add_(eps)
-        elif state["v_warm"]:
-            denom = v.sqrt().add_(eps)
+            u, coef_u = m / (v / w8).sqrt_().add_(eps), coef
         else:
-            denom = (v.sqrt() / math.sqrt(1.0 - b2 ** state["v_step"])).add_(eps)
-        u = m / denom
-        u_cold = None
+            # M / (sqrt(V) / c2 + eps) = c2 M / (sqrt(V) + c2 eps): the factor c2 joins the coefficient
+            c2 = 1.0 if state["v_warm"] else math.sqrt(1.0 - b2 ** state["v_step"])
+            u, coef_u = m / v.sqrt().add_(eps * c2), coef * c2
+        cold = None
         if "cold_v" in state:
             cv = state["cold_v"]
             cv.mul_(b2).addcmul_(r, r, value=1.0 - b2)
             state["cold_step"] += 1
-            u_cold = m / (cv.sqrt() / math.sqrt(1.0 - b2 ** state["cold_step"])).add_(eps)
-        coef = -lr / (1.0 - b1**t) * scale
+            if state["rec_on"] and "rec_cold" in state:  # U_cold only feeds the record
+                cc = math.sqrt(1.0 - b2 ** state["cold_step"])
+                cold = (m, cv.sqrt().add_(eps * cc), coef * cc)
         w = p if p.dtype == torch.float32 else p.float()
-        if decay != 1.0:  # a separate pass is faster than addmm's beta on CPU (benchmarks/optimizer_step.py)
-            w.mul_(decay)
-        if identity:
-            w.add_(u, alpha=coef)
-        elif side == "right":
-            w.addmm_(u, basis, alpha=coef)
-        else:
-            w.addmm_(basis, u, alpha=coef)
+        _decay_back_project(w, u, basis, side, decay, coef_u)
         if w is not p:
             p.copy_(w)
         if state["rec_on"]:
-            self._record(state, u, coef, decay, after=False, u_cold=u_cold)
+            self._record(state, u, coef_u, decay, after=False, cold=cold)
 
     # ------------------------------------------------------------------ update record
     def _open_term(self, state: dict[str, Any]) -> None:
@@ -587,14 +759,15 @@ class GaLoreAdamW(Optimizer):
 
     def _record(
         self, state: dict[str, Any], u: torch.Tensor, alpha: float, decay: float, after: bool,
-        u_cold: Optional[torch.Tensor] = None,
+        cold: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
     ) -> None:
         """Keep ``ΔW = (a_t - 1) W0 + Σ_q f_q C_q P_q`` exact under decay ``d_t = 1 - lr_t wd``.
 
         torch order (decay, then update): ``C <- d C + alpha U``; compat order (update, then
         decay): ``C <- d (C + alpha U)``. Every step ``a <- d a`` and each closed term's factor
-        ``f_q <- d f_q``. With ``track_cold`` the shadow coefficients follow the same rule with the
-        cold-start direction ``U_cold``.
+        ``f_q <- d f_q``. With ``track_cold`` the shadow coefficients follow the torch-order rule
+        with the cold-start direction ``U_cold = M / D_cold``, given as ``cold = (M, D_cold,
+        alpha_cold)`` (one fused ``addcdiv_``, no ``U_cold`` tensor).
         """
         c = state["rec_coef"]
         if after:
@@ -605,11 +778,11 @@ class GaLoreAdamW(Optimizer):
             if decay != 1.0:
                 c.mul_(decay)
             c.add_(u, alpha=alpha)
-        if u_cold is not None and "rec_cold" in state:
+        if cold is not None and "rec_cold" in state:
             cc = state["rec_cold"]
             if decay != 1.0:
                 cc.mul_(decay)
-            cc.add_(u_cold, alpha=alpha)
+            cc.addcdiv_(cold[0], cold[1], value=cold[2])
         state["rec_n"] += 1
         if decay != 1.0:
             state["rec_A"] *= decay
