@@ -13,7 +13,7 @@ from fedgalore.optim import galore_adamw as ga
 from fedgalore.optim.projector import project
 
 LR, WD, B1, B2, EPS, SCALE = 1e-2, 0.1, 0.9, 0.999, 1e-8, 0.5
-#: (m, n): right side (m >= n) and left side, both above ONEDNN_MIN_NUMEL
+#: (m, n): right side (m >= n) and left side; the ``kernels`` fixture picks the kernels whatever the size
 SHAPES = {"right": (384, 256), "left": (256, 640)}
 
 
@@ -74,6 +74,34 @@ def test_step_matches_float64_reference(kernels, side, wd):
     assert _rel(p.detach().double() - w0, w - w0) < 1e-5
     assert _rel(opt.state[p]["exp_avg"].double(), m) < 1e-5
     assert _rel(opt.state[p]["exp_avg_sq"].double(), v) < 1e-5
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_compat_step_matches_float64_reference(kernels, side):
+    """galore_torch_compat: update, then decay (folded into one decay + back-projection pass)."""
+    shape = SHAPES[side]
+    p = _param(shape)
+    group = {"params": [("w", p)], "rank": 8, "update_proj_gap": 10**6, "scale": SCALE, "projector": "random"}
+    opt = GaLoreAdamW([group], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, galore_torch_compat=True)
+    opt.mark()
+    w = p.detach().double().clone()
+    w0 = w.clone()
+    m = v = None
+    for t in range(1, 7):
+        p.grad = _grad(shape, t)
+        opt.step()
+        basis = opt.state[p]["basis"].double()
+        g = p.grad.double()
+        r = g @ basis.T if side == "right" else basis.T @ g
+        m = (1 - B1) * r if m is None else B1 * m + (1 - B1) * r
+        v = (1 - B2) * r * r if v is None else B2 * v + (1 - B2) * r * r
+        u = m / (v.sqrt() + EPS)
+        step = LR * math.sqrt(1 - B2**t) / (1 - B1**t)
+        full = u @ basis if side == "right" else basis @ u
+        w = (w - step * SCALE * full) * (1 - LR * WD)
+    assert _rel(p.detach().double() - w0, w - w0) < 1e-5
+    true = p.detach() - w0.float()
+    assert _rel(rebuild_delta(opt.export_update()["w"], w0.float()), true) < 1e-5
 
 
 @pytest.mark.parametrize("side", ["right", "left"])

@@ -80,7 +80,6 @@ from fedgalore.optim.projector import (
     change_of_basis,
     derive_seed,
     project,
-    project_back,
     resolve_side,
     rsvd_basis,
     seeded_basis,
@@ -168,8 +167,10 @@ def _record_norm(coefs: list[torch.Tensor], bases: list[torch.Tensor], side: str
 # A normal (non-refresh) GaLore step streams G once (the projection) and W once (read + write:
 # decay and back-projection); everything else is m x r (benchmarks/RESULTS.md §1 counts it).
 
-#: Projections of at least this many entries go through oneDNN on CPU (when it passes the probe).
-ONEDNN_MIN_NUMEL = 1 << 16
+#: Projections of at least this many entries go through oneDNN on CPU (when it passes the probe):
+#: from 512 x 512 up it was faster than MKL at rank 8 (up to 2.1x at 4096 x 4096); below, MKL was
+#: as fast or faster on cache-cold gradients.
+ONEDNN_MIN_NUMEL = 1 << 18
 #: Decay + back-projection run in row blocks of about this many bytes (one L2's worth), so the
 #: GEMM updates rows the decay pass has just brought into cache; 0 turns the blocking off.
 BLOCK_BYTES = 1 << 20
@@ -233,7 +234,8 @@ def _project_step(g: torch.Tensor, basis: torch.Tensor, side: str) -> tuple[torc
     propagates NaN/Inf, see :func:`_propagates_nonfinite`).
 
     On CPU, fp32 projections of at least :data:`ONEDNN_MIN_NUMEL` entries use oneDNN: for the
-    skinny rank-r shapes MKL's sgemm runs ~1.5x slower (benchmarks/RESULTS.md §1).
+    skinny rank-r shapes MKL's sgemm ran 1.5-1.7x slower on the RoBERTa-base stack
+    (benchmarks/RESULTS.md §1).
     """
     if (
         g.device.type == "cpu" and g.dtype == torch.float32 and basis.dtype == torch.float32
@@ -698,15 +700,11 @@ class GaLoreAdamW(Optimizer):
             if group["correct_bias"]:
                 step_size = lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
             u = m / denom
-            full = (u if identity else project_back(u, basis, side)) * scale
-            if p.dtype == torch.float32:
-                p.add_(full, alpha=-step_size)
-                if wd > 0.0:
-                    p.add_(p, alpha=-lr * wd)
-            else:
-                w = p.float().add_(full, alpha=-step_size)
-                if wd > 0.0:
-                    w.add_(w, alpha=-lr * wd)
+            # official order, update then decay: W <- d (W - step scale U P) = d W - d step scale U P
+            d = decay if wd > 0.0 else 1.0
+            w = p if p.dtype == torch.float32 else p.float()
+            _decay_back_project(w, u, basis, side, d, -step_size * scale * d)
+            if w is not p:
                 p.copy_(w)
             if state["rec_on"]:
                 self._record(state, u, -step_size * scale, decay if wd > 0.0 else 1.0, after=True)
