@@ -50,7 +50,7 @@ if "--threads" in sys.argv:  # BLAS threads for numpy/mvlearn must be set before
 import numpy as np
 import torch
 
-from fedgalore.federated.payload import Factored, MomentView
+from fedgalore.protocol.payload import Factored, MomentView
 from fedgalore.sync import ajive, synchronize_moments
 
 PAPER_CPU = {  # Table 7, CPU rows (seconds)

@@ -57,7 +57,8 @@ import torch
 
 from fedgalore.optim import GaLoreAdamW
 from fedgalore.optim import galore_adamw as _ga
-from fedgalore.optim.projector import SIDES, project
+from fedgalore.optim.projector import project
+from fedgalore.protocol.bases import SIDES
 
 RANK, SCALE, TAUS = 8, 0.25, (200, 50)
 LR, WD = 1e-5, 0.01  # tiny lr: 1000s of steps on shared params stay well-conditioned

@@ -35,14 +35,13 @@ from pathlib import Path
 
 import torch
 
-import fedgalore.methods  # noqa: F401  (import order: methods before backends)
 from fedgalore.backends.base import ClientJob, Runtime
 from fedgalore.backends.ray import RayBackend, _rss_bytes
 from fedgalore.backends.sequential import SequentialBackend
 from fedgalore.federated.config import FederatedConfig
-from fedgalore.federated.payload import encode
 from fedgalore.federated.server import round_seed, sample_clients
-from fedgalore.methods.base import RoundContext
+from fedgalore.protocol.payload import encode
+from fedgalore.protocol.state import RoundContext
 
 OUT = Path(__file__).parent / "results" / "ray_backend.json"
 

@@ -105,7 +105,7 @@ def bare_round(fed, k: int) -> float:
     """The same clients' steps of round ``k`` with a plain optimizer and ``local_train``."""
     from fedgalore.backends.base import client_seed
     from fedgalore.federated.client import local_train
-    from fedgalore.methods.base import ClientContext
+    from fedgalore.protocol.state import ClientContext
 
     rt, method, tc = fed.runtime, fed.method, fed.cfg.train
     t0 = time.perf_counter()

@@ -44,7 +44,7 @@ def _config(out: Path, method: str):
 
 def _state_hash(run_dir: Path) -> str:
     from fedgalore.federated.checkpoint import load_latest_checkpoint
-    from fedgalore.federated.payload import flatten_entries
+    from fedgalore.protocol.payload import flatten_entries
 
     state, _ = load_latest_checkpoint(run_dir)
     h = hashlib.sha256()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedgalore.federated.payload import Factored
+from fedgalore.protocol.payload import Factored
 from fedgalore.sync import ajive, elbow_rank, thin_svd_factored
 from fedgalore.sync.ajive import _randdir_samples, _sample_project_norms
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from fedgalore.federated.payload import Factored
+from fedgalore.protocol.payload import Factored
 from fedgalore.sync import ajive
 
 A = importlib.import_module("fedgalore.sync.ajive")

@@ -10,7 +10,7 @@ import torch
 import fedgalore
 from fedgalore.federated.config import ConfigError, FederatedConfig
 from fedgalore.federated.events import ProgressSink
-from fedgalore.federated.payload import (
+from fedgalore.protocol.payload import (
     Dense,
     Factored,
     GaLoreUpdate,
@@ -226,7 +226,8 @@ def test_corrupted_checkpoint_falls_back_to_previous(tmp_path):
 def test_a_method_defined_outside_the_package_runs_unchanged(tmp_path):
     """Adding a method needs no change in the round loop: FedSGD-style head-only method."""
     from fedgalore.federated.client import local_train
-    from fedgalore.methods.base import Method, ServerState, load_params, named_params, register
+    from fedgalore.methods.base import Method, load_params, named_params, register
+    from fedgalore.protocol.state import ServerState
 
     @register
     class HeadOnlySGD(Method):

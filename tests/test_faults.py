@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 
 import fedgalore
 from fedgalore.federated.checkpoint import load_latest_checkpoint
-from fedgalore.federated.payload import Dense, GaLoreUpdate, Payload, PayloadError, SeededLowRank, decode, encode
 from fedgalore.methods.base import register
 from fedgalore.methods.fedavg_full import FedAvgFull
 from fedgalore.methods.fedgalore import FedGaLoreMinus
+from fedgalore.protocol.payload import Dense, GaLoreUpdate, Payload, PayloadError, SeededLowRank, decode, encode
 
 from test_engine import strip_times, tiny_cfg
 
@@ -248,7 +248,7 @@ class LyingFedIT(__import__("fedgalore.methods.fedit", fromlist=["FedIT"]).FedIT
     name = "test_lying_fedit"
 
     def client_update(self, model, broadcast, ctx):
-        from fedgalore.federated.payload import LowRank
+        from fedgalore.protocol.payload import LowRank
 
         up = super().client_update(model, broadcast, ctx)
         if ctx.client != 0:

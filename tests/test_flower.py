@@ -32,8 +32,8 @@ def cfg(tmp: Path, method: str, opts: dict) -> FederatedConfig:
 
 
 def test_codec_roundtrips_bf16_and_payload_bytes():
-    from fedgalore.federated.payload import Dense, MomentView, Payload, decode, encode
     from fedgalore.flower.codec import blob_to_record, record_to_blob, record_to_tensors, tensors_to_record
+    from fedgalore.protocol.payload import Dense, MomentView, Payload, decode, encode
 
     t = {"w": torch.randn(4, 3).bfloat16(), "i": torch.arange(6).reshape(2, 3), "e": torch.zeros(0, 2)}
     back = record_to_tensors(tensors_to_record(t))

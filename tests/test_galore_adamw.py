@@ -11,8 +11,9 @@ import types
 import pytest
 import torch
 
-from fedgalore.federated.payload import GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank, decode, encode
-from fedgalore.optim import GaLoreAdamW, GaLoreStateEntry, derive_seed, rebuild_delta, seeded_basis
+from fedgalore.optim import GaLoreAdamW, GaLoreStateEntry, rebuild_delta
+from fedgalore.protocol.bases import basis_seed, seeded_basis
+from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank, decode, encode
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -94,7 +95,7 @@ def test_full_rank_rotated_basis_is_not_adamw():
 
 
 # ----------------------------------------------------------------------------- seeded bases
-def test_seeded_bases_follow_derive_seed_and_agree_across_instances():
+def test_seeded_bases_follow_basis_seed_and_agree_across_instances():
     a, b = Problem(2), Problem(3)  # different data: clients differ, seeded bases must not
     oa = _opt(a, **_galore(rank=4, tau=2, projector="random"))
     ob = _opt(b, **_galore(rank=4, tau=2, projector="random"))
@@ -114,8 +115,8 @@ def test_seeded_bases_follow_derive_seed_and_agree_across_instances():
             assert q == t // 2
             side = ea[name].side
             m, n = ea[name].shape
-            expected = seeded_basis(derive_seed(777, name, q), m, n, 4, side)
-            assert ea[name].seed == derive_seed(777, name, q)
+            expected = seeded_basis(basis_seed(777, name, q), m, n, 4, side)
+            assert ea[name].seed == basis_seed(777, name, q)
             assert torch.equal(ea[name].basis, expected)
             bases[(name, q)] = expected
     assert ea["w"].side == "right" and ea["w2"].side == "left"
@@ -362,7 +363,7 @@ def test_paper_warm_start_is_linear_clamped_and_uncorrected():
     pr.grads(0)
     grad = pr.w.grad.clone()
     opt.step()
-    p = seeded_basis(derive_seed(1, "w", 0), 64, 32, 4, "right")
+    p = seeded_basis(basis_seed(1, "w", 0), 64, 32, 4, "right")
     v_loaded = (x @ (b @ p.T)).clamp(min=0)
     assert (x @ (b @ p.T) < 0).any()  # the clamp mattered
     assert opt.moment_diagnostics()["w"]["warm_clamped"] == pytest.approx(float((x @ (b @ p.T) < 0).float().mean()))
@@ -392,7 +393,7 @@ def test_weight_rule_warm_start_transfers_prior_weights_and_debiases():
     pr.grads(0)
     grad = pr.w.grad.clone()
     opt.step()
-    p = seeded_basis(derive_seed(3, "w", 0), 64, 32, 4, "right")
+    p = seeded_basis(basis_seed(3, "w", 0), 64, 32, 4, "right")
     cc = (b @ p.T) ** 2
     v0, c0 = (x * c) @ cc, c[None, :] @ cc
     assert opt.moment_diagnostics()["w"]["prior_retained"] == pytest.approx(float(c0.sum() / c.sum()), rel=1e-5)
@@ -431,7 +432,7 @@ def test_export_moments_on_the_seeded_view_basis(transfer):
         opt.step()
     st = opt.export_state()["w"]
     seed = opt.view_seed("w")
-    assert seed == derive_seed(0, "w", 0)
+    assert seed == basis_seed(0, "w", 0)
     view = opt.export_moments({"w": seed, "w2": opt.view_seed("w2")})["w"]
     assert view.basis is None and view.seed == seed
     r = seeded_basis(seed, 64, 32, 4, "right")

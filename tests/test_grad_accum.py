@@ -10,7 +10,7 @@ from torch import nn
 
 from fedgalore.federated.client import local_train, loss_items, optimizer_steps
 from fedgalore.federated.config import ConfigError, FederatedConfig
-from fedgalore.methods.base import ClientContext, TrainConfig
+from fedgalore.protocol.state import ClientContext, TrainConfig
 
 
 def _data(n=20, d=6, seed=0):

@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from fedgalore.federated.events import ProgressSink
-from fedgalore.federated.payload import Dense, LowRank, Payload, encode
 from fedgalore.methods import fedit, ffa_lora, flora, fr_lora, lora_fair  # noqa: F401  (registration)
-from fedgalore.methods.base import ClientContext, MethodError, RoundContext, ServerState, TrainConfig, get_method
-from fedgalore.methods.lora_common import a_key, b_key, pair_key, w_key
+from fedgalore.methods.base import MethodError, get_method
 from fedgalore.methods.fr_lora import pissa_factors
+from fedgalore.methods.lora_common import a_key, b_key, pair_key, w_key
 from fedgalore.methods.lora_fair import fair_correction
+from fedgalore.protocol.payload import Dense, LowRank, Payload, encode
+from fedgalore.protocol.state import ClientContext, RoundContext, ServerState, TrainConfig
 from fedgalore.tasks.base import resolve_target_modules
 from fedgalore.tasks.synthetic import TinyTextTask
 

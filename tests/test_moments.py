@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from fedgalore.federated.payload import MomentView
-from fedgalore.optim.projector import seeded_basis
+from fedgalore.protocol.bases import seeded_basis
+from fedgalore.protocol.payload import MomentView
 from fedgalore.sync import ajive, consensus_basis, synchronize_moments
 
 M, N, R = 48, 32, 4

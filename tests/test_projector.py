@@ -6,7 +6,7 @@ import hashlib
 import pytest
 import torch
 
-from fedgalore.optim import derive_seed, seeded_basis
+from fedgalore.protocol.bases import basis_seed, seeded_basis
 from fedgalore.optim.projector import (
     change_of_basis,
     project,
@@ -23,23 +23,23 @@ def _gen(seed: int) -> torch.Generator:
     return g
 
 
-# ----------------------------------------------------------------------------- derive_seed
-def test_derive_seed_is_stable_and_in_range():
+# ----------------------------------------------------------------------------- basis_seed
+def test_basis_seed_is_stable_and_in_range():
     # Golden values: a change here changes every seeded basis ever exported.
-    assert derive_seed(0, "w", 0) == 5397803624892104648
-    assert derive_seed(12345, "layer.0.q.weight", 3) == 6238772657657266681
+    assert basis_seed(0, "w", 0) == 5397803624892104648
+    assert basis_seed(12345, "layer.0.q.weight", 3) == 6238772657657266681
     digest = hashlib.sha256(b"fedgalore|7|a.b|2").digest()
-    assert derive_seed(7, "a.b", 2) == int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-    seeds = {derive_seed(s, k, q) for s in range(3) for k in ("a", "b") for q in range(4)}
+    assert basis_seed(7, "a.b", 2) == int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    seeds = {basis_seed(s, k, q) for s in range(3) for k in ("a", "b") for q in range(4)}
     assert len(seeds) == 24
     assert all(0 <= s < 2**63 for s in seeds)
 
 
-def test_derive_seed_rejects_bad_arguments():
+def test_basis_seed_rejects_bad_arguments():
     with pytest.raises(ValueError):
-        derive_seed(0, "w", -1)
+        basis_seed(0, "w", -1)
     with pytest.raises(TypeError):
-        derive_seed(1.5, "w", 0)  # type: ignore[arg-type]
+        basis_seed(1.5, "w", 0)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- seeded_basis
@@ -67,12 +67,12 @@ def test_seeded_basis_is_the_documented_haar_recipe():
 
 
 def test_seeded_basis_same_seed_same_bits_and_different_seeds_differ():
-    a = seeded_basis(derive_seed(5, "w", 0), 64, 32, 4, "right")
-    b = seeded_basis(derive_seed(5, "w", 0), 64, 32, 4, "right")
+    a = seeded_basis(basis_seed(5, "w", 0), 64, 32, 4, "right")
+    b = seeded_basis(basis_seed(5, "w", 0), 64, 32, 4, "right")
     assert torch.equal(a, b)
-    other_param = seeded_basis(derive_seed(5, "v", 0), 64, 32, 4, "right")
-    other_refresh = seeded_basis(derive_seed(5, "w", 1), 64, 32, 4, "right")
-    other_round = seeded_basis(derive_seed(6, "w", 0), 64, 32, 4, "right")
+    other_param = seeded_basis(basis_seed(5, "v", 0), 64, 32, 4, "right")
+    other_refresh = seeded_basis(basis_seed(5, "w", 1), 64, 32, 4, "right")
+    other_round = seeded_basis(basis_seed(6, "w", 0), 64, 32, 4, "right")
     for c in (other_param, other_refresh, other_round):
         # independent Haar draws: the subspaces are far apart (||P_a P_c^T||_F^2 ~ r^2/n = 0.5)
         assert (a @ c.T).pow(2).sum().item() < 3.0

@@ -77,9 +77,9 @@ def test_ray_reproduces_sequential(tmp_path, ray_cluster):
 def test_backend_counts_boundary_bytes_and_returns_job_order(tmp_path, ray_cluster):
     from fedgalore.backends.base import ClientJob, Runtime
     from fedgalore.backends.ray import RayBackend
-    from fedgalore.federated.payload import encode
     from fedgalore.federated.server import round_seed
-    from fedgalore.methods.base import RoundContext
+    from fedgalore.protocol.payload import encode
+    from fedgalore.protocol.state import RoundContext
 
     c = cfg(tmp_path)
     rt = Runtime(c)

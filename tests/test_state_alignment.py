@@ -10,8 +10,8 @@ import torch
 
 import fedgalore
 from fedgalore.federated.checkpoint import load_latest_checkpoint
-from fedgalore.federated.payload import LowRank, MomentView, Payload, decode, encode, tensor_bytes_by_kind
-from fedgalore.optim import derive_seed
+from fedgalore.protocol.bases import basis_seed
+from fedgalore.protocol.payload import LowRank, MomentView, Payload, decode, encode, tensor_bytes_by_kind
 
 from test_engine import tiny_cfg
 
@@ -43,7 +43,7 @@ def _client_run(tmp_path, protocol, rounds=2, **over):
 
 def test_paper_mode_views_share_R_k_whatever_the_step_count(tmp_path):
     """Algorithm 1 line 13: every client's moment upload is on the round's seeded basis
-    R_k = seeded_basis(derive_seed(s_k, name, 0)) — the seed travels, no basis — even when clients
+    R_k = seeded_basis(basis_seed(s_k, name, 0)) — the seed travels, no basis — even when clients
     take different numbers of local steps (Dirichlet sizes, E = 1 epoch)."""
     from fedgalore.backends.base import ClientJob, Runtime
     from fedgalore.federated.server import round_seed
@@ -52,7 +52,7 @@ def test_paper_mode_views_share_R_k_whatever_the_step_count(tmp_path):
                    train={"lr": 1e-2, "batch_size": 4, "local_epochs": 1})
     rt = Runtime(cfg)
     state = rt.method.init_server_state(rt.model)
-    from fedgalore.methods.base import RoundContext
+    from fedgalore.protocol.state import RoundContext
 
     s0 = round_seed(cfg.seed, 0)
     bcast = encode(rt.method.broadcast(state, RoundContext(0, 1, s0, [0, 1, 2], [1 / 3] * 3)))
@@ -66,11 +66,11 @@ def test_paper_mode_views_share_R_k_whatever_the_step_count(tmp_path):
     assert len(set(steps)) > 1  # the clients really differ in step count
     for n in rt.method.targets:
         views = [u[f"moment/{n}"] for u in uploads]
-        assert all(v.basis is None and v.seed == derive_seed(s0, n, 0) for v in views)
+        assert all(v.basis is None and v.seed == basis_seed(s0, n, 0) for v in views)
     # the server keeps v̄ on that seed; the uplink has no basis for the moments
     rt.method.aggregate(state, uploads, [1 / 3] * 3, RoundContext(0, 1, s0, [0, 1, 2], [1 / 3] * 3))
     rt.method.synchronize(state, uploads, [1 / 3] * 3, RoundContext(0, 1, s0, [0, 1, 2], [1 / 3] * 3))
-    assert all(state.moments[n].seed == derive_seed(s0, n, 0) and state.moments[n].basis is None for n in rt.method.targets)
+    assert all(state.moments[n].seed == basis_seed(s0, n, 0) and state.moments[n].basis is None for n in rt.method.targets)
 
 
 def test_aligned_mode_keeps_client_steps_near_the_cold_start_and_paper_mode_inflates_them(tmp_path):

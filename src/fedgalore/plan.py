@@ -6,7 +6,7 @@ peak.
 
 **Bytes, exactly from shapes and payload types.** A payload's serialised size is a function of
 its tensors' shapes and dtypes only: safetensors writes an 8-byte header length, a JSON header
-(padded with spaces to a multiple of 8) and the raw tensor bytes (``federated/payload.py``). The
+(padded with spaces to a multiple of 8) and the raw tensor bytes (``protocol/payload.py``). The
 plan obtains each method's payload *types* by running the method's own code once on a **shape
 miniature** of the model: a module tree with the real parameter names in which every distinct
 dimension ``d`` becomes a small distinct ``d'`` (order-preserving, so every matrix keeps its
@@ -289,7 +289,7 @@ def real_blob_size(blob: bytes, dims: DimMap) -> tuple[int, int]:
 
     Every tensor's shape is mapped back, data offsets are recomputed in the file's order, shape
     fields of the fedgalore entry specs are mapped, and the header is re-serialised exactly as
-    safetensors and :func:`fedgalore.federated.payload.encode` write it (checked on the blob)."""
+    safetensors and :func:`fedgalore.protocol.payload.encode` write it (checked on the blob)."""
     (n,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8 : 8 + n])
     if _dump_header(header) != blob[8 : 8 + n]:
@@ -424,7 +424,7 @@ def probe_method(cfg: FederatedConfig, spec: ModelSpec, method: str, options: di
         record = fed.ledger.record
 
         def capture(round_idx, client, direction, payload, blob=None):
-            from fedgalore.federated.payload import encode
+            from fedgalore.protocol.payload import encode
 
             records.append((int(round_idx), int(client), direction, blob if blob is not None else encode(payload)))
             return record(round_idx, client, direction, payload, blob)

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from fedgalore.federated.client import ClientError
-from fedgalore.federated.payload import decode, encode
-from fedgalore.methods.base import ClientContext, Method, TrainConfig, get_method
+from fedgalore.methods.base import Method, get_method
+from fedgalore.protocol.payload import decode, encode
+from fedgalore.protocol.state import ClientContext, TrainConfig
 from fedgalore.tasks import Task, get_task, resolve_target_modules
 from fedgalore.tasks.base import stratified_split, subset_examples
 

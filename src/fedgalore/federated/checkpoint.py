@@ -21,8 +21,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from fedgalore.federated.payload import flatten_entries, unflatten_entries
-from fedgalore.methods.base import ServerState
+from fedgalore.protocol.payload import flatten_entries, unflatten_entries
+from fedgalore.protocol.state import ServerState
 
 __all__ = ["save_checkpoint", "load_latest_checkpoint", "CheckpointError", "atomic_write_text"]
 

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:  # methods import this module; keep the dependency one-way at run time
-    from fedgalore.methods.base import ClientContext
+from fedgalore.protocol.state import ClientContext
 
 __all__ = ["lr_factor", "local_train", "ClientError", "optimizer_steps", "loss_items"]
 

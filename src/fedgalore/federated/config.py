@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Sequence, get_args, get_origin, get_type_hints
 
 from fedgalore.federated.partition import PartitionConfig
-from fedgalore.methods.base import TrainConfig
+from fedgalore.protocol.state import TrainConfig
 
 __all__ = [
     "ConfigError",

@@ -36,10 +36,11 @@ from fedgalore.federated.diagnostics import drift_diagnostics, update_space_diag
 from fedgalore.federated.events import LogProgress, ProgressSink
 from fedgalore.federated.partition import label_histograms
 from fedgalore.federated.resolve import check_device, config_for_method
-from fedgalore.federated.payload import Ledger, Payload, PayloadError, decode, encode
 from fedgalore.federated.validation import expected_keys, upload_norm, validate_upload
 from fedgalore.jsonl import append_jsonl, read_jsonl
-from fedgalore.methods.base import Method, RoundContext
+from fedgalore.methods.base import Method
+from fedgalore.protocol.payload import Ledger, Payload, PayloadError, decode, encode
+from fedgalore.protocol.state import RoundContext
 from fedgalore.tasks.base import Task
 
 __all__ = ["Federation", "RunResult", "run", "resume", "round_seed", "sample_clients", "extension_problem"]

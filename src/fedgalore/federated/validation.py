@@ -19,8 +19,9 @@ from typing import Sequence
 
 import torch
 
-from fedgalore.federated.payload import Dense, Factored, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank
-from fedgalore.methods.base import Method, RoundContext, ServerState
+from fedgalore.methods.base import Method
+from fedgalore.protocol.payload import Dense, Factored, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank
+from fedgalore.protocol.state import RoundContext, ServerState
 
 __all__ = ["validate_upload", "expected_keys", "upload_norm"]
 

@@ -1,6 +1,6 @@
 """Carrying fedgalore payloads in Flower records, bf16 included.
 
-Our payloads are already one safetensors blob (``fedgalore.federated.payload.encode``), so the
+Our payloads are already one safetensors blob (``fedgalore.protocol.payload.encode``), so the
 default codec puts that blob, untouched, into a single Flower :class:`~flwr.app.Array` with an
 explicit ``stype`` — no numpy round trip, so dtypes numpy lacks (bfloat16, float8) survive
 bit-exactly and the bytes Flower ships are exactly the bytes the ledger counts.

@@ -19,17 +19,9 @@ import torch
 from torch import nn
 
 from fedgalore.federated.client import local_train
-from fedgalore.federated.payload import Dense, Payload
-from fedgalore.methods.base import (
-    ClientContext,
-    Method,
-    MethodError,
-    RoundContext,
-    ServerState,
-    load_params,
-    named_params,
-    register,
-)
+from fedgalore.methods.base import Method, MethodError, load_params, named_params, register
+from fedgalore.protocol.payload import Dense, Payload
+from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 
 
 def _freeze_all_but(model: nn.Module, names: Sequence[str]) -> None:

@@ -43,24 +43,10 @@ import torch
 from torch import nn
 
 from fedgalore.federated.client import local_train, optimizer_steps
-from fedgalore.federated.payload import (
-    Dense,
-    GaLoreUpdate,
-    LowRank,
-    MomentView,
-    Payload,
-    SeededLowRank,
-)
-from fedgalore.methods.base import (
-    ClientContext,
-    MethodError,
-    RoundContext,
-    ServerState,
-    load_params,
-    named_params,
-    register,
-)
+from fedgalore.methods.base import MethodError, load_params, named_params, register
 from fedgalore.methods.fedavg_full import DenseTargetsMethod
+from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank
+from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 
 _SYNC_MODES = ("none", "mean", "mean_svd", "ajive")
 _PROTOCOLS = ("paper", "aligned")
@@ -253,15 +239,15 @@ class FedGaLore(DenseTargetsMethod):
         """Seeded bases must come from this round's seed chain (moment views: the round's view
         basis R_k under ``view_basis='seeded'``); ranks must not exceed r; second-moment
         estimates and weights must be non-negative."""
-        from fedgalore.optim import derive_seed
+        from fedgalore.protocol.bases import basis_seed
 
         identity = self.options["projector"] == "identity"
         for n in self.targets:
             upd = upload[n]
             if not isinstance(upd, GaLoreUpdate):
                 return f"{n}: expected a GaLore update record, got {type(upd).__name__}"
-            # term q belongs to refresh q, so its seed (if seeded) is derive_seed(s_k, name, q)
-            valid = {derive_seed(ctx.round_seed, n, q) for q in range(len(upd.terms) + 1)}
+            # term q belongs to refresh q, so its seed (if seeded) is basis_seed(s_k, name, q)
+            valid = {basis_seed(ctx.round_seed, n, q) for q in range(len(upd.terms) + 1)}
             for term in upd.terms:
                 rank = term.coef.shape[1] if isinstance(term, SeededLowRank) and term.side == "right" else (
                     term.coef.shape[0] if isinstance(term, SeededLowRank) else term.left.shape[1])
@@ -276,8 +262,8 @@ class FedGaLore(DenseTargetsMethod):
             if not isinstance(mv, MomentView):
                 return f"moment/{n}: expected a MomentView, got {type(mv).__name__}"
             if self.options["view_basis"] == "seeded":
-                if mv.basis is not None or mv.seed != derive_seed(ctx.round_seed, n, 0):
-                    return f"moment/{n}: must be on the round's seeded view basis R_k (seed {derive_seed(ctx.round_seed, n, 0)})"
+                if mv.basis is not None or mv.seed != basis_seed(ctx.round_seed, n, 0):
+                    return f"moment/{n}: must be on the round's seeded view basis R_k (seed {basis_seed(ctx.round_seed, n, 0)})"
             elif mv.basis is None and mv.seed not in valid:
                 return f"moment/{n}: basis seed {mv.seed} does not belong to round seed {ctx.round_seed}"
             if mv.weight is not None and bool((mv.weight < 0).any()):

@@ -19,8 +19,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from fedgalore.federated.payload import Dense, LowRank, Payload
-from fedgalore.methods.base import ClientContext, RoundContext, ServerState, register
+from fedgalore.methods.base import register
+from fedgalore.protocol.payload import Dense, LowRank, Payload
+from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 from fedgalore.methods.lora_common import (
     LoraMethod,
     a_key,

@@ -21,9 +21,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from fedgalore.federated.payload import Dense, Payload
-from fedgalore.methods.base import ClientContext, RoundContext, ServerState, register
+from fedgalore.methods.base import register
 from fedgalore.methods.lora_common import LoraMethod, a_key, b_key, check_weights, weighted_sum, w_key
+from fedgalore.protocol.payload import Dense, Payload
+from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 
 __all__ = ["FFALoRA"]
 

@@ -29,9 +29,10 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from fedgalore.federated.payload import Payload
-from fedgalore.methods.base import ClientContext, MethodError, RoundContext, ServerState, register
+from fedgalore.methods.base import MethodError, register
 from fedgalore.methods.lora_common import LoraMethod, check_weights, derive_seed, lifted, w_key
+from fedgalore.protocol.payload import Payload
+from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 
 __all__ = ["FLoRA"]
 

@@ -37,8 +37,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from fedgalore.federated.payload import Dense, Payload
-from fedgalore.methods.base import ClientContext, MethodError, RoundContext, ServerState, register
+from fedgalore.methods.base import MethodError, register
+from fedgalore.protocol.payload import Dense, Payload
+from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 from fedgalore.methods.lora_common import (
     LoraMethod,
     a_key,

@@ -45,8 +45,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedgalore.federated.payload import Dense, LowRank, Payload
-from fedgalore.methods.base import ClientContext, Method, MethodError, ServerState, named_params
+from fedgalore.methods.base import Method, MethodError, named_params
+from fedgalore.protocol.payload import Dense, LowRank, Payload
+from fedgalore.protocol.state import ClientContext, ServerState
 
 __all__ = [
     "LoraMethod",

@@ -35,10 +35,11 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from fedgalore.federated.payload import Payload
-from fedgalore.methods.base import MethodError, RoundContext, ServerState, register
+from fedgalore.methods.base import MethodError, register
 from fedgalore.methods.fedit import FedIT
 from fedgalore.methods.lora_common import LoraMethod, a_key, b_key, check_weights, lifted, w_key
+from fedgalore.protocol.payload import Payload
+from fedgalore.protocol.state import RoundContext, ServerState
 
 __all__ = ["LoRAFAIR", "fair_correction"]
 

@@ -46,7 +46,7 @@ one round because the federation builds a fresh optimizer per client per round; 
 counts them from :meth:`GaLoreAdamW.set_global_refresh_offset` ``(n)`` onwards, where ``n`` is
 the number of refreshes this client performed in earlier rounds, so the switch happens once per
 training run. Seeds always use the local refresh index ``q``:
-``seed = derive_seed(projection_seed, name, q)``.
+``seed = basis_seed(projection_seed, name, q)``.
 
 ``galore_torch_compat=True`` reproduces the official ``galore_torch.GaLoreAdamW`` rule instead
 (reference/algorithms.md §1.2): ``denom = sqrt(V) + eps``, step size
@@ -73,18 +73,9 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
-from fedgalore.federated.payload import Factored, GaLoreUpdate, LowRank, MomentView, SeededLowRank
-from fedgalore.optim.projector import (
-    PROJ_TYPES,
-    SIDES,
-    change_of_basis,
-    derive_seed,
-    project,
-    resolve_side,
-    rsvd_basis,
-    seeded_basis,
-    svd_basis,
-)
+from fedgalore.optim.projector import PROJ_TYPES, change_of_basis, project, resolve_side, rsvd_basis, svd_basis
+from fedgalore.protocol.bases import SIDES, basis_seed, seeded_basis
+from fedgalore.protocol.payload import Factored, GaLoreUpdate, LowRank, MomentView, SeededLowRank
 
 __all__ = ["GaLoreAdamW", "GaLoreStateEntry", "rebuild_delta", "PROJECTORS", "MOMENT_TRANSFERS"]
 
@@ -423,7 +414,7 @@ class GaLoreAdamW(Optimizer):
         """Set the round seed ``s_k`` (paper Alg. 1) used by every later refresh of every group.
 
         Seeded basis of parameter ``name`` at local refresh ``q``:
-        ``seeded_basis(derive_seed(seed, name, q), m, n, r, side)``.
+        ``seeded_basis(basis_seed(seed, name, q), m, n, r, side)``.
         """
         if not _is_int(seed):
             raise TypeError(f"projection seed must be an int, got {type(seed).__name__}")
@@ -513,10 +504,10 @@ class GaLoreAdamW(Optimizer):
         kind = self._basis_kind(group, q)
         seed = -1
         if kind == "random":
-            seed = derive_seed(group["projection_seed"], name, q)
+            seed = basis_seed(group["projection_seed"], name, q)
             new = seeded_basis(seed, m, n, rank, side).to(p.device)
         elif kind == "rsvd":
-            rseed = derive_seed(group["projection_seed"], name + "#rsvd", q)
+            rseed = basis_seed(group["projection_seed"], name + "#rsvd", q)
             new = rsvd_basis(g32, rank, side, rseed, group["rsvd_oversample"], group["rsvd_niter"])
         else:
             new = svd_basis(g32, rank, side)
@@ -886,7 +877,7 @@ class GaLoreAdamW(Optimizer):
 
     def view_seed(self, name: str) -> int:
         """Seed of the round's shared view basis ``R_k`` of parameter ``name`` (paper Alg. 1 line
-        13, §5 "Seeded matrix view"): ``derive_seed(s_k, name, 0)`` — a function of the round
+        13, §5 "Seeded matrix view"): ``basis_seed(s_k, name, 0)`` — a function of the round
         seed and the parameter only, identical for every client whatever its step count. It is
         also the basis of a seeded refresh at local refresh 0, so a client whose round starts in
         the seeded phase trains on ``R_k`` itself."""
@@ -894,7 +885,7 @@ class GaLoreAdamW(Optimizer):
             raise KeyError(f"unknown parameter name {name!r}")
         p = self._by_name[name]
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-        return derive_seed(int(group["projection_seed"]), name, 0)
+        return basis_seed(int(group["projection_seed"]), name, 0)
 
     def export_moments(self, view_seeds: Optional[dict[str, int]] = None) -> dict[str, MomentView]:
         """Per GaLore parameter, the projected second moment as a :class:`MomentView` (paper

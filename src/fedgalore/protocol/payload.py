@@ -12,7 +12,7 @@ Entry types and the matrix each one stands for:
 * :class:`LowRank` — ``X = L @ R`` with ``L`` (m×r), ``R`` (r×n).
 * :class:`SeededLowRank` — GaLore coefficients on a seeded basis: ``X = C @ P`` (right side,
   ``C`` m×r, ``P`` r×n) or ``X = P @ C`` (left side, ``P`` m×r, ``C`` r×n), where ``P`` is
-  rebuilt from the integer seed by :func:`fedgalore.optim.projector.seeded_basis`; only ``C``
+  rebuilt from the integer seed by :func:`fedgalore.protocol.bases.seeded_basis`; only ``C``
   and the seed travel.
 * :class:`GaLoreUpdate` — the exact low-rank update record of one GaLore matrix,
   ``ΔW = decay · W0 + Σ_q term_q`` (each term a ``LowRank`` or ``SeededLowRank``).
@@ -36,6 +36,8 @@ from typing import Any, Union
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+from fedgalore.protocol.bases import seeded_basis
 
 __all__ = [
     "Dense",
@@ -84,8 +86,6 @@ class SeededLowRank:
     shape: tuple[int, int]  # (m, n) of the full matrix
 
     def basis(self) -> torch.Tensor:
-        from fedgalore.optim.projector import seeded_basis
-
         m, n = self.shape
         rank = self.coef.shape[1] if self.side == "right" else self.coef.shape[0]
         return seeded_basis(self.seed, m, n, rank, self.side)
@@ -140,8 +140,6 @@ class MomentView:
             return self.basis.float()
         if self.seed is None:
             raise PayloadError("MomentView needs either a basis or a seed")
-        from fedgalore.optim.projector import seeded_basis
-
         m, n = self.shape
         return seeded_basis(self.seed, m, n, self.rank, self.side)
 

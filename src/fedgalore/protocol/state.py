@@ -1,0 +1,86 @@
+"""What the server owns and what a round and a client are told (paper §3, Algorithm 1).
+
+* :class:`TrainConfig` — local-training hyperparameters shared by every method (Appendix H);
+* :class:`ServerState` — everything the server keeps between rounds (checkpointed);
+* :class:`RoundContext` — round k, its seed s_k, the sampled clients P_k and weights p̃_i;
+* :class:`ClientContext` — what operator T of one client needs (its data, schedule, device).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["TrainConfig", "ServerState", "RoundContext", "ClientContext"]
+
+
+@dataclass
+class TrainConfig:
+    """Local-training hyperparameters shared by every method (paper Appendix H, Table 8)."""
+
+    lr: float = 5e-5
+    batch_size: int = 32  # examples per micro-batch (per forward/backward)
+    grad_accum_steps: int = 1  # micro-batches per optimizer step: effective batch = batch_size × grad_accum_steps
+    local_epochs: float | None = 2.0  # E; ignored when local_steps is set
+    local_steps: int | None = None  # T
+    warmup_ratio: float = 0.06
+    weight_decay: float = 0.01
+    schedule: str = "cosine"  # "cosine" | "linear" | "constant"
+    schedule_scope: str = "global"  # "global": one warmup+cosine over all rounds; "round": per round
+    grad_clip: float | None = 1.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    head_lr: float | None = None  # lr of the head params (None: same as lr)
+    sgd_lr: float | None = None  # lr for methods whose reference optimizer is SGD (FFA-LoRA, LoRA-FAIR)
+    sgd_momentum: float = 0.0
+
+
+@dataclass
+class ServerState:
+    """Everything the server owns between rounds; checkpointed as safetensors + JSON.
+
+    ``params``: the global federated tensors (dense, fp32), keyed by parameter name.
+    ``extras``: method-specific tensors (fixed inits, ...).
+    ``moments``: synchronised optimizer states as typed payload entries (FedGaLore's ``v̄`` per
+    adapted matrix, a :class:`~fedgalore.protocol.payload.MomentView`), checkpointed with
+    the payload codec.
+    ``meta``: JSON-able method state (round seed chain, counters, ...).
+    """
+
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+    moments: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RoundContext:
+    """What the server's operators A and S know about round k (Algorithm 1, lines 3–4)."""
+
+    round: int  # 0-based communication round k
+    total_rounds: int
+    round_seed: int  # s_k, broadcast to clients (seeded projectors)
+    clients: list[int]  # sampled client ids
+    weights: list[float]  # p_i over the sampled clients (sum to 1)
+
+
+@dataclass
+class ClientContext:
+    """What a client's local-training operator T is given (Algorithm 1, lines 6–10)."""
+
+    round: int
+    total_rounds: int
+    client: int
+    round_seed: int
+    num_examples: int
+    train: TrainConfig
+    target_modules: list[str]  # full module names (raw model) of the adapted nn.Linear layers
+    head_params: list[str]  # full parameter names (raw model) trained fully by every method
+    loss_fn: Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+    batches: Callable[[], Iterable[dict[str, torch.Tensor]]]  # this round's local batches (E epochs or T steps)
+    steps: int  # number of local steps the batches iterator yields
+    steps_per_round: int  # nominal local steps per round (for global LR schedules)
+    on_step: Callable[[int, float], None] | None = None  # progress hook (step, loss)
+    device: torch.device = torch.device("cpu")
