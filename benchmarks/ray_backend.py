@@ -39,7 +39,7 @@ from fedgalore.backends.base import ClientJob, Runtime
 from fedgalore.backends.ray import RayBackend, _rss_bytes
 from fedgalore.backends.sequential import SequentialBackend
 from fedgalore.federated.config import FederatedConfig
-from fedgalore.federated.server import round_seed, sample_clients
+from fedgalore.federated.seeding import round_seed, sample_clients
 from fedgalore.protocol.payload import encode
 from fedgalore.protocol.state import RoundContext
 

@@ -103,7 +103,7 @@ def _bare_optimizer(method, model, names, tc):
 
 def bare_round(fed, k: int) -> float:
     """The same clients' steps of round ``k`` with a plain optimizer and ``local_train``."""
-    from fedgalore.backends.base import client_seed
+    from fedgalore.federated.seeding import client_seed
     from fedgalore.federated.client import local_train
     from fedgalore.protocol.state import ClientContext
 

@@ -23,7 +23,7 @@ from fedgalore.protocol.payload import (
     decode,
     encode,
 )
-from fedgalore.federated.server import round_seed, sample_clients
+from fedgalore.federated.seeding import round_seed, sample_clients
 
 
 def tiny_cfg(tmp_path: Path, method: str = "fedavg_full", rounds: int = 3, **over) -> FederatedConfig:

@@ -77,7 +77,7 @@ def test_ray_reproduces_sequential(tmp_path, ray_cluster):
 def test_backend_counts_boundary_bytes_and_returns_job_order(tmp_path, ray_cluster):
     from fedgalore.backends.base import ClientJob, Runtime
     from fedgalore.backends.ray import RayBackend
-    from fedgalore.federated.server import round_seed
+    from fedgalore.federated.seeding import round_seed
     from fedgalore.protocol.payload import encode
     from fedgalore.protocol.state import RoundContext
 
@@ -107,7 +107,7 @@ def test_killed_or_hung_worker_is_replaced_and_client_dropped(tmp_path, ray_clus
     plugin.write_text(CRASH_PLUGIN)
     c = cfg(tmp_path, "test_crash_fedavg",
             {"name": "ray", "options": {"num_workers": 2, "timeout_s": 30, "plugins": [str(plugin)]}})
-    from fedgalore.federated.server import sample_clients
+    from fedgalore.federated.seeding import sample_clients
 
     victim, hung = sample_clients(0, 0, 6, 3)[1:3]
     c.method.options.update(crash_client=victim, hang_client=hung)

@@ -46,7 +46,7 @@ def test_paper_mode_views_share_R_k_whatever_the_step_count(tmp_path):
     R_k = seeded_basis(basis_seed(s_k, name, 0)) — the seed travels, no basis — even when clients
     take different numbers of local steps (Dirichlet sizes, E = 1 epoch)."""
     from fedgalore.backends.base import ClientJob, Runtime
-    from fedgalore.federated.server import round_seed
+    from fedgalore.federated.seeding import round_seed
 
     cfg = tiny_cfg(tmp_path, "fedgalore", rounds=1, method_options={"moment_protocol": "paper", "update_proj_gap": 50},
                    train={"lr": 1e-2, "batch_size": 4, "local_epochs": 1})

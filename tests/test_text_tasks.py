@@ -22,7 +22,8 @@ import torch
 from fedgalore import assets
 from fedgalore.assets import AssetError
 from fedgalore.tasks import TaskError, get_task, resolve_target_modules
-from fedgalore.tasks.text_classification import GlueTask, OfflineBBCNewsTask, TokenizedDataset
+from fedgalore.tasks.base import stratified_split
+from fedgalore.tasks.text_classification import GlueTask, TokenizedDataset
 
 POS = ["good", "great", "fine", "lovely", "superb", "happy"]
 NEG = ["bad", "awful", "poor", "sad", "terrible", "boring"]
@@ -298,13 +299,13 @@ def test_bbc_news_task(tmp_cache):
 
     # deterministic stratified split over the real label column
     labels = np.concatenate([np.full(c, i) for i, c in enumerate(counts)])
-    tr, te = OfflineBBCNewsTask.split_indices(labels, 0.2, seed=0)
-    tr2, te2 = OfflineBBCNewsTask.split_indices(labels, 0.2, seed=0)
+    tr, te = stratified_split(labels, 0.2, np.random.default_rng(0))
+    tr2, te2 = stratified_split(labels, 0.2, np.random.default_rng(0))
     np.testing.assert_array_equal(tr, tr2)
     np.testing.assert_array_equal(te, te2)
     assert len(np.intersect1d(tr, te)) == 0 and len(tr) + len(te) == 2225
     np.testing.assert_array_equal(np.bincount(labels[te]), [round(0.2 * c) for c in counts])
-    assert not np.array_equal(OfflineBBCNewsTask.split_indices(labels, 0.2, seed=1)[1], te)
+    assert not np.array_equal(stratified_split(labels, 0.2, np.random.default_rng(1))[1], te)
 
     task = get_task("offline_text", limit=40)
     assert task.label_names() == names == ["business", "entertainment", "politics", "sports", "tech"]

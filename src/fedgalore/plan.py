@@ -46,7 +46,7 @@ from torch import nn
 
 from fedgalore.federated.client import optimizer_steps
 from fedgalore.federated.config import ConfigError, FederatedConfig
-from fedgalore.tasks.base import ArrayDataset, Task, TaskError, resolve_target_modules
+from fedgalore.tasks.base import ArrayDataset, Task, TaskError, head_parameters, resolve_target_modules
 
 __all__ = [
     "PlanError",
@@ -142,8 +142,7 @@ def model_spec(cfg: FederatedConfig) -> tuple[ModelSpec, Task | None]:
     task = get_task(name, **opts)
     model = task.build_model()
     targets = resolve_target_modules(model, task.target_modules, exclude=task.head_modules)
-    heads = tuple(task.head_modules)
-    head_params = [n for n, _ in model.named_parameters() if any(n.startswith(h + ".") or f".{h}." in f".{n}" for h in heads)]
+    head_params = head_parameters(model, task.head_modules)
     dtype = next(model.parameters()).dtype
     params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
     return ModelSpec(params, targets, head_params, dtype, {"causal_lm": False}, f"task {name}"), task

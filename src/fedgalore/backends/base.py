@@ -19,18 +19,14 @@ import numpy as np
 import torch
 
 from fedgalore.federated.client import ClientError
+from fedgalore.federated.seeding import BATCHES, DROPOUT, client_seed, validation_seed
 from fedgalore.methods.base import Method, get_method
 from fedgalore.protocol.payload import decode, encode
 from fedgalore.protocol.state import ClientContext, TrainConfig
 from fedgalore.tasks import Task, get_task, resolve_target_modules
-from fedgalore.tasks.base import stratified_split, subset_examples
+from fedgalore.tasks.base import head_parameters, stratified_split, subset_examples
 
-__all__ = ["Runtime", "ClientJob", "ClientResult", "Backend", "client_seed"]
-
-
-def client_seed(run_seed: int, round_idx: int, client: int, stream: int) -> np.random.SeedSequence:
-    """Seed sequence for client ``client`` in round ``round_idx`` (``stream`` separates uses)."""
-    return np.random.SeedSequence([int(run_seed), int(round_idx), int(client), int(stream)])
+__all__ = ["Runtime", "ClientJob", "ClientResult", "Backend"]
 
 
 @dataclass
@@ -61,10 +57,7 @@ class Runtime:
         self.method = method if method is not None else get_method(cfg.method.name, rank=cfg.method.rank, **cfg.method.options)
         model = self.task.build_model()
         self.target_modules = resolve_target_modules(model, self.task.target_modules, exclude=self.task.head_modules)
-        heads = tuple(self.task.head_modules)
-        self.head_params = [
-            n for n, _ in model.named_parameters() if any(n.startswith(h + ".") or f".{h}." in f".{n}" for h in heads)
-        ]
+        self.head_params = head_parameters(model, self.task.head_modules)
         self._check_rank(model)
         self.device = torch.device(cfg.device)
         self.model = self.method.setup(model.to(self.device), self.target_modules, self.head_params)
@@ -73,7 +66,7 @@ class Runtime:
         #: training examples held out from every client for model selection (federation.validation_fraction)
         self.validation_idx, pool = np.zeros(0, dtype=np.int64), np.arange(len(labels))
         if cfg.federation.validation_fraction > 0:
-            rng = np.random.default_rng(np.random.SeedSequence([int(cfg.seed), 11]))
+            rng = np.random.default_rng(validation_seed(cfg.seed))
             pool, self.validation_idx = stratified_split(labels, cfg.federation.validation_fraction, rng)
         if parts is None:
             parts = [pool[p] for p in make_partition(labels[pool], cfg.federation.num_clients, cfg.federation.partition, cfg.seed)]
@@ -114,7 +107,7 @@ class Runtime:
         tc = self.cfg.train
         idx = self.parts[client]
         steps = self._steps_for(len(idx), tc)
-        rng = np.random.default_rng(client_seed(self.cfg.seed, round_idx, client, 1))
+        rng = np.random.default_rng(client_seed(self.cfg.seed, round_idx, client, BATCHES))
         need = steps * tc.batch_size
         order = []
         while sum(len(o) for o in order) < need and len(idx) > 0:
@@ -154,7 +147,7 @@ class Runtime:
                 on_step=on_step,
                 device=self.device,
             )
-            seed = int(client_seed(self.cfg.seed, job.round, job.client, 2).generate_state(1)[0])
+            seed = int(client_seed(self.cfg.seed, job.round, job.client, DROPOUT).generate_state(1)[0])
             devices = [self.device.index or 0] if self.device.type == "cuda" else []
             # Dropout draws from the global RNG. Fork it (restored on exit, so callers see no
             # side effect) and start it from a per-(round, client) state, so a client's training

@@ -38,29 +38,15 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import ray
 import torch
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 from fedgalore.backends.base import Backend, ClientJob, ClientResult, Runtime
+from fedgalore.federated.partition import decode_partition, encode_partition
 
-__all__ = ["RayBackend", "encode_partition", "decode_partition"]
+__all__ = ["RayBackend"]
 
 log = logging.getLogger("fedgalore")
-
-
-# ----------------------------------------------------------------------------- wire helpers
-def encode_partition(parts: Sequence[np.ndarray]) -> bytes:
-    """Client index arrays as one safetensors blob (int64, key = client id)."""
-    tensors = {str(i): torch.from_numpy(np.ascontiguousarray(p, dtype=np.int64)) for i, p in enumerate(parts)}
-    return st_save(tensors, metadata={"num_clients": str(len(parts))})
-
-
-def decode_partition(blob: bytes) -> list[np.ndarray]:
-    tensors = st_load(blob)
-    return [tensors[str(i)].numpy() for i in range(len(tensors))]
 
 
 def _load_plugins(plugins: Sequence[str]) -> None:
@@ -104,7 +90,6 @@ class ClientWorker:
     """
 
     def __init__(self, cfg_json: str, parts_blob: bytes, num_threads: int, plugins: Sequence[str] = ()) -> None:
-        import fedgalore.methods  # noqa: F401  (import order, see class docstring)
         from fedgalore.backends.base import Runtime
         from fedgalore.federated.config import FederatedConfig
 

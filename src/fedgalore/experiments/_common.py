@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fedgalore.tasks import get_task
-from fedgalore.tasks.base import Task, resolve_target_modules
+from fedgalore.tasks.base import Task, head_parameters, resolve_target_modules
 
 __all__ = ["Prepared", "prepare_task", "batches", "head", "mean_loss", "params_by_name"]
 
@@ -26,9 +26,7 @@ def prepare_task(name: str, **options: Any) -> Prepared:
     task = get_task(name, **options)
     model = task.build_model()
     targets = resolve_target_modules(model, task.target_modules, exclude=task.head_modules)
-    heads = [n for n, _ in model.named_parameters()
-             if any(n.startswith(h + ".") or f".{h}." in f".{n}" for h in task.head_modules)]
-    return Prepared(task, targets, heads)
+    return Prepared(task, targets, head_parameters(model, task.head_modules))
 
 
 def batches(task: Task, indices: Sequence[int], batch_size: int, steps: int, seed: int) -> list[dict[str, torch.Tensor]]:

@@ -17,7 +17,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 

@@ -18,7 +18,9 @@ The paper models non-IID clients by drawing label proportions from a Dirichlet d
 
 Every partition is a list of 1-D ``int64`` index arrays, one per client, that are disjoint and
 together cover ``range(N)``. :func:`label_histograms` records the realised per-client label
-counts.
+counts. :func:`encode_partition` / :func:`decode_partition` carry a partition to other processes
+(Ray actors, Flower SuperNodes) as one safetensors blob, so every process trains on the server's
+exact index arrays.
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, Sequence
 
 import numpy as np
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 __all__ = [
     "PartitionError",
@@ -37,6 +42,8 @@ __all__ = [
     "label_histograms",
     "make_partition",
     "parse_setting",
+    "encode_partition",
+    "decode_partition",
 ]
 
 
@@ -298,3 +305,15 @@ def parse_setting(s: str) -> PartitionConfig:
         f"unknown partition setting {s!r}; expected 'iid', 'dirichlet:<alpha>' or "
         "'dir<alpha>' (e.g. 'dirichlet:0.5', 'dir0.1')"
     )
+
+
+def encode_partition(parts: Sequence[np.ndarray]) -> bytes:
+    """Client index arrays as one safetensors blob (int64, key = client id)."""
+    tensors = {str(i): torch.from_numpy(np.ascontiguousarray(p, dtype=np.int64)) for i, p in enumerate(parts)}
+    return st_save(tensors, metadata={"num_clients": str(len(parts))})
+
+
+def decode_partition(blob: bytes) -> list[np.ndarray]:
+    """Inverse of :func:`encode_partition`."""
+    tensors = st_load(blob)
+    return [tensors[str(i)].numpy() for i in range(len(tensors))]

@@ -36,6 +36,7 @@ from fedgalore.federated.diagnostics import drift_diagnostics, update_space_diag
 from fedgalore.federated.events import LogProgress, ProgressSink
 from fedgalore.federated.partition import label_histograms
 from fedgalore.federated.resolve import check_device, config_for_method
+from fedgalore.federated.seeding import round_seed, sample_clients
 from fedgalore.federated.validation import expected_keys, upload_norm, validate_upload
 from fedgalore.jsonl import append_jsonl, read_jsonl
 from fedgalore.methods.base import Method
@@ -43,7 +44,7 @@ from fedgalore.protocol.payload import Ledger, Payload, PayloadError, decode, en
 from fedgalore.protocol.state import RoundContext
 from fedgalore.tasks.base import Task
 
-__all__ = ["Federation", "RunResult", "run", "resume", "round_seed", "sample_clients", "extension_problem"]
+__all__ = ["Federation", "RunResult", "run", "resume", "extension_problem"]
 
 log = logging.getLogger("fedgalore")
 
@@ -68,21 +69,6 @@ class RunResult:
     @property
     def final(self) -> dict[str, float]:
         return self.summary.get("final", {})
-
-
-def round_seed(run_seed: int, round_idx: int) -> int:
-    """s_k: the projection seed broadcast in round k (a deterministic chain from the run seed)."""
-    return int(np.random.SeedSequence([int(run_seed), int(round_idx), 7]).generate_state(2, np.uint64)[0] >> np.uint64(1))
-
-
-def sample_clients(run_seed: int, round_idx: int, num_clients: int, k: int | None, attempt: int = 0) -> list[int]:
-    """P_k: k of M clients uniformly without replacement (all when k is None or k = M).
-    ``attempt`` > 0 draws the new sample of a retried round."""
-    if k is None or k >= num_clients:
-        return list(range(num_clients))
-    key = [int(run_seed), int(round_idx), 3] + ([int(attempt)] if attempt else [])
-    rng = np.random.default_rng(np.random.SeedSequence(key))
-    return sorted(int(c) for c in rng.choice(num_clients, size=k, replace=False))
 
 
 def _jsonl_truncate(path: Path, max_round: int) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
-from fedgalore.flower.codec import blob_to_record, decode_partition, record_to_blob  # noqa: E402
+from fedgalore.flower.codec import blob_to_record, record_to_blob  # noqa: E402
 
 __all__ = ["app", "train", "whoami"]
 
@@ -30,9 +30,9 @@ _RUNTIMES: dict[str, object] = {}
 def _runtime(job: ConfigRecord):
     key = str(job["key"])
     if key not in _RUNTIMES:
-        import fedgalore.methods  # noqa: F401  (import order: methods before backends)
         from fedgalore.backends.base import Runtime
         from fedgalore.federated.config import FederatedConfig
+        from fedgalore.federated.partition import decode_partition
 
         cfg = FederatedConfig.from_dict(json.loads(str(job["config"])))
         _RUNTIMES.clear()  # one run at a time per process

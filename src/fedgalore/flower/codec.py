@@ -17,7 +17,6 @@ from flwr.app import Array, ArrayRecord
 
 __all__ = [
     "STYPE", "blob_to_record", "record_to_blob", "tensors_to_record", "record_to_tensors",
-    "encode_partition", "decode_partition",
 ]
 
 STYPE = "fedgalore.safetensors"  # one Array = one serialised fedgalore Payload
@@ -59,17 +58,3 @@ def record_to_tensors(record: ArrayRecord) -> dict[str, torch.Tensor]:
         buf = torch.from_numpy(np.frombuffer(bytearray(arr.data), dtype=np.uint8))
         out[name] = buf.view(dtype).reshape(arr.shape) if buf.numel() else torch.empty(arr.shape, dtype=dtype)
     return out
-
-
-def encode_partition(parts) -> bytes:
-    """Client index arrays as one safetensors blob (int64, key = client id)."""
-    from safetensors.torch import save
-
-    return save({str(i): torch.from_numpy(np.ascontiguousarray(p, dtype=np.int64)) for i, p in enumerate(parts)})
-
-
-def decode_partition(blob: bytes) -> list[np.ndarray]:
-    from safetensors.torch import load
-
-    tensors = load(blob)
-    return [tensors[str(i)].numpy() for i in range(len(tensors))]

@@ -32,9 +32,9 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricReco
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-import fedgalore.methods  # noqa: F401,I001  (import order: methods before backends)
 from fedgalore.backends.base import Backend, ClientJob, ClientResult
-from fedgalore.flower.codec import blob_to_record, encode_partition, record_to_blob
+from fedgalore.federated.partition import encode_partition
+from fedgalore.flower.codec import blob_to_record, record_to_blob
 
 __all__ = ["FedGaLoreStrategy", "GridBackend"]
 

@@ -3,9 +3,9 @@
 T  each round every sampled client attaches *fresh* LoRA adapters to the current global base
    (``A`` by PEFT's law, ``B = 0``) and trains ``A``, ``B`` and the head with AdamW (fresh).
    The fresh ``A`` is drawn from a local generator seeded by
-   ``derive_seed(adapter_seed, round_seed, client)`` — option ``fresh_init: per_client``
+   ``mixed_seed(adapter_seed, round_seed, client)`` — option ``fresh_init: per_client``
    (default; the reference calls PEFT's initialisation once per client, so every client gets its
-   own random ``A``) — or ``derive_seed(adapter_seed, round_seed)`` with
+   own random ``A``) — or ``mixed_seed(adapter_seed, round_seed)`` with
    ``fresh_init: shared`` (one ``A`` per round for everybody). Either way any process rebuilds
    it from integers, so it never has to travel.
 A  stacking: ``B_st = [B_1 … B_K]`` (m×Kr), ``A_st = [p_1A_1; …; p_KA_K]`` (Kr×n), so
@@ -29,8 +29,9 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from fedgalore.federated.seeding import mixed_seed
 from fedgalore.methods.base import MethodError, register
-from fedgalore.methods.lora_common import LoraMethod, check_weights, derive_seed, lifted, w_key
+from fedgalore.methods.lora_common import LoraMethod, check_weights, lifted, w_key
 from fedgalore.protocol.payload import Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 
@@ -51,8 +52,8 @@ class FLoRA(LoraMethod):
 
     def fresh_seed(self, round_seed: int, client: int) -> int:
         if self.opts["fresh_init"] == "shared":
-            return derive_seed(self.adapter_seed, round_seed)
-        return derive_seed(self.adapter_seed, round_seed, client)
+            return mixed_seed(self.adapter_seed, round_seed)
+        return mixed_seed(self.adapter_seed, round_seed, client)
 
     def init_server_state(self, model: nn.Module) -> ServerState:
         params = {w_key(m): self.base_weight(model, m).detach().float().cpu().clone() for m in self.targets}

@@ -13,7 +13,7 @@ Common choices (every baseline, unless its module says otherwise):
   names>)`` inside ``torch.random.fork_rng`` (PEFT's own initialisation draws from the global
   RNG; the fork restores it), then overwritten deterministically: ``A`` by PEFT's default law
   (Kaiming-uniform with a=√5, i.e. ``U(−1/√n, 1/√n)``) drawn from a *local*
-  ``torch.Generator`` seeded by :func:`derive_seed` from option ``adapter_seed`` (default 0);
+  ``torch.Generator`` seeded by :func:`~fedgalore.federated.seeding.mixed_seed` from option ``adapter_seed`` (default 0);
   ``B = 0``. Every process therefore builds identical adapters and the global RNG is untouched.
 * The classifier head (``head_params``) is trained fully and averaged size-weighted by every
   method; it is re-enabled with ``requires_grad=True`` after wrapping (no ``modules_to_save``,
@@ -41,17 +41,17 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar, Sequence
 
-import numpy as np
 import torch
 from torch import nn
 
+from fedgalore.federated.client import local_train
+from fedgalore.federated.seeding import mixed_seed
 from fedgalore.methods.base import Method, MethodError, named_params
 from fedgalore.protocol.payload import Dense, LowRank, Payload
 from fedgalore.protocol.state import ClientContext, ServerState
 
 __all__ = [
     "LoraMethod",
-    "derive_seed",
     "kaiming_uniform",
     "weighted_sum",
     "a_key",
@@ -82,12 +82,6 @@ def w_key(module: str) -> str:
 
 def pair_key(module: str) -> str:
     return f"{module}.lora"
-
-
-def derive_seed(*values: int) -> int:
-    """A 63-bit seed derived deterministically from integers (numpy ``SeedSequence``)."""
-    state = np.random.SeedSequence([int(v) & 0xFFFFFFFFFFFFFFFF for v in values]).generate_state(2, dtype=np.uint32)
-    return int((int(state[0]) << 31) ^ int(state[1])) & 0x7FFFFFFFFFFFFFFF
 
 
 def kaiming_uniform(shape: tuple[int, int], generator: torch.Generator) -> torch.Tensor:
@@ -226,7 +220,7 @@ class LoraMethod(Method):
         for module in self.targets:
             if abs(float(self.layer(peft_model, module).scaling["default"]) - self.scaling) > 1e-12:
                 raise MethodError(f"{self.name}: unexpected PEFT scaling for {module}")
-        self.init_adapters(peft_model, derive_seed(self.adapter_seed))
+        self.init_adapters(peft_model, mixed_seed(self.adapter_seed))
         self.prepare(peft_model)
         for module in self.targets:
             self.lora_a(peft_model, module).requires_grad_(self.train_a())
@@ -286,8 +280,6 @@ class LoraMethod(Method):
 
     def client_update(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> Payload:
         """T: load the broadcast, build a fresh optimizer, run ``local_train``, upload."""
-        from fedgalore.federated.client import local_train  # lazy: client.py imports methods.base
-
         self.load_broadcast(model, broadcast, ctx)
         adapters, heads = self.trainable(model)
         optimizer = self.build_optimizer(ctx, adapters, heads)

@@ -75,7 +75,7 @@ from torch.optim import Optimizer
 
 from fedgalore.optim.projector import PROJ_TYPES, change_of_basis, project, resolve_side, rsvd_basis, svd_basis
 from fedgalore.protocol.bases import SIDES, basis_seed, seeded_basis
-from fedgalore.protocol.payload import Factored, GaLoreUpdate, LowRank, MomentView, SeededLowRank
+from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, SeededLowRank
 
 __all__ = ["GaLoreAdamW", "GaLoreStateEntry", "rebuild_delta", "PROJECTORS", "MOMENT_TRANSFERS"]
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["Task", "TaskError", "resolve_target_modules", "subset_examples", "stratified_split"]
+__all__ = ["Task", "TaskError", "resolve_target_modules", "head_parameters", "subset_examples", "stratified_split"]
 
 
 class TaskError(ValueError):
@@ -113,6 +113,14 @@ def resolve_target_modules(
             f"linear modules are e.g. {[n for n, m in model.named_modules() if isinstance(m, nn.Linear)][:8]}"
         )
     return out
+
+
+def head_parameters(model: nn.Module, head_modules: Sequence[str]) -> list[str]:
+    """Full names of the parameters inside the ``head_modules`` (e.g. ``classifier``), which every
+    method trains fully and averages: a parameter belongs to head ``h`` when its name starts with
+    ``h.`` or contains ``.h.``."""
+    heads = tuple(head_modules)
+    return [n for n, _ in model.named_parameters() if any(n.startswith(h + ".") or f".{h}." in f".{n}" for h in heads)]
 
 
 @dataclass

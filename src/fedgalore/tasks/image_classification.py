@@ -219,11 +219,6 @@ def _to_pixels(images: np.ndarray) -> torch.Tensor:
     return (torch.from_numpy(np.ascontiguousarray(images)).float().div(255.0).sub(0.5).div(0.5)).unsqueeze(1)
 
 
-def _stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Seeded per-class split; returns sorted (train, test) index arrays."""
-    return stratified_split(labels, test_fraction, np.random.default_rng(seed))
-
-
 def _subsample(n_avail: int, n: int | None, seed: int) -> np.ndarray:
     if n is None or n >= n_avail:
         return np.arange(n_avail)
@@ -344,7 +339,7 @@ class OfflineMnistTask(_OfflineVitTask):
             raise TaskError(f"test_fraction={test_fraction} must be in (0, 1)")
         self.classes = [str(d) for d in range(10)]
         x, y = load_mnist5k()
-        tr, te = _stratified_split(y, test_fraction, 300 + self.seed)
+        tr, te = stratified_split(y, test_fraction, np.random.default_rng(300 + self.seed))
         self._train = ArrayDataset({"pixel_values": _to_pixels(x[tr]), "labels": torch.from_numpy(y[tr])})
         self._test = ArrayDataset({"pixel_values": _to_pixels(x[te]), "labels": torch.from_numpy(y[te])})
 
@@ -429,7 +424,7 @@ class DomainNetTask(ImageClassificationTask):
                 paths += files
                 labels += [class_id[c]] * len(files)
             labels_arr = np.asarray(labels, dtype=np.int64)
-            tr, te = _stratified_split(labels_arr, test_fraction, 400 + self.seed)
+            tr, te = stratified_split(labels_arr, test_fraction, np.random.default_rng(400 + self.seed))
             parts = [([paths[i] for i in tr], labels_arr[tr]), ([paths[i] for i in te], labels_arr[te])]
         (tr_paths, tr_labels), (te_paths, te_labels) = parts
         if max_per_class is not None:

@@ -430,7 +430,7 @@ class OfflineBBCNewsTask(TextClassificationTask):
         def load() -> tuple[TextExamples, TextExamples]:
             paths = [f for fs in files for f in fs]
             labels = np.concatenate([np.full(len(fs), c, dtype=np.int64) for c, fs in enumerate(files)])
-            train_idx, test_idx = self.split_indices(labels, self.test_fraction, seed)
+            train_idx, test_idx = stratified_split(labels, self.test_fraction, np.random.default_rng(seed))
             train_idx = train_idx[_subset_indices(len(train_idx), limit, seed)]
             test_idx = test_idx[_subset_indices(len(test_idx), limit, seed + 1)]
 
@@ -440,11 +440,6 @@ class OfflineBBCNewsTask(TextClassificationTask):
             return ex(train_idx), ex(test_idx)
 
         super().__init__(model, load, names, max_length=max_length, seed=seed, metrics=("accuracy", "macro_f1"), cache_key=key, dropout=dropout)
-
-    @staticmethod
-    def split_indices(labels: np.ndarray, test_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-        """Stratified split: sorted train and test indices, ``round(test_fraction·n_c)`` test per class."""
-        return stratified_split(labels, test_fraction, np.random.default_rng(seed))
 
 
 # ---------------------------------------------------------------------- offline: Amazon reviews
