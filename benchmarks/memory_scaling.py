@@ -92,7 +92,7 @@ def _task(name: str):
 
 
 def _config(name: str, method: str, out_dir: str):
-    from fedgalore.federated.config import FederatedConfig
+    from fedgalore.engine.config import FederatedConfig
 
     options = {"update_proj_gap": 1, "adaptive_proj_steps": 1} if method.startswith("fedgalore") else {}
     return FederatedConfig.from_dict({
@@ -115,11 +115,11 @@ def child_round(name: str, method: str, out: Path) -> None:
     import torch
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from fedgalore.federated import server as server_mod
-    from fedgalore.federated.server import Federation
+    from fedgalore.engine import loop as server_mod
+    from fedgalore.engine.loop import Federation
     from fedgalore.memory import PeakTracker, rss_bytes, tensor_bytes
 
-    backends_base = importlib.import_module("fedgalore.backends.base")
+    backends_base = importlib.import_module("fedgalore.engine.runtime")
     tracker = PeakTracker()
     task = _task(name)
     tmp = tempfile.mkdtemp(prefix="memscale-")
@@ -428,7 +428,7 @@ def main(argv=None) -> int:
 def plan_check(run: dict) -> dict:
     """The plan's exact components for the measured configuration (from the shape miniature of the
     same model) next to the measured ones."""
-    from fedgalore.federated.config import FederatedConfig
+    from fedgalore.engine.config import FederatedConfig
     from fedgalore.plan import ModelSpec, probe_method
 
     import torch

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from fedgalore.backends.base import ClientJob, Runtime
-from fedgalore.backends.ray import RayBackend, _rss_bytes
-from fedgalore.backends.sequential import SequentialBackend
-from fedgalore.federated.config import FederatedConfig
+from fedgalore.engine.backends.ray import RayBackend, _rss_bytes
+from fedgalore.engine.backends.sequential import SequentialBackend
+from fedgalore.engine.config import FederatedConfig
+from fedgalore.engine.runtime import ClientJob, Runtime
 from fedgalore.federated.seeding import round_seed, sample_clients
 from fedgalore.protocol.payload import encode
 from fedgalore.protocol.state import RoundContext
@@ -86,9 +86,11 @@ def main() -> None:
 
     cfg = make_cfg(task, args.rounds, args.steps, "unused", {"name": "sequential", "options": {}})
     rt = Runtime(cfg)
-    seq = SequentialBackend(rt)
+    seq = SequentialBackend()
+    seq.start(rt)
     t0 = time.perf_counter()
-    ray_b = RayBackend(rt, num_workers=args.workers, num_cpus=1)
+    ray_b = RayBackend(num_workers=args.workers, num_cpus=1)
+    ray_b.start(rt)
     ray_setup = time.perf_counter() - t0
     state = rt.method.init_server_state(rt.model)
     fed = cfg.federation

@@ -395,8 +395,10 @@ def _sweep_table(setting: str) -> dict[str, dict[float, dict]]:
 
 
 def alignment_report(dest: Path = RESULTS / "alignment") -> dict:
-    """Curves (accuracy vs rate), the chosen rates, the seed confirmation and the good-rate bands
-    (rates within 2 points of the method's best test accuracy), as JSON + PNG + markdown."""
+    """Curves (accuracy vs rate), the rates chosen on validation, the seed confirmation, the
+    good-rate bands (rates within 2 points of the method's best seed-0 test accuracy), and the
+    step-size check (client update norm / FedGaLore-minus's at the same rate, rounds 2-6), as
+    ``alignment.json``, ``alignment.md``, ``accuracy_vs_lr.png`` and ``update_norms.png``."""
     import statistics
 
     import matplotlib
@@ -405,12 +407,16 @@ def alignment_report(dest: Path = RESULTS / "alignment") -> dict:
     import matplotlib.pyplot as plt
 
     dest.mkdir(parents=True, exist_ok=True)
-    result: dict = {"alphas": {}, "rows": ALIGN_ROWS, "rates": ALIGN_LRS}
+    result: dict = {"alphas": {}, "rows": ALIGN_ROWS, "rates": {k: [f"{x:g}" for x in v] for k, v in ALIGN_LRS.items()}}
     choice = alignment_choice()
     fig, axes = plt.subplots(1, len(ALIGN_ALPHAS), figsize=(11, 4), sharey=True)
-    for ax, setting in zip(axes, ALIGN_ALPHAS):
+    nfig, naxes = plt.subplots(1, len(ALIGN_ALPHAS), figsize=(11, 4), sharey=True)
+    md = ["# Issue 17: does synchronising the second moment beat not synchronising it?", ""]
+    for ax, nax, setting in zip(axes, naxes, ALIGN_ALPHAS):
         sweep = _sweep_table(setting)
-        entry: dict = {"sweep": {}, "choice": choice.get(setting, {}), "seeds": {}, "band": {}}
+        entry: dict = {"sweep": {}, "choice": {k: f"{v:g}" for k, v in choice.get(setting, {}).items()},
+                       "seeds": {}, "band": {}, "norm_vs_minus": {}}
+        minus = sweep.get("fedgalore_minus", {})
         for label, by_lr in sweep.items():
             lrs = sorted(by_lr)
             entry["sweep"][label] = {f"{lr:g}": {"test": by_lr[lr]["test"], "val": by_lr[lr]["val"],
@@ -422,22 +428,76 @@ def alignment_report(dest: Path = RESULTS / "alignment") -> dict:
             entry["band"][label] = {"best_test": best, "rates_within_2_points": [f"{lr:g}" for lr in lrs if tests[lr] >= best - 0.02],
                                     "best_at_edge": max(tests, key=tests.get) in (min(lrs), max(lrs))}
             ax.plot(lrs, [100 * tests[lr] for lr in lrs], marker="o", label=label)
+            if label.startswith("fedgalore") and label != "fedgalore_minus":
+                ratios = {}
+                for lr in lrs:
+                    if lr in minus:
+                        a = [d.get("client_update_norm_mean") for d in by_lr[lr]["diag"]][1:]
+                        b = [d.get("client_update_norm_mean") for d in minus[lr]["diag"]][1:]
+                        r = [x / y for x, y in zip(a, b) if x is not None and y]
+                        if r:
+                            ratios[f"{lr:g}"] = {"mean": statistics.mean(r), "max": max(r)}
+                entry["norm_vs_minus"][label] = ratios
+                if ratios:
+                    xs = sorted(float(k) for k in ratios)
+                    nax.plot(xs, [ratios[f"{x:g}"]["mean"] for x in xs], marker="o", label=label)
         out = RUNS / "alignment" / f"seeds_{_alpha_dir(setting)}"
         for r in _summaries(out):
             entry["seeds"].setdefault(r["label"], {})[str(r["seed"])] = r["test"]
         entry["seed_mean"] = {k: statistics.mean(v.values()) for k, v in entry["seeds"].items()}
         entry["seed_std"] = {k: statistics.stdev(v.values()) if len(v) > 1 else 0.0 for k, v in entry["seeds"].items()}
+        pairs = {}
+        for label in ("fedgalore_aligned", "fedgalore_paper", "fedgalore_aligned_seeded"):
+            a, b = entry["seeds"].get(label, {}), entry["seeds"].get("fedgalore_minus", {})
+            common = sorted(set(a) & set(b))
+            if common:
+                d = [a[s] - b[s] for s in common]
+                pairs[label] = {"seeds": common, "diff": d, "mean": statistics.mean(d), "std": statistics.stdev(d) if len(d) > 1 else 0.0}
+        entry["paired_vs_minus"] = pairs
         result["alphas"][setting] = entry
-        ax.set_xscale("log")
-        ax.set_xlabel("learning rate (train.lr)")
+        for a_ in (ax, nax):
+            a_.set_xscale("log")
+            a_.set_xlabel("learning rate (train.lr)")
+            a_.grid(alpha=0.3)
         ax.set_title(f"Dirichlet α = {setting.split(':')[1]}, seed 0 (final test accuracy)")
-        ax.grid(alpha=0.3)
+        nax.set_title(f"α = {setting.split(':')[1]}: client update norm / FedGaLore⁻'s, rounds 2-6")
+        nax.axhline(1.0, color="grey", lw=0.8)
+        nax.axhline(3.0, color="red", lw=0.8, ls="--")
+        # markdown
+        md += [f"## Dirichlet α = {setting.split(':')[1]}", "",
+               "| method | rate chosen (val, seed 0) | seed-0 test at it | best seed-0 test | rates within 2 points | seeds 1-3 test (mean ± std) |",
+               "|---|---:|---:|---:|---|---:|"]
+        for label in ALIGN_ROWS:
+            if label not in entry["band"]:
+                continue
+            lr = choice.get(setting, {}).get(label)
+            t0 = sweep[label][lr]["test"] if lr in sweep[label] else float("nan")
+            seeds = entry["seeds"].get(label, {})
+            sm = f"{100 * entry['seed_mean'][label]:.1f} ± {100 * entry['seed_std'][label]:.1f} ({len(seeds)})" if seeds else "—"
+            band = entry["band"][label]
+            md.append(f"| {label} | {lr:g} | {100 * t0:.1f} | {100 * band['best_test']:.1f} | "
+                      f"{', '.join(band['rates_within_2_points'])}{' (edge)' if band['best_at_edge'] else ''} | {sm} |")
+        md.append("")
+        for label, pr in pairs.items():
+            md.append(f"- {label} − fedgalore_minus, paired over seeds {pr['seeds']}: "
+                      f"{100 * pr['mean']:+.1f} ± {100 * pr['std']:.1f} points ({', '.join(f'{100 * x:+.1f}' for x in pr['diff'])})")
+        md.append("")
+        for label, ratios in entry["norm_vs_minus"].items():
+            if ratios:
+                md.append(f"- {label}: client update norm / FedGaLore⁻'s at the same rate, rounds 2-6: "
+                          + ", ".join(f"{k}: {v['mean']:.2f} (max {v['max']:.2f})" for k, v in sorted(ratios.items(), key=lambda kv: float(kv[0]))))
+        md.append("")
     axes[0].set_ylabel("final test accuracy (%)")
     axes[-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(dest / "accuracy_vs_lr.png", dpi=120)
-    plt.close(fig)
+    naxes[0].set_ylabel("update norm ratio (log)")
+    naxes[0].set_yscale("log")
+    naxes[-1].legend(fontsize=7)
+    for f, name in ((fig, "accuracy_vs_lr.png"), (nfig, "update_norms.png")):
+        f.tight_layout()
+        f.savefig(dest / name, dpi=120)
+        plt.close(f)
     (dest / "alignment.json").write_text(json.dumps(result, indent=1))
+    (dest / "alignment.md").write_text("\n".join(md) + "\n")
     return result
 
 

@@ -5,7 +5,7 @@ For each scale — ``tiny_text`` (random BERT, milliseconds per step), ``offline
 × BBC News, 64 tokens, batch 16) and ``offline_math`` (SmolLM2-135M, batch 4) — and each method
 (``fedgalore``, ``fedavg_full``), one process runs, interleaved round by round:
 
-* a real round of :class:`fedgalore.federated.server.Federation` (sequential backend, all
+* a real round of :class:`fedgalore.engine.loop.Federation` (sequential backend, all
   ``K = 2`` clients, ``T`` local steps each, diagnostics off, checkpoint every round) — timed
   without its evaluation, which is not overhead;
 * a bare loop: the same model, the same clients' batches, the same optimizer class and options
@@ -68,7 +68,7 @@ class Clock:
 
 
 def _config(scale: str, method: str, out: str):
-    from fedgalore.federated.config import FederatedConfig
+    from fedgalore.engine.config import FederatedConfig
 
     s = SCALES[scale]
     opts = {"update_proj_gap": 200, "projector": "rsvd_then_random"} if method == "fedgalore" else {}
@@ -103,8 +103,8 @@ def _bare_optimizer(method, model, names, tc):
 
 def bare_round(fed, k: int) -> float:
     """The same clients' steps of round ``k`` with a plain optimizer and ``local_train``."""
-    from fedgalore.federated.seeding import client_seed
     from fedgalore.federated.client import local_train
+    from fedgalore.federated.seeding import client_seed
     from fedgalore.protocol.state import ClientContext
 
     rt, method, tc = fed.runtime, fed.method, fed.cfg.train
@@ -124,11 +124,11 @@ def bare_round(fed, k: int) -> float:
 
 
 def measure(scale: str, method: str, rounds: int) -> dict:
-    from fedgalore.federated import server as server_mod
+    from fedgalore.engine import loop as server_mod
+    from fedgalore.engine.loop import Federation
     from fedgalore.federated.checkpoint import save_checkpoint
-    from fedgalore.federated.server import Federation
 
-    base = importlib.import_module("fedgalore.backends.base")
+    base = importlib.import_module("fedgalore.engine.runtime")
     meth_mod = importlib.import_module(f"fedgalore.methods.{'fedgalore' if method == 'fedgalore' else 'fedavg_full'}")
     clock = Clock()
     out = tempfile.mkdtemp(prefix="overhead-")

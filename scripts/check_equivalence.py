@@ -29,7 +29,7 @@ METHODS = ["fedavg_full", "fedit", "ffa_lora", "flora", "fr_lora", "lora_fair", 
 
 
 def _config(out: Path, method: str):
-    from fedgalore.federated.config import FederatedConfig
+    from fedgalore.engine.config import FederatedConfig
 
     return FederatedConfig.from_dict({
         "name": "equiv", "seed": 0,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import fedgalore
-from fedgalore.federated.config import ConfigError, FederatedConfig
-from fedgalore.federated.events import ProgressSink
+from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.engine.events import ProgressSink
 from fedgalore.protocol.payload import (
     Dense,
     Factored,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.federated.client import local_train, loss_items, optimizer_steps
-from fedgalore.federated.config import ConfigError, FederatedConfig
 from fedgalore.protocol.state import ClientContext, TrainConfig
 
 
@@ -114,7 +114,7 @@ def test_config_field_and_validation():
     with pytest.raises(ConfigError, match="grad_accum_steps=0 must be >= 1"):
         FederatedConfig.from_dict({"train": {"grad_accum_steps": 0}})
     # T = train.local_steps counts optimizer steps: the client draws T·k micro-batches
-    from fedgalore.backends.base import Runtime
+    from fedgalore.engine.runtime import Runtime
 
     both = FederatedConfig.from_dict({"train": {"grad_accum_steps": 4, "local_steps": 10, "batch_size": 2}})
     assert Runtime._steps_for(100, both.train) == 40

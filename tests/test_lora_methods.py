@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fedgalore.federated.events import ProgressSink
+from fedgalore.engine.events import ProgressSink
 from fedgalore.methods import fedit, ffa_lora, flora, fr_lora, lora_fair  # noqa: F401  (registration)
 from fedgalore.methods.base import MethodError, get_method
 from fedgalore.methods.fr_lora import pissa_factors
@@ -277,7 +277,7 @@ def test_flora_fresh_adapters_per_client_and_round(task):
 
 # ----------------------------------------------------------------------------- the real round loop
 def loop_cfg(tmp_path: Path, name: str, rounds: int = 2):
-    from fedgalore.federated.config import FederatedConfig
+    from fedgalore.engine.config import FederatedConfig
 
     return FederatedConfig.from_dict(
         {
@@ -294,7 +294,7 @@ def loop_cfg(tmp_path: Path, name: str, rounds: int = 2):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_two_rounds_through_round_loop(tmp_path: Path, name: str):
-    from fedgalore.federated.server import Federation
+    from fedgalore.engine.loop import Federation
 
     fed = Federation(loop_cfg(tmp_path, name))
     start = {k: v.clone() for k, v in fed.state.params.items()}

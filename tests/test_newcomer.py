@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fedgalore.cli import main
-from fedgalore.federated.resolve import config_for_method
+from fedgalore.engine.resolve import config_for_method
 from test_cli import _error, cli, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,7 +89,7 @@ def test_unknown_method_option_is_still_one_line(tmp_path, capsys) -> None:
 
 
 def test_method_options_can_be_cleared() -> None:
-    from fedgalore.federated.config import load_config
+    from fedgalore.engine.config import load_config
 
     path = REPO / "conf" / "pipeline" / "offline_text.yaml"
     assert load_config(path).method.options["update_proj_gap"] == 50
@@ -291,7 +291,7 @@ def test_fedavg_full_trains_the_whole_model_when_asked(tmp_path) -> None:
 def test_fedavg_full_whole_model_moves_embeddings_and_norms(tmp_path) -> None:
     """With trainable=all the embeddings and normalisation weights train too (and are averaged)."""
     import fedgalore
-    from fedgalore.backends.base import Runtime
+    from fedgalore.engine.runtime import Runtime
     from fedgalore.federated.checkpoint import load_latest_checkpoint
 
     path = tiny_config(tmp_path)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from fedgalore.federated.config import FederatedConfig
+from fedgalore.engine.config import FederatedConfig
 from fedgalore.memory import PeakTracker, peak_tracking_available, tensor_bytes
 from fedgalore.plan import PlanError, make_plan, phase_peaks
 
@@ -32,7 +32,7 @@ def _cfg(tmp_path, method, **over):
 def test_bytes_per_round_match_a_real_run(tmp_path, method):
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    from fedgalore.federated.server import Federation
+    from fedgalore.engine.loop import Federation
 
     cfg = _cfg(tmp_path, method)
     plan = make_plan(cfg, [method])["methods"][method]

@@ -10,7 +10,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import fedgalore  # noqa: E402
-from fedgalore.federated.config import FederatedConfig  # noqa: E402
+from fedgalore.engine.config import FederatedConfig  # noqa: E402
 
 CRASH_PLUGIN = '''
 import os
@@ -75,16 +75,17 @@ def test_ray_reproduces_sequential(tmp_path, ray_cluster):
 
 
 def test_backend_counts_boundary_bytes_and_returns_job_order(tmp_path, ray_cluster):
-    from fedgalore.backends.base import ClientJob, Runtime
-    from fedgalore.backends.ray import RayBackend
+    from fedgalore.engine.backends.ray import RayBackend
+    from fedgalore.engine.runtime import ClientJob, Runtime
     from fedgalore.federated.seeding import round_seed
     from fedgalore.protocol.payload import encode
     from fedgalore.protocol.state import RoundContext
 
     c = cfg(tmp_path)
     rt = Runtime(c)
-    backend = RayBackend(rt, num_workers=2, num_cpus=0.5)
+    backend = RayBackend(num_workers=2, num_cpus=0.5)
     try:
+        backend.start(rt)
         state = rt.method.init_server_state(rt.model)
         clients = [4, 0, 2]
         blob = encode(rt.method.broadcast(state, RoundContext(0, 2, round_seed(0, 0), clients, [1 / 3] * 3)))

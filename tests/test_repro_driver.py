@@ -65,7 +65,7 @@ def test_vision_study_covers_every_method(driver) -> None:
     vision = importlib.import_module("repro_offline_vision").VISION
     assert vision.config.is_file() and vision.runs.name == "repro_vision"
     assert set(vision.lrs) == set(driver.METHODS) and all(vision.lrs.values())
-    from fedgalore.federated.config import load_config
+    from fedgalore.engine.config import load_config
 
     cfg = load_config(vision.config)
     assert (cfg.federation.num_clients, cfg.federation.clients_per_round, cfg.train.local_epochs) == (50, 5, 2)
@@ -84,7 +84,7 @@ def test_math_driver_runs_the_command_it_documents(driver) -> None:
     assert cmd[cmd.index("--out") + 1] == str(math.OUT) and not math.OUT.is_absolute()
     assert tuple(a for a in cmd if "=" in a) == math.OVERRIDES
     assert math.MATH.results / math.OUT.name == BENCH / "results" / "repro_math"
-    from fedgalore.federated.config import load_config
+    from fedgalore.engine.config import load_config
 
     cfg = load_config(math.MATH.config, math.OVERRIDES)
     assert cfg.task.options["n_test"] == 30 and cfg.federation.eval_every == cfg.federation.rounds == 4

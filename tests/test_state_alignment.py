@@ -45,7 +45,7 @@ def test_paper_mode_views_share_R_k_whatever_the_step_count(tmp_path):
     """Algorithm 1 line 13: every client's moment upload is on the round's seeded basis
     R_k = seeded_basis(basis_seed(s_k, name, 0)) — the seed travels, no basis — even when clients
     take different numbers of local steps (Dirichlet sizes, E = 1 epoch)."""
-    from fedgalore.backends.base import ClientJob, Runtime
+    from fedgalore.engine.runtime import ClientJob, Runtime
     from fedgalore.federated.seeding import round_seed
 
     cfg = tiny_cfg(tmp_path, "fedgalore", rounds=1, method_options={"moment_protocol": "paper", "update_proj_gap": 50},

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fedgalore
-from fedgalore.federated.config import ConfigError
+from fedgalore.engine.config import ConfigError
 from fedgalore.tasks.base import stratified_split, subset_examples
 
 from test_engine import tiny_cfg
@@ -45,7 +45,7 @@ def test_validation_examples_reach_no_client_and_are_evaluated(tmp_path):
                                                   "validation_fraction": 0.25,
                                                   "partition": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5}})
     res = fedgalore.run(cfg)
-    from fedgalore.backends.base import Runtime
+    from fedgalore.engine.runtime import Runtime
 
     rt = Runtime(cfg)
     val = set(rt.validation_idx.tolist())

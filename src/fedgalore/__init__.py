@@ -16,12 +16,16 @@ __all__ = ["run", "resume", "FederatedConfig", "load_config", "RunResult", "GaLo
 
 
 def __getattr__(name):  # lazy: importing fedgalore stays cheap
-    if name in ("run", "resume", "RunResult", "Federation"):
-        from fedgalore.federated import server
+    if name in ("run", "resume"):
+        from fedgalore.engine import api
 
-        return getattr(server, name)
+        return getattr(api, name)
+    if name in ("RunResult", "Federation"):
+        from fedgalore.engine import loop
+
+        return getattr(loop, name)
     if name in ("FederatedConfig", "load_config", "ConfigError"):
-        from fedgalore.federated import config
+        from fedgalore.engine import config
 
         return getattr(config, name)
     if name == "GaLoreAdamW":

@@ -29,7 +29,7 @@ _COMPARE_KEYS = ("methods", "settings", "seeds", "method_options", "out")
 def _user_errors() -> tuple[type[BaseException], ...]:
     """The exception types that mean "the user asked for something wrong" (ValueError subclasses
     raised by the library with a message that says how to fix it)."""
-    from fedgalore.federated.config import ConfigError
+    from fedgalore.engine.config import ConfigError
     from fedgalore.federated.partition import PartitionError
     from fedgalore.methods.base import MethodError
     from fedgalore.report import ReportError
@@ -61,7 +61,7 @@ def _load_config(path: str | None, overrides: Sequence[str]) -> tuple[Any, dict[
     """
     from omegaconf import OmegaConf
 
-    from fedgalore.federated.config import ConfigError, load_config
+    from fedgalore.engine.config import ConfigError, load_config
 
     cmp_over = [o for o in overrides if o.split("=", 1)[0].strip().startswith("compare.")]
     cfg_over = [o for o in overrides if o not in cmp_over]
@@ -97,7 +97,7 @@ def _load_config(path: str | None, overrides: Sequence[str]) -> tuple[Any, dict[
 
 
 def _split_list(value: Any, what: str) -> list[str]:
-    from fedgalore.federated.config import ConfigError
+    from fedgalore.engine.config import ConfigError
 
     if value is None:
         return []
@@ -113,7 +113,7 @@ def _split_list(value: Any, what: str) -> list[str]:
 
 
 def _parse_seeds(value: Any) -> list[int]:
-    from fedgalore.federated.config import ConfigError
+    from fedgalore.engine.config import ConfigError
 
     out = []
     for v in _split_list(value, "--seeds"):
@@ -127,7 +127,7 @@ def _parse_seeds(value: Any) -> list[int]:
 def _read_method_options(path: str) -> dict[str, dict[str, Any]]:
     from omegaconf import OmegaConf
 
-    from fedgalore.federated.config import ConfigError
+    from fedgalore.engine.config import ConfigError
 
     p = Path(path)
     if not p.is_file():
@@ -140,7 +140,7 @@ def _read_method_options(path: str) -> dict[str, dict[str, Any]]:
 
 
 def _check_method_options(data: Any, where: str) -> dict[str, dict[str, Any]]:
-    from fedgalore.federated.config import ConfigError
+    from fedgalore.engine.config import ConfigError
 
     if data is None:
         return {}
@@ -162,7 +162,7 @@ def _fmt_metrics(final: dict[str, Any]) -> str:
 
 def _resume_rounds(overrides: Sequence[str]) -> int | None:
     """``federation.rounds=N`` is the one override ``--resume`` takes (extending a run)."""
-    from fedgalore.federated.config import ConfigError
+    from fedgalore.engine.config import ConfigError
 
     rounds = None
     for ov in overrides:
@@ -196,8 +196,8 @@ def _hub_note(task: str) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from fedgalore.federated.config import ConfigError
-    from fedgalore.federated.server import resume, run
+    from fedgalore.engine.api import resume, run
+    from fedgalore.engine.config import ConfigError
 
     if args.resume is not None:
         run_dir = Path(args.resume)
@@ -223,7 +223,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from fedgalore.compare import run_grid
-    from fedgalore.federated.config import ConfigError
+    from fedgalore.engine.config import ConfigError
 
     cfg, section = _load_config(args.config, args.overrides)
     methods = _split_list(args.methods if args.methods is not None else section.get("methods"), "--methods")
@@ -317,7 +317,7 @@ def _benchmarks(d: Path | None) -> list[str]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fedgalore.federated.config import ConfigError
+    from fedgalore.engine.config import ConfigError
 
     d = _benchmarks_dir()
     names = _benchmarks(d)
@@ -350,7 +350,7 @@ def _experiments() -> list[str]:
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
-    from fedgalore.federated.config import ConfigError
+    from fedgalore.engine.config import ConfigError
 
     names = _experiments()
     if args.list or args.name is None:

@@ -1,6 +1,6 @@
 """Comparison grids: methods × partition settings × seeds under one identical budget.
 
-:func:`run_grid` takes a base :class:`~fedgalore.federated.config.FederatedConfig` and changes
+:func:`run_grid` takes a base :class:`~fedgalore.engine.config.FederatedConfig` and changes
 only the method, the partition setting and the seed per cell — rounds, local steps, rank, lr,
 clients, evaluation and everything else stay those of the base config, so every method gets the
 same training budget (docs/design.md §4). Cells run one after another; each cell's resolved config is
@@ -50,8 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from fedgalore.federated.config import ConfigError, FederatedConfig
-from fedgalore.federated.events import ProgressSink
+from fedgalore.engine.config import ConfigError, FederatedConfig, config_difference
+from fedgalore.engine.events import ProgressSink
 from fedgalore.federated.partition import PartitionConfig, parse_setting
 
 __all__ = ["Cell", "plan_grid", "run_grid", "cell_status"]
@@ -215,26 +215,6 @@ def cell_status(run_dir: Path) -> str:
     return "complete" if status == "complete" else "running"
 
 
-def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
-    """The first differing value (keys present in only one side are config-schema changes between
-    library versions, not user changes, and are ignored)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) & set(b)):
-            diff = _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else k)
-            if diff:
-                return diff
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        a, b = list(a), list(b)
-    return None if a == b else f"{path}: {a!r} -> {b!r}"
-
-
-def _comparable(d: dict[str, Any]) -> dict[str, Any]:
-    d = json.loads(json.dumps(d))
-    d.get("output", {}).pop("progress", None)  # display only
-    return d
-
-
 def _save_cell_config(cell: Cell, out: Path) -> None:
     """Write ``configs/<cell>.yaml``; refuse to mix a cell with one configured differently."""
     from omegaconf import OmegaConf
@@ -243,7 +223,7 @@ def _save_cell_config(cell: Cell, out: Path) -> None:
     new = cell.cfg.to_dict()
     if path.is_file():
         old = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-        diff = _first_difference(_comparable(old), _comparable(new))
+        diff = config_difference(old, new)
         if diff and cell_status(out / "runs" / cell.name) != "new":
             raise ConfigError(
                 f"cell {cell.name} in {out} already ran with a different config ({diff}); "
@@ -321,8 +301,8 @@ def run_grid(
     ``fedgalore`` logger at INFO level). ``shard=(i, n)`` runs only cells ``i, i+n, i+2n, ...``
     (parallel workers on one ``out_dir``); the report is written once every cell is complete.
     """
-    from fedgalore.federated.resolve import check_device
-    from fedgalore.federated.server import run as run_one
+    from fedgalore.engine.api import run as run_one
+    from fedgalore.engine.resolve import check_device
 
     check_device(base_cfg.device)
     out = Path(out_dir)

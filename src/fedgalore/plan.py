@@ -44,8 +44,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.federated.client import optimizer_steps
-from fedgalore.federated.config import ConfigError, FederatedConfig
 from fedgalore.tasks.base import ArrayDataset, Task, TaskError, head_parameters, resolve_target_modules
 
 __all__ = [
@@ -380,7 +380,7 @@ def probe_method(cfg: FederatedConfig, spec: ModelSpec, method: str, options: di
     ``τ' = 1``; at least two clients when the federation has two, so clients whose bases differ
     are synchronised on a consensus basis as in the real run), two rounds — and map its payloads,
     server state and optimizer state back to the real size (module doc)."""
-    from fedgalore.federated.server import Federation
+    from fedgalore.engine.loop import Federation
 
     opts, galore = _method_setting(cfg, method, dict(cfg.method.options if options is None else options))
     dims = DimMap(spec, cfg.method.rank)

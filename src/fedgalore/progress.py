@@ -7,7 +7,7 @@
 * ``quiet`` — nothing (warnings such as dropped clients still go to the ``fedgalore`` logger);
 * ``auto``  — ``rich`` when stdout is a terminal, else ``plain``.
 
-All sinks subclass :class:`fedgalore.federated.events.ProgressSink` (``round`` arguments are
+All sinks subclass :class:`fedgalore.engine.events.ProgressSink` (``round`` arguments are
 0-based; the display shows 1-based rounds). One sink can serve several consecutive runs (a
 comparison grid): ``start`` / ``close`` bracket each run.
 """
@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-from fedgalore.federated.events import ProgressSink
+from fedgalore.engine.events import ProgressSink
 from fedgalore.report.tables import format_bytes
 
 __all__ = ["make_progress", "PlainProgress", "RichProgress", "QuietProgress", "PROGRESS_MODES"]
@@ -206,7 +206,7 @@ class RichProgress(ProgressSink):
 def make_progress(mode: str = "auto", stream: TextIO | None = None) -> ProgressSink:
     """The progress sink for ``mode`` (auto | rich | plain | quiet)."""
     if mode not in PROGRESS_MODES:
-        from fedgalore.federated.config import ConfigError
+        from fedgalore.engine.config import ConfigError
 
         raise ConfigError(f"progress mode {mode!r} is not one of {', '.join(PROGRESS_MODES)}")
     if mode == "auto":

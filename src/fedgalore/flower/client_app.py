@@ -3,7 +3,7 @@
 Each SuperNode is one federated client: its node config ``partition-id`` is the fedgalore client
 id (in simulation Flower sets it; in a deployment pass ``--node-config "partition-id=3
 num-partitions=20"``). A ``train`` message carries the serialised broadcast and the job; the
-node trains with :meth:`fedgalore.backends.base.Runtime.execute` — the same code the sequential
+node trains with :meth:`fedgalore.engine.runtime.Runtime.execute` — the same code the sequential
 and Ray backends run — and replies with the serialised upload.
 
 The Runtime (task, frozen base model, method, partition) is built once per process from the
@@ -30,8 +30,8 @@ _RUNTIMES: dict[str, object] = {}
 def _runtime(job: ConfigRecord):
     key = str(job["key"])
     if key not in _RUNTIMES:
-        from fedgalore.backends.base import Runtime
-        from fedgalore.federated.config import FederatedConfig
+        from fedgalore.engine.config import FederatedConfig
+        from fedgalore.engine.runtime import Runtime
         from fedgalore.federated.partition import decode_partition
 
         cfg = FederatedConfig.from_dict(json.loads(str(job["config"])))
@@ -49,7 +49,7 @@ def whoami(msg: Message, context: Context) -> Message:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    from fedgalore.backends.base import ClientJob
+    from fedgalore.engine.runtime import ClientJob
 
     job = msg.content["job"]
     client = int(job["client"])

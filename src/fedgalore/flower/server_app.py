@@ -37,7 +37,7 @@ class FlowerRunError(RuntimeError):
 
 
 def config_from_run_config(run_config, app_dir: str | Path | None = None) -> "FederatedConfig":  # noqa: F821
-    from fedgalore.federated.config import ConfigError, load_config
+    from fedgalore.engine.config import ConfigError, load_config
 
     path = str(run_config.get("config", ""))
     if not path:

@@ -1,14 +1,14 @@
-"""Execution backends: how the clients' local training T is run (sequential | ray | flower).
+"""What one process needs to run clients: :class:`Runtime` (paper Algorithm 1, operator T).
 
-A :class:`Runtime` is everything one process needs to run clients: the task, the prepared model
-(built once), the method, and the partition. The sequential backend shares the server's runtime;
-a Ray actor or Flower client builds its own from the resolved config — the method objects and
-payloads are the same in every backend. Only serialised payloads (safetensors bytes) cross a
-backend boundary.
+A :class:`Runtime` holds the task, the prepared model (built once), the method and the
+partition, all built deterministically from the run's config. The server's loop owns one (the
+sequential backend trains on it); a Ray actor or a Flower SuperNode builds its own from the same
+resolved config — the method objects and payloads are the same in every process. A client's job
+(:class:`ClientJob`) and result (:class:`ClientResult`) hold only integers and serialised
+payloads (safetensors bytes): that is all that crosses a process boundary.
 """
 from __future__ import annotations
 
-import abc
 import math
 import time
 import traceback
@@ -18,7 +18,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.federated.client import ClientError
+from fedgalore.federated.partition import make_partition
 from fedgalore.federated.seeding import BATCHES, DROPOUT, client_seed, validation_seed
 from fedgalore.methods.base import Method, get_method
 from fedgalore.protocol.payload import decode, encode
@@ -26,11 +28,13 @@ from fedgalore.protocol.state import ClientContext, TrainConfig
 from fedgalore.tasks import Task, get_task, resolve_target_modules
 from fedgalore.tasks.base import head_parameters, stratified_split, subset_examples
 
-__all__ = ["Runtime", "ClientJob", "ClientResult", "Backend"]
+__all__ = ["Runtime", "ClientJob", "ClientResult"]
 
 
 @dataclass
 class ClientJob:
+    """One client's training in round ``round``, with the round seed s_k it was broadcast."""
+
     round: int
     total_rounds: int
     client: int
@@ -39,6 +43,8 @@ class ClientJob:
 
 @dataclass
 class ClientResult:
+    """What came back from a client: its serialised upload, or why there is none."""
+
     client: int
     upload: bytes | None  # serialised Payload, None on failure
     error: str | None = None
@@ -49,9 +55,7 @@ class ClientResult:
 class Runtime:
     """Task + prepared model + method + partition, built deterministically from a config."""
 
-    def __init__(self, cfg, parts: Sequence[np.ndarray] | None = None, task: Task | None = None, method: Method | None = None):
-        from fedgalore.federated.partition import make_partition
-
+    def __init__(self, cfg: FederatedConfig, parts: Sequence[np.ndarray] | None = None, task: Task | None = None, method: Method | None = None):
         self.cfg = cfg
         self.task = task if task is not None else get_task(cfg.task.name, **cfg.task.options)
         self.method = method if method is not None else get_method(cfg.method.name, rank=cfg.method.rank, **cfg.method.options)
@@ -77,8 +81,6 @@ class Runtime:
         self.steps_per_round = max(mean_steps, 1)
 
     def _check_rank(self, model: torch.nn.Module) -> None:
-        from fedgalore.federated.config import ConfigError
-
         mods = dict(model.named_modules())
         smallest = min(min(mods[m].weight.shape) for m in self.target_modules)
         if self.cfg.method.rank > smallest:
@@ -163,14 +165,3 @@ class Runtime:
             return ClientResult(job.client, None, str(exc), time.perf_counter() - t0)
         except Exception as exc:  # a failing client must not take the federation down
             return ClientResult(job.client, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}", time.perf_counter() - t0)
-
-
-class Backend(abc.ABC):
-    name = "backend"
-
-    @abc.abstractmethod
-    def run_clients(self, broadcast: bytes, jobs: list[ClientJob], progress=None) -> list[ClientResult]:
-        """Run T for every job on the same broadcast; results in job order."""
-
-    def close(self) -> None:
-        pass

@@ -5,12 +5,12 @@
   method accepts (:func:`fedgalore.methods.base.method_options_for`), and that is what its
   ``config.yaml`` records;
 * :func:`check_device` — ``device=cuda`` on a torch without CUDA (or ``cuda:3`` with one GPU, or
-  ``mps`` off Apple silicon) is one :class:`~fedgalore.federated.config.ConfigError` line that
+  ``mps`` off Apple silicon) is one :class:`~fedgalore.engine.config.ConfigError` line that
   says what to change, before any model or data is loaded.
 """
 from __future__ import annotations
 
-from fedgalore.federated.config import ConfigError, FederatedConfig
+from fedgalore.engine.config import ConfigError, FederatedConfig
 
 __all__ = ["config_for_method", "check_device"]
 

@@ -2,7 +2,7 @@
 
 One actor per concurrent client slot (``num_workers``), each reserving ``num_cpus`` CPUs and
 ``num_gpus`` GPUs (both may be fractional, e.g. ``num_gpus=0.25`` packs four workers on a GPU).
-Each actor builds its own :class:`~fedgalore.backends.base.Runtime` ONCE — task, frozen base
+Each actor builds its own :class:`~fedgalore.engine.runtime.Runtime` ONCE — task, frozen base
 model, method, and the server's partition index arrays (sent, so partitions are identical) — from
 the resolved config (``cfg.to_dict()`` as JSON). Per round only bytes cross process boundaries:
 
@@ -41,7 +41,10 @@ from typing import Any, Sequence
 import ray
 import torch
 
-from fedgalore.backends.base import Backend, ClientJob, ClientResult, Runtime
+from fedgalore.engine.backends.base import Backend
+from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.engine.events import ProgressSink
+from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
 from fedgalore.federated.partition import decode_partition, encode_partition
 
 __all__ = ["RayBackend"]
@@ -82,17 +85,9 @@ def _rss_bytes() -> int:
 
 
 class ClientWorker:
-    """A Ray actor holding one Runtime (built once); runs T for one client per call.
-
-    Shipped to workers by value (see the end of this module) with function-local imports:
-    a worker imports ``fedgalore.methods`` before ``fedgalore.backends``, the import order
-    that avoids the package's backends → client → methods → client cycle.
-    """
+    """A Ray actor holding one Runtime (built once); runs T for one client per call."""
 
     def __init__(self, cfg_json: str, parts_blob: bytes, num_threads: int, plugins: Sequence[str] = ()) -> None:
-        from fedgalore.backends.base import Runtime
-        from fedgalore.federated.config import FederatedConfig
-
         torch.set_num_threads(max(1, int(num_threads)))
         _load_plugins(plugins)
         cfg = FederatedConfig.from_dict(json.loads(cfg_json))
@@ -105,8 +100,6 @@ class ClientWorker:
         return _rss_bytes()
 
     def execute(self, job: dict[str, int], broadcast: bytes) -> tuple[int, bytes | None, str | None, float, str]:
-        from fedgalore.backends.base import ClientJob
-
         res = self.runtime.execute(ClientJob(**job), bytes(broadcast))
         return res.client, res.upload, res.error, res.time, json.dumps(res.stats, default=float)
 
@@ -114,8 +107,10 @@ class ClientWorker:
 class RayBackend(Backend):
     """Run the clients of a round in parallel on ``num_workers`` Ray actors.
 
+    The actors start in :meth:`start`, with the server's runtime (its config and partition are
+    sent to every worker).
+
     Args:
-        runtime: the server's runtime (its config and partition are sent to every worker).
         num_workers: actors = clients trained concurrently.
         num_cpus / num_gpus: resources reserved per actor (fractional allowed). Each actor sets
             torch's intra-op threads to ``max(1, floor(num_cpus))``.
@@ -131,7 +126,6 @@ class RayBackend(Backend):
 
     def __init__(
         self,
-        runtime: Runtime,
         num_workers: int = 2,
         num_cpus: float = 1,
         num_gpus: float = 0,
@@ -139,43 +133,46 @@ class RayBackend(Backend):
         address: str | None = None,
         plugins: Sequence[str] = (),
     ) -> None:
-        from fedgalore.federated.config import ConfigError
-
         if int(num_workers) < 1:
             raise ConfigError("backend.options.num_workers must be >= 1")
         if float(num_cpus) < 0 or float(num_gpus) < 0:
             raise ConfigError("backend.options.num_cpus and num_gpus must be >= 0 (fractions allowed)")
         if timeout_s is not None and float(timeout_s) <= 0:
             raise ConfigError("backend.options.timeout_s must be > 0 or null")
+        self.num_workers = int(num_workers)
+        self.num_cpus, self.num_gpus = float(num_cpus), float(num_gpus)
+        self.timeout_s = None if timeout_s is None else float(timeout_s)
+        self.address = address
+        self.plugins = [str(p) for p in plugins]
+        self._started_ray = False
+        self._actors: list[Any] = []
+        self._starting: dict[Any, int] = {}  # readiness ref of a replaced actor -> slot
+        self.restarts = 0
+        self.last_round_bytes: dict[str, int] = {}
+        self.round_bytes: list[dict[str, int]] = []
+
+    def start(self, runtime: Runtime) -> None:
+        """Start Ray (unless this process has one) and the actors, each building its runtime."""
         cfg = runtime.cfg.to_dict()
         if str(cfg["device"]).startswith("cuda"):
-            if float(num_gpus) <= 0:
+            if self.num_gpus <= 0:
                 raise ConfigError(
                     f"device={cfg['device']} with backend ray needs backend.options.num_gpus > 0 "
                     "(a fraction such as 0.5 shares one GPU between workers)"
                 )
             cfg["device"] = "cuda:0"  # Ray sets CUDA_VISIBLE_DEVICES to the actor's GPU
         self.runtime = runtime
-        self.num_workers = int(num_workers)
-        self.num_cpus, self.num_gpus = float(num_cpus), float(num_gpus)
-        self.timeout_s = None if timeout_s is None else float(timeout_s)
-        self.plugins = [str(p) for p in plugins]
         self._cfg_json = json.dumps(cfg)
         self._parts_blob = encode_partition(runtime.parts)
-        self._started_ray = False
         if not ray.is_initialized():
             init: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True, "logging_level": logging.WARNING}
-            if address is not None:
-                init["address"] = address
+            if self.address is not None:
+                init["address"] = self.address
             else:  # a local Ray: enough logical CPUs for every worker (oversubscribing is the user's call)
                 init["num_cpus"] = max(os.cpu_count() or 1, math.ceil(self.num_workers * self.num_cpus))
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             ray.init(**init)
             self._started_ray = True
-        self.restarts = 0
-        self._starting: dict[Any, int] = {}
-        self.last_round_bytes: dict[str, int] = {}
-        self.round_bytes: list[dict[str, int]] = []
         self._actors = [self._spawn() for _ in range(self.num_workers)]
         try:  # surface config/model errors now, as one exception, instead of per client
             self.worker_info = ray.get([a.ready.remote() for a in self._actors])
@@ -207,7 +204,7 @@ class RayBackend(Backend):
         return ray.get([a.rss.remote() for a in self._actors])
 
     # ------------------------------------------------------------------ rounds
-    def run_clients(self, broadcast: bytes, jobs: list[ClientJob], progress=None) -> list[ClientResult]:
+    def run_clients(self, broadcast: bytes, jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
         results: list[ClientResult | None] = [None] * len(jobs)
         bref = ray.put(broadcast)  # once per round; every worker reads it from the object store
         queue = deque(range(len(jobs)))
@@ -274,7 +271,7 @@ class RayBackend(Backend):
         return [r for r in results if r is not None]
 
     def close(self) -> None:
-        for a in getattr(self, "_actors", []):
+        for a in self._actors:
             try:
                 ray.kill(a, no_restart=True)
             except Exception:
@@ -283,8 +280,3 @@ class RayBackend(Backend):
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
         self._started_ray = False
-
-
-# Pickle this module's code by value for Ray workers, so that unpickling the actor does not
-# import ``fedgalore.backends`` first (see ClientWorker).
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

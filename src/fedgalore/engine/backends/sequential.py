@@ -5,16 +5,15 @@ broadcast into the shared model, trains, and returns its upload; nothing else is
 """
 from __future__ import annotations
 
-from fedgalore.backends.base import Backend, ClientJob, ClientResult, Runtime
+from fedgalore.engine.backends.base import Backend
+from fedgalore.engine.events import ProgressSink
+from fedgalore.engine.runtime import ClientJob, ClientResult
 
 
 class SequentialBackend(Backend):
     name = "sequential"
 
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-
-    def run_clients(self, broadcast: bytes, jobs: list[ClientJob], progress=None) -> list[ClientResult]:
+    def run_clients(self, broadcast: bytes, jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
         results = []
         for job in jobs:
             gen, steps = self.runtime.batches(job.client, job.round)

@@ -21,6 +21,7 @@ YAML layout (``conf/pipeline/*.yaml``)::
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ __all__ = [
     "OutputConfig",
     "FederatedConfig",
     "load_config",
+    "config_difference",
 ]
 
 
@@ -283,3 +285,29 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     except OmegaConfBaseException as exc:
         raise ConfigError(f"bad override or interpolation: {str(exc).splitlines()[0]}") from None
     return FederatedConfig.from_dict(data or {})
+
+
+def config_difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """The first difference between two plain configs (``FederatedConfig.to_dict()`` or a saved
+    ``config.yaml``), as ``"train.lr: 0.001 -> 0.0005"``; None when they describe the same run.
+    The display (``output.progress``) does not count, and keys present on one side only are
+    config-schema changes between library versions, not user changes, and are ignored."""
+    return _first_difference(_comparable(old), _comparable(new))
+
+
+def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) & set(b)):
+            diff = _first_difference(a.get(k), b.get(k), f"{path}.{k}" if path else k)
+            if diff:
+                return diff
+        return None
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        a, b = list(a), list(b)
+    return None if a == b else f"{path}: {a!r} -> {b!r}"
+
+
+def _comparable(d: dict[str, Any]) -> dict[str, Any]:
+    d = json.loads(json.dumps(d))
+    d.get("output", {}).pop("progress", None)  # display only
+    return d

@@ -75,10 +75,10 @@ def _shape_error(name: str, entry, target: torch.Tensor) -> str | None:
     return None
 
 
-def expected_keys(state: ServerState, uploads: Sequence[Payload]) -> set[str] | None:
-    """The previously accepted key set, else the most common key set of this round."""
-    if "upload_keys" in state.meta:
-        return set(state.meta["upload_keys"])
+def expected_keys(accepted: Sequence[str] | None, uploads: Sequence[Payload]) -> set[str] | None:
+    """The previously accepted key set (``accepted``), else the most common key set of this round."""
+    if accepted is not None:
+        return set(accepted)
     if not uploads:
         return None
     counts = Counter(frozenset(u.entries) for u in uploads)

@@ -1,0 +1,15 @@
+"""The engine: a config becomes a run (the round loop above methods, tasks and backends).
+
+* :mod:`~fedgalore.engine.config` — the typed run configuration and its YAML loader;
+* :mod:`~fedgalore.engine.resolve` — what a config means on this machine (the method's own
+  options, the device);
+* :mod:`~fedgalore.engine.runtime` — what one process needs to run clients (task, model,
+  method, partition);
+* :mod:`~fedgalore.engine.backends` — where clients train (sequential, Ray; Flower in
+  :mod:`fedgalore.flower`);
+* :mod:`~fedgalore.engine.validation` — server-side checks of client uploads;
+* :mod:`~fedgalore.engine.loop` — :class:`~fedgalore.engine.loop.Federation`, the round loop;
+* :mod:`~fedgalore.engine.rundir` — the run directory's files;
+* :mod:`~fedgalore.engine.api` — ``run`` and ``resume``;
+* :mod:`~fedgalore.engine.events` — progress events the loop emits.
+"""

@@ -1,0 +1,69 @@
+"""``run`` and ``resume``: the Python API behind ``fedgalore run`` (docs/cli.md).
+
+::
+
+    import fedgalore
+    cfg = fedgalore.load_config("conf/pipeline/offline_text.yaml", ["federation.rounds=5"])
+    result = fedgalore.run(cfg)            # -> RunResult(run_dir, summary, history)
+    fedgalore.resume(result.run_dir)       # continue a stopped run (a finished one is returned as is)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
+from fedgalore.engine.events import ProgressSink
+from fedgalore.engine.loop import Federation, RunResult
+from fedgalore.engine.rundir import extension_problem, saved_summary
+from fedgalore.jsonl import read_jsonl
+from fedgalore.methods.base import Method
+from fedgalore.tasks.base import Task
+
+__all__ = ["run", "resume"]
+
+
+def run(cfg: FederatedConfig, *, resume: str | Path | None = None, progress: ProgressSink | None = None,
+        task: Task | None = None, method: Method | None = None, run_dir: str | Path | None = None) -> RunResult:
+    """Run (or, with ``resume=RUN_DIR``, continue) one federated run; returns its results.
+
+    ``fedgalore.run(FederatedConfig(...))`` is the Python API behind ``fedgalore run``.
+    """
+    if resume is not None:
+        return _resume(Path(resume), progress=progress, task=task, method=method, cfg=cfg)
+    return Federation(cfg, run_dir=run_dir, progress=progress, task=task, method=method).run()
+
+
+def resume(run_dir: str | Path, *, progress: ProgressSink | None = None, rounds: int | None = None) -> RunResult:
+    """Continue a stopped run from its last complete round (a finished run is returned as is).
+
+    ``rounds`` extends (or shortens) the run to that many rounds. It is allowed only when the
+    result equals an uninterrupted run of ``rounds`` rounds, i.e. when the learning-rate schedule
+    does not depend on the total (``train.schedule_scope=round``, or ``train.schedule=constant``
+    with ``train.warmup_ratio=0``); otherwise :class:`ConfigError` says why and what to run
+    instead (:func:`~fedgalore.engine.rundir.extension_problem`).
+    """
+    return _resume(Path(run_dir), progress=progress, rounds=rounds)
+
+
+def _resume(run_dir: Path, *, progress=None, task=None, method=None, cfg: FederatedConfig | None = None,
+            rounds: int | None = None) -> RunResult:
+    if not (run_dir / "config.yaml").is_file():
+        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); nothing to resume")
+    saved = load_config(run_dir / "config.yaml")
+    s = saved_summary(run_dir)
+    if rounds is not None and int(rounds) != saved.federation.rounds:
+        if int(rounds) < 1:
+            raise ConfigError(f"federation.rounds={rounds} must be >= 1")
+        done = int(s.get("rounds_completed", 0) or 0)
+        problem = extension_problem(saved, int(rounds), done)
+        if problem is not None:
+            again = " output.run_name=<new name>" if saved.output.run_name else ""
+            raise ConfigError(
+                f"cannot continue {run_dir} to {rounds} rounds exactly: {problem}. Start a {rounds}-round run instead "
+                f"(fedgalore run --config {run_dir / 'config.yaml'} federation.rounds={rounds}{again}); runs meant to be "
+                f"extended need train.schedule_scope=round, or train.schedule=constant with train.warmup_ratio=0"
+            )
+        saved.federation.rounds = int(rounds)
+    elif s.get("status") == "complete":
+        return RunResult(run_dir, s, read_jsonl(run_dir / "metrics.jsonl"))
+    return Federation(saved, run_dir=run_dir, progress=progress, task=task, method=method, resume=True).run()

@@ -1,0 +1,26 @@
+"""Execution backends (sequential by default; ray and flower as optional extras)."""
+from __future__ import annotations
+
+from typing import Any
+
+from fedgalore.engine.backends.base import Backend
+from fedgalore.engine.config import ConfigError
+
+__all__ = ["Backend", "make_backend"]
+
+
+def make_backend(name: str, options: dict[str, Any] | None = None) -> Backend:
+    """The backend ``name`` with its ``backend.options`` (not yet started: see :meth:`Backend.start`)."""
+    if name == "sequential":
+        from fedgalore.engine.backends.sequential import SequentialBackend
+
+        return SequentialBackend()
+    if name == "ray":
+        try:
+            from fedgalore.engine.backends.ray import RayBackend
+        except ImportError as exc:
+            raise ConfigError(f"backend 'ray' needs Ray: pip install 'fedgalore[ray]' ({exc})") from None
+        return RayBackend(**(options or {}))
+    if name == "flower":
+        raise ConfigError("backend 'flower' runs through the Flower app (`flwr run`), not `fedgalore run`: see docs/scale-out.md")
+    raise ConfigError(f"unknown backend {name!r}; available: sequential, ray (flower via docs/scale-out.md)")

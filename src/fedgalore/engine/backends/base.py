@@ -1,0 +1,30 @@
+"""The backend interface: where the clients' local training T runs (sequential | ray | flower).
+
+A backend is configured first (its options, checked at once), then bound to the run's
+:class:`~fedgalore.engine.runtime.Runtime` by :meth:`Backend.start` — a backend with worker
+processes starts them there — and asked each round to train a list of clients on one serialised
+broadcast. Only serialised payloads cross a backend boundary.
+"""
+from __future__ import annotations
+
+import abc
+
+from fedgalore.engine.events import ProgressSink
+from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
+
+__all__ = ["Backend"]
+
+
+class Backend(abc.ABC):
+    name = "backend"
+
+    def start(self, runtime: Runtime) -> None:
+        """Bind to the run's runtime before the first round (called once by the round loop)."""
+        self.runtime = runtime
+
+    @abc.abstractmethod
+    def run_clients(self, broadcast: bytes, jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
+        """Run T for every job on the same broadcast; results in job order."""
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,285 @@
+"""The round loop (paper §3 and Algorithm 1): sample → broadcast → T → A → S → evaluate → checkpoint.
+
+Nothing method-specific lives here: a method supplies T (``client_update``), A (``aggregate``)
+and S (``synchronize``); a backend decides where T runs; the run directory's files are written by
+:mod:`fedgalore.engine.rundir`. Per round k (:meth:`Federation._round`):
+
+1. K of the M clients are sampled uniformly without replacement from a per-round seed
+   (or all of them), with weights p̃_i = N_i / Σ_{j∈P_k} N_j;
+2. the server broadcasts the method's payload (and the round seed s_k);
+3. each client runs T; its upload is decoded, counted in the ledger and validated — a round
+   with fewer than ``federation.min_clients`` valid uploads is retried with a new sample;
+4. A and S update the server state; diagnostics measure the two mismatches;
+5. the global model is evaluated every ``eval_every`` rounds and the state is checkpointed.
+
+Every random choice derives from (run seed, round, client) (:mod:`fedgalore.federated.seeding`),
+so a run resumed from any checkpoint ends with exactly the metrics of an uninterrupted one.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fedgalore.engine.backends import Backend, make_backend
+from fedgalore.engine.config import FederatedConfig
+from fedgalore.engine.events import LogProgress, ProgressSink
+from fedgalore.engine.resolve import check_device, config_for_method
+from fedgalore.engine.rundir import RunDirectory, choose_run_dir, run_summary
+from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
+from fedgalore.engine.validation import expected_keys, upload_norm, validate_upload
+from fedgalore.federated.checkpoint import load_latest_checkpoint, save_checkpoint
+from fedgalore.federated.diagnostics import drift_diagnostics, update_space_diagnostics
+from fedgalore.federated.seeding import round_seed, sample_clients
+from fedgalore.methods.base import Method
+from fedgalore.protocol.payload import Ledger, Payload, PayloadError, decode, encode
+from fedgalore.protocol.state import RoundContext
+from fedgalore.tasks.base import Task
+
+__all__ = ["Federation", "RunResult"]
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    summary: dict[str, Any]
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def final(self) -> dict[str, float]:
+        return self.summary.get("final", {})
+
+
+@dataclass
+class _Round:
+    """The valid uploads of a round and what the loop recorded while collecting them."""
+
+    ctx: RoundContext  # the clients whose uploads were kept, weights renormalised over them
+    uploads: list[Payload]
+    sampled: list[int]  # the last sample drawn (retries draw new ones)
+    client_recs: list[dict[str, Any]]
+    time_clients: float
+
+
+class Federation:
+    """One federated run: config → run directory with metrics, ledger, diagnostics, checkpoints.
+
+    ``backend``: where the clients train (default: ``make_backend(cfg.backend.name,
+    cfg.backend.options)``); the loop starts it on its runtime and closes it at the end.
+    ``task`` / ``method``: objects to use instead of building them from the config.
+    """
+
+    def __init__(
+        self,
+        cfg: FederatedConfig,
+        *,
+        run_dir: str | Path | None = None,
+        progress: ProgressSink | None = None,
+        task: Task | None = None,
+        method: Method | None = None,
+        backend: Backend | None = None,
+        resume: bool = False,
+    ) -> None:
+        # method.options may hold options of several methods; this run keeps its method's own
+        cfg = config_for_method(cfg.validate()) if method is None else cfg.validate()
+        check_device(cfg.device)
+        self.cfg = cfg
+        self.progress = progress or LogProgress()
+        self.files = RunDirectory(choose_run_dir(cfg, run_dir, resume, self.progress.message))  # before the slow model load
+        self.run_dir = self.files.path
+        self.backend = backend if backend is not None else make_backend(cfg.backend.name, cfg.backend.options)
+        self.runtime = Runtime(cfg, task=task, method=method)
+        self.task, self.method = self.runtime.task, self.runtime.method
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.backend.start(self.runtime)
+        self._validation = self.runtime.validation_set()
+        self.ledger = Ledger()
+        self.history: list[dict[str, Any]] = []
+        self.start_round = 0
+        self.wall_time_before = 0.0
+        #: the loop's own state, checkpointed with the server state: the accepted upload key set
+        self.upload_keys: list[str] | None = None
+        ckpt = load_latest_checkpoint(self.run_dir, log=self.progress.message) if resume else None
+        if ckpt is None:
+            self.state = self.method.init_server_state(self.runtime.model)
+            self.files.start_fresh()
+        else:
+            self.state, info = ckpt
+            self.start_round = int(info["round"])
+            self.wall_time_before = float(info.get("wall_time", 0.0))
+            self.upload_keys = info.get("loop", {}).get("upload_keys")
+            self.history, self.ledger.records = self.files.restore(self.start_round)
+            self.progress.message(f"resuming {self.run_dir} after round {self.start_round}")
+        self.files.write_static(cfg, self.runtime)
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> RunResult:
+        cfg, fed = self.cfg, self.cfg.federation
+        t_start = time.perf_counter()
+        self.progress.start(fed.rounds, {"run_name": self.run_dir.name, "run_dir": str(self.run_dir), "method": cfg.method.name,
+                                         "task": cfg.task.name, "start_round": self.start_round})
+        self.files.write_summary(self._summary("running", self.wall_time_before))
+        try:
+            for k in range(self.start_round, fed.rounds):
+                self._round(k)
+                wall = self.wall_time_before + time.perf_counter() - t_start
+                if (k + 1) % cfg.output.checkpoint_every == 0 or k + 1 == fed.rounds:
+                    save_checkpoint(self.run_dir, k + 1, self.state, {"wall_time": wall, "loop": {"upload_keys": self.upload_keys}},
+                                    keep=cfg.output.keep_checkpoints)
+            wall = self.wall_time_before + time.perf_counter() - t_start
+            summary = self._summary("complete", wall)
+            self.files.write_summary(summary)
+            self.progress.finish(summary)
+        except KeyboardInterrupt as exc:
+            exc.run_dir = self.run_dir  # type: ignore[attr-defined]  # the CLI names it in "continue with ..."
+            raise
+        finally:
+            self.progress.close()
+            self.backend.close()
+        return RunResult(self.run_dir, summary, self.history)
+
+    def _summary(self, status: str, wall: float) -> dict[str, Any]:
+        return run_summary(self.cfg, self.task, self.history, self.ledger, status, wall)
+
+    # ------------------------------------------------------------------ one round
+    def _round(self, k: int) -> None:
+        t0 = time.perf_counter()
+        rnd = self._train_clients(k)  # sample → broadcast → T → collect (retried while too few uploads)
+        t_server = time.perf_counter()
+        applied = self.method.aggregate(self.state, rnd.uploads, rnd.ctx.weights, rnd.ctx)  # A
+        sync_diag = self.method.synchronize(self.state, rnd.uploads, rnd.ctx.weights, rnd.ctx)  # S
+        t_server = time.perf_counter() - t_server
+        t_diag = time.perf_counter()
+        diag = {"round": k + 1, **sync_diag, **self._diagnostics(applied, rnd)}
+        t_diag = time.perf_counter() - t_diag
+        evals, t_eval = self._evaluate(k)
+        losses = [r["loss_mean"] for r in rnd.client_recs if "loss_mean" in r and math.isfinite(r["loss_mean"])]
+        rec = {
+            "round": k + 1,
+            "clients": rnd.sampled,
+            "dropped": [r["client"] for r in rnd.client_recs if "error" in r],
+            "train_loss": sum(losses) / len(losses) if losses else float("nan"),
+            **{f"eval/{kk}": float(v) for kk, v in evals.items()},
+            "bytes_up": self.ledger.total("up", k + 1),
+            "bytes_down": self.ledger.total("down", k + 1),
+            "cum_bytes_up": self.ledger.total("up"),
+            "cum_bytes_down": self.ledger.total("down"),
+            "time_clients": rnd.time_clients,
+            "time_server": t_server,
+            "time_diagnostics": t_diag,
+            "time_eval": t_eval,
+            "time_round": time.perf_counter() - t0,
+        }
+        self.history.append(rec)
+        self.files.append_round(k + 1, rnd.client_recs, self.ledger, diag, rec)
+        self.files.write_csv(self.history)
+        self.progress.round_end(k, rec)
+
+    def _train_clients(self, k: int) -> _Round:
+        """Sample the round's clients, broadcast, run T on the backend and collect the valid
+        uploads; a round with fewer than ``federation.min_clients`` is retried with a new sample
+        (``federation.max_round_retries`` times, then the run stops at its last checkpoint)."""
+        cfg, fed = self.cfg, self.cfg.federation
+        seed_k = round_seed(cfg.seed, k)
+        client_recs: list[dict[str, Any]] = []
+        t_clients = 0.0
+        for attempt in range(fed.max_round_retries + 1):
+            clients = sample_clients(cfg.seed, k, fed.num_clients, fed.clients_per_round, attempt)
+            sizes = [len(self.runtime.parts[c]) for c in clients]
+            weights = [s / sum(sizes) for s in sizes]
+            self.progress.round_start(k, clients)
+            rctx = RoundContext(k, fed.rounds, seed_k, clients, weights)
+            bcast = self.method.broadcast(self.state, rctx)
+            blob = encode(bcast)
+            for c in clients:
+                self.ledger.record(k + 1, c, "down", bcast, blob)
+            jobs = [ClientJob(k, fed.rounds, c, seed_k) for c in clients]
+            t1 = time.perf_counter()
+            results = self.backend.run_clients(blob, jobs, self.progress)
+            t_clients += time.perf_counter() - t1
+            uploads, kept_w, kept_c = self._collect(k, attempt, rctx, results, weights, client_recs)
+            if len(uploads) >= fed.min_clients:
+                total = sum(kept_w)
+                self.upload_keys = sorted(uploads[0].entries)
+                ctx = RoundContext(k, fed.rounds, seed_k, kept_c, [w / total for w in kept_w])
+                return _Round(ctx, uploads, clients, client_recs, t_clients)
+            self.progress.message(
+                f"round {k + 1}: only {len(uploads)} valid upload(s) < federation.min_clients={fed.min_clients}"
+                + ("; retrying with a new sample" if attempt < fed.max_round_retries else "")
+            )
+        self.files.append_round(k + 1, client_recs, self.ledger)  # keep the evidence of why the round failed
+        first = next((r.get("error") for r in client_recs if "error" in r), None)
+        raise RuntimeError(
+            f"round {k + 1} failed {fed.max_round_retries + 1} time(s): fewer than {fed.min_clients} valid uploads "
+            f"(first error: {first}); the last complete round is checkpointed — fix the cause and resume"
+        )
+
+    def _collect(self, k: int, attempt: int, rctx: RoundContext, results: list[ClientResult], weights: list[float],
+                 client_recs: list[dict[str, Any]]) -> tuple[list[Payload], list[float], list[int]]:
+        """Decode, validate (and optionally clip) the uploads of one attempt."""
+        fed = self.cfg.federation
+        decoded = []
+        for res in results:
+            up = None
+            if res.upload is not None:
+                try:
+                    up = decode(res.upload)
+                except PayloadError as exc:
+                    res.error = f"undecodable upload: {exc}"
+                self.ledger.record(k + 1, res.client, "up", up if up is not None else Payload(), res.upload)
+            decoded.append(up)
+        keys = expected_keys(self.upload_keys, [u for u in decoded if u is not None])
+        uploads, kept_w, kept_c = [], [], []
+        for res, up, w in zip(results, decoded, weights):
+            rec = {"round": k + 1, "attempt": attempt, "client": res.client, "time": res.time,
+                   "num_examples": len(self.runtime.parts[res.client])}
+            if up is not None and fed.client_timeout_s is not None and res.time > fed.client_timeout_s:
+                # the sequential backend cannot preempt a client; a late upload is discarded
+                res.error = f"timed out: {res.time:.1f}s > federation.client_timeout_s={fed.client_timeout_s:g}"
+                up = None
+            if up is not None:
+                reason = validate_upload(self.method, self.state, up, rctx, keys, fed.max_update_norm)
+                if reason is None and fed.clip_update_norm is not None:
+                    norm = upload_norm(self.method, self.state, up)
+                    if norm > fed.clip_update_norm:
+                        up = self.method.scale_upload(up, fed.clip_update_norm / norm)
+                        rec["clipped_from_norm"] = norm
+                if reason is None:
+                    uploads.append(up)
+                    kept_w.append(w)
+                    kept_c.append(res.client)
+                    rec.update({kk: v for kk, v in up.meta.items() if isinstance(v, (int, float)) and kk != "client"})
+                else:
+                    res.error = f"rejected: {reason}"
+                    for r in reversed(self.ledger.records):
+                        if r["round"] == k + 1 and r["client"] == res.client and r["direction"] == "up":
+                            r["rejected"] = reason
+                            break
+            if res.error is not None:
+                rec["error"] = res.error.splitlines()[0]
+                self.progress.message(f"round {k + 1}: client {res.client} dropped ({rec['error']})")
+            client_recs.append(rec)
+        return uploads, kept_w, kept_c
+
+    def _diagnostics(self, applied: dict[str, Any], rnd: _Round) -> dict[str, float]:
+        """The update-space mismatch of the applied update and the client drift (``diagnostics: true``)."""
+        if not self.cfg.diagnostics:
+            return {}
+        deltas = [self.method.client_deltas(self.state, u) for u in rnd.uploads]
+        return {**update_space_diagnostics(applied, self.method.rank), **drift_diagnostics(deltas, rnd.ctx.weights)}
+
+    def _evaluate(self, k: int) -> tuple[dict[str, float], float]:
+        """The global model's test (and validation) metrics, every ``eval_every`` rounds and at
+        the end, and the seconds they took."""
+        fed = self.cfg.federation
+        if not ((k + 1) % fed.eval_every == 0 or k + 1 == fed.rounds):
+            return {}, 0.0
+        t0 = time.perf_counter()
+        self.method.load_global(self.runtime.model, self.state)
+        evals = self.task.evaluate(self.runtime.model, self.task.test_set(), fed.eval_batch_size)
+        if self._validation is not None:  # held-out training examples: for model selection
+            val = self.task.evaluate(self.runtime.model, self._validation, fed.eval_batch_size)
+            evals.update({f"val_{kk}": v for kk, v in val.items()})
+        return evals, time.perf_counter() - t0

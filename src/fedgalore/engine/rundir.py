@@ -1,0 +1,288 @@
+"""The run directory: every file a run writes besides its checkpoints (docs/cli.md, "Run directories").
+
+::
+
+    <run>/config.yaml         the resolved config (what ran: the method's own options)
+          partition.json      per-client label histograms and sizes
+          task.json           the task's description (sizes, labels, model)
+          environment.json    versions, CPU and kernel set, the method as it ran (describe())
+          metrics.jsonl       one record per round (losses, evaluation, bytes, times)
+          clients.jsonl       one record per client per round (examples, losses, errors)
+          ledger.jsonl        one record per message (bytes by entry kind)
+          diagnostics.jsonl   one record per round (the two mismatches, sync diagnostics)
+          metrics.csv         metrics.jsonl as a table, rewritten every round
+          summary.json        status, final / best metrics, traffic, wall time
+          checkpoints/        fedgalore.federated.checkpoint
+
+:func:`choose_run_dir` picks the directory (and refuses one that already holds this run);
+:class:`RunDirectory` writes the files; :func:`run_summary` is ``summary.json``;
+:func:`extension_problem` says whether a stopped run can be continued to more rounds exactly.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import platform
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from fedgalore.engine.config import ConfigError, FederatedConfig, config_difference, load_config
+from fedgalore.engine.runtime import Runtime
+from fedgalore.federated.checkpoint import atomic_write_text
+from fedgalore.federated.partition import label_histograms
+from fedgalore.jsonl import append_jsonl, read_jsonl
+from fedgalore.protocol.payload import Ledger
+from fedgalore.tasks.base import Task
+
+__all__ = ["RunDirectory", "choose_run_dir", "run_summary", "saved_summary", "extension_problem"]
+
+
+class RunDirectory:
+    """The files of one run under ``path`` (module doc)."""
+
+    LOG_FILES = ("metrics.jsonl", "clients.jsonl", "ledger.jsonl", "diagnostics.jsonl")
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    # ------------------------------------------------------------------ start / resume
+    def start_fresh(self) -> None:
+        """A run from round 0: drop the logs of an earlier attempt without a checkpoint."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        for f in self.LOG_FILES:
+            (self.path / f).unlink(missing_ok=True)
+
+    def restore(self, rounds_done: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Resuming after ``rounds_done`` checkpointed rounds: keep only the log records of those
+        rounds (later ones were written by rounds the checkpoint does not hold); returns the
+        metrics history and the ledger records."""
+        history = _jsonl_truncate(self.path / "metrics.jsonl", rounds_done)
+        ledger: list[dict[str, Any]] = []
+        for f in self.LOG_FILES[1:]:
+            recs = _jsonl_truncate(self.path / f, rounds_done)
+            if f == "ledger.jsonl":
+                ledger = recs
+        return history, ledger
+
+    def write_static(self, cfg: FederatedConfig, runtime: Runtime) -> None:
+        """config.yaml, partition.json, task.json and environment.json."""
+        from omegaconf import OmegaConf
+
+        task, method = runtime.task, runtime.method
+        atomic_write_text(self.path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
+        hist, classes = label_histograms(task.partition_labels(), runtime.parts)
+        names = task.label_names()
+        partition = {
+            "setting": cfg.setting_label(),
+            "label_names": names if len(names) == len(classes) else [str(c) for c in classes],
+            "histograms": np.asarray(hist).tolist(),
+            "sizes": [int(len(p)) for p in runtime.parts],
+        }
+        atomic_write_text(self.path / "partition.json", json.dumps(partition))
+        atomic_write_text(self.path / "task.json", json.dumps(task.describe(), default=str))
+        env = {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            # the CPU and the kernel set torch dispatches to: results are bitwise reproducible on
+            # one machine, but float kernels differ across CPUs (last digits, which chaotic runs amplify)
+            "cpu": _cpu_model(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "seed": cfg.seed,
+            "method": method.describe(),
+            "target_modules": runtime.target_modules,
+            "head_params": runtime.head_params,
+            "steps_per_round": runtime.steps_per_round,
+        }
+        for mod in ("transformers", "peft", "safetensors", "numpy"):
+            try:
+                env[mod] = __import__(mod).__version__
+            except Exception:  # pragma: no cover
+                pass
+        atomic_write_text(self.path / "environment.json", json.dumps(env, indent=1, default=str))
+
+    # ------------------------------------------------------------------ per round
+    def append_round(self, round_done: int, client_recs: Sequence[dict[str, Any]], ledger: Ledger,
+                     diagnostics: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None) -> None:
+        """The records of round ``round_done`` (1-based): its clients and messages, and — for a
+        completed round — its diagnostics and metrics. A failed round leaves its clients' errors."""
+        for r in client_recs:
+            append_jsonl(self.path / "clients.jsonl", r)
+        for r in ledger.records:
+            if r["round"] == round_done:
+                append_jsonl(self.path / "ledger.jsonl", r)
+        if diagnostics is not None:
+            append_jsonl(self.path / "diagnostics.jsonl", diagnostics)
+        if metrics is not None:
+            append_jsonl(self.path / "metrics.jsonl", metrics)
+
+    def write_csv(self, history: Sequence[dict[str, Any]]) -> None:
+        keys: list[str] = []
+        for h in history:
+            keys += [kk for kk in h if kk not in keys and kk not in ("clients", "dropped")]
+        with open(self.path / "metrics.csv", "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
+            w.writeheader()
+            for h in history:
+                w.writerow(h)
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=1))
+
+
+def run_summary(cfg: FederatedConfig, task: Task, history: Sequence[dict[str, Any]], ledger: Ledger, status: str,
+                wall: float) -> dict[str, Any]:
+    """``summary.json``: the run's status, final and best evaluation, traffic and time."""
+    evals = [h for h in history if any(k.startswith("eval/") for k in h)]
+    final = {k[5:]: v for k, v in evals[-1].items() if k.startswith("eval/") and not k.startswith("eval/val_")} if evals else {}
+    final_val = {k[9:]: v for k, v in evals[-1].items() if k.startswith("eval/val_")} if evals else {}
+    key = f"eval/{task.primary_metric}"
+    best = {}
+    if evals and key in evals[-1]:
+        pick = max if task.higher_is_better else min
+        b = pick(evals, key=lambda h: h.get(key, -math.inf if task.higher_is_better else math.inf))
+        best = {k[5:]: v for k, v in b.items() if k.startswith("eval/")} | {"round": b["round"]}
+    n_up = sum(1 for r in ledger.records if r["direction"] == "up")
+    n_down = sum(1 for r in ledger.records if r["direction"] == "down")
+    rounds_done = len(history)
+    return {
+        "name": cfg.name,
+        "task": cfg.task.name,
+        "method": cfg.method.name,
+        "setting": cfg.setting_label(),
+        "seed": cfg.seed,
+        "rounds": cfg.federation.rounds,
+        "rounds_completed": rounds_done,
+        "status": status,
+        "primary_metric": task.primary_metric,
+        "higher_is_better": task.higher_is_better,
+        "final": final,
+        **({"final_validation": final_val} if final_val else {}),
+        "best": best,
+        "bytes_up_total": ledger.total("up"),
+        "bytes_down_total": ledger.total("down"),
+        "bytes_up_per_client_round": ledger.total("up") / max(n_up, 1),
+        "bytes_down_per_client_round": ledger.total("down") / max(n_down, 1),
+        "wall_time": wall,
+        "time_per_round": (sum(h.get("time_round", 0.0) for h in history) / rounds_done) if rounds_done else 0.0,
+        "server_time_fraction": (
+            sum(h.get("time_server", 0.0) for h in history) / max(sum(h.get("time_round", 0.0) for h in history), 1e-12)
+        ),
+    }
+
+
+# ----------------------------------------------------------------------------- choosing the directory
+def choose_run_dir(cfg: FederatedConfig, run_dir: str | Path | None, resume: bool, say: Callable[[str], None]) -> Path:
+    """The run directory: ``run_dir``, else ``<output.dir>/<output.run_name>``, else the default
+    name ``<name>-<method>-<setting>-s<seed>``. A directory that already holds this very run
+    (same config) is refused with what to do instead; under the default name, a directory
+    holding a run with another config (e.g. other rounds) is left alone and this run goes to
+    the first free ``<default name>-2``, ``-3``, ... (announced through ``say``, never silent)."""
+    default = run_dir is None and cfg.output.run_name is None
+    name = cfg.output.run_name or f"{cfg.name}-{cfg.method.name}-{cfg.setting_label().replace(':', '')}-s{cfg.seed}"
+    base = Path(run_dir) if run_dir is not None else Path(cfg.output.dir) / name
+    if resume:
+        return base
+    candidate, n, first = base, 1, None
+    while (candidate / "summary.json").exists():
+        diff = _saved_config_difference(candidate, cfg)
+        if diff is None:
+            raise ConfigError(_holds_this_run(candidate))
+        if not default:
+            raise ConfigError(f"run directory {candidate} already holds another run ({diff}); choose another "
+                              f"output.run_name{_extend_hint(candidate, cfg)}")
+        first = first or diff
+        n += 1
+        candidate = base.with_name(f"{base.name}-{n}")
+    if candidate != base:
+        say(f"{base} holds a run with another config ({first}); this run goes to {candidate}{_extend_hint(base, cfg)}")
+    return candidate
+
+
+def saved_summary(run_dir: Path) -> dict[str, Any]:
+    """The run directory's ``summary.json`` ({} when absent or unreadable)."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def extension_problem(cfg: FederatedConfig, rounds: int, completed: int) -> str | None:
+    """Why a run configured as ``cfg`` (``completed`` rounds done) cannot be continued to
+    ``rounds`` rounds with exactly the result of an uninterrupted ``rounds``-round run; None if it can.
+
+    Only the learning-rate schedule depends on ``federation.rounds`` (sampling, round seeds and
+    data order derive from (seed, round, client)). With ``train.schedule_scope=global`` the
+    warm-up + decay spans all rounds, so the rounds already run used another schedule than a
+    longer run would — unless the schedule is flat (``constant`` without warm-up).
+    """
+    t = cfg.train
+    if rounds < completed:
+        return f"it has already completed {completed} rounds (federation.rounds must be >= {completed})"
+    if t.schedule_scope == "round" or (t.schedule == "constant" and t.warmup_ratio == 0):
+        return None
+    return (f"its learning-rate schedule (train.schedule={t.schedule}, train.warmup_ratio={t.warmup_ratio:g}, "
+            f"train.schedule_scope=global) spans federation.rounds={cfg.federation.rounds}, so rounds 1-{completed} "
+            f"differ from those of a {rounds}-round run")
+
+
+def _saved_config_difference(run_dir: Path, cfg: FederatedConfig) -> str | None:
+    """The first difference between ``run_dir``'s saved config and ``cfg`` (None: the same run)."""
+    from omegaconf import OmegaConf
+
+    try:
+        old = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
+    except Exception:  # noqa: BLE001 - no or unreadable config: not this run
+        return "no readable config.yaml"
+    return config_difference(old, cfg.to_dict())
+
+
+def _holds_this_run(run_dir: Path) -> str:
+    s = saved_summary(run_dir)
+    done, total = s.get("rounds_completed", "?"), s.get("rounds", "?")
+    if s.get("status") == "complete":
+        final = " ".join(f"{k}={v:.4f}" for k, v in (s.get("final") or {}).items() if isinstance(v, float))
+        return (f"{run_dir} already holds this run (complete, {done}/{total} rounds{': ' + final if final else ''}); "
+                f"see it with `fedgalore report {run_dir}`, or set output.run_name=<new name> to run it again")
+    return (f"{run_dir} already holds this run, stopped after round {done}/{total}; continue it with "
+            f"`fedgalore run --resume {run_dir}`, or set output.run_name=<new name> to start over")
+
+
+def _extend_hint(run_dir: Path, cfg: FederatedConfig) -> str:
+    """'; to extend that run instead: ...' when ``run_dir`` holds ``cfg`` with fewer rounds and
+    continuing it is exact (:func:`extension_problem`); else ''."""
+    try:
+        saved = load_config(run_dir / "config.yaml")
+    except Exception:  # noqa: BLE001 - unreadable: no hint
+        return ""
+    rounds = cfg.federation.rounds
+    done = int(saved_summary(run_dir).get("rounds_completed", 0) or 0)
+    if saved.federation.rounds >= rounds or extension_problem(saved, rounds, done) is not None:
+        return ""
+    saved.federation.rounds = rounds
+    if config_difference(saved.to_dict(), cfg.to_dict()) is not None:
+        return ""
+    return f"; to extend that run instead: fedgalore run --resume {run_dir} federation.rounds={rounds}"
+
+
+def _jsonl_truncate(path: Path, max_round: int) -> list[dict[str, Any]]:
+    """Keep only records of completed (checkpointed) rounds; returns them."""
+    recs = [r for r in read_jsonl(path) if int(r.get("round", 0)) <= max_round]
+    atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in recs))
+    return recs
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
