@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import fedgalore
 from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import ProgressSink
+from fedgalore.federated.seeding import round_seed, sample_clients
 from fedgalore.protocol.payload import (
     Dense,
     Factored,
@@ -23,7 +25,6 @@ from fedgalore.protocol.payload import (
     decode,
     encode,
 )
-from fedgalore.federated.seeding import round_seed, sample_clients
 
 
 def tiny_cfg(tmp_path: Path, method: str = "fedavg_full", rounds: int = 3, **over) -> FederatedConfig:
@@ -223,15 +224,25 @@ def test_corrupted_checkpoint_falls_back_to_previous(tmp_path):
     assert strip_times(resumed.history) == strip_times(full.history)
 
 
-def test_a_method_defined_outside_the_package_runs_unchanged(tmp_path):
-    """Adding a method needs no change in the round loop: FedSGD-style head-only method."""
+def test_a_method_defined_outside_the_package_runs_unchanged(tmp_path, capsys):
+    """Adding a method needs no change in the round loop, the config loader or the CLI: a
+    FedSGD-style head-only method with its options dataclass is one class each."""
+    from dataclasses import dataclass
+
+    from fedgalore.cli import main
     from fedgalore.federated.client import local_train
-    from fedgalore.methods.base import Method, load_params, named_params, register
+    from fedgalore.methods.base import Method, MethodError, MethodOptions, load_params, named_params, option, register
     from fedgalore.protocol.state import ServerState
+
+    @dataclass(frozen=True)
+    class HeadOnlySGDOptions(MethodOptions):
+        momentum: float = option(0.0, "SGD momentum of the head")
 
     @register
     class HeadOnlySGD(Method):
         name = "test_head_only_sgd"
+        summary = "the head alone, trained with SGD"
+        options_class = HeadOnlySGDOptions
 
         def setup(self, model, target_modules, head_params):
             self.heads = list(head_params)
@@ -247,7 +258,7 @@ def test_a_method_defined_outside_the_package_runs_unchanged(tmp_path):
             start = {n: broadcast[n].materialize() for n in self.heads}
             load_params(model, start)
             ps = named_params(model, self.heads)
-            opt = torch.optim.SGD(ps.values(), lr=ctx.train.lr)
+            opt = torch.optim.SGD(ps.values(), lr=ctx.train.lr, momentum=self.options.momentum)
             stats = local_train(model, opt, ctx, ps.values())
             return Payload({n: Dense(ps[n].detach() - start[n]) for n in self.heads}, {"num_examples": ctx.num_examples, **stats})
 
@@ -259,9 +270,17 @@ def test_a_method_defined_outside_the_package_runs_unchanged(tmp_path):
         def load_global(self, model, state):
             load_params(model, state.params)
 
-    res = fedgalore.run(tiny_cfg(tmp_path, "test_head_only_sgd", rounds=2))
+    res = fedgalore.run(tiny_cfg(tmp_path, "test_head_only_sgd", rounds=2, method_options={"momentum": 0.5}))
     assert res.summary["rounds_completed"] == 2
     assert res.history[-1]["bytes_up"] > 0
+    assert json.loads((res.run_dir / "environment.json").read_text())["method"] == {"name": "test_head_only_sgd", "rank": 4, "momentum": 0.5}
+    # its options are listed with their default and doc, and a wrong one fails when the config is loaded
+    assert main(["methods"]) == 0
+    out = capsys.readouterr().out
+    assert "test_head_only_sgd" in out and "the head alone, trained with SGD" in out
+    assert re.search(r"^ +momentum +0\.0 +SGD momentum of the head$", out, re.M)
+    with pytest.raises(MethodError, match="method 'test_head_only_sgd': option momentum must be a number, got 'fast'"):
+        tiny_cfg(tmp_path, "test_head_only_sgd", method_options={"momentum": "fast"})
 
 
 def test_failing_client_is_dropped_and_weights_renormalised(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,8 @@ from hypothesis import strategies as st
 
 import fedgalore
 from fedgalore.federated.checkpoint import load_latest_checkpoint
-from fedgalore.methods.base import register
-from fedgalore.methods.fedavg_full import FedAvgFull
+from fedgalore.methods.base import option, register
+from fedgalore.methods.fedavg_full import FedAvgFull, FedAvgFullOptions
 from fedgalore.methods.fedgalore import FedGaLoreMinus
 from fedgalore.protocol.payload import Dense, GaLoreUpdate, Payload, PayloadError, SeededLowRank, decode, encode
 
@@ -29,17 +30,23 @@ from test_engine import strip_times, tiny_cfg
 CORRUPT = {}  # mode -> function(payload) -> payload, applied to client 0's upload
 
 
+@dataclass(frozen=True)
+class LyingOptions(FedAvgFullOptions):
+    mode: str | None = option(None, "how client 0 corrupts its upload (a key of CORRUPT; null: honest)")
+    all_bad: bool = option(False, "every client corrupts its upload, not only client 0")
+
+
 @register
 class LyingFedAvg(FedAvgFull):
     """FedAvg-Full whose client 0 (and, with ``all_bad``, every client) sends a corrupted upload."""
 
     name = "test_lying_fedavg"
-    extra_options = ("mode", "all_bad")
+    options_class = LyingOptions
 
     def client_update(self, model, broadcast, ctx):
         up = super().client_update(model, broadcast, ctx)
-        mode = self.options.get("mode")
-        if mode and (ctx.client == 0 or self.options.get("all_bad")):
+        mode = self.options.mode
+        if mode and (ctx.client == 0 or self.options.all_bad):
             up = CORRUPT[mode](up)
         return up
 

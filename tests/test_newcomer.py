@@ -86,6 +86,12 @@ def test_unknown_method_option_is_still_one_line(tmp_path, capsys) -> None:
     assert "'fedit' has no option(s) ['lora_alphaa']" in line and "lora_alpha" in line
     line = _error(capsys, ["run", "--config", cfg, "method.name=fedavg_full", "method.options.bogus=1", "--progress", "quiet"])
     assert line.endswith("method 'fedavg_full' has no option(s) ['bogus']; options are ['trainable']")
+    # a value of the wrong type or outside the choices fails when the config is loaded, naming method and option;
+    # so does an option of another method in the pool (its value is checked against that method's type)
+    line = _error(capsys, ["run", "--config", cfg, "method.options.update_proj_gap=often", "--progress", "quiet"])
+    assert line == "fedgalore: error: method 'fedgalore': option update_proj_gap must be an integer, got 'often'"
+    line = _error(capsys, ["run", "--config", cfg, "method.name=fedit", "method.options.sync=avg", "--progress", "quiet"])
+    assert line == "fedgalore: error: method 'fedgalore': option sync='avg' must be one of 'none', 'mean', 'mean_svd', 'ajive'"
 
 
 def test_method_options_can_be_cleared() -> None:
@@ -278,7 +284,7 @@ def test_fedavg_full_trains_the_whole_model_when_asked(tmp_path) -> None:
     assert set(states["targets"]) < all_names
     assert any("embeddings" in n for n in all_names) and any("LayerNorm" in n or "norm" in n.lower() for n in all_names)
     assert not any("embeddings" in n for n in states["targets"])
-    with pytest.raises(MethodError, match="trainable='some' must be 'targets'"):
+    with pytest.raises(MethodError, match="method 'fedavg_full': option trainable='some' must be one of 'targets', 'all'"):
         get_method("fedavg_full", trainable="some")
     # the paper pipelines: whole model for RoBERTa and ViT, target matrices for Llama
     from fedgalore.cli import _load_config

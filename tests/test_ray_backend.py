@@ -15,8 +15,15 @@ from fedgalore.engine.config import FederatedConfig  # noqa: E402
 CRASH_PLUGIN = '''
 import os
 import time
-from fedgalore.methods.base import register
-from fedgalore.methods.fedavg_full import FedAvgFull
+from dataclasses import dataclass
+from fedgalore.methods.base import option, register
+from fedgalore.methods.fedavg_full import FedAvgFull, FedAvgFullOptions
+
+
+@dataclass(frozen=True)
+class CrashingOptions(FedAvgFullOptions):
+    crash_client: int = option(-1, "client whose worker process dies in round 0")
+    hang_client: int = option(-1, "client that hangs in round 0")
 
 
 @register
@@ -25,12 +32,12 @@ class CrashingFedAvg(FedAvgFull):
     client ``hang_client`` hangs in round 0."""
 
     name = "test_crash_fedavg"
-    extra_options = ("crash_client", "hang_client")
+    options_class = CrashingOptions
 
     def client_update(self, model, broadcast, ctx):
-        if ctx.round == 0 and ctx.client == int(self.options.get("crash_client", -1)):
+        if ctx.round == 0 and ctx.client == self.options.crash_client:
             os._exit(1)
-        if ctx.round == 0 and ctx.client == int(self.options.get("hang_client", -1)):
+        if ctx.round == 0 and ctx.client == self.options.hang_client:
             time.sleep(600)
         return super().client_update(model, broadcast, ctx)
 '''

@@ -366,12 +366,40 @@ def cmd_repro(args: argparse.Namespace) -> int:
     return int(rc) if isinstance(rc, int) else 0
 
 
-def cmd_methods(args: argparse.Namespace) -> int:
-    from fedgalore.methods import base
+def _yaml_scalar(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
-    for name in base.available_methods():
-        summary = getattr(base._REGISTRY.get(name), "summary", "") or ""
-        print(f"{name:<18} {summary}".rstrip())
+
+def cmd_methods(args: argparse.Namespace) -> int:
+    """Each method with its summary and its options (default, one-line doc); a method whose
+    options are those of one listed before says so."""
+    import dataclasses
+    import types
+    from typing import Literal, Union, get_args, get_origin, get_type_hints
+
+    from fedgalore.methods.base import available_methods, method_class
+
+    def choices(tp: Any) -> list[str]:  # the values of a Literal (or Literal | None) field
+        if get_origin(tp) is Literal:
+            return [str(a) for a in get_args(tp)]
+        args = [a for a in get_args(tp) if a is not type(None)] if get_origin(tp) in (Union, types.UnionType) else []
+        return choices(args[0]) if len(args) == 1 else []
+
+    listed: dict[type, str] = {}
+    for name in available_methods():
+        cls = method_class(name)
+        print(f"{name:<18} {cls.summary}".rstrip())
+        opts = cls.options_class
+        if opts in listed:
+            print(f"    options: as {listed[opts]}")
+            continue
+        listed[opts] = name
+        hints = get_type_hints(opts)
+        for f in dataclasses.fields(opts):
+            one_of = choices(hints[f.name])
+            print(f"    {f.name:<22} {_yaml_scalar(f.default):<18} {f.metadata['doc']}"
+                  + (f" [{', '.join(one_of)}]" if one_of else ""))
+    print("options go in method.options (YAML or method.options.<name>=<value>); docs/cli.md, \"Method options\"")
     return 0
 
 

@@ -10,7 +10,7 @@ comparison table and plots are written (:func:`fedgalore.report.build_report`).
 
 Method options. The base config's ``method.options`` is a pool: every cell's method takes the
 options it accepts (FedGaLore's GaLore/AJIVE knobs go to the fedgalore family, ``lora_alpha`` to
-the LoRA baselines, ``trainable`` to FedAvg-Full; :func:`fedgalore.methods.base.method_options_for`).
+the LoRA baselines, ``trainable`` to FedAvg-Full; :func:`fedgalore.methods.base.split_options`).
 ``method_options`` gives per-row options on top (entries for rows that are not in this grid are
 ignored, so one options file serves any subset of methods)::
 
@@ -53,6 +53,7 @@ from typing import Any, Callable, Mapping, Sequence
 from fedgalore.engine.config import ConfigError, FederatedConfig, config_difference
 from fedgalore.engine.events import ProgressSink
 from fedgalore.federated.partition import PartitionConfig, parse_setting
+from fedgalore.methods.base import MethodError, available_methods, parse_options, split_options
 
 __all__ = ["Cell", "plan_grid", "run_grid", "cell_status"]
 
@@ -80,8 +81,6 @@ def _slug(setting: str) -> str:
 
 
 def _check_methods(labels: Sequence[str], method_options: Mapping[str, Mapping[str, Any]]) -> None:
-    from fedgalore.methods.base import MethodError, available_methods
-
     if not labels:
         raise ConfigError("no methods given; pass e.g. --methods fedgalore,fedit")
     names = available_methods()
@@ -98,22 +97,6 @@ def _check_methods(labels: Sequence[str], method_options: Mapping[str, Mapping[s
             raise MethodError(f"unknown method {target!r}{hint}; available: {', '.join(names)}")
     if len(set(labels)) != len(labels):
         raise ConfigError(f"methods list has duplicates: {', '.join(labels)}")
-
-
-def method_options_for(method: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    from fedgalore.methods.base import method_options_for as split
-
-    return split(method, options)
-
-
-def _check_options(label: str, method: str, rank: int, options: dict[str, Any]) -> None:
-    """Build the method once so a bad option fails before any cell runs."""
-    from fedgalore.methods.base import MethodError, get_method
-
-    try:
-        get_method(method, rank=rank, **options)
-    except TypeError as exc:
-        raise MethodError(f"bad option for method {method!r} (row {label!r}): {exc}") from None
 
 
 def plan_grid(
@@ -146,9 +129,12 @@ def plan_grid(
         unknown = sorted(set(train_over) - set(base["train"]))
         if unknown:
             raise ConfigError(f"row {label!r}: unknown train key {unknown[0]!r}; valid: {', '.join(sorted(base['train']))}")
-        options, _ = method_options_for(method, dict(base["method"]["options"]))
+        options, _ = split_options(method, dict(base["method"]["options"]))
         options.update(opts)
-        _check_options(label, method, base_cfg.method.rank, options)
+        try:  # a bad option fails before any cell runs
+            parse_options(method, options, base_cfg.method.rank)
+        except MethodError as exc:
+            raise MethodError(f"row {label!r}: {exc}") from None
         for part in parts:
             setting = part.label()
             for seed in seeds:

@@ -46,6 +46,8 @@ from torch import nn
 
 from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.federated.client import optimizer_steps
+from fedgalore.methods.base import MethodOptions, parse_options, split_options
+from fedgalore.methods.fedgalore import FedGaLoreOptions
 from fedgalore.tasks.base import ArrayDataset, Task, TaskError, head_parameters, resolve_target_modules
 
 __all__ = [
@@ -358,19 +360,10 @@ class Probe:
     optimizers: list[str] = field(default_factory=list)  # optimizer classes the clients built
 
 
-def _method_setting(cfg: FederatedConfig, method: str, options: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    from fedgalore.methods.base import available_methods, get_method
-
-    available_methods()
-    try:
-        from fedgalore.methods.base import method_options_for
-
-        kept, _ = method_options_for(method, options)
-    except ImportError:  # older trees: every option goes to the method
-        kept = dict(options)
-    probe = get_method(method, rank=cfg.method.rank, **kept)
-    galore = "update_proj_gap" in getattr(probe, "options", {})
-    return kept, galore
+def _method_setting(cfg: FederatedConfig, method: str, options: dict[str, Any]) -> tuple[dict[str, Any], MethodOptions]:
+    """The options of ``method`` in the pool ``options`` and their parsed dataclass."""
+    kept, _ = split_options(method, options)
+    return kept, parse_options(method, kept, cfg.method.rank)
 
 
 def probe_method(cfg: FederatedConfig, spec: ModelSpec, method: str, options: dict[str, Any] | None = None,
@@ -382,7 +375,8 @@ def probe_method(cfg: FederatedConfig, spec: ModelSpec, method: str, options: di
     server state and optimizer state back to the real size (module doc)."""
     from fedgalore.engine.loop import Federation
 
-    opts, galore = _method_setting(cfg, method, dict(cfg.method.options if options is None else options))
+    opts, parsed = _method_setting(cfg, method, dict(cfg.method.options if options is None else options))
+    galore = isinstance(parsed, FedGaLoreOptions)
     dims = DimMap(spec, cfg.method.rank)
     if galore:
         opts = {**opts, "update_proj_gap": 1}
@@ -613,8 +607,9 @@ def make_plan(cfg: FederatedConfig, methods: Sequence[str] | None = None, method
                            "client_examples": sizes, "methods": {}}
     for method in methods:
         options = {**dict(cfg.method.options), **dict((method_options or {}).get(method, {}))}
-        _, galore = _method_setting(cfg, method, options)
-        tau = int(options.get("update_proj_gap", 200)) if galore else 0
+        _, parsed = _method_setting(cfg, method, options)
+        galore = isinstance(parsed, FedGaLoreOptions)
+        tau = parsed.update_proj_gap if galore else 0
         qs = [max(-(-_steps(n, cfg) // tau), 1) if galore else 0 for n in sizes]
         distinct = sorted(set(qs))
         clients = distinct if len(distinct) >= 2 or K == 1 else distinct * 2

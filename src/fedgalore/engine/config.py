@@ -1,7 +1,8 @@
 """Typed run configuration (``FederatedConfig``) with strict validation.
 
 Library code takes these dataclasses; only :func:`load_config` (used by the CLI) parses YAML and
-``key=value`` overrides (OmegaConf). Every user-facing value is checked up front and a bad one
+``key=value`` overrides (OmegaConf). Every user-facing value is checked up front — the method's
+options too, against its options dataclass (:mod:`fedgalore.methods.base`) — and a bad one
 raises :class:`ConfigError` with one line saying what is wrong and how to fix it.
 
 YAML layout (``conf/pipeline/*.yaml``)::
@@ -20,15 +21,16 @@ YAML layout (``conf/pipeline/*.yaml``)::
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence, get_args, get_origin, get_type_hints
+from typing import Any, Sequence
 
 from fedgalore.federated.partition import PartitionConfig
+from fedgalore.methods.base import MethodOptions, available_methods, parse_options, split_options
 from fedgalore.protocol.state import TrainConfig
+from fedgalore.typed import ConfigError, from_plain, to_plain
 
 __all__ = [
     "ConfigError",
@@ -43,10 +45,6 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """An invalid configuration value; the message is one line with the fix."""
-
-
 @dataclass
 class TaskConfig:
     name: str = "offline_text"
@@ -57,7 +55,16 @@ class TaskConfig:
 class MethodConfig:
     name: str = "fedgalore"
     rank: int = 8
+    #: a pool: this method's options and possibly other methods' (docs/cli.md, "Method options")
     options: dict[str, Any] = field(default_factory=dict)
+
+    def own_options(self) -> dict[str, Any]:
+        """The options of the pool that this method takes (:func:`~fedgalore.methods.base.split_options`)."""
+        return split_options(self.name, self.options)[0]
+
+    def typed_options(self) -> MethodOptions:
+        """This method's options dataclass, as the method runs them (:func:`~fedgalore.methods.base.parse_options`)."""
+        return parse_options(self.name, self.own_options(), self.rank)
 
 
 @dataclass
@@ -106,11 +113,11 @@ class FederatedConfig:
 
     # ------------------------------------------------------------------ conversion
     def to_dict(self) -> dict[str, Any]:
-        return _to_plain(self)
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "FederatedConfig":
-        cfg = _from_plain(cls, data, "")
+        cfg = from_plain(cls, data, "")
         cfg.validate()
         return cfg
 
@@ -168,6 +175,8 @@ class FederatedConfig:
         _check(self.output.keep_checkpoints >= 1, "output.keep_checkpoints must be >= 1")
         _check(self.output.progress in ("auto", "rich", "plain", "quiet"), "output.progress must be auto, rich, plain or quiet")
         _check(self.device == "cpu" or self.device.startswith("cuda") or self.device == "mps", f"device={self.device!r} must be cpu, cuda[:N] or mps")
+        if self.method.name in available_methods():  # a method registered later (a Ray plugin) is checked when built
+            self.method.typed_options()
         return self
 
     def setting_label(self) -> str:
@@ -178,82 +187,6 @@ class FederatedConfig:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
-
-
-def _to_plain(obj: Any) -> Any:
-    if dataclasses.is_dataclass(obj):
-        return {f.name: _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, (list, tuple)):
-        return [_to_plain(v) for v in obj]
-    if isinstance(obj, dict):
-        return {k: _to_plain(v) for k, v in obj.items()}
-    return obj
-
-
-def _from_plain(cls: type, data: Any, path: str) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path or 'config'} must be a mapping, got {type(data).__name__}")
-    hints = get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        where = f"{path}." if path else ""
-        raise ConfigError(f"unknown config key {where}{unknown[0]}; valid keys here: {', '.join(sorted(names))}")
-    kwargs = {}
-    for name, value in data.items():
-        kwargs[name] = _coerce(hints[name], value, f"{path}.{name}" if path else name)
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as exc:  # a dataclass's own validation (e.g. PartitionConfig)
-        raise ConfigError(f"{path or 'config'}: {exc}") from None
-
-
-def _coerce(tp: Any, value: Any, path: str) -> Any:
-    origin = get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _from_plain(tp, value, path)
-    if origin is None and tp is Any:
-        return value
-    args = get_args(tp)
-    if type(None) in args:  # Optional[X]
-        if value is None:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, path) if len(inner) == 1 else value
-    if origin is dict:
-        if value is None:  # `method.options=null` clears the mapping
-            return {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path} must be a mapping, got {value!r}")
-        return dict(value)
-    if origin is tuple:
-        if not isinstance(value, (list, tuple)) or (args and args[-1] is not Ellipsis and len(value) != len(args)):
-            raise ConfigError(f"{path} must be a list of {len(args)} values, got {value!r}")
-        return tuple(_coerce(a, v, path) for a, v in zip(args, value)) if args[-1] is not Ellipsis else tuple(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path} must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (isinstance(value, float) and not value.is_integer()):
-            raise ConfigError(f"{path} must be an integer, got {value!r}")
-        return int(value)
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            try:
-                return float(value)  # "5e-5" from a YAML 1.1 string
-            except (TypeError, ValueError):
-                raise ConfigError(f"{path} must be a number, got {value!r}") from None
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path} must be a string, got {value!r}")
-        return value
-    return value
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> FederatedConfig:

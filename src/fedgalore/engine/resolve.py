@@ -2,7 +2,7 @@
 
 * :func:`config_for_method` — ``method.options`` may hold options of several methods (a pipeline
   written for FedGaLore runs unchanged with ``method.name=fedit``); the run keeps the options its
-  method accepts (:func:`fedgalore.methods.base.method_options_for`), and that is what its
+  method takes (:func:`fedgalore.methods.base.split_options`), and that is what its
   ``config.yaml`` records;
 * :func:`check_device` — ``device=cuda`` on a torch without CUDA (or ``cuda:3`` with one GPU, or
   ``mps`` off Apple silicon) is one :class:`~fedgalore.engine.config.ConfigError` line that
@@ -16,16 +16,10 @@ __all__ = ["config_for_method", "check_device"]
 
 
 def config_for_method(cfg: FederatedConfig) -> FederatedConfig:
-    """A copy of ``cfg`` whose ``method.options`` holds only what ``method.name`` takes.
-
-    Options that only other registered methods accept are dropped; an option that no registered
-    method accepts is kept, so the method rejects it with its own one-line error.
-    """
-    from fedgalore.methods.base import method_options_for
-
-    kept, _ = method_options_for(cfg.method.name, cfg.method.options)
+    """A copy of ``cfg`` whose ``method.options`` holds only what ``method.name`` takes (options
+    that only other registered methods take are dropped)."""
     out = FederatedConfig.from_dict(cfg.to_dict())
-    out.method.options = kept
+    out.method.options = cfg.method.own_options()
     return out
 
 

@@ -22,7 +22,7 @@ from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.federated.client import ClientError
 from fedgalore.federated.partition import make_partition
 from fedgalore.federated.seeding import BATCHES, DROPOUT, client_seed, validation_seed
-from fedgalore.methods.base import Method, get_method
+from fedgalore.methods.base import Method, method_class
 from fedgalore.protocol.payload import decode, encode
 from fedgalore.protocol.state import ClientContext, TrainConfig
 from fedgalore.tasks import Task, get_task, resolve_target_modules
@@ -58,7 +58,7 @@ class Runtime:
     def __init__(self, cfg: FederatedConfig, parts: Sequence[np.ndarray] | None = None, task: Task | None = None, method: Method | None = None):
         self.cfg = cfg
         self.task = task if task is not None else get_task(cfg.task.name, **cfg.task.options)
-        self.method = method if method is not None else get_method(cfg.method.name, rank=cfg.method.rank, **cfg.method.options)
+        self.method = method if method is not None else method_class(cfg.method.name)(cfg.method.rank, cfg.method.typed_options())
         model = self.task.build_model()
         self.target_modules = resolve_target_modules(model, self.task.target_modules, exclude=self.task.head_modules)
         self.head_params = head_parameters(model, self.task.head_modules)

@@ -9,21 +9,27 @@ A federated method is data, not a fork of the round loop (docs/design.md §2). I
   run local steps, return a typed upload;
 * ``aggregate`` — the aggregation operator A (mutates the server state);
 * ``synchronize`` — the state synchronisation operator S (default: none);
-* ``load_global`` — put the global state into a model for evaluation.
+* ``load_global`` — put the global state into a model for evaluation;
+* ``options_class`` — its options, a frozen :class:`MethodOptions` dataclass (every field a
+  default and a one-line doc), parsed from the config's ``method.options`` when the config is
+  loaded (:func:`split_options`, :func:`parse_options`).
 
-Methods register themselves with :func:`register`; the loop looks them up by name.
+Methods register themselves with :func:`register`; the loop looks them up by name. A method
+defined outside the package is one class and its options dataclass (tests/test_engine.py).
 """
 from __future__ import annotations
 
 import abc
-import inspect
-from typing import Any, ClassVar, Iterable, Sequence
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterable, Mapping, Sequence, get_type_hints
 
 import torch
 from torch import nn
 
 from fedgalore.protocol.payload import Dense, Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
+from fedgalore.typed import ConfigError, coerce, to_plain
 
 __all__ = [
     "Method",
@@ -31,12 +37,30 @@ __all__ = [
     "get_method",
     "available_methods",
     "MethodError",
-    "method_options_for",
+    "MethodOptions",
+    "option",
+    "method_class",
+    "option_fields",
+    "parse_options",
+    "split_options",
 ]
 
 
-class MethodError(ValueError):
-    """Unknown method or an invalid method option."""
+class MethodError(ConfigError):
+    """Unknown method or an invalid method option (one line, naming the method and the option)."""
+
+
+@dataclass(frozen=True)
+class MethodOptions:
+    """A method's options: a frozen dataclass registered with the method (:attr:`Method.options_class`),
+    like PEFT's ``LoraConfig`` per tuner. Every field has a default and a one-line doc
+    (:func:`option`); ``fedgalore methods`` lists them. Ranges and combinations are checked in
+    ``__post_init__`` (raise :class:`MethodError`)."""
+
+
+def option(default: Any, doc: str) -> Any:
+    """A field of a :class:`MethodOptions` dataclass: its default and its one-line doc."""
+    return field(default=default, metadata={"doc": doc})
 
 
 class Method(abc.ABC):
@@ -45,29 +69,24 @@ class Method(abc.ABC):
     name: ClassVar[str] = "method"
     #: short description for ``fedgalore methods`` / README tables
     summary: ClassVar[str] = ""
-    #: options the constructor takes through ``**options`` (not visible in its signature)
-    extra_options: ClassVar[tuple[str, ...]] = ()
+    #: the method's options (a :class:`MethodOptions` dataclass; the base has none)
+    options_class: ClassVar[type[MethodOptions]] = MethodOptions
 
-    @classmethod
-    def option_names(cls) -> frozenset[str]:
-        """The option names this method accepts: the keyword parameters of ``__init__`` along
-        the class hierarchy (except ``rank``) plus :attr:`extra_options`. Used to route a shared
-        ``method.options`` mapping to the method that owns each option."""
-        names: set[str] = set(cls.extra_options)
-        for klass in cls.__mro__:
-            init = klass.__dict__.get("__init__")
-            if init is None or klass is object:
-                continue
-            for p in inspect.signature(init).parameters.values():
-                if p.name not in ("self", "rank") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
-                    names.add(p.name)
-        return frozenset(names)
-
-    def __init__(self, rank: int = 8, **options: Any) -> None:
+    def __init__(self, rank: int = 8, options: MethodOptions | None = None) -> None:
         if rank <= 0:
             raise MethodError(f"rank must be a positive integer, got {rank}")
+        options = self.options_class() if options is None else options
+        if type(options) is not self.options_class:
+            raise MethodError(f"method {self.name!r} takes {self.options_class.__name__}, got {type(options).__name__}")
         self.rank = int(rank)
-        self.options = dict(options)
+        #: the options as this method runs them (:meth:`resolve_options`)
+        self.options = type(self).resolve_options(options, self.rank)
+
+    @classmethod
+    def resolve_options(cls, options: MethodOptions, rank: int) -> MethodOptions:
+        """The options as this method runs them: defaults that depend on the method or the rank
+        filled in, combinations checked (raise :class:`MethodError`). Default: as given."""
+        return options
 
     # --------------------------------------------------------------- once per process
     @abc.abstractmethod
@@ -122,50 +141,96 @@ class Method(abc.ABC):
         """Load the global state into ``model`` (for evaluation and checkpoints)."""
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "rank": self.rank, **self.options}
+        """The method as it runs (``environment.json``): name, rank and every option."""
+        return {"name": self.name, "rank": self.rank, **to_plain(self.options)}
 
 
+# ----------------------------------------------------------------------------- the registry
 _REGISTRY: dict[str, type[Method]] = {}
 
 
 def register(cls: type[Method]) -> type[Method]:
-    """Class decorator: make a method available by ``cls.name``."""
+    """Class decorator: make a method available by ``cls.name`` (its options: ``cls.options_class``,
+    a frozen :class:`MethodOptions` dataclass whose every field has a default and a doc)."""
+    opts = cls.options_class
+    if not (issubclass(opts, MethodOptions) and dataclasses.is_dataclass(opts) and opts.__dataclass_params__.frozen):
+        raise TypeError(f"{cls.__name__}.options_class must be a frozen dataclass subclassing MethodOptions")
+    for f in dataclasses.fields(opts):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING or not f.metadata.get("doc"):
+            raise TypeError(f"{opts.__name__}.{f.name} needs a default and a doc: use option(default, doc)")
     _REGISTRY[cls.name] = cls
     return cls
 
 
 def available_methods() -> list[str]:
-    from fedgalore import methods as _m  # noqa: F401  (imports the built-in methods)
-
+    """The registered method names (the built-in ones register when ``fedgalore.methods`` is imported)."""
     return sorted(_REGISTRY)
 
 
-def get_method(name: str, **kwargs: Any) -> Method:
-    available_methods()
+def method_class(name: str) -> type[Method]:
+    """The method registered as ``name``."""
     if name not in _REGISTRY:
         raise MethodError(f"unknown method {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](**kwargs)
+    return _REGISTRY[name]
 
 
-def method_options_for(name: str, options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a shared ``method.options`` mapping into (options for method ``name``, ignored).
+def option_fields(name: str) -> dict[str, dataclasses.Field]:
+    """The option fields of method ``name`` by option name."""
+    return {f.name: f for f in dataclasses.fields(method_class(name).options_class)}
 
-    The rule (docs/cli.md, "Method options"): ``method.options`` may hold options of several
-    methods — a pipeline written for FedGaLore keeps working with ``method.name=fedit``. An
-    option goes to ``name`` when ``name`` accepts it; an option that only *other* registered
-    methods accept is ignored (returned second); an option that no registered method accepts is
-    passed on too, so the method rejects it with its own one-line error. An unregistered
-    ``name`` (a method object passed to ``fedgalore.run``) gets every option.
+
+def parse_options(name: str, options: Mapping[str, Any], rank: int = 8) -> MethodOptions:
+    """Method ``name``'s options dataclass from a mapping of its own options (values checked
+    against the field types), resolved as the method runs them (:meth:`Method.resolve_options`).
+    An option the method does not take, a value of the wrong type or an invalid combination is a
+    :class:`MethodError` naming the method and the option."""
+    cls = method_class(name)
+    fields = option_fields(name)
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise MethodError(f"method {name!r} has no option(s) {unknown}; options are {sorted(fields)}")
+    hints = get_type_hints(cls.options_class)
+    try:
+        values = {k: coerce(hints[k], v, f"option {k}") for k, v in options.items()}
+        return cls.resolve_options(cls.options_class(**values), int(rank))
+    except (ConfigError, ValueError, TypeError) as exc:  # MethodError is a ConfigError
+        raise MethodError(f"method {name!r}: {exc}") from None
+
+
+def split_options(name: str, pool: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a shared ``method.options`` pool into (method ``name``'s own options, ignored).
+
+    The rule (docs/cli.md, "Method options"): the pool may hold options of several methods — a
+    pipeline written for FedGaLore keeps working with ``method.name=fedit``. An option goes to
+    ``name`` when ``name`` takes it; an option that only other registered methods take is
+    ignored (returned second), after its value is checked against the type those methods give
+    it; an option that no registered method takes is a :class:`MethodError`. An unregistered
+    ``name`` (a method registered later, e.g. in a Ray worker's plugin) gets the whole pool.
     """
-    available_methods()
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        return dict(options), {}
-    own = cls.option_names()
-    others = set().union(*(c.option_names() for n, c in _REGISTRY.items() if n != name))
-    kept = {k: v for k, v in options.items() if k in own or k not in others}
-    ignored = {k: v for k, v in options.items() if k not in kept}
-    return kept, ignored
+    if name not in _REGISTRY:
+        return dict(pool), {}
+    own = option_fields(name)
+    takers: dict[str, list[str]] = {}
+    for other in sorted(_REGISTRY):
+        for k in option_fields(other):
+            takers.setdefault(k, []).append(other)
+    unknown = sorted(k for k in pool if k not in takers)
+    if unknown:
+        raise MethodError(f"method {name!r} has no option(s) {unknown}; options are {sorted(own)}")
+    ignored = {k: v for k, v in pool.items() if k not in own}
+    for k, v in ignored.items():
+        other = takers[k][0]
+        try:
+            coerce(get_type_hints(_REGISTRY[other].options_class)[k], v, f"option {k}")
+        except ConfigError as exc:
+            raise MethodError(f"method {other!r}: {exc}") from None
+    return {k: v for k, v in pool.items() if k in own}, ignored
+
+
+def get_method(name: str, rank: int = 8, **options: Any) -> Method:
+    """Build the registered method ``name``; ``options`` by keyword are parsed as the config's
+    ``method.options`` are (:func:`parse_options`)."""
+    return method_class(name)(rank=rank, options=parse_options(name, options, rank))
 
 
 # ----------------------------------------------------------------------------- shared helpers

@@ -13,13 +13,14 @@ Operator", FedAvg). S: none. This is the paper's FFT baseline. Option ``trainabl
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Literal, Sequence
 
 import torch
 from torch import nn
 
 from fedgalore.federated.client import local_train
-from fedgalore.methods.base import Method, MethodError, load_params, named_params, register
+from fedgalore.methods.base import Method, MethodOptions, load_params, named_params, option, register
 from fedgalore.protocol.payload import Dense, Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 
@@ -62,20 +63,21 @@ class DenseTargetsMethod(Method):
         load_params(model, state.params)
 
 
+@dataclass(frozen=True)
+class FedAvgFullOptions(MethodOptions):
+    trainable: Literal["targets", "all"] = option(
+        "targets", "what trains: 'targets' (the adapted matrices + head) or 'all' (the whole model, the paper's for RoBERTa/ViT)")
+
+
 @register
 class FedAvgFull(DenseTargetsMethod):
     name = "fedavg_full"
     summary = "full fine-tuning with AdamW (target matrices + head, or the whole model: trainable=all); FedAvg of dense deltas"
+    options_class = FedAvgFullOptions
 
-    def __init__(self, rank: int = 8, trainable: str = "targets", **options: Any) -> None:
-        if trainable not in ("targets", "all"):
-            raise MethodError(f"fedavg_full option trainable={trainable!r} must be 'targets' (adapted matrices + head) "
-                              "or 'all' (the whole model, as the paper for RoBERTa/ViT)")
-        unknown = sorted(set(options) - type(self).option_names())
-        if unknown:  # a subclass lists the options it reads in extra_options
-            raise MethodError(f"method {self.name!r} has no option(s) {unknown}; options are {sorted(type(self).option_names())}")
-        super().__init__(rank, trainable=trainable, **options)
-        self.trainable = trainable
+    def __init__(self, rank: int = 8, options: FedAvgFullOptions | None = None) -> None:
+        super().__init__(rank, options)
+        self.trainable = self.options.trainable
         self.others: list[str] = []  # parameters trained besides targets and heads (trainable=all)
 
     def setup(self, model, target_modules, head_params):

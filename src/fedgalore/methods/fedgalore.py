@@ -36,19 +36,33 @@ second moment) and their ratio ``update_norm_vs_cold``.
 """
 from __future__ import annotations
 
+import math
+import statistics
 import warnings
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal, Sequence
 
 import torch
 from torch import nn
 
 from fedgalore.federated.client import local_train, optimizer_steps
-from fedgalore.methods.base import MethodError, load_params, named_params, register
+from fedgalore.methods.base import MethodError, MethodOptions, load_params, named_params, option, register
 from fedgalore.methods.fedavg_full import DenseTargetsMethod
 from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank
+from fedgalore.optim.galore_adamw import (
+    ADAPTIVE_SCOPES,
+    GALORE_DEFAULTS,
+    MOMENT_TRANSFERS,
+    NONFINITE_POLICIES,
+    PROJECTORS,
+    GaLoreAdamW,
+)
+from fedgalore.optim.projector import PROJ_TYPES
+from fedgalore.protocol.bases import basis_seed
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
+from fedgalore.sync.moments import MODES as _SYNC_MODES
+from fedgalore.sync.moments import synchronize_moments
 
-_SYNC_MODES = ("none", "mean", "mean_svd", "ajive")
 _PROTOCOLS = ("paper", "aligned")
 _VIEW_BASES = ("seeded", "consensus")
 #: per-client numbers the optimizer reports (upload meta) and the round's diagnostics average
@@ -83,93 +97,78 @@ def aggregate_galore_updates(
     return out
 
 
+@dataclass(frozen=True)
+class FedGaLoreOptions(MethodOptions):
+    """FedGaLore's options: the client optimizer's GaLore keys (paper App. B, App. E) and the
+    server's second-moment protocol (§5, docs/design.md §3.1–3.2)."""
+
+    update_proj_gap: int = option(200, "τ: optimizer steps between projector refreshes")
+    scale: float = option(0.25, "GaLore scale α of the back-projected update")
+    proj_type: Literal[PROJ_TYPES] = option("std", "side of the basis: std projects the smaller dimension")
+    projector: Literal[PROJECTORS] = option("rsvd_then_random", "basis kind; *_then_random: data-driven first, then seeded random (App. E)")
+    adaptive_proj_steps: int = option(1, "data-driven refreshes before the seeded random ones (S)")
+    adaptive_scope: Literal[ADAPTIVE_SCOPES] = option(GALORE_DEFAULTS["adaptive_scope"], "count those refreshes per round or over the whole run (global)")
+    moment_transfer: Literal[MOMENT_TRANSFERS] = option("squared", "how the moments move when the basis changes")
+    rsvd_oversample: int = option(GALORE_DEFAULTS["rsvd_oversample"], "oversampling of the randomised SVD")
+    rsvd_niter: int = option(GALORE_DEFAULTS["rsvd_niter"], "power iterations of the randomised SVD")
+    nonfinite: Literal[NONFINITE_POLICIES] = option("raise", "a non-finite gradient: raise, or skip that parameter's step")
+    sync: Literal[_SYNC_MODES] | None = option(None, "second-moment sync S (null: ajive; the ablations pin theirs)")
+    joint_rank: int | Literal["auto"] | None = option(None, "AJIVE joint rank k (null: the rank r; auto: Wedin/random-direction bounds)")
+    sync_center: bool = option(True, "AJIVE centres each view (the mean joins the synchronised state)")
+    moment_protocol: Literal[_PROTOCOLS] = option("aligned", "paper: Algorithm 1 as written; aligned: prior weights across rounds")
+    view_basis: Literal[_VIEW_BASES] | None = option(None, "shared view basis B (null: seeded for paper, consensus for aligned)")
+    galore_torch_compat: bool = option(False, "the official galore_torch update rule (needs moment_protocol=paper when synced)")
+
+    def __post_init__(self) -> None:
+        if self.update_proj_gap < 1:
+            raise MethodError("option update_proj_gap (tau) must be >= 1")
+
+
 @register
 class FedGaLore(DenseTargetsMethod):
     name = "fedgalore"
     summary = "GaLore-AdamW clients (seeded SVD→random projectors) + FedAvg + AJIVE sync of projected second moments"
+    options_class = FedGaLoreOptions
     default_sync = "ajive"
     #: variants pin their sync mode; a ``sync`` option from a shared config does not override it
     fixed_sync: str | None = None
-    #: GaLoreAdamW group keys passed through ``**options``
-    extra_options = ("adaptive_scope", "rsvd_oversample", "rsvd_niter", "nonfinite")
 
-    def __init__(
-        self,
-        rank: int = 8,
-        update_proj_gap: int = 200,
-        scale: float = 0.25,
-        proj_type: str = "std",
-        projector: str = "rsvd_then_random",
-        adaptive_proj_steps: int = 1,
-        moment_transfer: str = "squared",
-        sync: str | None = None,
-        joint_rank: int | str | None = None,
-        sync_center: bool = True,
-        galore_torch_compat: bool = False,
-        moment_protocol: str = "aligned",
-        view_basis: str | None = None,
-        **options: Any,
-    ) -> None:
-        sync = self.fixed_sync or (self.default_sync if sync is None else sync)
-        if sync not in _SYNC_MODES:
-            raise MethodError(f"method option sync={sync!r} must be one of {', '.join(_SYNC_MODES)}")
-        if update_proj_gap < 1:
-            raise MethodError("method option update_proj_gap (tau) must be >= 1")
-        if moment_protocol not in _PROTOCOLS:
-            raise MethodError(f"method option moment_protocol={moment_protocol!r} must be one of {', '.join(_PROTOCOLS)}")
-        if view_basis is None:
-            view_basis = "seeded" if moment_protocol == "paper" else "consensus"
-        if view_basis not in _VIEW_BASES:
-            raise MethodError(f"method option view_basis={view_basis!r} must be one of {', '.join(_VIEW_BASES)}")
-        if moment_protocol == "paper" and view_basis != "seeded":
+    @classmethod
+    def resolve_options(cls, options: FedGaLoreOptions, rank: int) -> FedGaLoreOptions:
+        """Sync mode (the variant's, else the option, else ajive), view basis (by protocol) and
+        joint rank (= r) filled in; the protocol's combinations checked."""
+        o = options
+        sync = cls.fixed_sync or (cls.default_sync if o.sync is None else o.sync)
+        view_basis = o.view_basis or ("seeded" if o.moment_protocol == "paper" else "consensus")
+        if o.moment_protocol == "paper" and view_basis != "seeded":
             raise MethodError("moment_protocol='paper' synchronises on the round's seeded basis R_k: use view_basis='seeded' (or moment_protocol='aligned')")
-        if galore_torch_compat and moment_protocol == "aligned" and sync != "none":
+        if o.galore_torch_compat and o.moment_protocol == "aligned" and sync != "none":
             raise MethodError("galore_torch_compat reproduces the official optimizer, which has no prior weights: use moment_protocol='paper'")
-        super().__init__(
-            rank,
-            update_proj_gap=update_proj_gap,
-            scale=scale,
-            proj_type=proj_type,
-            projector=projector,
-            adaptive_proj_steps=adaptive_proj_steps,
-            moment_transfer=moment_transfer,
-            sync=sync,
-            joint_rank=joint_rank,
-            sync_center=sync_center,
-            galore_torch_compat=galore_torch_compat,
-            moment_protocol=moment_protocol,
-            view_basis=view_basis,
-            **options,
-        )
-        self.sync = sync
-        self.joint_rank = rank if joint_rank is None else joint_rank
-        extra = set(options) - set(self.extra_options)
-        if extra:
-            raise MethodError(f"unknown fedgalore option(s) {sorted(extra)}")
+        return replace(o, sync=sync, view_basis=view_basis, joint_rank=rank if o.joint_rank is None else o.joint_rank)
 
     @property
     def synced(self) -> bool:
-        return self.sync != "none"
+        return self.options.sync != "none"
 
-    def _galore_group(self, named: list[tuple[str, nn.Parameter]], ctx: ClientContext) -> dict[str, Any]:
+    def _galore_group(self, named: list[tuple[str, nn.Parameter]]) -> dict[str, Any]:
         o = self.options
-        group = {
+        return {
             "params": named,
             "rank": self.rank,
-            "update_proj_gap": o["update_proj_gap"],
-            "scale": o["scale"],
-            "proj_type": o["proj_type"],
-            "projector": o["projector"],
-            "adaptive_proj_steps": o["adaptive_proj_steps"],
-            "moment_transfer": o["moment_transfer"],
+            "update_proj_gap": o.update_proj_gap,
+            "scale": o.scale,
+            "proj_type": o.proj_type,
+            "projector": o.projector,
+            "adaptive_proj_steps": o.adaptive_proj_steps,
+            "adaptive_scope": o.adaptive_scope,
+            "moment_transfer": o.moment_transfer,
+            "rsvd_oversample": o.rsvd_oversample,
+            "rsvd_niter": o.rsvd_niter,
+            "nonfinite": o.nonfinite,
             # FedGaLore⁻ starts cold every round: AdamW's rule (bit-identical to earlier runs)
-            "bias_correction": "weight" if self.synced and o["moment_protocol"] == "aligned" else "steps",
-            "track_cold": self.synced and not o["galore_torch_compat"],
+            "bias_correction": "weight" if self.synced and o.moment_protocol == "aligned" else "steps",
+            "track_cold": self.synced and not o.galore_torch_compat,
         }
-        for k in self.extra_options:
-            if k in o:
-                group[k] = o[k]
-        return group
 
     # ------------------------------------------------------------------ T
     def broadcast(self, state: ServerState, ctx: RoundContext) -> Payload:
@@ -180,13 +179,11 @@ class FedGaLore(DenseTargetsMethod):
         return Payload(entries, {"round": ctx.round, "round_seed": ctx.round_seed})
 
     def client_update(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> Payload:
-        from fedgalore.optim import GaLoreAdamW
-
         start = {n: broadcast[n].materialize() for n in self.targets + self.heads}
         load_params(model, start)
         params = named_params(model, self.targets + self.heads)
         tc = ctx.train
-        groups = [self._galore_group([(n, params[n]) for n in self.targets], ctx)]
+        groups = [self._galore_group([(n, params[n]) for n in self.targets])]
         if self.heads:
             groups.append({"params": [(n, params[n]) for n in self.heads], "lr": tc.head_lr or tc.lr})
         opt = GaLoreAdamW(
@@ -195,14 +192,14 @@ class FedGaLore(DenseTargetsMethod):
             betas=tc.betas,
             eps=tc.eps,
             weight_decay=tc.weight_decay,
-            galore_torch_compat=self.options["galore_torch_compat"],
+            galore_torch_compat=self.options.galore_torch_compat,
         )
         opt.set_projection_seed(int(broadcast.meta.get("round_seed", ctx.round_seed)))
-        if self.options.get("adaptive_scope", "round") == "global":
+        if self.options.adaptive_scope == "global":
             # the paper's "data-driven early, random later" over the whole federation: refreshes a
             # client would have made in earlier rounds at the nominal local step count (stateless,
             # identical for every client, so from round ⌈S/refreshes per round⌉ on all bases are seeded)
-            per_round = -(-optimizer_steps(ctx.steps_per_round, tc.grad_accum_steps) // int(self.options["update_proj_gap"]))
+            per_round = -(-optimizer_steps(ctx.steps_per_round, tc.grad_accum_steps) // self.options.update_proj_gap)
             opt.set_global_refresh_offset(ctx.round * per_round)
         if self.synced:
             for n in self.targets:
@@ -219,7 +216,7 @@ class FedGaLore(DenseTargetsMethod):
             entries[n] = Dense(params[n].detach().float().cpu() - start[n].float())
         meta: dict[str, Any] = {"num_examples": ctx.num_examples, **stats}
         if self.synced:
-            seeded = self.options["view_basis"] == "seeded"
+            seeded = self.options.view_basis == "seeded"
             views = opt.export_moments({n: opt.view_seed(n) for n in self.targets} if seeded else None)
             for n, view in views.items():
                 entries[f"moment/{n}"] = _share_basis(view, updates[n])
@@ -239,9 +236,7 @@ class FedGaLore(DenseTargetsMethod):
         """Seeded bases must come from this round's seed chain (moment views: the round's view
         basis R_k under ``view_basis='seeded'``); ranks must not exceed r; second-moment
         estimates and weights must be non-negative."""
-        from fedgalore.protocol.bases import basis_seed
-
-        identity = self.options["projector"] == "identity"
+        identity = self.options.projector == "identity"
         for n in self.targets:
             upd = upload[n]
             if not isinstance(upd, GaLoreUpdate):
@@ -261,7 +256,7 @@ class FedGaLore(DenseTargetsMethod):
                 continue
             if not isinstance(mv, MomentView):
                 return f"moment/{n}: expected a MomentView, got {type(mv).__name__}"
-            if self.options["view_basis"] == "seeded":
+            if self.options.view_basis == "seeded":
                 if mv.basis is not None or mv.seed != basis_seed(ctx.round_seed, n, 0):
                     return f"moment/{n}: must be on the round's seeded view basis R_k (seed {basis_seed(ctx.round_seed, n, 0)})"
             elif mv.basis is None and mv.seed not in valid:
@@ -294,8 +289,6 @@ class FedGaLore(DenseTargetsMethod):
     def synchronize(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext):
         if not self.synced:
             return {}
-        from fedgalore.sync import synchronize_moments
-
         diags: dict[str, list[float]] = {}
         for j, n in enumerate(self.targets):
             views = [u[f"moment/{n}"] for u in uploads]
@@ -306,9 +299,9 @@ class FedGaLore(DenseTargetsMethod):
                 res = synchronize_moments(
                     views,  # type: ignore[arg-type]
                     weights,
-                    mode=self.sync,
-                    joint_rank=self.joint_rank,
-                    center=self.options["sync_center"],
+                    mode=self.options.sync,
+                    joint_rank=self.options.joint_rank,
+                    center=self.options.sync_center,
                     seed=(ctx.round_seed + j) % (2**63),
                 )
             if res.state is not None:
@@ -345,9 +338,6 @@ def _share_basis(view: MomentView, update: GaLoreUpdate) -> MomentView:
 def _client_diagnostics(per_param: dict[str, dict[str, float]]) -> dict[str, float]:
     """One client's moment diagnostics over its GaLore matrices: means of the warm-start shares,
     the median of the per-matrix V̂/V̂_cold medians, and the update norms over all matrices."""
-    import math
-    import statistics
-
     out: dict[str, float] = {}
     for key, src in (("warm_clamped", "warm_clamped"), ("prior_retained", "prior_retained")):
         vals = [d[src] for d in per_param.values() if src in d]

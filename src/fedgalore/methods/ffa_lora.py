@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fedgalore.methods.base import register
-from fedgalore.methods.lora_common import LoraMethod, a_key, b_key, check_weights, weighted_sum, w_key
+from fedgalore.methods.lora_common import LoraMethod, LoraSGDOptions, a_key, b_key, check_weights, weighted_sum, w_key
 from fedgalore.protocol.payload import Dense, Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 
@@ -34,6 +34,7 @@ class FFALoRA(LoraMethod):
     name = "ffa_lora"
     summary = "LoRA B + head with SGD, A frozen and shared by seed; server averages B (exact)"
     optimizer_kind = "sgd"
+    options_class = LoraSGDOptions
 
     def train_a(self) -> bool:
         return False

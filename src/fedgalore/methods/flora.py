@@ -24,18 +24,25 @@ participation and ``K·r·(m+n) < m·n`` the stacked factors would be cheaper.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Sequence
 
 import torch
 from torch import nn
 
 from fedgalore.federated.seeding import mixed_seed
-from fedgalore.methods.base import MethodError, register
-from fedgalore.methods.lora_common import LoraMethod, check_weights, lifted, w_key
+from fedgalore.methods.base import option, register
+from fedgalore.methods.lora_common import LoraMethod, LoraOptions, check_weights, lifted, w_key
 from fedgalore.protocol.payload import Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 
 __all__ = ["FLoRA"]
+
+
+@dataclass(frozen=True)
+class FLoRAOptions(LoraOptions):
+    fresh_init: Literal["per_client", "shared"] = option(
+        "per_client", "each round's fresh A: one per client (as the reference) or one shared by all clients")
 
 
 @register
@@ -43,15 +50,10 @@ class FLoRA(LoraMethod):
     name = "flora"
     summary = "fresh LoRA A,B + head with AdamW each round; server merges s·Σp_iB_iA_i into W (stacking)"
     optimizer_kind = "adamw"
-    defaults = {**LoraMethod.defaults, "fresh_init": "per_client"}
-
-    def __init__(self, rank: int = 8, **options: Any) -> None:
-        super().__init__(rank, **options)
-        if self.opts["fresh_init"] not in ("per_client", "shared"):
-            raise MethodError(f"flora: fresh_init must be 'per_client' or 'shared', got {self.opts['fresh_init']!r}")
+    options_class = FLoRAOptions
 
     def fresh_seed(self, round_seed: int, client: int) -> int:
-        if self.opts["fresh_init"] == "shared":
+        if self.options.fresh_init == "shared":
             return mixed_seed(self.adapter_seed, round_seed)
         return mixed_seed(self.adapter_seed, round_seed, client)
 

@@ -32,16 +32,18 @@ keeps each client's AdamW state across rounds), and the LR schedule is the share
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from fedgalore.methods.base import MethodError, register
+from fedgalore.methods.base import option, register
 from fedgalore.protocol.payload import Dense, Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 from fedgalore.methods.lora_common import (
     LoraMethod,
+    LoraOptions,
     a_key,
     b_key,
     check_weights,
@@ -71,27 +73,31 @@ def pissa_factors(w0: torch.Tensor, rank: int, scaling: float) -> tuple[torch.Te
     return b0, a0
 
 
+@dataclass(frozen=True)
+class FRLoRAOptions(LoraOptions):
+    freeze_a: bool = option(True, "A stays at A0 on the clients (the reference code); false trains both factors")
+    uniform_average: bool = option(False, "uniform mean of the uploads (the reference code) instead of size-weighted")
+    adapter_weight_decay: float = option(0.0, "AdamW weight decay of the adapters (the head uses train.weight_decay)")
+
+
 @register
 class FRLoRA(LoraMethod):
     name = "fr_lora"
     summary = "PiSSA-init LoRA (A frozen) + head with AdamW; server adds s(B̄Ā − B0A0) to the residual base, resets adapters"
     optimizer_kind = "adamw"
-    defaults = {**LoraMethod.defaults, "freeze_a": True, "uniform_average": False, "adapter_weight_decay": 0.0}
+    options_class = FRLoRAOptions
 
-    def __init__(self, rank: int = 8, **options: Any) -> None:
-        super().__init__(rank, **options)
-        for key in ("freeze_a", "uniform_average"):
-            if not isinstance(self.opts[key], bool):
-                raise MethodError(f"fr_lora: {key} must be true or false, got {self.opts[key]!r}")
-        self.freeze_a = self.opts["freeze_a"]
-        self.uniform_average = self.opts["uniform_average"]
+    def __init__(self, rank: int = 8, options: FRLoRAOptions | None = None) -> None:
+        super().__init__(rank, options)
+        self.freeze_a = self.options.freeze_a
+        self.uniform_average = self.options.uniform_average
         self.init_factors: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def train_a(self) -> bool:
         return not self.freeze_a
 
     def adapter_weight_decay(self, ctx: ClientContext) -> float:
-        return float(self.opts["adapter_weight_decay"])
+        return float(self.options.adapter_weight_decay)
 
     @torch.no_grad()
     def prepare(self, model: nn.Module) -> None:

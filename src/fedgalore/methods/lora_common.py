@@ -39,6 +39,7 @@ single tensors travel as :class:`Dense`. Every tensor is sent in the dtype it ha
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Sequence
 
 import torch
@@ -46,12 +47,14 @@ from torch import nn
 
 from fedgalore.federated.client import local_train
 from fedgalore.federated.seeding import mixed_seed
-from fedgalore.methods.base import Method, MethodError, named_params
+from fedgalore.methods.base import Method, MethodError, MethodOptions, named_params, option
 from fedgalore.protocol.payload import Dense, LowRank, Payload
 from fedgalore.protocol.state import ClientContext, ServerState
 
 __all__ = [
     "LoraMethod",
+    "LoraOptions",
+    "LoraSGDOptions",
     "kaiming_uniform",
     "weighted_sum",
     "a_key",
@@ -111,52 +114,57 @@ def _pair(entry: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return entry.left, entry.right
 
 
+@dataclass(frozen=True)
+class LoraOptions(MethodOptions):
+    """Options every LoRA baseline takes (module doc)."""
+
+    lora_alpha: float | None = option(None, "LoRA α, scaling s = α/r (null: 2·rank, the paper's Table 9)")
+    lora_dropout: float = option(0.0, "dropout on the adapters' input (0: deterministic runs)")
+    adapter_seed: int = option(0, "seed of the adapters' initial A (identical in every process)")
+
+    def __post_init__(self) -> None:
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise MethodError(f"option lora_alpha must be > 0, got {self.lora_alpha}")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise MethodError(f"option lora_dropout must be in [0, 1), got {self.lora_dropout}")
+
+
+@dataclass(frozen=True)
+class LoraSGDOptions(LoraOptions):
+    """Options of the LoRA baselines whose reference optimizer is SGD (FFA-LoRA, LoRA-FAIR)."""
+
+    sgd_lr: float | None = option(None, f"SGD learning rate when train.sgd_lr is not set (null: {DEFAULT_SGD_LR:g})")
+    sgd_weight_decay: float = option(0.0, "SGD weight decay (the SGD reference configs use none)")
+
+
 class LoraMethod(Method):
     """Base of the PEFT LoRA baselines: wrapping, deterministic init, heads, optimizers, payloads.
 
-    Subclasses set ``optimizer_kind`` ("adamw" | "sgd"), extend ``defaults`` with their own
-    options, and implement the per-round pieces (broadcast / load / upload / aggregate).
+    Subclasses set ``optimizer_kind`` ("adamw" | "sgd") and ``options_class`` (a
+    :class:`LoraOptions`; :class:`LoraSGDOptions` for SGD methods), and implement the per-round
+    pieces (broadcast / load / upload / aggregate).
     """
 
     optimizer_kind: ClassVar[str] = "adamw"
-    #: option name → default (None: computed); unknown options raise MethodError
-    defaults: ClassVar[dict[str, Any]] = {
-        "lora_alpha": None,  # None → 2·rank
-        "lora_dropout": 0.0,
-        "adapter_seed": 0,
-    }
-    _SGD_DEFAULTS: ClassVar[dict[str, Any]] = {"sgd_lr": None, "sgd_weight_decay": 0.0}
+    options_class = LoraOptions
 
     @classmethod
-    def option_names(cls) -> frozenset[str]:
-        """``defaults`` (plus the SGD options for SGD methods): what ``__init__`` accepts."""
-        return frozenset(cls.defaults) | (frozenset(cls._SGD_DEFAULTS) if cls.optimizer_kind == "sgd" else frozenset())
+    def resolve_options(cls, options: LoraOptions, rank: int) -> LoraOptions:
+        """``lora_alpha`` = 2·rank when not given."""
+        return options if options.lora_alpha is not None else replace(options, lora_alpha=float(2 * rank))
 
-    def __init__(self, rank: int = 8, **options: Any) -> None:
-        super().__init__(rank, **options)
-        known = dict(self.defaults)
-        if self.optimizer_kind == "sgd":
-            known.update(self._SGD_DEFAULTS)
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise MethodError(f"method {self.name!r} has no option(s) {unknown}; options are {sorted(known)}")
-        self.opts = {**known, **options}
-        if self.opts["lora_alpha"] is None:
-            self.opts["lora_alpha"] = 2 * self.rank
-        self.lora_alpha = float(self.opts["lora_alpha"])
-        self.lora_dropout = float(self.opts["lora_dropout"])
-        self.adapter_seed = int(self.opts["adapter_seed"])
-        if not self.lora_alpha > 0:
-            raise MethodError(f"lora_alpha must be > 0, got {self.lora_alpha}")
-        if not 0.0 <= self.lora_dropout < 1.0:
-            raise MethodError(f"lora_dropout must be in [0, 1), got {self.lora_dropout}")
+    def __init__(self, rank: int = 8, options: LoraOptions | None = None) -> None:
+        super().__init__(rank, options)
+        self.lora_alpha = float(self.options.lora_alpha)
+        self.lora_dropout = float(self.options.lora_dropout)
+        self.adapter_seed = int(self.options.adapter_seed)
         self.scaling = self.lora_alpha / self.rank  # PEFT: s = α / r
         self.targets: list[str] = []
         self.heads: list[str] = []
         self._round_start: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "rank": self.rank, **self.opts, "scaling": self.scaling}
+        return {**super().describe(), "scaling": self.scaling}
 
     # ------------------------------------------------------------------ model access
     @staticmethod
@@ -263,10 +271,10 @@ class LoraMethod(Method):
                 {"params": heads, "lr": head_lr, "weight_decay": tc.weight_decay},
             ]
             return torch.optim.AdamW([g for g in groups if g["params"]], betas=tuple(tc.betas), eps=tc.eps)
-        lr = tc.sgd_lr if tc.sgd_lr is not None else self.opts["sgd_lr"]
+        lr = tc.sgd_lr if tc.sgd_lr is not None else self.options.sgd_lr
         lr = float(DEFAULT_SGD_LR if lr is None else lr)
         head_lr = lr * tc.head_lr / tc.lr if tc.head_lr is not None else lr
-        wd = float(self.opts["sgd_weight_decay"])
+        wd = float(self.options.sgd_weight_decay)
         groups = [{"params": adapters, "lr": lr}, {"params": heads, "lr": head_lr}]
         return torch.optim.SGD([g for g in groups if g["params"]], momentum=tc.sgd_momentum, weight_decay=wd)
 

@@ -30,14 +30,15 @@ the correction in the last round.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Literal, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from fedgalore.methods.base import MethodError, register
+from fedgalore.methods.base import MethodError, option, register
 from fedgalore.methods.fedit import FedIT
-from fedgalore.methods.lora_common import LoraMethod, a_key, b_key, check_weights, lifted, w_key
+from fedgalore.methods.lora_common import LoraSGDOptions, a_key, b_key, check_weights, lifted, w_key
 from fedgalore.protocol.payload import Payload
 from fedgalore.protocol.state import RoundContext, ServerState
 
@@ -81,32 +82,30 @@ def fair_correction(
     raise MethodError(f"lora_fair: objective must be 'ridge' or 'cosine', got {objective!r}")
 
 
+@dataclass(frozen=True)
+class LoRAFAIROptions(LoraSGDOptions):
+    objective: Literal["ridge", "cosine"] = option("ridge", "the correction's objective: exact ridge fit, or the re-implementation's cosine")
+    ridge_lambda: float = option(1e-3, "ridge penalty relative to the mean eigenvalue of ĀĀᵀ (0: pseudo-inverse)")
+    cosine_lambda: float = option(1e-2, "cosine objective: penalty λ on ‖ΔB‖²")
+    cosine_steps: int = option(1000, "cosine objective: gradient steps")
+    cosine_lr: float = option(1e-2, "cosine objective: step size")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ridge_lambda < 0 or self.cosine_lambda < 0:
+            raise MethodError("options ridge_lambda and cosine_lambda must be >= 0")
+
+
 @register
 class LoRAFAIR(FedIT):
     name = "lora_fair"
     summary = "LoRA A,B + head with SGD; server averages factors and corrects B̄ so (B̄+ΔB)Ā ≈ Σp_iB_iA_i"
     optimizer_kind = "sgd"
-    defaults = {
-        **LoraMethod.defaults,
-        "objective": "ridge",
-        "ridge_lambda": 1e-3,
-        "cosine_lambda": 1e-2,
-        "cosine_steps": 1000,
-        "cosine_lr": 1e-2,
-    }
-
-    def __init__(self, rank: int = 8, **options: Any) -> None:
-        super().__init__(rank, **options)
-        if self.opts["objective"] not in ("ridge", "cosine"):
-            raise MethodError(f"lora_fair: objective must be 'ridge' or 'cosine', got {self.opts['objective']!r}")
-        if float(self.opts["ridge_lambda"]) < 0 or float(self.opts["cosine_lambda"]) < 0:
-            raise MethodError("lora_fair: ridge_lambda and cosine_lambda must be >= 0")
+    options_class = LoRAFAIROptions
 
     def correction(self, b_bar: torch.Tensor, a_bar: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        o = self.opts
-        return fair_correction(
-            b_bar, a_bar, target, o["objective"], o["ridge_lambda"], o["cosine_lambda"], o["cosine_steps"], o["cosine_lr"]
-        )
+        o = self.options
+        return fair_correction(b_bar, a_bar, target, o.objective, o.ridge_lambda, o.cosine_lambda, o.cosine_steps, o.cosine_lr)
 
     def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext) -> dict[str, torch.Tensor]:
         """A: ``(Ā, B̄ + ΔB)``; returns ``ΔW̄ = s((B̄+ΔB)Ā − B_oldA_old)`` per matrix."""
@@ -127,7 +126,7 @@ class LoRAFAIR(FedIT):
             state.params[a_key(m)], state.params[b_key(m)] = a_bar, b_new
         self.average_heads(state, uploads, p)
         state.meta["correction"] = {
-            "objective": self.opts["objective"],
+            "objective": self.options.objective,
             "rel_residual_before": sum(before) / len(before),
             "rel_residual_after": sum(after) / len(after),
         }

@@ -77,13 +77,14 @@ from fedgalore.optim.projector import PROJ_TYPES, change_of_basis, project, reso
 from fedgalore.protocol.bases import SIDES, basis_seed, seeded_basis
 from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, SeededLowRank
 
-__all__ = ["GaLoreAdamW", "GaLoreStateEntry", "rebuild_delta", "PROJECTORS", "MOMENT_TRANSFERS"]
+__all__ = ["GaLoreAdamW", "GaLoreStateEntry", "rebuild_delta", "PROJECTORS", "MOMENT_TRANSFERS", "ADAPTIVE_SCOPES", "NONFINITE_POLICIES",
+           "GALORE_DEFAULTS"]
 
 PROJECTORS = ("identity", "svd", "rsvd", "random", "svd_then_random", "rsvd_then_random")
 MOMENT_TRANSFERS = ("linear", "squared", "keep", "reset")
 BIAS_CORRECTIONS = ("steps", "weight")
-_SCOPES = ("round", "global")
-_NONFINITE = ("raise", "skip")
+ADAPTIVE_SCOPES = ("round", "global")
+NONFINITE_POLICIES = ("raise", "skip")
 
 #: Defaults filled into every group that has ``rank`` (the official package's keys first).
 GALORE_DEFAULTS: dict[str, Any] = {
@@ -365,8 +366,8 @@ class GaLoreAdamW(Optimizer):
         super().add_param_group(param_group)
         gi = len(self.param_groups) - 1
         group = self.param_groups[gi]
-        if group["nonfinite"] not in _NONFINITE:
-            raise ValueError(f"unknown nonfinite policy {group['nonfinite']!r}; expected one of {_NONFINITE}")
+        if group["nonfinite"] not in NONFINITE_POLICIES:
+            raise ValueError(f"unknown nonfinite policy {group['nonfinite']!r}; expected one of {NONFINITE_POLICIES}")
         names = group.get("param_names") or [f"g{gi}.p{i}" for i in range(len(group["params"]))]
         for name, p in zip(names, group["params"]):
             if name in self._by_name:
@@ -394,8 +395,8 @@ class GaLoreAdamW(Optimizer):
             )
         if group["galore_torch_compat"] and (group["bias_correction"] != "steps" or group["track_cold"]):
             raise ValueError("galore_torch_compat reproduces the official rule: use bias_correction='steps' and track_cold=False")
-        if group["adaptive_scope"] not in _SCOPES:
-            raise ValueError(f"unknown adaptive_scope {group['adaptive_scope']!r}; expected one of {_SCOPES}")
+        if group["adaptive_scope"] not in ADAPTIVE_SCOPES:
+            raise ValueError(f"unknown adaptive_scope {group['adaptive_scope']!r}; expected one of {ADAPTIVE_SCOPES}")
         if not _is_int(group["update_proj_gap"]) or group["update_proj_gap"] < 1:
             raise ValueError(f"update_proj_gap must be an int >= 1, got {group['update_proj_gap']!r}")
         if not _is_int(group["adaptive_proj_steps"]) or group["adaptive_proj_steps"] < 0:

@@ -167,10 +167,9 @@ def _fmt_lr(v: float) -> str:
 
 
 def _is_sgd(method: str) -> bool:
-    from fedgalore.methods.base import _REGISTRY, available_methods
+    from fedgalore.methods.base import available_methods, method_class
 
-    available_methods()
-    return getattr(_REGISTRY.get(method), "optimizer_kind", "adamw") == "sgd"
+    return method in available_methods() and getattr(method_class(method), "optimizer_kind", "adamw") == "sgd"
 
 
 def _run_budget(cfg: dict[str, Any]) -> str:
