@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Sequence, Union
+from typing import Callable, Sequence, Union
 
 import torch
 
@@ -478,8 +478,6 @@ def ajive(
     m = states[0].m
     if any(st.m != m for st in states):
         raise ValueError("all views must have the same number of rows (shared observations)")
-    dtype, device = states[0].dtype, states[0].device
-
     if isinstance(init_signal_ranks, int):
         init_signal_ranks = [init_signal_ranks] * K
     if init_signal_ranks is not None and len(init_signal_ranks) != K:
@@ -497,11 +495,53 @@ def ajive(
         raise ValueError("svd='truncated' needs init_signal_ranks, joint_rank and individual_ranks (or compute_individual=False)")
     use_trunc = svd == "truncated" or (svd == "auto" and fixed)
 
-    # ---- Phase 1: initial signal ranks and per-view SVDs
+    # Phase 1: each view's signal space (rank r_k) and threshold τ_k
+    ranks, thresholds, packs = _signal_spaces(states, init_signal_ranks, n_elbows, rtol, use_trunc, gen, n_iter)
+    # Phase 2: the joint score space — SVD of M = [U_1 … U_K], the joint rank, identifiability
+    space = _joint_space(states, ranks, packs, joint_rank, joint_svd, gen)
+    sel = _select_joint_rank(states, ranks, space, joint_rank, wedin_percentile, n_wedin_samples, randdir_percentile,
+                             n_randdir_samples, gen)
+    u_joint, keep, utu, dropped = _identifiable_components(states, ranks, space, sel.rank, thresholds,
+                                                           reconsider_joint_components)
+    # Phase 3: joint, individual and noise parts of every view
+    joint, indiv, noise, ind_ranks, coefs, rights = _decompose(states, u_joint, utu, keep, thresholds, individual_ranks,
+                                                               compute_individual, gen, n_iter)
+    return AJIVEResult(
+        joint_scores=u_joint,
+        joint_rank=u_joint.shape[1],
+        joint_rank_wedin_est=sel.wedin_estimate,
+        all_joint_svals=space.svals,
+        init_signal_ranks=ranks,
+        sv_thresholds=thresholds,
+        means=[st.mu for st in states] if center else None,
+        joint=joint,
+        individual=indiv,
+        individual_ranks=ind_ranks,
+        noise=noise,
+        wedin_cutoff=sel.wedin_cutoff,
+        rand_cutoff=sel.rand_cutoff,
+        svalsq_cutoff=sel.svalsq_cutoff,
+        wedin_sv_samples=sel.wedin_samples,
+        random_sv_samples=sel.random_samples,
+        dropped_components=dropped,
+        joint_coefs=coefs,
+        joint_rights=rights,
+    )
+
+
+# ----------------------------------------------------------------------------- Phase 1
+def _signal_spaces(states: list[_ViewState], init_signal_ranks: Sequence[int] | None, n_elbows: int, rtol: float | None,
+                   use_trunc: bool, gen: torch.Generator, n_iter: int) -> tuple[list[int], list[float], tuple | None]:
+    """Phase 1: every view's (centred) SVD ``X_k ≈ U_k D_k V_kᵀ`` and its initial signal rank
+    ``r_k`` (given, or the last of ``n_elbows`` profile-likelihood elbows of the uncentred
+    spectrum, :func:`elbow_rank`), lowered to what the view allows; the threshold
+    ``τ_k = (D_k[r_k] + D_k[r_k+1]) / 2`` (1-based). Returns ``(ranks, thresholds, packs)``,
+    ``packs`` the packed ``U``/``V`` buffers of factored views (``M`` of Phase 2 is a view of them)."""
     ranks: list[int] = []
     qr_cache: dict = {}  # right-factor identity -> (tensor kept alive, its QR)
     work: dict = {}  # scratch buffers shared by the views
     packs = None
+    m, dtype, device = states[0].m, states[0].dtype, states[0].device
     if all(st.factored for st in states):
         # every view's U (and, for one column dimension d, V) goes into one packed buffer:
         # no allocation per view, and M = [U_1 … U_K] below is a view of it, not a copy
@@ -538,11 +578,30 @@ def ajive(
     thresholds = [
         (st.sval(r - 1) + st.sval(r)) / 2 if r > 0 else 0.0 for st, r in zip(states, ranks)
     ]
+    return ranks, thresholds, packs
 
-    # ---- Phase 2: joint score space
-    # joint_vectors(j) returns (u, Mᵀu): the candidates and their products with every view's
-    # scores, which the identifiability check and Phase 3 reuse (None where not free)
-    active = [k for k in range(K) if ranks[k] > 0]
+
+# ----------------------------------------------------------------------------- Phase 2
+@dataclass
+class _JointSpace:
+    """Phase 2's SVD of ``M = [U_1 … U_K]`` (the signal scores of the views with rank > 0).
+
+    ``vectors(j)`` returns the leading ``j`` candidates ``u`` and ``Mᵀu`` (the products with every
+    view's scores, which the identifiability check and Phase 3 reuse; None where not free)."""
+
+    svals: torch.Tensor  # σ of M, float64 on the CPU, descending
+    vectors: Callable[[int], tuple[torch.Tensor, torch.Tensor | None]]
+    active: list[int]  # views with signal rank > 0
+    offsets: dict[int, int]  # view -> its first column in M
+    width: int  # Σ r_k over the active views
+
+
+def _joint_space(states: list[_ViewState], ranks: list[int], packs: tuple | None, joint_rank: int | None, joint_svd: str,
+                 gen: torch.Generator) -> _JointSpace:
+    """Phase 2, the SVD of ``M``: exact (Gram + eigh when ``M`` is tall, else LAPACK), or the
+    top-``joint_rank`` by block subspace iteration (``joint_svd``; see :func:`ajive`)."""
+    m, dtype, device = states[0].m, states[0].dtype, states[0].device
+    active = [k for k in range(len(states)) if ranks[k] > 0]
     scores = [states[k].U[:, : ranks[k]] for k in active]
     s_tot = sum(ranks[k] for k in active)
     offsets = dict(zip(active, [sum(ranks[i] for i in active[:n]) for n in range(len(active))]))
@@ -552,7 +611,7 @@ def ajive(
         def joint_vectors(j: int):
             return scores[0][:, :j], None
     elif s_tot > 0:
-        packed = packs is not None and all(states[k].s.numel() == ranks[k] for k in range(K))
+        packed = packs is not None and all(states[k].s.numel() == ranks[k] for k in range(len(states)))
         mstack = packs[0].columns(0, s_tot) if packed else torch.cat(scores, 1)
         use_iter = joint_svd == "iterative" or (
             joint_svd == "auto" and joint_rank is not None and s_tot >= 512 and 12 * (int(joint_rank) + max(int(joint_rank) // 2, 10)) <= s_tot
@@ -584,30 +643,32 @@ def ajive(
         svals = torch.zeros(0, dtype=torch.float64)
         def joint_vectors(j: int):
             return torch.zeros(m, 0, dtype=dtype, device=device), None
+    return _JointSpace(svals, joint_vectors, active, offsets, s_tot)
 
-    wedin_cutoff = rand_cutoff = svalsq_cutoff = None
-    wedin_ls = rand_s = None
-    rank_wedin = None
-    if joint_rank is None:
-        if s_tot == 0:
-            rank_wedin = 0
-        else:
-            rand_s = _randdir_samples(m, [ranks[k] for k in active], n_randdir_samples, gen)
-            wsum = torch.zeros(n_wedin_samples, dtype=torch.float64)
-            for k in active:
-                st, r = states[k], ranks[k]
-                s_rest = st.s[r:]
-                a = _sample_project_norms(s_rest, r, st.m - st.s.numel(), n_wedin_samples, gen)
-                b = _sample_project_norms(s_rest, r, st.d - st.s.numel(), n_wedin_samples, gen)
-                w = (torch.maximum(a, b) / float(st.s[r - 1])).clamp(max=1.0)
-                wsum += w**2
-            wedin_ls = len(active) - wsum
-            wedin_cutoff = float(torch.quantile(wedin_ls, wedin_percentile / 100))
-            rand_cutoff = float(torch.quantile(rand_s, randdir_percentile / 100))
-            svalsq_cutoff = max(wedin_cutoff, rand_cutoff)
-            rank_wedin = int((svals**2 > svalsq_cutoff).sum())
-        j0 = rank_wedin
-    else:
+
+@dataclass
+class _RankSelection:
+    """The joint rank and, when it was estimated, the bounds it was estimated from."""
+
+    rank: int
+    wedin_estimate: int | None = None
+    wedin_cutoff: float | None = None
+    rand_cutoff: float | None = None
+    svalsq_cutoff: float | None = None
+    wedin_samples: torch.Tensor | None = None
+    random_samples: torch.Tensor | None = None
+
+
+def _select_joint_rank(states: list[_ViewState], ranks: list[int], space: _JointSpace, joint_rank: int | None,
+                       wedin_percentile: float, n_wedin_samples: int, randdir_percentile: float, n_randdir_samples: int,
+                       gen: torch.Generator) -> _RankSelection:
+    """Phase 2, the joint rank: ``joint_rank`` when given (lowered to the available directions),
+    else ``#{σ_i² > max(wedin_cutoff, rand_cutoff)}`` — ``wedin_cutoff`` the ``wedin_percentile``
+    of ``K − Σ_k min(max(‖X_kᵀΨ‖, ‖X_kΦ‖)/D_k[r_k], 1)²`` (Wedin bound, sampled by
+    :func:`_sample_project_norms`), ``rand_cutoff`` the ``randdir_percentile`` of ``σ_max²`` of
+    random frames (:func:`_randdir_samples`)."""
+    svals, s_tot = space.svals, space.width
+    if joint_rank is not None:
         j0 = int(joint_rank)
         if j0 < 0:
             raise ValueError("joint_rank must be >= 0")
@@ -615,37 +676,66 @@ def ajive(
         if j0 > avail:
             warnings.warn(f"joint rank {j0} exceeds the {avail} available joint directions; using {avail}", RuntimeWarning)
             j0 = avail
-    u_cand, mtu = joint_vectors(j0)
+        return _RankSelection(j0)
+    if s_tot == 0:
+        return _RankSelection(0, wedin_estimate=0)
+    m = states[0].m
+    rand_s = _randdir_samples(m, [ranks[k] for k in space.active], n_randdir_samples, gen)
+    wsum = torch.zeros(n_wedin_samples, dtype=torch.float64)
+    for k in space.active:
+        st, r = states[k], ranks[k]
+        s_rest = st.s[r:]
+        a = _sample_project_norms(s_rest, r, st.m - st.s.numel(), n_wedin_samples, gen)
+        b = _sample_project_norms(s_rest, r, st.d - st.s.numel(), n_wedin_samples, gen)
+        w = (torch.maximum(a, b) / float(st.s[r - 1])).clamp(max=1.0)
+        wsum += w**2
+    wedin_ls = len(space.active) - wsum
+    wedin_cutoff = float(torch.quantile(wedin_ls, wedin_percentile / 100))
+    rand_cutoff = float(torch.quantile(rand_s, randdir_percentile / 100))
+    svalsq_cutoff = max(wedin_cutoff, rand_cutoff)
+    rank_wedin = int((svals**2 > svalsq_cutoff).sum())
+    return _RankSelection(rank_wedin, rank_wedin, wedin_cutoff, rand_cutoff, svalsq_cutoff, wedin_ls, rand_s)
 
+
+def _identifiable_components(states: list[_ViewState], ranks: list[int], space: _JointSpace, j0: int,
+                             thresholds: list[float], reconsider: bool) -> tuple[torch.Tensor, torch.Tensor | None, list, list[int]]:
+    """Phase 2, identifiability: the leading ``j0`` candidates ``u_j``, of which a component is
+    dropped when ``‖X_kᵀ u_j‖ < τ_k`` for *any* view ``k`` (``reconsider``). Returns ``(U_J, keep
+    mask or None, [U_kᵀ u for complete views], dropped indices)``."""
+    u_cand, mtu = space.vectors(j0)
     # U_kᵀ u for complete views (c_k × j0): rows of Mᵀu for the first r_k columns of U_k
     utu: list[torch.Tensor | None] = []
     for k, st in enumerate(states):
         if not st.complete:
             utu.append(None)
-        elif mtu is not None and k in offsets:
-            o, r = offsets[k], ranks[k]
+        elif mtu is not None and k in space.offsets:
+            o, r = space.offsets[k], ranks[k]
             rest = st.U[:, r:]
             block = mtu[o : o + r]
             utu.append(block if rest.shape[1] == 0 else torch.cat([block, rest.T @ u_cand], 0))
         else:
             utu.append(st.U.T @ u_cand)
+    if not (reconsider and j0 > 0):
+        return u_cand, None, utu, []
+    norms = torch.stack([
+        (st.s[:, None] * ut if ut is not None else st.xt_mul(u_cand)).norm(dim=0) for st, ut in zip(states, utu)
+    ])  # K × j0: ‖X_kᵀ u_j‖
+    thr = torch.tensor(thresholds, dtype=norms.dtype, device=norms.device)[:, None]
+    fail = (norms < thr).any(dim=0).cpu()
+    dropped = [j for j in range(j0) if bool(fail[j])]
+    keep = ~fail.to(u_cand.device)
+    return u_cand[:, keep], keep, utu, dropped
 
-    dropped: list[int] = []
-    keep = None
-    if reconsider_joint_components and j0 > 0:
-        norms = torch.stack([
-            (st.s[:, None] * ut if ut is not None else st.xt_mul(u_cand)).norm(dim=0) for st, ut in zip(states, utu)
-        ])  # K × j0: ‖X_kᵀ u_j‖
-        thr = torch.tensor(thresholds, dtype=norms.dtype, device=norms.device)[:, None]
-        fail = (norms < thr).any(dim=0).cpu()
-        dropped = [j for j in range(j0) if bool(fail[j])]
-        keep = ~fail.to(u_cand.device)
-        u_joint = u_cand[:, keep]
-    else:
-        u_joint = u_cand
+
+# ----------------------------------------------------------------------------- Phase 3
+def _decompose(states: list[_ViewState], u_joint: torch.Tensor, utu: list, keep: torch.Tensor | None, thresholds: list[float],
+               individual_ranks: Sequence[int] | None, compute_individual: bool, gen: torch.Generator, n_iter: int):
+    """Phase 3: ``J_k = U_J U_Jᵀ X_k``; ``I_k`` the top part of ``X_k − J_k`` (rank given, or
+    ``#{σ > τ_k}``); ``E_k = X_k − J_k − I_k``. Returns ``(joint, individual, noise,
+    individual_ranks, joint_coefs, joint_rights)`` (the last three lists None without
+    ``compute_individual``)."""
+    dtype = states[0].dtype
     J = u_joint.shape[1]
-
-    # ---- Phase 3: joint, individual, noise
     joint: list[View] = []
     indiv: list[View] | None = [] if compute_individual else None
     noise: list[View] | None = [] if compute_individual else None
@@ -692,25 +782,4 @@ def ajive(
                 ind_ranks.append(ri)
                 indiv.append(ik)
                 noise.append(xo - ik)
-
-    return AJIVEResult(
-        joint_scores=u_joint,
-        joint_rank=J,
-        joint_rank_wedin_est=rank_wedin,
-        all_joint_svals=svals,
-        init_signal_ranks=ranks,
-        sv_thresholds=thresholds,
-        means=[st.mu for st in states] if center else None,
-        joint=joint,
-        individual=indiv,
-        individual_ranks=ind_ranks,
-        noise=noise,
-        wedin_cutoff=wedin_cutoff,
-        rand_cutoff=rand_cutoff,
-        svalsq_cutoff=svalsq_cutoff,
-        wedin_sv_samples=wedin_ls,
-        random_sv_samples=rand_s,
-        dropped_components=dropped,
-        joint_coefs=coefs,
-        joint_rights=rights,
-    )
+    return joint, indiv, noise, ind_ranks, coefs, rights
