@@ -1,0 +1,234 @@
+"""The factored downlink (issue 18): a round's aggregate update instead of the dense model.
+
+Algorithm 1 of the paper broadcasts the global weights ``W_k`` every round (line 5). For a
+GaLore matrix the round's aggregate update is low rank (paper §5, eq. of operator A):
+
+    ΔW_k = Σ_i p_i ΔW_i = a_k W_k + Σ_i p_i Σ_q L_iq R_iq,     a_k = Σ_i p_i decay_i
+
+(``a_k``: the decoupled weight decay, one scalar; data-driven terms ``L R`` of rank r per client;
+terms on a shared seeded basis merge in coefficient space, ``(Σ_i p_i C_iq) P_q``). A client
+that holds ``W_h`` reaches ``W_k`` by applying the updates ``h+1..k`` in order,
+
+    W_v = W_{v-1} + ΔW_v(W_{v-1})        (ΔW_v is "scale × W_{v-1} + low rank")
+
+so only the factors and scalars travel. The server applies the *same* function
+(:func:`apply_update`) to its own state, so a client's reconstruction is the server's
+``W_k`` up to the float arithmetic of the machine it runs on (bit-identical on the same kernels).
+
+Versions: ``W_0`` is the initial (public, pretrained) model every process builds identically;
+``W_v`` the model after the v-th aggregation. The server keeps, per matrix, the chain of the last
+updates whose tensor bytes together stay **below the dense matrix's** (:func:`record_update`):
+a client whose held version is older than that chain (or that holds nothing) gets the matrix
+dense — the dense send is never more bytes than the chain it replaces, so the rule is "per
+matrix, whichever is smaller". Plain (non-factored) parameters always go dense: their aggregate
+is a dense delta of the parameter's own size, so a delta never saves bytes.
+
+Wire layout of a client's broadcast (a plain :class:`~fedgalore.protocol.payload.Payload`):
+a dense matrix under its own name (as the dense downlink), a chain entry under
+``downlink/{v}/{name}`` (a :class:`GaLoreUpdate` with the weights folded into its factors), and
+``meta["downlink"] = {"from": h, "to": k}``. The client checks that it holds version ``h`` for
+every chained matrix (:func:`reconstruct`) and refuses otherwise (never a silent mismatch).
+
+Deviation from the paper: Algorithm 1 broadcasts ``W``; this sends the same ``W`` as a chain of
+exact updates. Nothing about training changes except float rounding of ``W_k`` (the server's
+``W_k`` is computed by :func:`apply_update` instead of one dense sum).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from fedgalore.protocol.payload import (
+    Dense,
+    Entry,
+    GaLoreUpdate,
+    LowRank,
+    Payload,
+    PayloadError,
+    SeededLowRank,
+    flatten_entries,
+)
+from fedgalore.protocol.state import ServerState
+
+__all__ = [
+    "CHAIN_PREFIX",
+    "DownlinkError",
+    "ClientCache",
+    "weighted_update",
+    "apply_update",
+    "tensor_bytes",
+    "dense_bytes",
+    "version",
+    "record_update",
+    "chain_versions",
+    "client_payload",
+    "reconstruct",
+]
+
+#: key prefix of the chain entries, in a broadcast and in ``ServerState.moments``
+CHAIN_PREFIX = "downlink/"
+_META = "downlink_version"
+
+
+class DownlinkError(PayloadError):
+    """A factored broadcast that this client cannot apply (it does not hold the chain's base)."""
+
+
+def weighted_update(updates: Sequence[GaLoreUpdate], weights: Sequence[float]) -> GaLoreUpdate:
+    """``Σ_i p_i ΔW_i`` as one factored record (operator A of Algorithm 1, line 11, kept factored).
+
+    ``decay = Σ_i p_i decay_i``; each data-driven term ``L R`` becomes ``(p_i L) R``; seeded terms
+    with the same (seed, side) merge as ``(Σ_i p_i C_i) P`` (the order of
+    :func:`fedgalore.methods.fedgalore.aggregate_galore_updates`: data-driven terms as met, then
+    the merged seeded ones). fp32 factors. No truncation: the rank is the sum of the terms'.
+    """
+    if not updates:
+        raise ValueError("weighted_update needs at least one update")
+    shape = tuple(updates[0].shape)
+    terms: list[LowRank | SeededLowRank] = []
+    seeded: dict[tuple[int, str], SeededLowRank] = {}
+    decay = 0.0
+    for upd, p in zip(updates, weights):
+        if tuple(upd.shape) != shape:
+            raise ValueError(f"update shapes differ: {tuple(upd.shape)} vs {shape}")
+        p = float(p)
+        decay += p * upd.decay
+        for t in upd.terms:
+            if isinstance(t, SeededLowRank):
+                key = (t.seed, t.side)
+                coef = t.coef.float() * p
+                acc = seeded.get(key)
+                seeded[key] = SeededLowRank(coef if acc is None else acc.coef + coef, t.seed, t.side, t.shape)
+            else:
+                terms.append(LowRank(t.left.float() * p, t.right.float()))
+    return GaLoreUpdate(decay, tuple(terms) + tuple(seeded.values()), shape)  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def apply_update(w: torch.Tensor, update: Entry) -> torch.Tensor:
+    """``W ← W + ΔW(W)`` in place (fp32 ``w``); returns ``ΔW``. The one function both the server
+    (its state) and every client (its held copy) use, so both compute the same bits.
+
+    ``GaLoreUpdate``: ``ΔW = decay·W + Σ_q term_q`` with ``W`` the model the round started from;
+    ``Dense``: ``ΔW`` itself; other low-rank entries: their product."""
+    if isinstance(update, GaLoreUpdate):
+        delta = update.materialize(w)
+    elif isinstance(update, Dense):
+        delta = update.tensor.float()
+    else:
+        delta = update.materialize()
+    if tuple(delta.shape) != tuple(w.shape):
+        raise DownlinkError(f"update of shape {tuple(delta.shape)} for a matrix of shape {tuple(w.shape)}")
+    w.add_(delta)
+    return delta
+
+
+def tensor_bytes(entry: Entry) -> int:
+    """Bytes of the tensors ``entry`` puts on the wire (seeded bases count as their seed: 0)."""
+    _, tensors = flatten_entries({"x": entry})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def dense_bytes(w: torch.Tensor) -> int:
+    return w.numel() * w.element_size()
+
+
+# ----------------------------------------------------------------------------- server side
+def version(state: ServerState) -> int:
+    """Aggregations applied to the server's model so far (``W_version`` is the current model)."""
+    return int(state.meta.get(_META, 0))
+
+
+def _key(v: int, name: str) -> str:
+    return f"{CHAIN_PREFIX}{v}/{name}"
+
+
+def chain_versions(state: ServerState, name: str) -> list[int]:
+    """The versions whose update of ``name`` the server keeps, ascending."""
+    pre = CHAIN_PREFIX
+    out = []
+    for k in state.moments:
+        if k.startswith(pre):
+            v, _, n = k[len(pre):].partition("/")
+            if n == name:
+                out.append(int(v))
+    return sorted(out)
+
+
+def record_update(state: ServerState, updates: Mapping[str, Entry], new_version: int | None = None) -> None:
+    """Keep this aggregation's factored updates (one per matrix name) as version ``v+1`` and
+    drop, per matrix, the oldest ones until the chain's tensor bytes are below the dense matrix's
+    (a client behind that chain gets the matrix dense: never more bytes). Stored in
+    ``state.moments`` under ``downlink/{v}/{name}`` (checkpointed with the payload codec); the
+    version counter in ``state.meta``."""
+    v = version(state) + 1 if new_version is None else int(new_version)
+    for name, entry in updates.items():
+        state.moments[_key(v, name)] = entry
+        limit = dense_bytes(state.params[name])
+        kept = chain_versions(state, name)
+        sizes = {u: tensor_bytes(state.moments[_key(u, name)]) for u in kept}
+        while kept and sum(sizes[u] for u in kept) >= limit:
+            del state.moments[_key(kept.pop(0), name)]
+    state.meta[_META] = v
+
+
+def client_payload(state: ServerState, dense: Payload, names: Sequence[str], held: int | None) -> Payload:
+    """The broadcast for a client that holds version ``held`` of ``names`` (``None``: nothing).
+
+    Starts from the dense broadcast ``dense`` (every parameter dense + the rest of the round's
+    message) and replaces each matrix of ``names`` by its chain ``held+1..current`` when the
+    server keeps all of it (then it is smaller than dense by :func:`record_update`'s rule)."""
+    cur = version(state)
+    if held is None or held > cur:
+        return dense
+    entries: dict[str, Any] = dict(dense.entries)
+    chained = False
+    for n in names:
+        need = list(range(held + 1, cur + 1))
+        have = set(chain_versions(state, n))
+        if all(v in have for v in need):
+            del entries[n]
+            for v in need:
+                entries[_key(v, n)] = state.moments[_key(v, n)]
+            chained = True
+    if not chained:
+        return dense
+    return Payload(entries, {**dense.meta, "downlink": {"from": int(held), "to": cur}})
+
+
+# ----------------------------------------------------------------------------- client side
+@dataclass
+class ClientCache:
+    """What a stateful client keeps between rounds: the version it holds and those matrices (fp32)."""
+
+    version: int
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def reconstruct(payload: Payload, names: Sequence[str], cache: ClientCache | None) -> dict[str, torch.Tensor]:
+    """The matrices ``names`` of the broadcast's model: dense entries as sent, chained ones by
+    applying ``downlink/{v}/{name}`` for ``v = from+1..to`` to the cache's copy (fp32, new tensors;
+    the cache is not modified). Raises :class:`DownlinkError` when the cache does not hold the
+    chain's base version or a chain entry is missing."""
+    info = payload.meta.get("downlink")
+    out: dict[str, torch.Tensor] = {}
+    for n in names:
+        if n in payload.entries:
+            out[n] = payload.entries[n].materialize()
+            continue
+        if not isinstance(info, dict):
+            raise DownlinkError(f"broadcast has neither {n!r} nor a downlink chain")
+        start, stop = int(info["from"]), int(info["to"])
+        if cache is None or cache.version != start or n not in cache.params:
+            held = None if cache is None else cache.version
+            raise DownlinkError(f"{n}: the broadcast's chain starts at version {start}, this client holds {held}")
+        w = cache.params[n].detach().float().clone()
+        for v in range(start + 1, stop + 1):
+            entry = payload.entries.get(_key(v, n))
+            if entry is None:
+                raise DownlinkError(f"{n}: chain entry of version {v} missing")
+            apply_update(w, entry)
+        out[n] = w
+    return out

@@ -1,0 +1,130 @@
+"""The factored downlink (issue 18, fedgalore.protocol.downlink): a client that applies the chain
+of factored updates holds the server's dense model, over rounds it missed too."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fedgalore.protocol.downlink import (
+    ClientCache,
+    DownlinkError,
+    apply_update,
+    chain_versions,
+    client_payload,
+    dense_bytes,
+    reconstruct,
+    record_update,
+    tensor_bytes,
+    version,
+    weighted_update,
+)
+from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, Payload, SeededLowRank, decode, encode
+from fedgalore.protocol.state import ServerState
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _client_update(g: torch.Generator, shape, rank, round_seed: int, decay: float) -> GaLoreUpdate:
+    m, n = shape
+    data = LowRank(torch.randn(m, rank, generator=g) * 1e-2, torch.linalg.qr(torch.randn(n, rank, generator=g))[0].T.contiguous())
+    seeded = SeededLowRank(torch.randn(m, rank, generator=g) * 1e-2, round_seed, "right", shape)
+    return GaLoreUpdate(decay, (data, seeded), shape)
+
+
+def test_weighted_update_is_the_dense_aggregate():
+    from fedgalore.methods.fedgalore import aggregate_galore_updates
+
+    g = torch.Generator().manual_seed(0)
+    shape = (24, 40)
+    w0 = torch.randn(shape, generator=g)
+    ups = [_client_update(g, shape, 3, 11, -1e-3 * (i + 1)) for i in range(4)]
+    p = [0.1, 0.2, 0.3, 0.4]
+    fac = weighted_update(ups, p)
+    assert len(fac.terms) == 4 + 1  # four data-driven terms, the seeded ones merged into one
+    dense = aggregate_galore_updates(ups, p, w0)
+    assert _rel(fac.materialize(w0), dense) < 1e-6
+    w = w0.clone()
+    delta = apply_update(w, fac)
+    assert torch.equal(w, w0 + delta)
+
+
+def test_chain_is_pruned_below_dense_and_client_payload_picks_the_smaller():
+    g = torch.Generator().manual_seed(1)
+    shape = (32, 32)  # dense 4096 B; one update: data-driven 2*32*2*4 + seeded 32*2*4 = 768 B
+    state = ServerState(params={"w": torch.randn(shape, generator=g), "head": torch.randn(3, generator=g)})
+    for k in range(8):
+        upd = weighted_update([_client_update(g, shape, 2, 100 + k, 0.0)], [1.0])
+        apply_update(state.params["w"], upd)
+        record_update(state, {"w": upd})
+    assert version(state) == 8
+    kept = chain_versions(state, "w")
+    assert sum(tensor_bytes(state.moments[f"downlink/{v}/w"]) for v in kept) < dense_bytes(state.params["w"])
+    assert kept == list(range(8 - len(kept) + 1, 9)) and len(kept) == 5  # 5 x 768 < 4096 <= 6 x 768
+    dense = Payload({n: Dense(t) for n, t in state.params.items()}, {"round": 8})
+    assert client_payload(state, dense, ["w"], None) is dense
+    assert client_payload(state, dense, ["w"], 2) is dense  # behind the chain: dense
+    p = client_payload(state, dense, ["w"], 5)
+    assert "w" not in p.entries and sorted(k for k in p.entries if k.startswith("downlink/")) == ["downlink/6/w", "downlink/7/w", "downlink/8/w"]
+    assert p.meta["downlink"] == {"from": 5, "to": 8} and p.meta["round"] == 8
+    assert p.nbytes() < dense.nbytes()
+    up_to_date = client_payload(state, dense, ["w"], 8)  # nothing to send for the matrix
+    assert "w" not in up_to_date.entries and not any(k.startswith("downlink/") for k in up_to_date.entries)
+
+
+def test_cache_at_another_version_is_refused():
+    g = torch.Generator().manual_seed(2)
+    shape = (8, 8)
+    state = ServerState(params={"w": torch.randn(shape, generator=g)})
+    w0 = state.params["w"].clone()
+    for k in range(2):
+        upd = weighted_update([_client_update(g, shape, 1, k, 0.0)], [1.0])
+        apply_update(state.params["w"], upd)
+        record_update(state, {"w": upd})
+    p = decode(encode(client_payload(state, Payload({"w": Dense(state.params["w"])}), ["w"], 0)))
+    with pytest.raises(DownlinkError, match="holds 1"):
+        reconstruct(p, ["w"], ClientCache(1, {"w": w0}))
+    with pytest.raises(DownlinkError, match="holds None"):
+        reconstruct(p, ["w"], None)
+    assert torch.equal(reconstruct(p, ["w"], ClientCache(0, {"w": w0}))["w"], state.params["w"])
+
+
+def test_partial_participation_clients_hold_the_server_model_over_missed_rounds():
+    """12 rounds, 6 clients, 2 per round (some absent for many rounds), weight decay, two matrix
+    shapes and a dense head: every client's reconstruction equals the server's W (≤ 1e-6
+    relative, Frobenius), what went over the wire is factors whenever that is smaller, and the
+    bytes are the encoded payload's."""
+    g = torch.Generator().manual_seed(3)
+    rng = random.Random(0)
+    shapes = {"a": (48, 64), "b": (64, 16)}
+    state = ServerState(params={n: torch.randn(s, generator=g) for n, s in shapes.items()} | {"head": torch.randn(5, 4, generator=g)})
+    base = {n: state.params[n].clone() for n in shapes}  # W_0: the public model every client builds
+    caches: dict[int, ClientCache] = {}
+    chained = dense_sends = 0
+    for k in range(12):
+        sampled = rng.sample(range(6), 2)
+        dense = Payload({n: Dense(t.clone()) for n, t in state.params.items()}, {"round": k})
+        for c in sampled:
+            held = caches[c].version if c in caches else (0 if c % 2 == 0 else None)  # odd clients start empty
+            msg = client_payload(state, dense, list(shapes), held)
+            blob = encode(msg)
+            assert len(blob) == msg.nbytes()
+            got = decode(blob)
+            cache = caches.get(c) or (ClientCache(0, dict(base)) if held == 0 else None)
+            w = reconstruct(got, list(shapes), cache)
+            for n in shapes:
+                assert _rel(w[n], state.params[n]) <= 1e-6
+            chained += any(key.startswith("downlink/") for key in got.entries)
+            dense_sends += all(n in got.entries for n in shapes)
+            caches[c] = ClientCache(k, w)
+        # the round's aggregate: K = 2 clients' exact GaLore records, with weight decay
+        p = [0.4, 0.6]
+        for n, s in shapes.items():
+            upd = weighted_update([_client_update(g, s, 2, 1000 * k + j, -2e-3) for j in range(2)], p)
+            apply_update(state.params[n], upd)
+            record_update(state, {n: upd}, new_version=k + 1)
+        state.params["head"] += torch.randn(5, 4, generator=g) * 1e-2
+    assert chained > 5 and dense_sends >= 3
