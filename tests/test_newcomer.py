@@ -209,6 +209,12 @@ def test_extending_a_finished_run_equals_an_uninterrupted_run(tmp_path, capsys) 
 
     assert records(short.run_dir) == records(full.run_dir)  # every round, bit for bit
     assert saved(short.run_dir)["federation"]["rounds"] == 5
+    # the Python API: run(cfg, resume=RUN_DIR) takes the run's own config (rounds may extend it)
+    cfg5 = fedgalore.load_config(str(path), [*flat, "federation.rounds=5", "output.run_name=short"])
+    assert fedgalore.run(cfg5, resume=short.run_dir).summary["status"] == "complete"
+    other = fedgalore.load_config(str(path), [*flat, "federation.rounds=5", "output.run_name=short", "train.lr=0.5"])
+    with pytest.raises(fedgalore.ConfigError, match=r"cannot resume .*\(train\.lr: .* -> 0\.5\)"):
+        fedgalore.run(other, resume=short.run_dir)
     # the default schedule spans all rounds: extending would change rounds 1-2, so it is refused
     glob = fedgalore.run(fedgalore.load_config(str(path), ["federation.rounds=2", "output.run_name=glob"]))
     line = _error(capsys, ["run", "--resume", str(glob.run_dir), "federation.rounds=5"])

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
+from fedgalore.engine.config import ConfigError, FederatedConfig, config_difference, load_config
 from fedgalore.engine.events import ProgressSink
 from fedgalore.engine.loop import Federation, RunResult
+from fedgalore.engine.resolve import config_for_method
 from fedgalore.engine.rundir import extension_problem, saved_summary
 from fedgalore.jsonl import read_jsonl
 from fedgalore.methods.base import Method
@@ -26,7 +27,10 @@ def run(cfg: FederatedConfig, *, resume: str | Path | None = None, progress: Pro
         task: Task | None = None, method: Method | None = None, run_dir: str | Path | None = None) -> RunResult:
     """Run (or, with ``resume=RUN_DIR``, continue) one federated run; returns its results.
 
-    ``fedgalore.run(FederatedConfig(...))`` is the Python API behind ``fedgalore run``.
+    ``fedgalore.run(FederatedConfig(...))`` is the Python API behind ``fedgalore run``. With
+    ``resume``, ``cfg`` must be the run's saved config except ``federation.rounds``, which extends
+    (or shortens) the run as :func:`resume`'s ``rounds`` does; any other difference is a
+    :class:`ConfigError` naming it.
     """
     if resume is not None:
         return _resume(Path(resume), progress=progress, task=task, method=method, cfg=cfg)
@@ -50,6 +54,8 @@ def _resume(run_dir: Path, *, progress=None, task=None, method=None, cfg: Federa
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); nothing to resume")
     saved = load_config(run_dir / "config.yaml")
+    if cfg is not None:
+        rounds = _rounds_of(cfg, saved, run_dir, own_options=method is None)
     s = saved_summary(run_dir)
     if rounds is not None and int(rounds) != saved.federation.rounds:
         if int(rounds) < 1:
@@ -67,3 +73,16 @@ def _resume(run_dir: Path, *, progress=None, task=None, method=None, cfg: Federa
     elif s.get("status") == "complete":
         return RunResult(run_dir, s, read_jsonl(run_dir / "metrics.jsonl"))
     return Federation(saved, run_dir=run_dir, progress=progress, task=task, method=method, resume=True).run()
+
+
+def _rounds_of(cfg: FederatedConfig, saved: FederatedConfig, run_dir: Path, own_options: bool) -> int:
+    """``cfg.federation.rounds`` after checking that ``cfg`` is ``run_dir``'s saved config in all
+    else (its ``method.options`` reduced to the method's own, as the saved config records them)."""
+    mine = config_for_method(cfg.validate()) if own_options else FederatedConfig.from_dict(cfg.to_dict())
+    rounds = mine.federation.rounds
+    mine.federation.rounds = saved.federation.rounds
+    diff = config_difference(saved.to_dict(), mine.to_dict())
+    if diff is not None:
+        raise ConfigError(f"cannot resume {run_dir} with another config ({diff}); a resumed run keeps its saved "
+                          f"config.yaml and only federation.rounds may change (to extend it)")
+    return rounds

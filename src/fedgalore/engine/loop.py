@@ -29,7 +29,7 @@ from fedgalore.engine.events import LogProgress, ProgressSink
 from fedgalore.engine.resolve import check_device, config_for_method
 from fedgalore.engine.rundir import RunDirectory, choose_run_dir, run_summary
 from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
-from fedgalore.engine.validation import expected_keys, upload_norm, validate_upload
+from fedgalore.engine.validation import expected_keys, norm_problem, update_norm, validate_upload
 from fedgalore.federated.checkpoint import load_latest_checkpoint, save_checkpoint
 from fedgalore.federated.diagnostics import drift_diagnostics, update_space_diagnostics
 from fedgalore.federated.seeding import round_seed, sample_clients
@@ -240,10 +240,11 @@ class Federation:
                 res.error = f"timed out: {res.time:.1f}s > federation.client_timeout_s={fed.client_timeout_s:g}"
                 up = None
             if up is not None:
-                reason = validate_upload(self.method, self.state, up, rctx, keys, fed.max_update_norm)
-                if reason is None and fed.clip_update_norm is not None:
-                    norm = upload_norm(self.method, self.state, up)
-                    if norm > fed.clip_update_norm:
+                reason = validate_upload(self.method, self.state, up, rctx, keys)
+                if reason is None and (fed.max_update_norm is not None or fed.clip_update_norm is not None):
+                    norm = update_norm(self.method.client_deltas(self.state, up))  # once per client
+                    reason = norm_problem(norm, fed.max_update_norm)
+                    if reason is None and fed.clip_update_norm is not None and norm > fed.clip_update_norm:
                         up = self.method.scale_upload(up, fed.clip_update_norm / norm)
                         rec["clipped_from_norm"] = norm
                 if reason is None:

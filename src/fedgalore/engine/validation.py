@@ -8,8 +8,10 @@ Checks, in order (the first failure is the rejection reason, logged and written 
 3. the key set equals the expected one (the previous accepted key set, else the round's
    majority) — missing or extra keys are rejected;
 4. the method's own checks (:meth:`Method.validate_upload`: e.g. FedGaLore's basis seeds must
-   belong to this round's seed chain, ranks must not exceed the configured rank);
-5. the Frobenius norm of the client's effective update is at most ``max_update_norm``.
+   belong to this round's seed chain, ranks must not exceed the configured rank)
+   — :func:`validate_upload`;
+5. the Frobenius norm of the client's effective update (:func:`update_norm` of the client's
+   deltas, computed once by the round loop) is at most ``max_update_norm`` — :func:`norm_problem`.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from fedgalore.methods.base import Method
 from fedgalore.protocol.payload import Dense, Factored, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank
 from fedgalore.protocol.state import RoundContext, ServerState
 
-__all__ = ["validate_upload", "expected_keys", "upload_norm"]
+__all__ = ["validate_upload", "expected_keys", "update_norm", "norm_problem"]
 
 
 def _tensors(entry) -> list[tuple[str, torch.Tensor]]:
@@ -86,11 +88,18 @@ def expected_keys(accepted: Sequence[str] | None, uploads: Sequence[Payload]) ->
     return set(keys) if n * 2 > len(uploads) or len(counts) == 1 else None
 
 
-def upload_norm(method: Method, state: ServerState, upload: Payload) -> float:
-    """‖ΔW_i‖_F over the client's effective updates of all adapted matrices (plus dense deltas)."""
-    deltas = method.client_deltas(state, upload)
+def update_norm(deltas: dict[str, torch.Tensor]) -> float:
+    """‖ΔW_i‖_F over one client's effective updates (:meth:`Method.client_deltas`) of all adapted
+    matrices (plus dense deltas)."""
     sq = sum(float((d.double() ** 2).sum()) for d in deltas.values())
     return math.sqrt(sq)
+
+
+def norm_problem(norm: float, max_update_norm: float | None) -> str | None:
+    """Reason to reject an update of Frobenius norm ``norm`` (check 5), or None."""
+    if max_update_norm is not None and (not math.isfinite(norm) or norm > max_update_norm):
+        return f"update norm {norm:.4g} exceeds federation.max_update_norm={max_update_norm:g}"
+    return None
 
 
 def validate_upload(
@@ -99,9 +108,9 @@ def validate_upload(
     upload: Payload,
     ctx: RoundContext,
     keys: set[str] | None,
-    max_update_norm: float | None = None,
 ) -> str | None:
-    """Reason the upload must be rejected, or None when it is acceptable."""
+    """Reason the upload must be rejected by checks 1-4, or None when it passes them (the norm
+    bound needs the client's deltas: :func:`norm_problem`)."""
     for name, entry in upload.entries.items():
         for part, t in _tensors(entry):
             if not torch.is_floating_point(t):
@@ -119,11 +128,4 @@ def validate_upload(
             return f"missing keys {missing[:3]}{'...' if len(missing) > 3 else ''}"
         if extra:
             return f"unexpected keys {extra[:3]}{'...' if len(extra) > 3 else ''}"
-    err = method.validate_upload(state, upload, ctx)
-    if err:
-        return err
-    if max_update_norm is not None:
-        norm = upload_norm(method, state, upload)
-        if not math.isfinite(norm) or norm > max_update_norm:
-            return f"update norm {norm:.4g} exceeds federation.max_update_norm={max_update_norm:g}"
-    return None
+    return method.validate_upload(state, upload, ctx) or None
