@@ -79,14 +79,15 @@ def test_ffa_lora_mean_b_is_exact():
     state = ServerState(params={b_key(MOD): b_old, HEAD: torch.zeros(3, 4)}, extras={a_key(MOD): a})
     bs, hs = [rand(M, R, seed=40 + i) for i in range(3)], heads(3)
     ups = [Payload({b_key(MOD): Dense(b), HEAD: Dense(h)}, {"num_examples": 5, "round": 0}) for b, h in zip(bs, hs)]
+    # per-client lifted deltas: against the B̄ the clients started from (the round loop asks
+    # before aggregating, when the state is still the round's start)
+    cd = meth.client_deltas(state, ups[0])
+    torch.testing.assert_close(cd[w_key(MOD)], s * (bs[0] - b_old) @ a)
     delta = meth.aggregate(state, ups, P, rctx())
     torch.testing.assert_close(delta[w_key(MOD)], wsum([s * (b - b_old) @ a for b in bs]))
     # the new global product equals the average of the client products exactly
     torch.testing.assert_close(s * state.params[b_key(MOD)] @ a, wsum([s * b @ a for b in bs]))
     torch.testing.assert_close(state.params[HEAD], wsum(hs))
-    # per-client lifted deltas are taken against the round's starting B (even after aggregate)
-    cd = meth.client_deltas(state, ups[0])
-    torch.testing.assert_close(cd[w_key(MOD)], s * (bs[0] - b_old) @ a)
 
 
 def test_flora_stacking_merges_exact_weighted_sum_of_products():

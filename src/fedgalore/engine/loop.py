@@ -7,8 +7,11 @@ and S (``synchronize``); a backend decides where T runs; the run directory's fil
 1. K of the M clients are sampled uniformly without replacement from a per-round seed
    (or all of them), with weights p̃_i = N_i / Σ_{j∈P_k} N_j;
 2. the server broadcasts the method's payload (and the round seed s_k);
-3. each client runs T; its upload is decoded, counted in the ledger and validated — a round
-   with fewer than ``federation.min_clients`` valid uploads is retried with a new sample;
+3. each client runs T; its upload is decoded, counted in the ledger and validated, and its
+   dense deltas ΔW_i (:meth:`~fedgalore.methods.base.Method.client_deltas`) are built once,
+   against the state the round started from, for whoever needs them (the norm bound,
+   clipping, the drift diagnostics) — a round with fewer than ``federation.min_clients`` valid
+   uploads is retried with a new sample;
 4. A and S update the server state; diagnostics measure the two mismatches;
 5. the global model is evaluated every ``eval_every`` rounds and the state is checkpointed.
 
@@ -58,6 +61,7 @@ class _Round:
 
     ctx: RoundContext  # the clients whose uploads were kept, weights renormalised over them
     uploads: list[Payload]
+    deltas: list[dict[str, Any]]  # each kept client's ΔW_i against the round's start ({} when not needed)
     sampled: list[int]  # the last sample drawn (retries draw new ones)
     client_recs: list[dict[str, Any]]
     time_clients: float
@@ -191,20 +195,17 @@ class Federation:
             weights = [s / sum(sizes) for s in sizes]
             self.progress.round_start(k, clients)
             rctx = RoundContext(k, fed.rounds, seed_k, clients, weights)
-            bcast = self.method.broadcast(self.state, rctx)
-            blob = encode(bcast)
-            for c in clients:
-                self.ledger.record(k + 1, c, "down", bcast, blob)
+            blob = self._broadcast(k, rctx)
             jobs = [ClientJob(k, fed.rounds, c, seed_k) for c in clients]
             t1 = time.perf_counter()
             results = self.backend.run_clients(blob, jobs, self.progress)
             t_clients += time.perf_counter() - t1
-            uploads, kept_w, kept_c = self._collect(k, attempt, rctx, results, weights, client_recs)
+            uploads, deltas, kept_w, kept_c = self._collect(k, attempt, rctx, results, weights, client_recs)
             if len(uploads) >= fed.min_clients:
                 total = sum(kept_w)
                 self.upload_keys = sorted(uploads[0].entries)
                 ctx = RoundContext(k, fed.rounds, seed_k, kept_c, [w / total for w in kept_w])
-                return _Round(ctx, uploads, clients, client_recs, t_clients)
+                return _Round(ctx, uploads, deltas, clients, client_recs, t_clients)
             self.progress.message(
                 f"round {k + 1}: only {len(uploads)} valid upload(s) < federation.min_clients={fed.min_clients}"
                 + ("; retrying with a new sample" if attempt < fed.max_round_retries else "")
@@ -216,10 +217,29 @@ class Federation:
             f"(first error: {first}); the last complete round is checkpointed — fix the cause and resume"
         )
 
+    def _broadcast(self, k: int, rctx: RoundContext) -> bytes | dict[int, bytes]:
+        """The round's broadcast, serialised and counted in the ledger per client. A method with a
+        per-client downlink (``client_broadcast(state, ctx, common, held)``, e.g. FedGaLore's
+        factored chain, fedgalore.protocol.downlink) builds each client's message from the version
+        of the model that client holds (``method.held_version`` of the backend's client state;
+        ``None`` on backends whose clients keep none); then the blobs go per client."""
+        bcast = self.method.broadcast(self.state, rctx)
+        per_client = getattr(self.method, "client_broadcast", None)
+        held = self.backend.client_versions(self.method, rctx.clients) if per_client is not None else {}
+        msgs = {c: per_client(self.state, rctx, bcast, held.get(c)) if per_client is not None else bcast for c in rctx.clients}
+        common = encode(bcast) if any(m is bcast for m in msgs.values()) else b""
+        blobs = {c: common if m is bcast else encode(m) for c, m in msgs.items()}
+        for c in rctx.clients:
+            self.ledger.record(k + 1, c, "down", msgs[c], blobs[c])
+        return common if all(m is bcast for m in msgs.values()) else blobs
+
     def _collect(self, k: int, attempt: int, rctx: RoundContext, results: list[ClientResult], weights: list[float],
-                 client_recs: list[dict[str, Any]]) -> tuple[list[Payload], list[float], list[int]]:
-        """Decode, validate (and optionally clip) the uploads of one attempt."""
+                 client_recs: list[dict[str, Any]]) -> tuple[list[Payload], list[dict[str, Any]], list[float], list[int]]:
+        """Decode, validate (and optionally clip) the uploads of one attempt; returns the kept
+        uploads, their deltas (built once, before aggregation; {} when nothing needs them),
+        weights and clients."""
         fed = self.cfg.federation
+        need_deltas = fed.max_update_norm is not None or fed.clip_update_norm is not None or self.cfg.diagnostics
         decoded = []
         for res in results:
             up = None
@@ -231,7 +251,7 @@ class Federation:
                 self.ledger.record(k + 1, res.client, "up", up if up is not None else Payload(), res.upload)
             decoded.append(up)
         keys = expected_keys(self.upload_keys, [u for u in decoded if u is not None])
-        uploads, kept_w, kept_c = [], [], []
+        uploads, deltas, kept_w, kept_c = [], [], [], []
         for res, up, w in zip(results, decoded, weights):
             rec = {"round": k + 1, "attempt": attempt, "client": res.client, "time": res.time,
                    "num_examples": len(self.runtime.parts[res.client])}
@@ -241,14 +261,19 @@ class Federation:
                 up = None
             if up is not None:
                 reason = validate_upload(self.method, self.state, up, rctx, keys)
-                if reason is None and (fed.max_update_norm is not None or fed.clip_update_norm is not None):
-                    norm = update_norm(self.method.client_deltas(self.state, up))  # once per client
+                delta: dict[str, Any] = {}
+                if reason is None and need_deltas:
+                    delta = self.method.client_deltas(self.state, up)  # once per client, before A
+                    norm = update_norm(delta)
                     reason = norm_problem(norm, fed.max_update_norm)
                     if reason is None and fed.clip_update_norm is not None and norm > fed.clip_update_norm:
-                        up = self.method.scale_upload(up, fed.clip_update_norm / norm)
+                        factor = fed.clip_update_norm / norm
+                        up = self.method.scale_upload(up, factor)
+                        delta = {kk: d * factor for kk, d in delta.items()}
                         rec["clipped_from_norm"] = norm
                 if reason is None:
                     uploads.append(up)
+                    deltas.append(delta)
                     kept_w.append(w)
                     kept_c.append(res.client)
                     rec.update({kk: v for kk, v in up.meta.items() if isinstance(v, (int, float)) and kk != "client"})
@@ -262,14 +287,14 @@ class Federation:
                 rec["error"] = res.error.splitlines()[0]
                 self.progress.message(f"round {k + 1}: client {res.client} dropped ({rec['error']})")
             client_recs.append(rec)
-        return uploads, kept_w, kept_c
+        return uploads, deltas, kept_w, kept_c
 
     def _diagnostics(self, applied: dict[str, Any], rnd: _Round) -> dict[str, float]:
-        """The update-space mismatch of the applied update and the client drift (``diagnostics: true``)."""
+        """The update-space mismatch of the applied update and the client drift of the round's
+        deltas (``diagnostics: true``)."""
         if not self.cfg.diagnostics:
             return {}
-        deltas = [self.method.client_deltas(self.state, u) for u in rnd.uploads]
-        return {**update_space_diagnostics(applied, self.method.rank), **drift_diagnostics(deltas, rnd.ctx.weights)}
+        return {**update_space_diagnostics(applied, self.method.rank), **drift_diagnostics(rnd.deltas, rnd.ctx.weights)}
 
     def _evaluate(self, k: int) -> tuple[dict[str, float], float]:
         """The global model's test (and validation) metrics, every ``eval_every`` rounds and at

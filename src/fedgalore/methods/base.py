@@ -122,8 +122,10 @@ class Method(abc.ABC):
         return {}
 
     def client_deltas(self, state: ServerState, upload: Payload) -> dict[str, torch.Tensor]:
-        """Dense effective weight change of each adapted matrix in one upload (for drift
-        diagnostics). Methods that can compute it override this; default: none."""
+        """Dense effective weight change ΔW_i of each adapted matrix in one upload, against the
+        state the client started from: the round loop calls it once per valid upload, before
+        ``aggregate`` changes ``state``, and passes the result to the norm bound, clipping and
+        the drift diagnostics. Methods that can compute it override this; default: none."""
         return {}
 
     def validate_upload(self, state: ServerState, upload: Payload, ctx: "RoundContext") -> str | None:

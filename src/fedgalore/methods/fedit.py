@@ -75,7 +75,6 @@ class FedIT(LoraMethod):
     def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext) -> dict[str, torch.Tensor]:
         """A: ``Ā = Σp_iA_i``, ``B̄ = Σp_iB_i``; returns ``ΔW̄ = s(B̄Ā − B_oldA_old)`` per matrix."""
         p = check_weights(uploads, weights)
-        self.remember_round_start(state, ctx, [k for m in self.targets for k in (a_key(m), b_key(m))])
         delta: dict[str, torch.Tensor] = {}
         for m in self.targets:
             b_new, a_new = self.average_factors(uploads, p, m)
@@ -86,12 +85,12 @@ class FedIT(LoraMethod):
         return delta
 
     def client_deltas(self, state: ServerState, upload: Payload) -> dict[str, torch.Tensor]:
-        """``s(B_iA_i − B̄Ā)`` against the global adapters the client started from."""
-        start = self.round_start(state, upload)
+        """``s(B_iA_i − B̄Ā)`` against the global adapters the client started from (``state``
+        before aggregation)."""
         out = {}
         for m in self.targets:
             b, a = self.upload_pair(upload, m)
-            out[w_key(m)] = lifted(b, a, self.scaling) - lifted(start[b_key(m)], start[a_key(m)], self.scaling)
+            out[w_key(m)] = lifted(b, a, self.scaling) - lifted(state.params[b_key(m)], state.params[a_key(m)], self.scaling)
         return out
 
     @torch.no_grad()

@@ -65,7 +65,6 @@ class FFALoRA(LoraMethod):
     def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext) -> dict[str, torch.Tensor]:
         """A: ``B̄ = Σ p_i B_i``; returns ``ΔW̄ = s(B̄ − B_old)A`` (= ``Σ p_i s(B_i − B_old)A``)."""
         p = check_weights(uploads, weights)
-        self.remember_round_start(state, ctx, [b_key(m) for m in self.targets])
         delta: dict[str, torch.Tensor] = {}
         for m in self.targets:
             b_new = weighted_sum([self.upload_tensor(u, b_key(m)) for u in uploads], p)
@@ -75,10 +74,9 @@ class FFALoRA(LoraMethod):
         return delta
 
     def client_deltas(self, state: ServerState, upload: Payload) -> dict[str, torch.Tensor]:
-        """``s(B_i − B̄)A`` against the global ``B̄`` the client started from."""
-        start = self.round_start(state, upload)
+        """``s(B_i − B̄)A`` against the global ``B̄`` the client started from (``state`` before aggregation)."""
         return {
-            w_key(m): self.scaling * ((self.upload_tensor(upload, b_key(m)) - start[b_key(m)]) @ state.extras[a_key(m)])
+            w_key(m): self.scaling * ((self.upload_tensor(upload, b_key(m)) - state.params[b_key(m)]) @ state.extras[a_key(m)])
             for m in self.targets
         }
 

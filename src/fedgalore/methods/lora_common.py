@@ -161,7 +161,6 @@ class LoraMethod(Method):
         self.scaling = self.lora_alpha / self.rank  # PEFT: s = α / r
         self.targets: list[str] = []
         self.heads: list[str] = []
-        self._round_start: tuple[int, dict[str, torch.Tensor]] | None = None
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "scaling": self.scaling}
@@ -352,17 +351,6 @@ class LoraMethod(Method):
         """Head parameters: ``θ ← Σ_i p_i θ_i`` (fp32)."""
         for n in self.heads:
             state.params[n] = weighted_sum([self.upload_tensor(u, n) for u in uploads], weights)
-
-    def remember_round_start(self, state: ServerState, ctx: Any, keys: Sequence[str]) -> None:
-        """Keep the global tensors the round's clients started from (call before ``aggregate``
-        replaces them): the round loop asks for :meth:`client_deltas` after aggregation."""
-        self._round_start = (int(ctx.round), {k: state.params[k] for k in keys})
-
-    def round_start(self, state: ServerState, upload: Payload) -> dict[str, torch.Tensor]:
-        """Global tensors at the start of the upload's round (``state.params`` before aggregation)."""
-        if self._round_start is not None and self._round_start[0] == upload.meta.get("round"):
-            return self._round_start[1]
-        return state.params
 
     def server_heads(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return {n: t.float() for n, t in self.head_state(model).items()}

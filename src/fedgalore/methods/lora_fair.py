@@ -110,7 +110,6 @@ class LoRAFAIR(FedIT):
     def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext) -> dict[str, torch.Tensor]:
         """A: ``(Ā, B̄ + ΔB)``; returns ``ΔW̄ = s((B̄+ΔB)Ā − B_oldA_old)`` per matrix."""
         p = check_weights(uploads, weights)
-        self.remember_round_start(state, ctx, [k for m in self.targets for k in (a_key(m), b_key(m))])
         delta: dict[str, torch.Tensor] = {}
         before, after = [], []
         for m in self.targets:
