@@ -64,6 +64,8 @@ class Runtime:
         self.head_params = head_parameters(model, self.task.head_modules)
         self._check_rank(model)
         self.device = torch.device(cfg.device)
+        #: per-client stores that last the run (a backend whose clients keep state sets a dict; None: stateless)
+        self.client_state: dict[int, dict] | None = None
         self.model = self.method.setup(model.to(self.device), self.target_modules, self.head_params)
         self.train_data = self.task.train_set()
         labels = np.asarray(self.task.partition_labels())
@@ -148,6 +150,7 @@ class Runtime:
                 steps_per_round=self.steps_per_round,
                 on_step=on_step,
                 device=self.device,
+                state=None if self.client_state is None else self.client_state.setdefault(job.client, {}),
             )
             seed = int(client_seed(self.cfg.seed, job.round, job.client, DROPOUT).generate_state(1)[0])
             devices = [self.device.index or 0] if self.device.type == "cuda" else []

@@ -84,3 +84,7 @@ class ClientContext:
     steps_per_round: int  # nominal local steps per round (for global LR schedules)
     on_step: Callable[[int, float], None] | None = None  # progress hook (step, loss)
     device: torch.device = torch.device("cpu")
+    #: this client's own store, kept between its rounds by backends whose clients keep state
+    #: (sequential); ``None`` when clients are stateless. FedGaLore's factored downlink keeps the
+    #: client's model version there (fedgalore.protocol.downlink.ClientCache).
+    state: dict[str, Any] | None = None

@@ -24,7 +24,14 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def run_clients(self, broadcast: bytes, jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
-        """Run T for every job on the same broadcast; results in job order."""
+        """Run T for every job on the same broadcast; results in job order. Only a backend whose
+        :meth:`client_versions` reports client state is handed one blob per client
+        (``dict[client, bytes]``, a per-client downlink)."""
+
+    def client_versions(self, method, clients: list[int]) -> dict[int, int | None]:
+        """The model version each client holds (``method.held_version`` of its state), for a
+        per-client downlink. Default: clients keep no state between rounds (``None``: dense)."""
+        return {c: None for c in clients}
 
     def close(self) -> None:
         pass
