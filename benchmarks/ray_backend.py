@@ -75,7 +75,7 @@ def main() -> None:
     note = ""
     if args.task == "offline_text":
         try:
-            from fedgalore.assets import bbc_news_dir, minilm_path
+            from fedgalore.tasks.assets import bbc_news_dir, minilm_path
 
             bbc_news_dir(), minilm_path()
         except Exception as exc:  # assets missing

@@ -38,5 +38,5 @@ if [ "${FEDGALORE_SKIP_MATH_ASSETS:-0}" != "1" ]; then
     || echo "setup: SmolLM2 conversion failed; the offline math task will say so"
 fi
 # Debian data packages: downloaded and unpacked into the cache (no root install, no R).
-"$VENV/bin/python" -m fedgalore.assets debian || echo "setup: Debian data packages unavailable; tasks that need them will say so"
+"$VENV/bin/python" -m fedgalore.tasks.assets debian || echo "setup: Debian data packages unavailable; tasks that need them will say so"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch,transformers,peft;print("torch",torch.__version__,"transformers",transformers.__version__,"peft",peft.__version__)'))"

@@ -276,7 +276,7 @@ def test_offline_gsm_symbolic_length_filter(tiny_llama_dir):
 
 def _smollm2_cached() -> bool:
     try:
-        from fedgalore.assets import cache_dir
+        from fedgalore.tasks.assets import cache_dir
 
         return (cache_dir() / "smollm2-135m-instruct" / "model.safetensors").is_file()
     except Exception:

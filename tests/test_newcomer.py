@@ -32,7 +32,7 @@ TINY_PAPER = ["task.name=tiny_text", "task.options={}", "task.options.n_train=48
 
 
 def minilm_or_skip() -> None:
-    from fedgalore import assets
+    from fedgalore.tasks import assets
 
     try:
         assets.minilm_path(), assets.bbc_news_dir()
@@ -319,7 +319,7 @@ def test_fedavg_full_whole_model_moves_embeddings_and_norms(tmp_path) -> None:
 # ----------------------------------------------------------------------------- offline math: the fix in the error
 def _smollm2_cached() -> bool:
     try:
-        from fedgalore.assets import cache_dir
+        from fedgalore.tasks.assets import cache_dir
 
         return (cache_dir() / "smollm2-135m-instruct" / "model.safetensors").is_file()
     except Exception:  # noqa: BLE001

@@ -1,5 +1,5 @@
 """Text classification tasks and offline asset plumbing (fedgalore.tasks.text_classification,
-fedgalore.assets).
+fedgalore.tasks.assets).
 
 The GLUE path runs end to end on a tiny random RoBERTa with a byte-level BPE tokenizer trained
 here (offline) and tiny GLUE-format files; the BBC / Amazon tests use the real offline assets and
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from fedgalore import assets
-from fedgalore.assets import AssetError
+from fedgalore.tasks import assets
+from fedgalore.tasks.assets import AssetError
 from fedgalore.tasks import TaskError, get_task, resolve_target_modules
 from fedgalore.tasks.base import stratified_split
 from fedgalore.tasks.text_classification import GlueTask, TokenizedDataset
@@ -102,7 +102,7 @@ def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 def test_cache_dir_env_and_debian_root_error(tmp_cache):
     assert assets.cache_dir() == tmp_cache and tmp_cache.is_dir()
     assert issubclass(AssetError, TaskError)
-    with pytest.raises(AssetError, match=r"python -m fedgalore.assets debian"):
+    with pytest.raises(AssetError, match=r"python -m fedgalore.tasks.assets debian"):
         assets.debian_root("dataset-fashion-mnist")
 
 

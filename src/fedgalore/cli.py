@@ -35,15 +35,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from fedgalore.report import ReportError
     from fedgalore.tasks.base import TaskError
 
-    errors: list[type[BaseException]] = [ConfigError, TaskError, MethodError, PartitionError, ReportError,
-                                         FileNotFoundError, NotADirectoryError]
-    try:
-        from fedgalore.assets import AssetError
-
-        errors.append(AssetError)
-    except ImportError:
-        pass
-    return tuple(errors)
+    # TaskError covers fedgalore.tasks.assets.AssetError (a missing offline asset)
+    return (ConfigError, TaskError, MethodError, PartitionError, ReportError, FileNotFoundError, NotADirectoryError)
 
 
 def _one_line(exc: BaseException) -> str:

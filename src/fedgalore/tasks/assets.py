@@ -8,7 +8,7 @@ sets come from registry packages (``shared/reference/offline-assets.md``):
 * Debian ``dataset-fashion-mnist`` and ``r-cran-modeldata`` (Amazon Fine Food reviews in an R
   lazy-load database) — downloaded with ``apt-get download`` and unpacked with ``dpkg -x`` into
   ``<cache>/debian/<package>/`` (no root install, no R) by :func:`fetch_debian`, found again by
-  :func:`debian_root`. ``python -m fedgalore.assets debian`` does this for the setup script.
+  :func:`debian_root`. ``python -m fedgalore.tasks.assets debian`` does this for the setup script.
 
 :func:`read_r_lazyload` reads one object of an R lazy-load database (``.rdx``/``.rdb``) into a
 pandas DataFrame with the PyPI ``rdata`` package.
@@ -43,11 +43,11 @@ __all__ = [
     "read_r_lazyload",
 ]
 
-#: Debian packages the offline tasks read (fetched by ``python -m fedgalore.assets debian``)
+#: Debian packages the offline tasks read (fetched by ``python -m fedgalore.tasks.assets debian``)
 DEBIAN_PACKAGES: tuple[str, ...] = ("dataset-fashion-mnist", "r-cran-modeldata")
 
 _FIX_SETUP = "run `make setup`"
-_FIX_DEBIAN = "run `python -m fedgalore.assets debian` (or `make setup`)"
+_FIX_DEBIAN = "run `python -m fedgalore.tasks.assets debian` (or `make setup`)"
 _apt_updated = False
 
 
@@ -69,7 +69,7 @@ def _debian_dir(package: str) -> Path:
 def debian_root(package: str) -> Path:
     """Folder where the Debian ``package`` was unpacked (``<cache>/debian/<package>/``, holding ``usr/...``).
 
-    Raises :class:`AssetError` (saying to run ``python -m fedgalore.assets debian``) when absent.
+    Raises :class:`AssetError` (saying to run ``python -m fedgalore.tasks.assets debian``) when absent.
     """
     root = _debian_dir(package)
     if not (root / "usr").is_dir():
@@ -217,11 +217,11 @@ def read_r_lazyload(db: Path | str, name: str) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m fedgalore.assets debian [PACKAGE ...]``: fetch Debian data packages (never fails)."""
+    """``python -m fedgalore.tasks.assets debian [PACKAGE ...]``: fetch Debian data packages (never fails)."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] not in ("debian", "paths"):
-        print("usage: python -m fedgalore.assets debian [PACKAGE ...]   # fetch Debian data packages\n"
-              "       python -m fedgalore.assets paths                  # show where the assets are")
+        print("usage: python -m fedgalore.tasks.assets debian [PACKAGE ...]   # fetch Debian data packages\n"
+              "       python -m fedgalore.tasks.assets paths                  # show where the assets are")
         return 2
     if args[0] == "paths":
         print(f"cache: {cache_dir()}")
