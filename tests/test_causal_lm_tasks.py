@@ -15,9 +15,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from fedgalore.tasks import get_task  # noqa: E402
 from fedgalore.tasks.base import TaskError, resolve_target_modules  # noqa: E402
-from fedgalore.tasks.causal_lm import (  # noqa: E402
-    LLAMA_TARGET_MODULES,
-    MetaMathQATask,
+from fedgalore.tasks.causal_lm.base import LLAMA_TARGET_MODULES  # noqa: E402
+from fedgalore.tasks.causal_lm.grading import (  # noqa: E402
     answers_match,
     extract_gsm8k_answer,
     extract_math_answer,
@@ -25,6 +24,7 @@ from fedgalore.tasks.causal_lm import (  # noqa: E402
     normalize_math_answer,
     normalize_number,
 )
+from fedgalore.tasks.causal_lm.metamath import MetaMathQATask  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- extraction
@@ -283,7 +283,7 @@ def _smollm2_cached() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _smollm2_cached(), reason="SmolLM2 not cached: run `python -c 'from fedgalore.tasks.causal_lm import smollm2_path; smollm2_path()'` (make setup)")
+@pytest.mark.skipif(not _smollm2_cached(), reason="SmolLM2 not cached: run `python -c 'from fedgalore.tasks.assets import smollm2_path; smollm2_path()'` (make setup)")
 def test_offline_math_real_smollm2():
     pytest.importorskip("reasoning_gym")
     task = get_task("offline_math", n_train=4, n_test=2, max_length=256, eval_max_new_tokens=4)

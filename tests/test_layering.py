@@ -1,6 +1,6 @@
 """Dependencies point down only (issue 20): every import in ``src/fedgalore`` — at module level or
-inside a function — goes from a package to a package strictly below it, and the package graph
-has no cycle.
+inside a function — goes from a package to a package strictly below it, the package graph has no
+cycle, and no module imports itself through others (e.g. two task modules importing each other).
 
 A *package* is a subpackage of ``fedgalore`` (``engine``, ``methods``, ...) or a top-level
 module (``cli``, ``compare``, ...; ``fedgalore/__init__.py`` is ``fedgalore``). The order, bottom
@@ -99,6 +99,19 @@ def package_edges() -> dict[tuple[str, str], list[str]]:
     return edges
 
 
+def module_edges() -> dict[tuple[str, str], list[str]]:
+    """(importing module, imported module) -> the import sites, over all modules of ``src/fedgalore``."""
+    files = {_module_name(p): p for p in sorted(SRC.rglob("*.py"))}
+    edges: dict[tuple[str, str], list[str]] = {}
+    for module, path in files.items():
+        for target, line in _imports(path):
+            while target and target not in files:  # `from fedgalore.x import name`: the module fedgalore.x
+                target = target.rpartition(".")[0]
+            if target and target != module:
+                edges.setdefault((module, target), []).append(f"{path.relative_to(SRC.parent)}:{line}")
+    return edges
+
+
 def upward_edges(edges: dict[tuple[str, str], list[str]]) -> list[str]:
     """Edges that do not go strictly down the order (and packages the order does not place)."""
     bad = []
@@ -167,11 +180,18 @@ def test_no_package_cycle() -> None:
     assert cycles(package_edges()) == []
 
 
+def test_no_module_cycle() -> None:
+    assert cycles(module_edges()) == []
+
+
 def test_the_checks_catch_an_upward_edge_and_a_cycle() -> None:
     edges = package_edges()
     edges[("optim", "engine")] = ["optim/example.py:1"]
     assert any(e.startswith("optim (level 1) imports engine (level 5)") for e in upward_edges(edges))
     assert ["engine", "methods", "optim"] in cycles(edges)
+    modules = module_edges()
+    modules[("fedgalore.tasks.mnist", "fedgalore.tasks.pretrain_vit")] = ["fedgalore/tasks/mnist.py:1"]
+    assert ["fedgalore.tasks.mnist", "fedgalore.tasks.pretrain_vit"] in cycles(modules)
 
 
 @pytest.mark.parametrize("code, expected", [

@@ -23,7 +23,8 @@ from fedgalore.tasks import assets
 from fedgalore.tasks.assets import AssetError
 from fedgalore.tasks import TaskError, get_task, resolve_target_modules
 from fedgalore.tasks.base import stratified_split
-from fedgalore.tasks.text_classification import GlueTask, TokenizedDataset
+from fedgalore.tasks.text_classification.base import TokenizedDataset
+from fedgalore.tasks.text_classification.glue import GlueTask
 
 POS = ["good", "great", "fine", "lovely", "superb", "happy"]
 NEG = ["bad", "awful", "poor", "sad", "terrible", "boring"]
@@ -332,7 +333,7 @@ def test_amazon_reviews_task():
         assets.debian_root("r-cran-modeldata")
     except AssetError as exc:
         pytest.skip(f"Amazon reviews not fetched: {exc}")
-    from fedgalore.tasks.text_classification import load_amazon_reviews
+    from fedgalore.tasks.text_classification.amazon import load_amazon_reviews
 
     train_df, test_df = load_amazon_reviews()
     assert (len(train_df), len(test_df)) == (4000, 1000)

@@ -19,10 +19,10 @@ from fedgalore.tasks.base import TaskError  # noqa: E402
 from fedgalore.tasks.image_classification import (  # noqa: E402
     DomainNetTask,
     VIT_TARGET_PATTERNS,
-    tiny_vit_config,
     vit_target_modules,
     vit_target_patterns,
 )
+from fedgalore.tasks.pretrain_vit import tiny_vit_config  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -211,7 +211,7 @@ def test_domainnet_missing_root_is_a_clear_error(tmp_path):
 # ----------------------------------------------------------------------------- offline tasks
 def _fashion_available() -> bool:
     try:
-        from fedgalore.tasks.image_classification import _fashion_mnist_dir
+        from fedgalore.tasks.mnist import _fashion_mnist_dir
 
         _fashion_mnist_dir(None)
         return True
@@ -234,7 +234,7 @@ def quick_checkpoint(tmp_path_factory):
 
 @needs_fashion
 def test_fashion_mnist_loader_numbers():
-    from fedgalore.tasks.image_classification import load_fashion_mnist
+    from fedgalore.tasks.mnist import load_fashion_mnist
 
     x, y = load_fashion_mnist("test")
     assert x.shape == (10000, 28, 28) and x.dtype == np.uint8

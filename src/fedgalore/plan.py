@@ -121,11 +121,12 @@ def model_spec(cfg: FederatedConfig) -> tuple[ModelSpec, Task | None]:
     if name in ("metamath", "offline_math"):
         from transformers import AutoModelForCausalLM
 
-        from fedgalore.tasks.causal_lm import LLAMA_TARGET_MODULES, _torch_dtype, smollm2_path
+        from fedgalore.tasks.assets import smollm2_path
+        from fedgalore.tasks.causal_lm.base import LLAMA_TARGET_MODULES, torch_dtype
 
         model_id = opts.get("model") or ("meta-llama/Llama-2-7b-hf" if name == "metamath" else str(smollm2_path()))
         config, source = _causal_lm_config(model_id)
-        dtype = _torch_dtype(opts.get("dtype", "bfloat16")) if name == "metamath" else torch.float32
+        dtype = torch_dtype(opts.get("dtype", "bfloat16")) if name == "metamath" else torch.float32
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         targets = resolve_target_modules(model, LLAMA_TARGET_MODULES)

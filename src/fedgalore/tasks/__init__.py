@@ -17,16 +17,16 @@ TASKS: dict[str, str] = {
     # tiny random-weight task for tests and smoke runs (seconds)
     "tiny_text": "fedgalore.tasks.synthetic:TinyTextTask",
     # text classification (paper: RoBERTa-base x GLUE)
-    "offline_text": "fedgalore.tasks.text_classification:OfflineBBCNewsTask",
-    "offline_text_amazon": "fedgalore.tasks.text_classification:OfflineAmazonReviewsTask",
-    "glue": "fedgalore.tasks.text_classification:GlueTask",
+    "offline_text": "fedgalore.tasks.text_classification.bbc:OfflineBBCNewsTask",
+    "offline_text_amazon": "fedgalore.tasks.text_classification.amazon:OfflineAmazonReviewsTask",
+    "glue": "fedgalore.tasks.text_classification.glue:GlueTask",
     # image classification (paper: ViT-base x DomainNet)
     "offline_vision": "fedgalore.tasks.image_classification:OfflineFashionMnistTask",
     "offline_vision_mnist": "fedgalore.tasks.image_classification:OfflineMnistTask",
     "domainnet": "fedgalore.tasks.image_classification:DomainNetTask",
     # causal LM for math (paper: Llama-2-7B x MetaMathQA -> GSM8K / MATH)
-    "offline_math": "fedgalore.tasks.causal_lm:OfflineGsmSymbolicTask",
-    "metamath": "fedgalore.tasks.causal_lm:MetaMathQATask",
+    "offline_math": "fedgalore.tasks.causal_lm.gsm_symbolic:OfflineGsmSymbolicTask",
+    "metamath": "fedgalore.tasks.causal_lm.metamath:MetaMathQATask",
 }
 
 

