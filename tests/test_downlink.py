@@ -212,3 +212,33 @@ def test_factored_downlink_resumes_to_the_same_model(tmp_path):
         [{k: v for k, v in r.items() if k not in drop} for r in strip_times(ref.history)]
     assert [r["bytes_down"] for r in got.history[:2]] == [r["bytes_down"] for r in ref.history[:2]]
     assert got.final == ref.final
+
+
+def test_factored_downlink_on_a_stateless_backend_says_it_sends_dense(tmp_path):
+    """A backend whose clients keep no model between rounds (Ray, Flower) cannot use the chain:
+    the run says so once, and every client's message is the dense broadcast (the ledger shows
+    the dense bytes)."""
+    from fedgalore.engine.backends.sequential import SequentialBackend
+    from fedgalore.engine.loop import Federation
+
+    class Stateless(SequentialBackend):
+        keeps_client_state = False
+
+        def client_versions(self, method, clients):
+            return {c: None for c in clients}
+
+    messages: list[str] = []
+
+    class Sink:
+        def __getattr__(self, name):
+            return lambda *a, **k: None
+
+        def message(self, text):
+            messages.append(text)
+
+    fed = Federation(_fed_cfg(tmp_path, "factored", rounds=2), run_dir=tmp_path / "s", backend=Stateless(), progress=Sink())
+    res = fed.run()
+    assert sum("receives the dense model" in m for m in messages) == 1
+    dense = Federation(_fed_cfg(tmp_path, "dense", rounds=2), run_dir=tmp_path / "d", progress=Sink()).run()
+    for f, d in zip(res.history, dense.history):  # dense tensors; only the header's model version differs
+        assert d["bytes_down"] <= f["bytes_down"] <= d["bytes_down"] + 16 * 3

@@ -98,6 +98,10 @@ class Federation:
         self.task, self.method = self.runtime.task, self.runtime.method
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.backend.start(self.runtime)
+        if getattr(self.method, "per_client_downlink", False) and not self.backend.keeps_client_state:
+            self.progress.message(f"method {cfg.method.name}: a per-client (factored) downlink needs clients that keep "
+                                  f"their model between rounds; the {cfg.backend.name} backend's do not, so every "
+                                  "client receives the dense model (set method.options.downlink=dense to silence this)")
         self._validation = self.runtime.validation_set()
         self.ledger = Ledger()
         self.history: list[dict[str, Any]] = []

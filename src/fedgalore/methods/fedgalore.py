@@ -197,6 +197,11 @@ class FedGaLore(DenseTargetsMethod):
         return Payload(entries, meta)
 
     # factored downlink (fedgalore.protocol.downlink; the loop calls these two when present)
+    @property
+    def per_client_downlink(self) -> bool:
+        """True when this method's downlink depends on what each client holds (``factored``)."""
+        return self.options.downlink == "factored"
+
     def held_version(self, client_state: dict[str, Any] | None) -> int | None:
         """The model version a client's store holds: its cache's, else 0 (the public W_0) when this
         process has the base, else None (send dense). Dense downlink: None."""

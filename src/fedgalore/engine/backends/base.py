@@ -28,6 +28,9 @@ class Backend(abc.ABC):
         :meth:`client_versions` reports client state is handed one blob per client
         (``dict[client, bytes]``, a per-client downlink)."""
 
+    #: whether simulated clients keep state between rounds (what a per-client downlink needs)
+    keeps_client_state: bool = False
+
     def client_versions(self, method, clients: list[int]) -> dict[int, int | None]:
         """The model version each client holds (``method.held_version`` of its state), for a
         per-client downlink. Default: clients keep no state between rounds (``None``: dense)."""

@@ -16,6 +16,8 @@ from fedgalore.engine.runtime import ClientJob, ClientResult
 class SequentialBackend(Backend):
     name = "sequential"
 
+    keeps_client_state = True
+
     def start(self, runtime) -> None:
         super().start(runtime)
         runtime.client_state = {}  # each simulated client's own store, kept between rounds (in memory)
