@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fedgalore.federated.partition import PartitionConfig
-from fedgalore.methods.base import MethodOptions, available_methods, parse_options, split_options
+from fedgalore.federated.server_opt import ServerOptimizerConfig
+from fedgalore.methods.base import MethodOptions, available_methods, method_class, parse_options, split_options
 from fedgalore.protocol.state import TrainConfig
 from fedgalore.typed import ConfigError, from_plain, to_plain
 
@@ -81,6 +82,8 @@ class FederationConfig:
     client_timeout_s: float | None = None  # uploads that took longer are dropped (Ray: backend.options.timeout_s preempts)
     validation_fraction: float = 0.0  # share of the training pool held out (stratified) for model selection
     partition: PartitionConfig = field(default_factory=lambda: PartitionConfig(kind="dirichlet", alpha=0.5))
+    #: what the server does with the aggregate (fedgalore.federated.server_opt; default fedavg: keep it)
+    server_optimizer: ServerOptimizerConfig = field(default_factory=ServerOptimizerConfig)
 
 
 @dataclass
@@ -175,8 +178,22 @@ class FederatedConfig:
         _check(self.output.keep_checkpoints >= 1, "output.keep_checkpoints must be >= 1")
         _check(self.output.progress in ("auto", "rich", "plain", "quiet"), "output.progress must be auto, rich, plain or quiet")
         _check(self.device == "cpu" or self.device.startswith("cuda") or self.device == "mps", f"device={self.device!r} must be cpu, cuda[:N] or mps")
+        _check(math.isfinite(t.prox_mu) and t.prox_mu >= 0,
+               f"train.prox_mu={t.prox_mu} must be >= 0 (FedProx's μ; 0 = off, e.g. train.prox_mu=0.01)")
+        f.server_optimizer.check()
+        if t.scaffold:
+            _check(self.backend.name == "sequential",
+                   f"train.scaffold keeps every client's control variate on the server and needs backend.name=sequential "
+                   f"(got {self.backend.name!r}); set train.scaffold=false or backend.name=sequential")
         if self.method.name in available_methods():  # a method registered later (a Ray plugin) is checked when built
-            self.method.typed_options()
+            opts = self.method.typed_options()
+            if t.scaffold and not method_class(self.method.name).supports_scaffold:
+                ok = ", ".join(m for m in available_methods() if method_class(m).supports_scaffold)
+                raise ConfigError(f"train.scaffold needs dense trainable server parameters; method {self.method.name!r} "
+                                  f"has none — use one of: {ok} (or set train.scaffold=false)")
+            if getattr(opts, "downlink", "dense") == "factored" and not f.server_optimizer.identity:
+                raise ConfigError(f"federation.server_optimizer.name={f.server_optimizer.name} changes the update the "
+                                  "factored downlink sends; set method.options.downlink=dense (or server_optimizer.name=fedavg)")
         return self
 
     def setting_label(self) -> str:

@@ -12,7 +12,11 @@ and S (``synchronize``); a backend decides where T runs; the run directory's fil
    against the state the round started from, for whoever needs them (the norm bound,
    clipping, the drift diagnostics) — a round with fewer than ``federation.min_clients`` valid
    uploads is retried with a new sample;
-4. A and S update the server state; diagnostics measure the two mismatches;
+4. A and S update the server state — between them, a server optimizer
+   (``federation.server_optimizer``, :mod:`fedgalore.federated.server_opt`) treats A's change of
+   the server parameters as a pseudo-gradient, and SCAFFOLD (``train.scaffold``,
+   :mod:`fedgalore.federated.scaffold`) updates its control variates; diagnostics measure the
+   two mismatches;
 5. the global model is evaluated every ``eval_every`` rounds and the state is checkpointed.
 
 Every random choice derives from (run seed, round, client) (:mod:`fedgalore.federated.seeding`),
@@ -35,9 +39,11 @@ from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
 from fedgalore.engine.validation import expected_keys, norm_problem, update_norm, validate_upload
 from fedgalore.federated.checkpoint import load_latest_checkpoint, save_checkpoint
 from fedgalore.federated.diagnostics import drift_diagnostics, update_space_diagnostics
+from fedgalore.federated.scaffold import CORR, NEW_CI, correction, split_entries, update_controls
+from fedgalore.federated.server_opt import STATE_PREFIX, server_step
 from fedgalore.federated.seeding import round_seed, sample_clients
 from fedgalore.methods.base import Method
-from fedgalore.protocol.payload import Ledger, Payload, PayloadError, decode, encode
+from fedgalore.protocol.payload import Dense, Ledger, Payload, PayloadError, decode, encode
 from fedgalore.protocol.state import RoundContext
 from fedgalore.tasks.base import Task
 
@@ -65,6 +71,7 @@ class _Round:
     sampled: list[int]  # the last sample drawn (retries draw new ones)
     client_recs: list[dict[str, Any]]
     time_clients: float
+    controls: dict[int, dict[str, Any]] = field(default_factory=dict)  # SCAFFOLD: each kept client's c_i⁺
 
 
 class Federation:
@@ -107,6 +114,7 @@ class Federation:
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
         self.wall_time_before = 0.0
+        self._controls: dict[int, dict[str, Any]] = {}  # SCAFFOLD c_i⁺ of the uploads being collected
         #: the loop's own state, checkpointed with the server state: the accepted upload key set
         self.upload_keys: list[str] | None = None
         ckpt = load_latest_checkpoint(self.run_dir, log=self.progress.message) if resume else None
@@ -156,7 +164,13 @@ class Federation:
         t0 = time.perf_counter()
         rnd = self._train_clients(k)  # sample → broadcast → T → collect (retried while too few uploads)
         t_server = time.perf_counter()
+        opt = self.cfg.federation.server_optimizer
+        before = None if opt.identity else {kk: v.clone() for kk, v in self.state.params.items()}
         applied = self.method.aggregate(self.state, rnd.uploads, rnd.ctx.weights, rnd.ctx)  # A
+        if before is not None:
+            applied = self._server_step(before, applied)
+        if self.cfg.train.scaffold:
+            update_controls(self.state.extras, rnd.controls, self.state.params, self.cfg.federation.num_clients)
         sync_diag = self.method.synchronize(self.state, rnd.uploads, rnd.ctx.weights, rnd.ctx)  # S
         t_server = time.perf_counter() - t_server
         t_diag = time.perf_counter()
@@ -185,6 +199,22 @@ class Federation:
         self.files.write_csv(self.history)
         self.progress.round_end(k, rec)
 
+    def _server_step(self, before: dict[str, Any], applied: dict[str, Any]) -> dict[str, Any]:
+        """The server optimizer on A's result: θ_{k+1} from θ_k (``before``) and the aggregate now
+        in ``state.params`` (fedgalore.federated.server_opt); its buffers live in
+        ``state.extras["server_opt/..."]`` and its step count in ``state.meta["server_opt"]``, so
+        they are checkpointed with the state. ``applied`` entries that are server parameters
+        become the update actually applied; others (the LoRA methods' ΔW̄ of the factor
+        products) stay A's, before the server optimizer."""
+        meta = self.state.meta.setdefault("server_opt", {"step": 0})
+        step = int(meta["step"]) + 1
+        buffers = {kk[len(STATE_PREFIX):]: v for kk, v in self.state.extras.items() if kk.startswith(STATE_PREFIX)}
+        new = server_step(self.cfg.federation.server_optimizer, before, self.state.params, buffers, step)
+        self.state.params.update(new)
+        self.state.extras.update({STATE_PREFIX + kk: v for kk, v in buffers.items()})
+        meta["step"] = step
+        return {kk: (new[kk] - before[kk] if kk in new else v) for kk, v in applied.items()}
+
     def _train_clients(self, k: int) -> _Round:
         """Sample the round's clients, broadcast, run T on the backend and collect the valid
         uploads; a round with fewer than ``federation.min_clients`` is retried with a new sample
@@ -209,7 +239,9 @@ class Federation:
                 total = sum(kept_w)
                 self.upload_keys = sorted(uploads[0].entries)
                 ctx = RoundContext(k, fed.rounds, seed_k, kept_c, [w / total for w in kept_w])
-                return _Round(ctx, uploads, deltas, clients, client_recs, t_clients)
+                controls = {c: self._controls.pop(c) for c in kept_c if c in self._controls}
+                self._controls = {}
+                return _Round(ctx, uploads, deltas, clients, client_recs, t_clients, controls)
             self.progress.message(
                 f"round {k + 1}: only {len(uploads)} valid upload(s) < federation.min_clients={fed.min_clients}"
                 + ("; retrying with a new sample" if attempt < fed.max_round_retries else "")
@@ -231,6 +263,9 @@ class Federation:
         per_client = getattr(self.method, "client_broadcast", None)
         held = self.backend.client_versions(self.method, rctx.clients) if per_client is not None else {}
         msgs = {c: per_client(self.state, rctx, bcast, held.get(c)) if per_client is not None else bcast for c in rctx.clients}
+        if self.cfg.train.scaffold:  # each client's c − c_i (fedgalore.federated.scaffold): counted down
+            msgs = {c: Payload({**m.entries, **{CORR + kk: Dense(v) for kk, v in correction(self.state.extras, c, self.state.params).items()}},
+                               dict(m.meta)) for c, m in msgs.items()}
         common = encode(bcast) if any(m is bcast for m in msgs.values()) else b""
         blobs = {c: common if m is bcast else encode(m) for c, m in msgs.items()}
         for c in rctx.clients:
@@ -253,6 +288,8 @@ class Federation:
                 except PayloadError as exc:
                     res.error = f"undecodable upload: {exc}"
                 self.ledger.record(k + 1, res.client, "up", up if up is not None else Payload(), res.upload)
+            if up is not None and self.cfg.train.scaffold:  # c_i⁺ (counted up above) is the server's, not A's
+                up, self._controls[res.client] = split_entries(up, NEW_CI)
             decoded.append(up)
         keys = expected_keys(self.upload_keys, [u for u in decoded if u is not None])
         uploads, deltas, kept_w, kept_c = [], [], [], []

@@ -21,9 +21,10 @@ import torch
 from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.federated.client import ClientError
 from fedgalore.federated.partition import make_partition
+from fedgalore.federated.scaffold import CORR, ScaffoldClient, split_entries
 from fedgalore.federated.seeding import BATCHES, DROPOUT, client_seed, validation_seed
 from fedgalore.methods.base import Method, method_class
-from fedgalore.protocol.payload import decode, encode
+from fedgalore.protocol.payload import Payload, decode, encode
 from fedgalore.protocol.state import ClientContext, TrainConfig
 from fedgalore.tasks import Task, get_task, resolve_target_modules
 from fedgalore.tasks.base import head_parameters, stratified_split, subset_examples
@@ -161,7 +162,15 @@ class Runtime:
                 torch.set_rng_state(torch.Generator().manual_seed(seed).get_state())
                 if devices:
                     torch.cuda.set_rng_state(torch.Generator().manual_seed(seed).get_state(), devices[0])
-                upload = self.method.client_update(self.model, decode(broadcast), ctx)
+                payload = decode(broadcast)
+                if self.cfg.train.scaffold:  # c − c_i rides along the broadcast (fedgalore.federated.scaffold)
+                    payload, corr = split_entries(payload, CORR)
+                    ctx.scaffold = ScaffoldClient(corr, self.method.scaffold_params(self.model))
+                upload = self.method.client_update(self.model, payload, ctx)
+                if ctx.scaffold is not None:
+                    if ctx.scaffold.new_ci is None:
+                        raise ClientError(f"client {job.client}: SCAFFOLD needs at least one local step")
+                    upload = Payload({**upload.entries, **ctx.scaffold.upload_entries()}, dict(upload.meta))
             blob = encode(upload)
             return ClientResult(job.client, blob, None, time.perf_counter() - t0, dict(upload.meta))
         except ClientError as exc:

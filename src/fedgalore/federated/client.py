@@ -18,6 +18,18 @@ the gradient of one batch ``k`` times as large, to float rounding (without dropo
 step of a round may hold fewer than ``k`` micro-batches; it is weighted the same way. Steps,
 the LR schedule (warmup, cosine), gradient clipping and the reported losses count *optimizer*
 steps; ``ctx.on_step`` (progress) is called per micro-batch.
+
+FedProx (Li et al. 2020, "Federated Optimization in Heterogeneous Networks", eq. (2);
+``train.prox_mu = μ > 0``): the client minimises h_i(θ) = F_i(θ) + μ/2‖θ − θ_global‖² over its
+trainable parameters, θ_global being their values as ``local_train`` starts (the broadcast the
+method has just loaded). Once per optimizer step, after the micro-batches' backward passes and
+before gradient clipping and the optimizer, μ(θ − θ_global) is added to each trainable
+parameter's gradient — so the clipped gradient is that of h_i, and for FedGaLore the proximal
+gradient enters *before* GaLore's projection (GaLoreAdamW projects ``p.grad``). Reported losses
+are F_i's (without the proximal term). μ = 0 skips all of it (bit-identical to plain training).
+
+SCAFFOLD (``train.scaffold``; ``ctx.scaffold``, :mod:`fedgalore.federated.scaffold`): after each
+optimizer step every trainable parameter moves by −η_t (c − c_i).
 """
 from __future__ import annotations
 
@@ -73,6 +85,17 @@ def loss_items(loss_fn: Callable[..., Any], batch: dict[str, torch.Tensor]) -> i
     return int(first.shape[0]) if first is not None and first.dim() > 0 else 1
 
 
+@torch.no_grad()
+def _add_prox_grad(params: list[torch.Tensor], anchor: list[torch.Tensor], mu: float) -> None:
+    """∇ of μ/2‖θ − θ_global‖², i.e. μ(θ − θ_global), added to every trainable parameter's gradient (FedProx)."""
+    for p, a in zip(params, anchor):
+        prox = (p.detach() - a) * mu
+        if p.grad is None:
+            p.grad = prox.to(p.dtype)
+        else:
+            p.grad.add_(prox.to(p.grad.dtype))
+
+
 def _set_lr(optimizer: torch.optim.Optimizer, factor: float) -> None:
     for g in optimizer.param_groups:
         g.setdefault("initial_lr", g["lr"])
@@ -100,6 +123,11 @@ def local_train(
     else:
         offset, total = 0, optimizer_steps(ctx.steps, k)
     params = [p for p in (clip_params if clip_params is not None else model.parameters()) if p.requires_grad]
+    mu = float(getattr(tc, "prox_mu", 0.0) or 0.0)
+    anchor = [p.detach().clone() for p in params] if mu > 0.0 else None  # θ_global (FedProx)
+    scaffold = getattr(ctx, "scaffold", None)
+    if scaffold is not None:
+        scaffold.begin()
     model.train()
     losses: list[float] = []
     micro = 0
@@ -130,12 +158,18 @@ def local_train(
             micro += 1
         if n_total == 0:
             continue
+        if anchor is not None:
+            _add_prox_grad(params, anchor, mu)
         if tc.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if scaffold is not None:
+            scaffold.after_step(optimizer)
         losses.append(step_loss)
     model.eval()
+    if scaffold is not None and losses:
+        scaffold.finish()
     if not losses:
         return {"steps": 0, "loss_first": float("nan"), "loss_last": float("nan"), "loss_mean": float("nan")}
     out = {"steps": len(losses), "loss_first": losses[0], "loss_last": losses[-1], "loss_mean": sum(losses) / len(losses)}

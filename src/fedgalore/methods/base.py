@@ -72,6 +72,10 @@ class Method(abc.ABC):
     #: the method's options (a :class:`MethodOptions` dataclass; the base has none)
     options_class: ClassVar[type[MethodOptions]] = MethodOptions
 
+    #: whether ``train.scaffold`` applies: the server parameters are exactly the dense tensors the
+    #: clients train (:meth:`scaffold_params`), so a control variate per parameter makes sense
+    supports_scaffold: ClassVar[bool] = False
+
     def __init__(self, rank: int = 8, options: MethodOptions | None = None) -> None:
         if rank <= 0:
             raise MethodError(f"rank must be a positive integer, got {rank}")
@@ -137,6 +141,11 @@ class Method(abc.ABC):
         """The upload whose effective update is ``factor`` times this one's (norm clipping).
         Only methods whose update is linear in the payload can support it."""
         raise MethodError(f"method {self.name!r} does not support federation.clip_update_norm")
+
+    def scaffold_params(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        """The parameters a client trains, keyed by their server names (``ServerState.params``'s
+        keys): where SCAFFOLD's control variates apply (methods with :attr:`supports_scaffold`)."""
+        raise MethodError(f"method {self.name!r} does not support train.scaffold")
 
     @abc.abstractmethod
     def load_global(self, model: nn.Module, state: ServerState) -> None:

@@ -74,6 +74,7 @@ class FedAvgFull(DenseTargetsMethod):
     name = "fedavg_full"
     summary = "full fine-tuning with AdamW (target matrices + head, or the whole model: trainable=all); FedAvg of dense deltas"
     options_class = FedAvgFullOptions
+    supports_scaffold = True
 
     def __init__(self, rank: int = 8, options: FedAvgFullOptions | None = None) -> None:
         super().__init__(rank, options)
@@ -127,6 +128,10 @@ class FedAvgFull(DenseTargetsMethod):
 
     def client_deltas(self, state, upload):
         return {n: upload[n].materialize().float() for n in self.targets}
+
+    def scaffold_params(self, model):
+        """Every trained tensor (targets, head, and the rest under ``trainable=all``)."""
+        return named_params(model, self._trained())
 
     def scale_upload(self, upload, factor):
         return Payload({k: Dense(e.tensor * factor) for k, e in upload.entries.items()}, dict(upload.meta))

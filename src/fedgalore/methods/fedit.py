@@ -41,6 +41,15 @@ class FedIT(LoraMethod):
     name = "fedit"
     summary = "LoRA A,B + head with AdamW; server averages A and B separately (Zhang et al.)"
     optimizer_kind = "adamw"
+    supports_scaffold = True
+
+    def scaffold_params(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        """A and B of every adapted module and the head, by their server names."""
+        out: dict[str, nn.Parameter] = {}
+        for m in self.targets:
+            out[a_key(m)], out[b_key(m)] = self.lora_a(model, m), self.lora_b(model, m)
+        out.update(self.head_params(model))
+        return out
 
     def init_server_state(self, model: nn.Module) -> ServerState:
         params: dict[str, torch.Tensor] = {}

@@ -35,6 +35,11 @@ class FFALoRA(LoraMethod):
     summary = "LoRA B + head with SGD, A frozen and shared by seed; server averages B (exact)"
     optimizer_kind = "sgd"
     options_class = LoraSGDOptions
+    supports_scaffold = True
+
+    def scaffold_params(self, model: nn.Module) -> dict[str, nn.Parameter]:
+        """B of every adapted module and the head, by their server names (A is frozen)."""
+        return {**{b_key(m): self.lora_b(model, m) for m in self.targets}, **self.head_params(model)}
 
     def train_a(self) -> bool:
         return False

@@ -102,6 +102,7 @@ class LoRAFAIR(FedIT):
     summary = "LoRA A,B + head with SGD; server averages factors and corrects B̄ so (B̄+ΔB)Ā ≈ Σp_iB_iA_i"
     optimizer_kind = "sgd"
     options_class = LoRAFAIROptions
+    supports_scaffold = False  # its A corrects B̄ after averaging (not FedIT's plain average)
 
     def correction(self, b_bar: torch.Tensor, a_bar: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         o = self.options

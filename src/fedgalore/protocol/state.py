@@ -35,6 +35,11 @@ class TrainConfig:
     head_lr: float | None = None  # lr of the head params (None: same as lr)
     sgd_lr: float | None = None  # lr for methods whose reference optimizer is SGD (FFA-LoRA, LoRA-FAIR)
     sgd_momentum: float = 0.0
+    #: FedProx μ (Li et al. 2020): local objective F_i(θ) + μ/2‖θ − θ_global‖² over the trainable
+    #: parameters (0: off, bit-identical to plain training); fedgalore.federated.client.local_train
+    prox_mu: float = 0.0
+    #: SCAFFOLD control variates (Karimireddy et al. 2020, option II; fedgalore.federated.scaffold)
+    scaffold: bool = False
 
 
 @dataclass
@@ -88,3 +93,6 @@ class ClientContext:
     #: (sequential); ``None`` when clients are stateless. FedGaLore's factored downlink keeps the
     #: client's model version there (fedgalore.protocol.downlink.ClientCache).
     state: dict[str, Any] | None = None
+    #: SCAFFOLD's client side (a :class:`fedgalore.federated.scaffold.ScaffoldClient`) when
+    #: ``train.scaffold`` is on; ``local_train`` applies its correction after every optimizer step
+    scaffold: Any = None
