@@ -184,3 +184,29 @@ def test_resume_is_exact_with_scaffold_state(tmp_path, method):
     s2, _ = load_latest_checkpoint(resumed.run_dir)
     for a, b in ((s1.params, s2.params), (s1.extras, s2.extras)):
         assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_remedies_doc_commands_run(tmp_path, monkeypatch, capsys):
+    """Every `fedgalore` command of docs/remedies.md, as written plus a tiny budget (the tiny_text
+    task instead of the pipeline's model), with its `remedies.yaml` saved as the doc says."""
+    import shlex
+
+    from fedgalore.cli import main
+    from test_docs_examples import blocks, commands
+    from test_newcomer import REPO, TINY_PAPER
+
+    (tmp_path / "conf").symlink_to(REPO / "conf")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "remedies.yaml").write_text(blocks("docs/remedies.md", "yaml")[0])
+    cmds = [c for c in commands("docs/remedies.md") if c.startswith("fedgalore ")]
+    assert len(cmds) == 5
+    for cmd in cmds:
+        argv = shlex.split(cmd)[1:]
+        if "--seeds" in argv:
+            argv[argv.index("--seeds") + 1] = "0"
+        if "--settings" in argv:
+            argv[argv.index("--settings") + 1] = "dirichlet:0.5"
+        rc = main([*argv, *TINY_PAPER, "output.progress=quiet"])
+        assert rc == 0, f"{cmd}\n{capsys.readouterr().err[-2000:]}"
+    rows = json.loads((tmp_path / "runs" / "remedies" / "grid.json").read_text())["methods"]
+    assert len(rows) == 10

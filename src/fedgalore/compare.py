@@ -24,7 +24,10 @@ what ``methods`` lists and what the table rows show.
 An entry's ``train`` mapping overrides the base config's ``train`` section for that row only
 (e.g. ``{"fedit": {"train": {"lr": 1e-3}}}`` — a per-method learning rate); the row's cells
 record it in their configs and the budget (rounds, local epochs, batch size) stays shared unless
-a row changes it explicitly.
+a row changes it explicitly. So the heterogeneity remedies are rows too (docs/remedies.md):
+``{"fedit_prox": {"method": "fedit", "train": {"prox_mu": 0.01}}}``, ``train: {scaffold: true}``,
+and an entry's ``server_optimizer`` mapping replaces ``federation.server_optimizer`` for that row
+(``{"fedit_adam": {"method": "fedit", "server_optimizer": {"name": "fedadam", "lr": 1e-3}}}``).
 
 Parallel workers. Before running a cell a process claims it (``.claims/<cell>`` in
 ``out_dir``, created atomically, holding the process id); a cell claimed by another live process
@@ -129,6 +132,9 @@ def plan_grid(
         unknown = sorted(set(train_over) - set(base["train"]))
         if unknown:
             raise ConfigError(f"row {label!r}: unknown train key {unknown[0]!r}; valid: {', '.join(sorted(base['train']))}")
+        server_opt = opts.pop("server_optimizer", None)
+        if server_opt is not None and not isinstance(server_opt, Mapping):
+            raise ConfigError(f"row {label!r}: server_optimizer must be a mapping like {{name: fedadam, lr: 1.0e-3}}, got {server_opt!r}")
         options, _ = split_options(method, dict(base["method"]["options"]))
         options.update(opts)
         try:  # a bad option fails before any cell runs
@@ -142,6 +148,8 @@ def plan_grid(
                 d["method"]["name"] = method
                 d["method"]["options"] = options
                 d["train"].update(json.loads(json.dumps(dict(train_over))))
+                if server_opt is not None:  # the row's own server optimizer replaces the base config's
+                    d["federation"]["server_optimizer"] = json.loads(json.dumps(dict(server_opt)))
                 p = d["federation"]["partition"]
                 p["kind"] = part.kind
                 if part.kind == "dirichlet":
