@@ -210,3 +210,19 @@ def test_remedies_doc_commands_run(tmp_path, monkeypatch, capsys):
         assert rc == 0, f"{cmd}\n{capsys.readouterr().err[-2000:]}"
     rows = json.loads((tmp_path / "runs" / "remedies" / "grid.json").read_text())["methods"]
     assert len(rows) == 10
+
+
+def test_a_remedy_differs_from_a_run_saved_before_the_option_existed():
+    """A config saved by an older version lacks the new keys: they read as their defaults (the old
+    behaviour), so a run with FedProx or a server optimizer is another run, and one without is the same."""
+    from fedgalore.engine.config import FederatedConfig, config_difference
+
+    old = FederatedConfig().to_dict()
+    del old["train"]["prox_mu"], old["train"]["scaffold"], old["federation"]["server_optimizer"]
+    new = FederatedConfig().to_dict()
+    assert config_difference(old, new) is None
+    new["train"]["prox_mu"] = 0.01
+    assert config_difference(old, new) == "train.prox_mu: 0.0 -> 0.01"
+    new["train"]["prox_mu"] = 0.0
+    new["federation"]["server_optimizer"]["name"] = "fedadam"
+    assert config_difference(old, new) == "federation.server_optimizer.name: 'fedavg' -> 'fedadam'"

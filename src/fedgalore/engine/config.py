@@ -240,9 +240,23 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 def config_difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     """The first difference between two plain configs (``FederatedConfig.to_dict()`` or a saved
     ``config.yaml``), as ``"train.lr: 0.001 -> 0.0005"``; None when they describe the same run.
-    The display (``output.progress``) does not count, and keys present on one side only are
-    config-schema changes between library versions, not user changes, and are ignored."""
-    return _first_difference(_comparable(old), _comparable(new))
+    The display (``output.progress``) does not count. A key present on one side only is a
+    config-schema change between library versions: the missing side is read as the key's default
+    (a new option's default is the old behaviour, e.g. ``train.prox_mu: 0``), so a run with the
+    option set differs from an older run without it; keys that are not config fields (inside
+    option pools) present on one side only are ignored."""
+    defaults = _comparable(FederatedConfig().to_dict())
+    return _first_difference(_with_defaults(_comparable(old), defaults), _with_defaults(_comparable(new), defaults))
+
+
+def _with_defaults(d: Any, defaults: Any) -> Any:
+    """``d`` with the config fields it lacks filled in from ``defaults`` (recursively)."""
+    if not isinstance(d, dict) or not isinstance(defaults, dict):
+        return d
+    out = dict(d)
+    for k, v in defaults.items():
+        out[k] = _with_defaults(out[k], v) if k in out else v
+    return out
 
 
 def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
