@@ -226,3 +226,20 @@ def test_a_remedy_differs_from_a_run_saved_before_the_option_existed():
     new["train"]["prox_mu"] = 0.0
     new["federation"]["server_optimizer"]["name"] = "fedadam"
     assert config_difference(old, new) == "federation.server_optimizer.name: 'fedavg' -> 'fedadam'"
+
+
+def test_compare_rows_carry_remedies_and_check_them_before_running(tmp_path):
+    """A comparison row's train / server_optimizer overrides reach its cells; a bad one fails at planning."""
+    from fedgalore.compare import plan_grid
+
+    base = tiny_cfg(tmp_path)
+    rows = {"fedit_adam": {"method": "fedit", "server_optimizer": {"name": "fedadam", "lr": 1e-3}},
+            "ffa_scaffold": {"method": "ffa_lora", "train": {"scaffold": True, "prox_mu": 0.01}}}
+    cells = {c.label: c.cfg for c in plan_grid(base, ["fedavg_full", *rows], ["iid"], [0], tmp_path / "g", rows)}
+    assert cells["fedit_adam"].federation.server_optimizer.name == "fedadam" and cells["fedit_adam"].method.name == "fedit"
+    assert cells["ffa_scaffold"].train.scaffold and cells["ffa_scaffold"].train.prox_mu == 0.01
+    assert cells["fedavg_full"].federation.server_optimizer.identity and not cells["fedavg_full"].train.scaffold
+    with pytest.raises(ConfigError, match="lr must be set for fedyogi"):
+        plan_grid(base, ["bad"], ["iid"], [0], tmp_path / "h", {"bad": {"method": "fedit", "server_optimizer": {"name": "fedyogi"}}})
+    with pytest.raises(ConfigError, match="use one of"):
+        plan_grid(base, ["bad"], ["iid"], [0], tmp_path / "i", {"bad": {"method": "flora", "train": {"scaffold": True}}})
