@@ -24,7 +24,8 @@ c_i⁺ = (x − y)/(Kη) − (c − c_i)); up, one extra tensor per trainable pa
 With a learning-rate schedule the step size varies; K η becomes Σ_t η_t (the same identity: under
 SGD, x − y = Σ_t η_t (g_t − c_i + c)). Under AdamW (FedAvg-Full, FedIT) the correction is applied
 after each optimizer step as p ← p − η_t (c − c_i), decoupled from Adam's normalisation — the rule
-OpenFedLLM's SCAFFOLD uses with its AdamW trainer; under SGD without momentum and weight decay
+OpenFedLLM's SCAFFOLD uses with its AdamW trainer (with the peak lr for η_t and Kη; here the
+scheduled η_t and Σ_t η_t, equal under a constant schedule without warmup); under SGD without momentum and weight decay
 (FFA-LoRA's default) it is exactly line 10.
 
 Keys are the method's server parameter names (``Method.scaffold_params``); everything here works
