@@ -8,6 +8,7 @@ counted in the ledger, checkpointed, and a killed run resumes exactly.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from dataclasses import replace
 
 import pytest
@@ -243,3 +244,15 @@ def test_compare_rows_carry_remedies_and_check_them_before_running(tmp_path):
         plan_grid(base, ["bad"], ["iid"], [0], tmp_path / "h", {"bad": {"method": "fedit", "server_optimizer": {"name": "fedyogi"}}})
     with pytest.raises(ConfigError, match="use one of"):
         plan_grid(base, ["bad"], ["iid"], [0], tmp_path / "i", {"bad": {"method": "flora", "train": {"scaffold": True}}})
+
+
+def test_report_budget_line_names_each_rows_remedy():
+    from fedgalore.report.tables import _run_lr
+
+    cfg = tiny_cfg(Path("/tmp")).to_dict()
+    assert _run_lr(cfg) == "1e-2"
+    cfg["train"].update(prox_mu=0.01, scaffold=True)
+    cfg["federation"]["server_optimizer"] = {"name": "fedadam", "lr": 1e-3}
+    assert _run_lr(cfg) == "1e-2 + FedProx μ=0.01 + SCAFFOLD + server fedadam η=1e-3"
+    del cfg["train"]["prox_mu"], cfg["train"]["scaffold"], cfg["federation"]["server_optimizer"]  # an older run's config
+    assert _run_lr(cfg) == "1e-2"

@@ -188,8 +188,23 @@ def _run_lr(cfg: dict[str, Any]) -> str:
         from fedgalore.methods.lora_common import DEFAULT_SGD_LR
 
         v = t.get("sgd_lr") or (m.get("options") or {}).get("sgd_lr") or DEFAULT_SGD_LR
-        return f"{_fmt_lr(v)} (SGD)"
-    return _fmt_lr(t["lr"])
+        return f"{_fmt_lr(v)} (SGD)" + _remedies(cfg)
+    return _fmt_lr(t["lr"]) + _remedies(cfg)
+
+
+def _remedies(cfg: dict[str, Any]) -> str:
+    """The heterogeneity remedies a run used (docs/remedies.md), after its learning rate: FedProx's
+    μ, SCAFFOLD, a server optimizer other than plain FedAvg and its η; "" for none."""
+    t, opt = cfg["train"], (cfg["federation"].get("server_optimizer") or {})
+    out = []
+    if float(t.get("prox_mu") or 0.0) > 0:
+        out.append(f"FedProx μ={float(t['prox_mu']):g}")
+    if t.get("scaffold"):
+        out.append("SCAFFOLD")
+    name, lr = opt.get("name", "fedavg"), opt.get("lr")
+    if name != "fedavg" or (lr is not None and float(lr) != 1.0):
+        out.append(f"server {name}" + (f" η={_fmt_lr(lr)}" if lr is not None else ""))
+    return "".join(f" + {x}" for x in out)
 
 
 def budget_line(runs: Sequence[RunRecord], methods: Sequence[str]) -> str | None:
