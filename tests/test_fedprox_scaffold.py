@@ -256,3 +256,24 @@ def test_report_budget_line_names_each_rows_remedy():
     assert _run_lr(cfg) == "1e-2 + FedProx μ=0.01 + SCAFFOLD + server fedadam η=1e-3"
     del cfg["train"]["prox_mu"], cfg["train"]["scaffold"], cfg["federation"]["server_optimizer"]  # an older run's config
     assert _run_lr(cfg) == "1e-2"
+
+
+def test_a_non_finite_control_variate_drops_that_client(tmp_path, monkeypatch):
+    """c_i⁺ feeds c for every later round: a non-finite one is rejected with its upload."""
+    from fedgalore.federated import scaffold
+
+    finish = scaffold.ScaffoldClient.finish
+
+    def poisoned(self):
+        out = finish(self)
+        if not hasattr(poisoned, "done"):  # the first client of the run
+            poisoned.done = True
+            for v in out.values():
+                v.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(scaffold.ScaffoldClient, "finish", poisoned)
+    res = fedgalore.run(tiny_cfg(tmp_path, "fedavg_full", rounds=2, train=_train(scaffold=True)))
+    assert res.history[0]["dropped"] and len(res.history[0]["dropped"]) == 1
+    state, _ = load_latest_checkpoint(res.run_dir)
+    assert all(bool(torch.isfinite(v).all()) for k, v in state.extras.items() if k.startswith("scaffold/"))

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fedgalore.engine.backends import Backend, make_backend
 from fedgalore.engine.config import FederatedConfig
 from fedgalore.engine.events import LogProgress, ProgressSink
@@ -290,6 +292,9 @@ class Federation:
                 self.ledger.record(k + 1, res.client, "up", up if up is not None else Payload(), res.upload)
             if up is not None and self.cfg.train.scaffold:  # c_i⁺ (counted up above) is the server's, not A's
                 up, self._controls[res.client] = split_entries(up, NEW_CI)
+                ci = self._controls[res.client]
+                if set(ci) != set(self.state.params) or not all(bool(torch.isfinite(v).all()) for v in ci.values()):
+                    res.error, up = "rejected: SCAFFOLD control variate missing or non-finite", None
             decoded.append(up)
         keys = expected_keys(self.upload_keys, [u for u in decoded if u is not None])
         uploads, deltas, kept_w, kept_c = [], [], [], []
