@@ -8,6 +8,7 @@ counted in the ledger, checkpointed, and a killed run resumes exactly.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from dataclasses import replace
 
@@ -145,9 +146,48 @@ def test_bad_remedy_options_are_one_line_config_errors(tmp_path, method, train, 
     assert msg in str(err.value) and "\n" not in str(err.value)
 
 
-def test_scaffold_needs_the_sequential_backend(tmp_path):
-    with pytest.raises(ConfigError, match="backend.name=sequential"):
-        tiny_cfg(tmp_path, "fedit", train=_train(scaffold=True), backend={"name": "ray", "options": {}})
+def _same_runs(seq, hist):
+    assert len(hist) == len(seq.history) == 2
+    for a, b in zip(seq.history, hist):
+        assert a["clients"] == b["clients"] and b["dropped"] == []
+        assert a["bytes_up"] == b["bytes_up"] and a["bytes_down"] == b["bytes_down"]
+        for k in ("train_loss", "eval/accuracy", "eval/loss"):
+            assert math.isclose(a[k], b[k], rel_tol=1e-4, abs_tol=1e-6), (k, a[k], b[k])
+
+
+@pytest.mark.slow
+def test_scaffold_and_server_optimizer_on_ray_reproduce_sequential(tmp_path):
+    """Each Ray job gets its own c − c_i (one object-store put per client); same metrics and bytes."""
+    pytest.importorskip("ray")
+    over = dict(train=_train(scaffold=True, prox_mu=0.1), federation=_fed2({"name": "fedavgm", "momentum": 0.9}))
+    seq = fedgalore.run(tiny_cfg(tmp_path / "seq", "fedit", rounds=2, **over))
+    par = fedgalore.run(tiny_cfg(tmp_path / "ray", "fedit", rounds=2, backend={"name": "ray", "options": {"num_workers": 2}}, **over))
+    _same_runs(seq, par.history)
+
+
+@pytest.mark.slow
+def test_scaffold_and_server_optimizer_on_flower_reproduce_sequential(tmp_path):
+    """Flower simulation: each SuperNode's train message carries its client's c − c_i."""
+    pytest.importorskip("flwr")
+    from flwr.simulation import run_simulation
+
+    from fedgalore.flower.client_app import app as client_app
+    from fedgalore.flower.server_app import make_server_app
+
+    over = dict(train=_train(scaffold=True, prox_mu=0.1), federation=_fed2({"name": "fedadam", "lr": 1e-3}))
+    seq = fedgalore.run(tiny_cfg(tmp_path / "seq", "ffa_lora", rounds=2, **over))
+    run_dir = tmp_path / "flower" / "run"
+    run_simulation(server_app=make_server_app(tiny_cfg(tmp_path / "flower", "ffa_lora", rounds=2, **over), run_dir=run_dir),
+                   client_app=client_app, num_supernodes=6,
+                   backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                   "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "complete"
+    _same_runs(seq, [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()])
+
+
+def _fed2(opt):
+    return {"num_clients": 6, "clients_per_round": 3, "rounds": 2,
+            "partition": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5}, "server_optimizer": opt}
 
 
 @pytest.mark.parametrize("method", ["fedavg_full", "fedit", "ffa_lora"])

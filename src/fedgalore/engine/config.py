@@ -181,10 +181,6 @@ class FederatedConfig:
         _check(math.isfinite(t.prox_mu) and t.prox_mu >= 0,
                f"train.prox_mu={t.prox_mu} must be >= 0 (FedProx's μ; 0 = off, e.g. train.prox_mu=0.01)")
         f.server_optimizer.check()
-        if t.scaffold:
-            _check(self.backend.name == "sequential",
-                   f"train.scaffold keeps every client's control variate on the server and needs backend.name=sequential "
-                   f"(got {self.backend.name!r}); set train.scaffold=false or backend.name=sequential")
         if self.method.name in available_methods():  # a method registered later (a Ray plugin) is checked when built
             opts = self.method.typed_options()
             if t.scaffold and not method_class(self.method.name).supports_scaffold:

@@ -19,7 +19,8 @@ What travels (and what the ledger counts): down, one extra tensor per trainable 
 ``scaffold/corr/<param>`` = c − c_i (the client needs only the difference for its steps, and
 c_i⁺ = (x − y)/(Kη) − (c − c_i)); up, one extra tensor per trainable parameter,
 ``scaffold/ci/<param>`` = c_i⁺. That is the size of SCAFFOLD's deployed messages (c down,
-Δc_i up): each direction carries one extra copy of the trainable parameters.
+Δc_i up): each direction carries one extra copy of the trainable parameters. The downlink is
+per client on every backend (sequential, Ray, Flower): the server holds the c_i in all of them.
 
 With a learning-rate schedule the step size varies; K η becomes Σ_t η_t (the same identity: under
 SGD, x − y = Σ_t η_t (g_t − c_i + c)). Under AdamW (FedAvg-Full, FedIT) the correction is applied

@@ -66,7 +66,7 @@ class GridBackend(Backend):
         self.job = {"config": cfg_json, "partition": parts, "key": hashlib.sha256(cfg_json.encode() + parts).hexdigest()[:16]}
         self.node_of = self.strategy.discover_nodes(self.grid, runtime.cfg.federation.num_clients)
 
-    def run_clients(self, broadcast: bytes, jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
+    def run_clients(self, broadcast: bytes | dict[int, bytes], jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
         for j in jobs:
             if progress is not None:
                 progress.client_start(j.round, j.client, self.runtime.batches(j.client, j.round)[1])
@@ -76,13 +76,15 @@ class GridBackend(Backend):
             "round_seed": str(jobs[0].round_seed if jobs else 0),
             "clients": [j.client for j in jobs], "nodes": [self.node_of[j.client] for j in jobs],
         })
-        messages = list(self.strategy.configure_train(server_round, blob_to_record(broadcast), config, self.grid))
+        arrays = {c: blob_to_record(b) for c, b in broadcast.items()} if isinstance(broadcast, dict) else blob_to_record(broadcast)
+        messages = list(self.strategy.configure_train(server_round, arrays, config, self.grid))
         results = client_results([j.client for j in jobs], self.grid.send_and_receive(messages, timeout=self.strategy.timeout))
         for r, j in zip(results, jobs):
             if progress is not None:
                 progress.client_end(j.round, j.client, {"time": r.time, "error": r.error, **r.stats})
         up = sum(len(r.upload) for r in results if r.upload is not None)
-        self.last_round_bytes = {"broadcast": len(broadcast) * len(jobs), "uploads": up, "total": len(broadcast) * len(jobs) + up}
+        sent = sum(len(broadcast[j.client]) for j in jobs) if isinstance(broadcast, dict) else len(broadcast) * len(jobs)
+        self.last_round_bytes = {"broadcast": sent, "uploads": up, "total": sent + up}
         return results
 
 
@@ -113,11 +115,15 @@ class FedGaLoreStrategy(Strategy):
         self.progress = progress
 
     # ------------------------------------------------------------------ Flower steps
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_train(self, server_round: int, arrays: ArrayRecord | dict[int, ArrayRecord], config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
         """One ``train`` message per entry of ``config["clients"]``, to the node ``config["nodes"]``
-        names for it; the job is the rest of ``config`` plus the client id."""
+        names for it; the job is the rest of ``config`` plus the client id. ``arrays``: the
+        broadcast, or one per client (a per-client downlink: SCAFFOLD's c − c_i)."""
         common = {k: v for k, v in config.items() if k not in ("clients", "nodes")}
-        return [Message(content=RecordDict({"broadcast": arrays, "job": ConfigRecord({**common, "client": int(c)})}),
+        per = arrays if isinstance(arrays, dict) else None
+        return [Message(content=RecordDict({"broadcast": per[int(c)] if per is not None else arrays,
+                                            "job": ConfigRecord({**common, "client": int(c)})}),
                         dst_node_id=int(node), message_type=MessageType.TRAIN, group_id=str(server_round))
                 for c, node in zip(config["clients"], config["nodes"])]
 

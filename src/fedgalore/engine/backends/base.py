@@ -23,10 +23,10 @@ class Backend(abc.ABC):
         self.runtime = runtime
 
     @abc.abstractmethod
-    def run_clients(self, broadcast: bytes, jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
-        """Run T for every job on the same broadcast; results in job order. Only a backend whose
-        :meth:`client_versions` reports client state is handed one blob per client
-        (``dict[client, bytes]``, a per-client downlink)."""
+    def run_clients(self, broadcast: bytes | dict[int, bytes], jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
+        """Run T for every job on the same broadcast; results in job order. A per-client downlink
+        hands one blob per client (``dict[client, bytes]``): the factored downlink only to a backend
+        whose :meth:`client_versions` reports client state, SCAFFOLD's c − c_i to every backend."""
 
     #: whether simulated clients keep state between rounds (what a per-client downlink needs)
     keeps_client_state: bool = False

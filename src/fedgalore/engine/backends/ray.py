@@ -204,9 +204,12 @@ class RayBackend(Backend):
         return ray.get([a.rss.remote() for a in self._actors])
 
     # ------------------------------------------------------------------ rounds
-    def run_clients(self, broadcast: bytes, jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
+    def run_clients(self, broadcast: bytes | dict[int, bytes], jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
         results: list[ClientResult | None] = [None] * len(jobs)
-        bref = ray.put(broadcast)  # once per round; every worker reads it from the object store
+        # once per round (every worker reads it from the object store), or once per client for a
+        # per-client downlink (SCAFFOLD's c − c_i)
+        per_client = isinstance(broadcast, dict)
+        bref = {c: ray.put(b) for c, b in broadcast.items()} if per_client else ray.put(broadcast)
         queue = deque(range(len(jobs)))
         free = deque(range(len(self._actors)))
         pending: dict[Any, tuple[int, int, float]] = {}  # ref -> (slot, job index, start time)
@@ -226,7 +229,8 @@ class RayBackend(Backend):
                 if progress is not None:
                     progress.client_start(job.round, job.client, self.runtime.batches(job.client, job.round)[1])
                 job_d = {"round": job.round, "total_rounds": job.total_rounds, "client": job.client, "round_seed": job.round_seed}
-                pending[self._actors[slot].execute.remote(job_d, bref)] = (slot, i, time.monotonic())
+                ref_i = bref[job.client] if per_client else bref
+                pending[self._actors[slot].execute.remote(job_d, ref_i)] = (slot, i, time.monotonic())
             wait_s = None
             if self.timeout_s is not None and pending:
                 wait_s = max(0.0, min(t0 + self.timeout_s for _, _, t0 in pending.values()) - time.monotonic())
@@ -261,11 +265,12 @@ class RayBackend(Backend):
             finish(i, ClientResult(jobs[i].client, None, "no Ray worker available"))
         self._starting.update(starting)  # replacements still starting: ready for the next round
         uploads = sum(len(r.upload) for r in results if r is not None and r.upload is not None)
+        sent = sum(len(b) for b in broadcast.values()) if per_client else len(broadcast)
         self.last_round_bytes = {
-            "broadcast": len(broadcast),
-            "broadcast_puts": 1,
+            "broadcast": sent,
+            "broadcast_puts": len(broadcast) if per_client else 1,
             "uploads": int(uploads),
-            "total": len(broadcast) + int(uploads),
+            "total": sent + int(uploads),
         }
         self.round_bytes.append(dict(self.last_round_bytes))
         return [r for r in results if r is not None]
