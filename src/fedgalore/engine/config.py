@@ -12,7 +12,8 @@ YAML layout (``conf/pipeline/*.yaml``)::
     task:       {name: offline_text, options: {max_length: 128}}
     method:     {name: fedgalore, rank: 8, options: {update_proj_gap: 200, sync: ajive}}
     federation: {num_clients: 20, clients_per_round: 5, rounds: 20, eval_every: 1,
-                 partition: {kind: dirichlet, alpha: 0.5, min_size: 10}}
+                 partition: {kind: dirichlet, alpha: 0.5, min_size: 10},
+                 server_optimizer: {name: fedavg}}        # fedavgm | fedadam | ... (docs/remedies.md)
     train:      {lr: 5.0e-5, batch_size: 32, local_epochs: 2, warmup_ratio: 0.06, ...}
     backend:    {name: sequential, options: {}}
     output:     {dir: runs, checkpoint_every: 1, keep_checkpoints: 2}
