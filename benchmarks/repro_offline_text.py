@@ -300,7 +300,7 @@ def alpha_sweep_figure(out: Path, dest: Path) -> dict:
 # basis; and on the seeded R_k), FedGaLore-minus, FedAvg-Full, FedIT; six rates over 40-100x
 # each; Dirichlet 0.3 and 0.5 (both drawn with min_size 1: 50 clients cannot all hold 10 articles
 # at 0.3); 10 % of the training pool held out as a validation split on which the rate is chosen
-# (seed 0); seeds 1-3, which took no part in the choice, confirm at the chosen rates.
+# (seed 0); seeds 1-2, which took no part in the choice, confirm at the chosen rates.
 ALIGN_ROWS = {
     "fedgalore_paper": {"method": "fedgalore", "moment_protocol": "paper"},
     "fedgalore_aligned": {"method": "fedgalore", "moment_protocol": "aligned", "view_basis": "consensus"},
@@ -319,7 +319,9 @@ ALIGN_LRS = {
     "fedit": _HIGH,
 }
 ALIGN_ALPHAS = ["dirichlet:0.3", "dirichlet:0.5"]
-ALIGN_SEEDS = [1, 2, 3]
+ALIGN_SEEDS = [1, 2]
+# FedIT collapses at every rate of the sweep (issue-17 note): its seeds would confirm nothing
+ALIGN_SEED_ROWS = [label for label in ALIGN_ROWS if label != "fedit"]
 ALIGN_OVERRIDES = ("federation.partition.min_size=1", "federation.partition.max_retries=1000",
                    "federation.validation_fraction=0.1")
 
@@ -354,11 +356,11 @@ def alignment_choice() -> dict[str, dict[str, float]]:
 
 
 def stage_alignment_seeds(workers: int) -> None:
-    """Seeds 1-3 at each method's chosen rate (chosen on seed 0's validation split)."""
+    """Seeds 1-2 at each method's chosen rate (chosen on seed 0's validation split), FedIT left out."""
     choice = alignment_choice()
     for setting in ALIGN_ALPHAS:
         out = RUNS / "alignment" / f"seeds_{_alpha_dir(setting)}"
-        rows = {label: {**ALIGN_ROWS[label], "train": {"lr": lr}} for label, lr in choice[setting].items()}
+        rows = {label: {**ALIGN_ROWS[label], "train": {"lr": lr}} for label, lr in choice[setting].items() if label in ALIGN_SEED_ROWS}
         _run_stage(out, list(rows), [setting], ALIGN_SEEDS, rows, workers, overrides=ALIGN_OVERRIDES)
     alignment_report()
 
@@ -465,8 +467,9 @@ def alignment_report(dest: Path = RESULTS / "alignment") -> dict:
         nax.axhline(3.0, color="red", lw=0.8, ls="--")
         # markdown
         md += [f"## Dirichlet α = {setting.split(':')[1]}", "",
-               "| method | rate chosen (val, seed 0) | seed-0 test at it | best seed-0 test | rates within 2 points | seeds 1-3 test (mean ± std) |",
-               "|---|---:|---:|---:|---|---:|"]
+               "| method | rate chosen (val, seed 0) | seed-0 test at it | best seed-0 test | rates within 2 points "
+               "| seeds 1-2 test (mean ± std, n) | seeds 0-2 test (mean ± std) | up / client / round | down / client / round |",
+               "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
         for label in ALIGN_ROWS:
             if label not in entry["band"]:
                 continue
@@ -475,8 +478,16 @@ def alignment_report(dest: Path = RESULTS / "alignment") -> dict:
             seeds = entry["seeds"].get(label, {})
             sm = f"{100 * entry['seed_mean'][label]:.1f} ± {100 * entry['seed_std'][label]:.1f} ({len(seeds)})" if seeds else "—"
             band = entry["band"][label]
+            all3 = [t0, *seeds.values()] if seeds and lr in sweep[label] else []
+            if all3:
+                entry.setdefault("seeds_0_to_2", {})[label] = {"mean": statistics.mean(all3), "std": statistics.stdev(all3), "n": len(all3)}
+            s3 = f"{100 * statistics.mean(all3):.1f} ± {100 * statistics.stdev(all3):.1f}" if len(all3) > 1 else "—"
+            cell = sweep[label].get(lr, {})
+            up, down = cell.get("bytes_up"), cell.get("bytes_down")
+            entry.setdefault("bytes", {})[label] = {"up_per_client_round": up, "down_per_client_round": down}
+            mib = (lambda b: f"{b / 2**20:.2f} MiB" if b is not None else "—")
             md.append(f"| {label} | {lr:g} | {100 * t0:.1f} | {100 * band['best_test']:.1f} | "
-                      f"{', '.join(band['rates_within_2_points'])}{' (edge)' if band['best_at_edge'] else ''} | {sm} |")
+                      f"{', '.join(band['rates_within_2_points'])}{' (edge)' if band['best_at_edge'] else ''} | {sm} | {s3} | {mib(up)} | {mib(down)} |")
         md.append("")
         for label, pr in pairs.items():
             md.append(f"- {label} − fedgalore_minus, paired over seeds {pr['seeds']}: "
