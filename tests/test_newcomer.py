@@ -231,10 +231,13 @@ def test_interrupted_run_names_its_directory(tmp_path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "fedgalore.cli", "run", "--config", str(path), "--progress", "plain"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    seen: list[str] = []
     try:
         for line in proc.stdout:
-            if line.startswith("round 1/200"):
+            seen.append(line)
+            if "round 1/200" in line:
                 break
+        assert proc.poll() is None, f"the run ended before it was interrupted; its output:\n{''.join(seen)[-3000:]}"
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
