@@ -229,8 +229,11 @@ def test_extending_a_finished_run_equals_an_uninterrupted_run(tmp_path, capsys) 
 def test_interrupted_run_names_its_directory(tmp_path) -> None:
     path = tiny_config(tmp_path, rounds=200)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # the child must see Ctrl-C as a user's shell delivers it: earlier tests (Ray, Flower simulation)
+    # can leave SIGINT ignored in this process, and an ignored signal stays ignored across exec
     proc = subprocess.Popen([sys.executable, "-m", "fedgalore.cli", "run", "--config", str(path), "--progress", "plain"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen: list[str] = []
     try:
         for line in proc.stdout:
