@@ -189,18 +189,37 @@ class _Kill(ProgressSink):
             raise KeyboardInterrupt("simulated kill")
 
 
-@pytest.mark.parametrize("method", ["fedavg_full", "fedgalore"])
-def test_resume_equals_uninterrupted(tmp_path, method):
-    opts = {"update_proj_gap": 2, "projector": "rsvd_then_random", "adaptive_proj_steps": 1} if method == "fedgalore" else {}
-    full = fedgalore.run(tiny_cfg(tmp_path / "a", method, rounds=4, method_options=opts))
-    cfg = tiny_cfg(tmp_path / "b", method, rounds=4, method_options=opts)
+def killed_and_resumed(full_cfg, killed_cfg, at_round: int = 2):
+    """Run ``full_cfg`` to the end; run ``killed_cfg`` (the same run in another output folder),
+    kill it inside round ``at_round + 1`` (after checkpoint ``at_round``) and resume it. Asserts
+    the killed run was left unfinished and the resumed one has the uninterrupted run's history and
+    final metrics; returns ``(full, resumed)`` for further checks."""
+    full = fedgalore.run(full_cfg)
     with pytest.raises(KeyboardInterrupt):
-        fedgalore.run(cfg, progress=_Kill(at_round=2))  # dies inside round 3, after checkpoint 2
-    run_dir = next((tmp_path / "b").iterdir())
+        fedgalore.run(killed_cfg, progress=_Kill(at_round=at_round))
+    run_dir = next(Path(killed_cfg.output.dir).iterdir())
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"
     resumed = fedgalore.resume(run_dir)
     assert strip_times(resumed.history) == strip_times(full.history)
     assert resumed.summary["final"] == full.summary["final"]
+    return full, resumed
+
+
+def assert_same_checkpointed_state(run_a, run_b) -> None:
+    """The newest checkpoints of two runs hold identical parameters and extras (bitwise)."""
+    from fedgalore.federated.checkpoint import load_latest_checkpoint
+
+    s1, _ = load_latest_checkpoint(run_a.run_dir)
+    s2, _ = load_latest_checkpoint(run_b.run_dir)
+    for a, b in ((s1.params, s2.params), (s1.extras, s2.extras)):
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("method", ["fedavg_full", "fedgalore"])
+def test_resume_equals_uninterrupted(tmp_path, method):
+    opts = {"update_proj_gap": 2, "projector": "rsvd_then_random", "adaptive_proj_steps": 1} if method == "fedgalore" else {}
+    full, resumed = killed_and_resumed(tiny_cfg(tmp_path / "a", method, rounds=4, method_options=opts),
+                                       tiny_cfg(tmp_path / "b", method, rounds=4, method_options=opts))
     assert resumed.summary["bytes_up_total"] == full.summary["bytes_up_total"]
 
 

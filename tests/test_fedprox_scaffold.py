@@ -23,7 +23,7 @@ from fedgalore.federated.client import local_train
 from fedgalore.federated.scaffold import ScaffoldClient, update_controls
 from fedgalore.protocol.state import ClientContext, TrainConfig
 
-from test_engine import _Kill, strip_times, tiny_cfg
+from test_engine import assert_same_checkpointed_state, killed_and_resumed, tiny_cfg
 
 LR, STEPS = 0.1, 4
 
@@ -213,18 +213,10 @@ def test_scaffold_runs_counts_its_bytes_and_keeps_its_state(tmp_path, method):
 @pytest.mark.parametrize("method", ["fedavg_full", "ffa_lora"])
 def test_resume_is_exact_with_scaffold_state(tmp_path, method):
     train = _train(scaffold=True, prox_mu=0.1)
-    full = fedgalore.run(tiny_cfg(tmp_path / "a", method, rounds=4, train=train))
-    with pytest.raises(KeyboardInterrupt):
-        fedgalore.run(tiny_cfg(tmp_path / "b", method, rounds=4, train=train), progress=_Kill(at_round=2))
-    run_dir = next((tmp_path / "b").iterdir())
-    resumed = fedgalore.resume(run_dir)
-    assert strip_times(resumed.history) == strip_times(full.history)
-    assert resumed.summary["final"] == full.summary["final"]
+    full, resumed = killed_and_resumed(tiny_cfg(tmp_path / "a", method, rounds=4, train=train),
+                                       tiny_cfg(tmp_path / "b", method, rounds=4, train=train))
     assert resumed.summary["bytes_up_total"] == full.summary["bytes_up_total"]
-    s1, _ = load_latest_checkpoint(full.run_dir)
-    s2, _ = load_latest_checkpoint(resumed.run_dir)
-    for a, b in ((s1.params, s2.params), (s1.extras, s2.extras)):
-        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert_same_checkpointed_state(full, resumed)
 
 
 def test_remedies_doc_commands_run(tmp_path, monkeypatch, capsys):

@@ -6,9 +6,7 @@ are checked at config load, the state is checkpointed and a killed run resumes e
 """
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +17,7 @@ from fedgalore.engine.config import ConfigError
 from fedgalore.federated.checkpoint import load_latest_checkpoint
 from fedgalore.federated.server_opt import ServerOptimizerConfig, server_step
 
-from test_engine import _Kill, strip_times, tiny_cfg
+from test_engine import assert_same_checkpointed_state, killed_and_resumed, tiny_cfg
 
 ROUNDS = 5
 SHAPES = [(4, 3), (5,)]
@@ -137,17 +135,9 @@ def test_server_optimizer_changes_the_run_and_keeps_its_state(tmp_path):
                                         ("fedgalore", {"name": "fedyogi", "lr": 1e-3}),
                                         ("fedit", {"name": "fedavgm", "lr": 1.0, "momentum": 0.9})])
 def test_resume_is_exact_with_server_optimizer_state(tmp_path, method, opt):
-    full = fedgalore.run(tiny_cfg(tmp_path / "a", method, federation=_fed(opt)))
-    cfg = tiny_cfg(tmp_path / "b", method, federation=_fed(opt))
-    with pytest.raises(KeyboardInterrupt):
-        fedgalore.run(cfg, progress=_Kill(at_round=2))  # dies inside round 3, after checkpoint 2
-    run_dir = next((tmp_path / "b").iterdir())
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"
-    resumed = fedgalore.resume(run_dir)
-    assert strip_times(resumed.history) == strip_times(full.history)
-    assert resumed.summary["final"] == full.summary["final"]
+    full, resumed = killed_and_resumed(tiny_cfg(tmp_path / "a", method, federation=_fed(opt)),
+                                       tiny_cfg(tmp_path / "b", method, federation=_fed(opt)))
+    assert_same_checkpointed_state(full, resumed)
     s1, _ = load_latest_checkpoint(full.run_dir)
     s2, _ = load_latest_checkpoint(resumed.run_dir)
-    for a, b in ((s1.params, s2.params), (s1.extras, s2.extras)):
-        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert s1.meta["server_opt"] == s2.meta["server_opt"] == {"step": 4}
