@@ -512,14 +512,219 @@ def alignment_report(dest: Path = RESULTS / "alignment") -> dict:
     return result
 
 
+# ----------------------------------------------------------------------------- issue 21: remedies
+# The heterogeneity remedies users compare against, on the issue-17 setup (offline_text_50 budget,
+# Dirichlet 0.3 / 0.5 with min_size 1, 10 % validation split): FedAvg-Full and FedIT each plain /
+# + FedProx / + SCAFFOLD / + FedAdam, FedGaLore (default aligned mode) plain / + FedAdam. Each base
+# method trains at its client rate chosen on validation in issue 17 (results/repro_text/alignment/
+# alignment.json, per alpha); each remedy's own knob (FedProx mu, FedAdam's server rate eta) is
+# probed here on seed 0's validation split; SCAFFOLD has none. Seeds 1-2 (no part in any choice)
+# confirm at the chosen values. FedAdam: Flower's variant (bias-corrected step), tau = 1e-3
+# (Reddi et al.'s usual value), betas (0.9, 0.99).
+REMEDY_BASES = {"fedavg_full": {"method": "fedavg_full"}, "fedit": {"method": "fedit"},
+                "fedgalore": {"method": "fedgalore", "moment_protocol": "aligned", "view_basis": "consensus"}}
+# issue-17 label of each base (its chosen client rate)
+REMEDY_RATE_FROM = {"fedavg_full": "fedavg_full", "fedit": "fedit", "fedgalore": "fedgalore_aligned"}
+REMEDY_PROX_MU = [0.01, 0.1, 1.0]
+# an adaptive server step moves each coordinate by ~eta: on the scale of one round's mean client
+# update (dense matrices ~1e-3 at these client rates; LoRA factors ~1e-2)
+REMEDY_ADAM_LR = {"fedavg_full": [3.0e-4, 1.0e-3, 3.0e-3], "fedgalore": [3.0e-4, 1.0e-3, 3.0e-3],
+                  "fedit": [3.0e-3, 1.0e-2, 3.0e-2]}
+REMEDY_ADAM_TAU = 1.0e-3
+# (base, remedy) rows of the report, in order; remedy None = plain
+REMEDY_ROWS = [("fedavg_full", None), ("fedavg_full", "prox"), ("fedavg_full", "scaffold"), ("fedavg_full", "adam"),
+               ("fedit", None), ("fedit", "prox"), ("fedit", "scaffold"), ("fedit", "adam"),
+               ("fedgalore", None), ("fedgalore", "adam")]
+REMEDY_SEEDS = [1, 2]
+
+
+def _num(x: float) -> str:
+    return f"{x:.0e}".replace("e-0", "e-").replace("e+00", "")
+
+
+def remedy_label(base: str, remedy: str | None, value: float | None = None) -> str:
+    """Row label of one probe value (``fedit_prox1e-2``, ``fedavg_full_adam1e-3``, ``fedit_scaffold``)."""
+    if remedy is None:
+        return base
+    return f"{base}_{remedy}" + ("" if value is None else _num(value))
+
+
+def remedy_row(base: str, remedy: str | None, value: float | None, client_lr: float) -> dict:
+    """The compare row (``--method-options`` entry) of one base method + remedy at one value."""
+    row: dict = {**REMEDY_BASES[base], "train": {"lr": client_lr}}
+    if remedy == "prox":
+        row["train"]["prox_mu"] = value
+    elif remedy == "scaffold":
+        row["train"]["scaffold"] = True
+    elif remedy == "adam":
+        row["server_optimizer"] = {"name": "fedadam", "lr": value, "tau": REMEDY_ADAM_TAU, "bias_correction": True}
+    elif remedy is not None:
+        raise ValueError(f"unknown remedy {remedy!r}")
+    return row
+
+
+def _remedy_values(base: str, remedy: str | None) -> list[float | None]:
+    if remedy == "prox":
+        return list(REMEDY_PROX_MU)
+    if remedy == "adam":
+        return list(REMEDY_ADAM_LR[base])
+    return [None]
+
+
+def _client_rates(setting: str) -> dict[str, float]:
+    path = RESULTS / "alignment" / "alignment.json"
+    choice = json.loads(path.read_text())["alphas"][setting]["choice"]
+    return {base: float(choice[src]) for base, src in REMEDY_RATE_FROM.items()}
+
+
+def remedy_probe_rows(setting: str) -> dict[str, dict]:
+    rates = _client_rates(setting)
+    rows = {}
+    for base, remedy in REMEDY_ROWS:
+        for value in _remedy_values(base, remedy):
+            rows[remedy_label(base, remedy, value)] = remedy_row(base, remedy, value, rates[base])
+    return rows
+
+
+def stage_remedies_probe(workers: int) -> None:
+    """Seed 0, both alphas: every base at its issue-17 client rate, every remedy value."""
+    for setting in ALIGN_ALPHAS:
+        out = RUNS / "remedies" / f"probe_{_alpha_dir(setting)}"
+        rows = remedy_probe_rows(setting)
+        _run_stage(out, list(rows), [setting], [0], rows, workers, overrides=ALIGN_OVERRIDES)
+    remedies_report()
+
+
+def remedy_choice() -> dict[str, dict[str, float | None]]:
+    """Per alpha and (base, remedy) row, the value with the best final *validation* accuracy on
+    seed 0 (ties: the smaller value)."""
+    out: dict[str, dict[str, float | None]] = {}
+    for setting in ALIGN_ALPHAS:
+        runs = {r["label"]: r for r in _summaries(RUNS / "remedies" / f"probe_{_alpha_dir(setting)}")}
+        out[setting] = {}
+        for base, remedy in REMEDY_ROWS:
+            vals = [v for v in _remedy_values(base, remedy) if remedy_label(base, remedy, v) in runs]
+            if vals:
+                out[setting][remedy_label(base, remedy)] = max(
+                    vals, key=lambda v: (runs[remedy_label(base, remedy, v)]["val"], -(v or 0.0)))
+    return out
+
+
+def stage_remedies_seeds(workers: int) -> None:
+    """Seeds 1-2 at the chosen values (chosen on seed 0's validation split)."""
+    choice = remedy_choice()
+    for setting in ALIGN_ALPHAS:
+        rates = _client_rates(setting)
+        rows = {}
+        for base, remedy in REMEDY_ROWS:
+            label = remedy_label(base, remedy)
+            if label in choice[setting]:
+                rows[label] = remedy_row(base, remedy, choice[setting][label], rates[base])
+        out = RUNS / "remedies" / f"seeds_{_alpha_dir(setting)}"
+        _run_stage(out, list(rows), [setting], REMEDY_SEEDS, rows, workers, overrides=ALIGN_OVERRIDES)
+    remedies_report()
+
+
+def remedies_report(dest: Path = RESULTS / "remedies") -> dict:
+    """Probe table (validation and test accuracy of every value, seed 0), the chosen values, the
+    seed confirmation (seeds 1-2 and 0-2 at the chosen values), bytes up/down per client and round,
+    paired differences against FedGaLore on seeds 0-2, as ``remedies.json``, ``remedies.md`` and
+    ``remedies.png`` (accuracy per row and alpha, seeds as dots)."""
+    import statistics
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dest.mkdir(parents=True, exist_ok=True)
+    choice = remedy_choice()
+    result: dict = {"rows": [remedy_label(b, r) for b, r in REMEDY_ROWS], "prox_mu": REMEDY_PROX_MU,
+                    "adam_lr": REMEDY_ADAM_LR, "adam_tau": REMEDY_ADAM_TAU, "alphas": {}}
+    md = ["# Issue 21: heterogeneity remedies against FedGaLore (offline_text_50, Dirichlet 0.3 / 0.5)", ""]
+    fig, axes = plt.subplots(1, len(ALIGN_ALPHAS), figsize=(12, 4.5), sharey=True)
+    mib = (lambda b: f"{b / 2**20:.2f} MiB" if b is not None else "—")
+    for ax, setting in zip(axes, ALIGN_ALPHAS):
+        probe = {r["label"]: r for r in _summaries(RUNS / "remedies" / f"probe_{_alpha_dir(setting)}")}
+        seeds = {}
+        for r in _summaries(RUNS / "remedies" / f"seeds_{_alpha_dir(setting)}"):
+            seeds.setdefault(r["label"], {})[r["seed"]] = r
+        rates = _client_rates(setting)
+        entry: dict = {"client_lr": rates, "probe": {}, "choice": {}, "rows": {}}
+        md += [f"## Dirichlet α = {setting.split(':')[1]}", "",
+               "Probe (seed 0; validation / test accuracy %):", ""]
+        for base, remedy in REMEDY_ROWS:
+            vals = _remedy_values(base, remedy)
+            cells = []
+            for v in vals:
+                r = probe.get(remedy_label(base, remedy, v))
+                if r is not None:
+                    entry["probe"][remedy_label(base, remedy, v)] = {"val": r["val"], "test": r["test"]}
+                    knob = "" if v is None else ("μ " if remedy == "prox" else "η ") + f"{v:g}: "
+                    cells.append(f"{knob}{100 * r['val']:.1f} / {100 * r['test']:.1f}")
+            md.append(f"- {remedy_label(base, remedy)} (client lr {rates[base]:g}): " + ("; ".join(cells) or "not run"))
+        md += ["", "| method | remedy value (val, seed 0) | seed 0 | seeds 1-2 | seeds 0-2 (mean ± std) | "
+               "up / client / round | down / client / round |", "|---|---:|---:|---:|---:|---:|---:|"]
+        labels, means = [], []
+        for i, (base, remedy) in enumerate(REMEDY_ROWS):
+            label = remedy_label(base, remedy)
+            if label not in choice[setting]:
+                continue
+            v = choice[setting][label]
+            entry["choice"][label] = v
+            r0 = probe[remedy_label(base, remedy, v)]
+            runs = {0: r0, **seeds.get(label, {})}
+            accs = {s: runs[s]["test"] for s in sorted(runs)}
+            row = {"value": v, "test": accs, "bytes_up": r0["bytes_up"], "bytes_down": r0["bytes_down"]}
+            if len(accs) > 1:
+                row["mean"], row["std"] = statistics.mean(accs.values()), statistics.stdev(accs.values())
+            entry["rows"][label] = row
+            s12 = ", ".join(f"{100 * accs[s]:.1f}" for s in REMEDY_SEEDS if s in accs) or "—"
+            spread = f"{100 * row['mean']:.1f} ± {100 * row['std']:.1f}" if "mean" in row else "—"
+            value = "—" if v is None else f"{v:g}"
+            md.append(f"| {label} | {value} | {100 * accs[0]:.1f} | {s12} | {spread} | "
+                      f"{mib(row['bytes_up'])} | {mib(row['bytes_down'])} |")
+            labels.append(label)
+            means.append(100 * statistics.mean(accs.values()))
+            ax.scatter([len(labels) - 1] * len(accs), [100 * a for a in accs.values()], color="k", s=10, zorder=3)
+        ax.bar(range(len(labels)), means, color=["C0" if "fedavg" in x else "C1" if "fedit" in x else "C2" for x in labels])
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+        ax.set_title(f"Dirichlet α = {setting.split(':')[1]} (bars: mean over seeds, dots: seeds)")
+        ax.grid(axis="y", alpha=0.3)
+        # paired against FedGaLore on the seeds both have
+        ref = entry["rows"].get("fedgalore", {}).get("test", {})
+        pairs = {}
+        for label, row in entry["rows"].items():
+            common = sorted(set(row["test"]) & set(ref))
+            if label != "fedgalore" and len(common) > 1:
+                d = [row["test"][s] - ref[s] for s in common]
+                pairs[label] = {"seeds": common, "diff": d, "mean": statistics.mean(d), "std": statistics.stdev(d)}
+        entry["paired_vs_fedgalore"] = pairs
+        md.append("")
+        for label, pr in pairs.items():
+            md.append(f"- {label} − fedgalore, paired over seeds {pr['seeds']}: {100 * pr['mean']:+.1f} ± {100 * pr['std']:.1f} "
+                      f"points ({', '.join(f'{100 * x:+.1f}' for x in pr['diff'])})")
+        md.append("")
+        result["alphas"][setting] = entry
+    axes[0].set_ylabel("final test accuracy (%)")
+    fig.tight_layout()
+    fig.savefig(dest / "remedies.png", dpi=120)
+    plt.close(fig)
+    (dest / "remedies.json").write_text(json.dumps(result, indent=1))
+    (dest / "remedies.md").write_text("\n".join(md) + "\n")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["lr", "main", "ablations", "hetero", "stepsize", "alignment_sweep",
-                                      "alignment_seeds", "alignment_report", "all"])
+                                      "alignment_seeds", "alignment_report", "remedies_probe", "remedies_seeds",
+                                      "remedies_report", "all"])
     ap.add_argument("--workers", type=int, default=2)
     a = ap.parse_args(argv)
-    if a.stage == "alignment_report":
-        alignment_report()
+    if a.stage in ("alignment_report", "remedies_report"):
+        globals()[a.stage]()
         return 0
     stages = ["lr", "main", "ablations", "hetero", "stepsize"] if a.stage == "all" else [a.stage]
     for s in stages:
