@@ -536,6 +536,9 @@ REMEDY_ROWS = [("fedavg_full", None), ("fedavg_full", "prox"), ("fedavg_full", "
                ("fedit", None), ("fedit", "prox"), ("fedit", "scaffold"), ("fedit", "adam"),
                ("fedgalore", None), ("fedgalore", "adam")]
 REMEDY_SEEDS = [1, 2]
+# plain rows whose seeds 1-2 issue 17 already ran with the same config at the same rate (seed 0 of
+# this probe reproduces issue 17's seed-0 run; the report checks it): not run again
+REMEDY_REUSED = {"fedavg_full": "fedavg_full", "fedgalore": "fedgalore_aligned"}
 
 
 def _num(x: float) -> str:
@@ -618,7 +621,7 @@ def stage_remedies_seeds(workers: int) -> None:
         rows = {}
         for base, remedy in REMEDY_ROWS:
             label = remedy_label(base, remedy)
-            if label in choice[setting]:
+            if label in choice[setting] and label not in REMEDY_REUSED:
                 rows[label] = remedy_row(base, remedy, choice[setting][label], rates[base])
         out = RUNS / "remedies" / f"seeds_{_alpha_dir(setting)}"
         _run_stage(out, list(rows), [setting], REMEDY_SEEDS, rows, workers, overrides=ALIGN_OVERRIDES)
@@ -650,7 +653,17 @@ def remedies_report(dest: Path = RESULTS / "remedies") -> dict:
         for r in _summaries(RUNS / "remedies" / f"seeds_{_alpha_dir(setting)}"):
             seeds.setdefault(r["label"], {})[r["seed"]] = r
         rates = _client_rates(setting)
-        entry: dict = {"client_lr": rates, "probe": {}, "choice": {}, "rows": {}}
+        entry: dict = {"client_lr": rates, "probe": {}, "choice": {}, "rows": {}, "reused_from_issue17": {}}
+        issue17 = json.loads((RESULTS / "alignment" / "alignment.json").read_text())["alphas"][setting]
+        for label, src in REMEDY_REUSED.items():
+            lr = issue17["choice"][src]
+            earlier = {0: issue17["sweep"][src][lr]["test"], **{int(k): v for k, v in issue17["seeds"].get(src, {}).items()}}
+            ours = probe.get(label)
+            entry["reused_from_issue17"][label] = {"seed0_reproduced": ours is not None and ours["test"] == earlier[0],
+                                                   "tests": earlier}
+            for sd in REMEDY_SEEDS:
+                if sd in earlier and sd not in seeds.get(label, {}):
+                    seeds.setdefault(label, {})[sd] = {"test": earlier[sd]}
         md += [f"## Dirichlet α = {setting.split(':')[1]}", "",
                "Probe (seed 0; validation / test accuracy %):", ""]
         for base, remedy in REMEDY_ROWS:
@@ -702,6 +715,10 @@ def remedies_report(dest: Path = RESULTS / "remedies") -> dict:
                 pairs[label] = {"seeds": common, "diff": d, "mean": statistics.mean(d), "std": statistics.stdev(d)}
         entry["paired_vs_fedgalore"] = pairs
         md.append("")
+        for label, info in entry["reused_from_issue17"].items():
+            md.append(f"- {label}: seeds 1-2 are issue 17's runs (same config and rate); this probe's seed 0 "
+                      f"{'reproduces' if info['seed0_reproduced'] else 'DOES NOT reproduce'} issue 17's seed-0 run "
+                      f"({100 * info['tests'][0]:.1f} %)")
         for label, pr in pairs.items():
             md.append(f"- {label} − fedgalore, paired over seeds {pr['seeds']}: {100 * pr['mean']:+.1f} ± {100 * pr['std']:.1f} "
                       f"points ({', '.join(f'{100 * x:+.1f}' for x in pr['diff'])})")

@@ -71,13 +71,19 @@ def test_chain_is_pruned_below_dense_and_client_payload_picks_the_smaller():
     assert "w" not in p.entries and sorted(k for k in p.entries if k.startswith("downlink/")) == ["downlink/6/w", "downlink/7/w", "downlink/8/w"]
     assert p.meta["downlink"] == {"from": 5, "to": 8} and p.meta["round"] == 8
     assert p.nbytes() < dense.nbytes()
+    tiny = ServerState(params={"w": torch.randn(4, 4, generator=g)})  # 64 B dense: the chain's headers alone are more
+    upd = weighted_update([_client_update(g, (4, 4), 1, 7, 0.0)], [1.0])
+    apply_update(tiny.params["w"], upd)
+    record_update(tiny, {"w": upd})
+    tiny_dense = Payload({"w": Dense(tiny.params["w"])}, {})
+    assert "w" in client_payload(tiny, tiny_dense, ["w"], 0).entries
     up_to_date = client_payload(state, dense, ["w"], 8)  # nothing to send for the matrix
     assert "w" not in up_to_date.entries and not any(k.startswith("downlink/") for k in up_to_date.entries)
 
 
 def test_cache_at_another_version_is_refused():
     g = torch.Generator().manual_seed(2)
-    shape = (8, 8)
+    shape = (64, 64)  # large enough that a 2-update chain, headers included, is below dense
     state = ServerState(params={"w": torch.randn(shape, generator=g)})
     w0 = state.params["w"].clone()
     for k in range(2):
@@ -131,20 +137,26 @@ def test_partial_participation_clients_hold_the_server_model_over_missed_rounds(
 
 
 # ----------------------------------------------------------------------------- in the round loop
-def _fed_cfg(tmp_path, downlink: str, rounds: int = 6, **over):
+def _fed_cfg(tmp_path, downlink: str, rounds: int = 6, method: str = "fedgalore", **over):
     from test_engine import tiny_cfg
 
-    cfg = tiny_cfg(tmp_path, "fedgalore", rounds=rounds,
-                   method_options={"update_proj_gap": 2, "downlink": downlink}, **over)
+    opts = {"update_proj_gap": 2} if method.startswith("fedgalore") else {}
+    opts.update(over.pop("method_options", {}))
+    cfg = tiny_cfg(tmp_path, method, rounds=rounds, method_options={**opts, "downlink": downlink}, **over)
     cfg.federation.clients_per_round = 2  # 6 clients, 2 a round: most miss several rounds
     return cfg
 
 
-def test_federation_clients_hold_the_server_model_and_the_ledger_counts_what_was_sent(tmp_path):
-    """Sequential backend, partial participation: every sampled client's reconstructed start
-    model is the server's W_k (≤ 1e-6 relative), the ledger's bytes_down is each client's encoded
-    message (factors, not dense), and after the run every client — sampled or not — reaches the
-    final server model from what it holds."""
+MERGING = [("fedgalore", {}), ("flora", {}), ("fr_lora", {}), ("fr_lora", {"freeze_a": False})]
+
+
+@pytest.mark.parametrize("method,options", MERGING, ids=["fedgalore", "flora", "fr_lora", "fr_lora_train_a"])
+def test_federation_clients_hold_the_server_model_and_the_ledger_counts_what_was_sent(tmp_path, method, options):
+    """Sequential backend whose clients keep their model (``keep_client_models``), partial
+    participation: every sampled client's reconstructed start model is the server's W_k (≤ 1e-6
+    relative), the ledger's bytes_down is each client's encoded message (factors, not dense), and
+    after the run every client — sampled or not — reaches the final server model from what it
+    holds."""
     import fedgalore
     from fedgalore.engine.backends.sequential import SequentialBackend
     from fedgalore.engine.loop import Federation
@@ -168,64 +180,101 @@ def test_federation_clients_hold_the_server_model_and_the_ledger_counts_what_was
                         self.errors.append(_rel(cache.params[n], w))
             return out
 
-    backend = Watch()
-    fed = Federation(_fed_cfg(tmp_path, "factored"), run_dir=tmp_path / "f", backend=backend)
+    backend = Watch(keep_client_models=True)
+    backend.sent, backend.errors = [], []
+    fed = Federation(_fed_cfg(tmp_path, "factored", method=method, method_options=options), run_dir=tmp_path / "f", backend=backend)
     backend.fed = fed
     res = fed.run()
     assert backend.errors and max(backend.errors) <= 1e-6
     down = [(r["round"], r["client"], r["bytes"]) for r in fed.ledger.records if r["direction"] == "down"]
     assert down == backend.sent
-    dense = fedgalore.run(_fed_cfg(tmp_path, "dense"), run_dir=tmp_path / "d")
+    dense = fedgalore.run(_fed_cfg(tmp_path, "dense", method=method, method_options=options), run_dir=tmp_path / "d")
     per_round_dense = [r["bytes_down"] for r in dense.history]
     per_round = [r["bytes_down"] for r in res.history]
-    assert per_round[0] < per_round_dense[0] / 50  # round 1: every client holds W_0, only head + meta travel
+    assert per_round[0] < per_round_dense[0] / 10  # round 1: every client holds W_0, only head + meta travel
     assert sum(per_round) < 0.85 * sum(per_round_dense)  # tiny 32x32 matrices at r = 4, K = 2: factors are half of dense
-    # the model itself: float noise away from the dense downlink's run
-    assert abs(res.final["accuracy"] - dense.final["accuracy"]) <= 0.05
+    # the model itself: the server applies the same arithmetic under either downlink
+    assert res.final == dense.final
     # after the run, every client (held version or the public W_0) reaches the final model
     method, state = fed.method, fed.state
+    names = method.downlink_names()
     k = len(res.history)
     rctx = RoundContext(k, k + 1, 0, list(range(6)), [1 / 6] * 6)
     common = method.broadcast(state, rctx)
+    held = backend.client_versions(method, list(range(6)))
+    assert sorted(held) == list(range(6)) and all(v is not None for v in held.values())
     for c in range(6):
-        kept = fed.runtime.client_state.get(c, {})
-        held = method.held_version(kept)
-        msg = decode(encode(method.client_broadcast(state, rctx, common, held)))
-        w = method.reconstruct_targets(msg, kept)
-        for n in method.targets:
+        msg = decode(encode(method.client_broadcast(state, rctx, common, held[c])))
+        w = method.reconstruct_targets(msg, fed.runtime.client_state[c])
+        for n in names:
             assert _rel(w[n], state.params[n]) <= 1e-6
 
 
-def test_factored_downlink_resumes_to_the_same_model(tmp_path):
-    """Killed inside round 3 and resumed: the same metrics and server state as one run. The
-    resumed process's clients lost their caches (in memory), so they start again from the public
-    W_0 (chain since version 0) or dense: only bytes_down may differ, and only after the resume."""
+def _strip(history, drop=()):
+    from test_engine import strip_times
+
+    return [{k: v for k, v in r.items() if k not in drop} for r in strip_times(history)]
+
+
+@pytest.mark.parametrize("method", ["fedgalore", "flora", "fr_lora"])
+def test_the_default_counts_what_a_client_that_kept_its_model_receives(tmp_path, method):
+    """The default (``downlink: auto`` → factored, clients that keep nothing in the simulation)
+    hands clients the dense model but counts, client by client and byte for byte, the messages
+    that clients keeping their model receive and rebuild W from (``keep_client_models``); the
+    training is bit-identical to the dense downlink's, only bytes_down differs."""
+    from fedgalore.engine.backends.sequential import SequentialBackend
+    from fedgalore.engine.loop import Federation
+    from test_engine import tiny_cfg
+
+    def cfg():
+        c = tiny_cfg(tmp_path, method, rounds=6, method_options={"update_proj_gap": 2} if method == "fedgalore" else {})
+        c.federation.clients_per_round = 2
+        return c
+
+    assert cfg().method.typed_options().downlink == "auto"
+    acc = Federation(cfg(), run_dir=tmp_path / "a")
+    assert acc.method.options.downlink == "factored" and acc.runtime.client_state is None
+    acc_res = acc.run()
+    rep = Federation(cfg(), run_dir=tmp_path / "r", backend=SequentialBackend(keep_client_models=True))
+    rep_res = rep.run()
+    ledger = lambda f: [(r["round"], r["client"], r["direction"], r["bytes"]) for r in f.ledger.records]  # noqa: E731
+    assert ledger(acc) == ledger(rep)
+    assert _strip(acc_res.history) == _strip(rep_res.history) and acc_res.final == rep_res.final
+    dense_cfg = cfg()
+    dense_cfg.method.options["downlink"] = "dense"
+    dense = Federation(dense_cfg, run_dir=tmp_path / "d")
+    dense_res = dense.run()
+    drop = ("bytes_down", "cum_bytes_down")
+    assert _strip(acc_res.history, drop) == _strip(dense_res.history, drop) and acc_res.final == dense_res.final
+    for n, w in dense.state.params.items():
+        assert torch.equal(w, acc.state.params[n])
+    assert sum(r["bytes_down"] for r in acc_res.history) < 0.85 * sum(r["bytes_down"] for r in dense_res.history)
+
+
+def test_factored_downlink_resumes_to_the_same_model_and_bytes(tmp_path):
+    """Killed inside round 3 and resumed (the default, counting mode): the same metrics, server
+    state and bytes as one run — the server's record of which version each client holds is
+    checkpointed."""
     import fedgalore
-    from test_engine import _Kill, strip_times
+    from test_engine import _Kill
 
     ref = fedgalore.run(_fed_cfg(tmp_path, "factored", rounds=4), run_dir=tmp_path / "ref")
     with pytest.raises(KeyboardInterrupt):
         fedgalore.run(_fed_cfg(tmp_path, "factored", rounds=4), run_dir=tmp_path / "r", progress=_Kill(at_round=2))
     got = fedgalore.resume(tmp_path / "r")
-    drop = ("bytes_down", "cum_bytes_down")
-    assert [{k: v for k, v in r.items() if k not in drop} for r in strip_times(got.history)] == \
-        [{k: v for k, v in r.items() if k not in drop} for r in strip_times(ref.history)]
-    assert [r["bytes_down"] for r in got.history[:2]] == [r["bytes_down"] for r in ref.history[:2]]
+    assert _strip(got.history) == _strip(ref.history)
     assert got.final == ref.final
 
 
-def test_factored_downlink_on_a_stateless_backend_says_it_sends_dense(tmp_path):
-    """A backend whose clients keep no model between rounds (Ray, Flower) cannot use the chain:
-    the run says so once, and every client's message is the dense broadcast (the ledger shows
-    the dense bytes)."""
+def test_factored_downlink_on_a_deployment_without_client_models_says_it_sends_dense(tmp_path):
+    """A deployment backend whose clients keep no model between rounds (Flower today) ships
+    what it counts: the run says once that every client gets the dense model, and the ledger
+    shows the dense bytes."""
     from fedgalore.engine.backends.sequential import SequentialBackend
     from fedgalore.engine.loop import Federation
 
-    class Stateless(SequentialBackend):
-        keeps_client_state = False
-
-        def client_versions(self, method, clients):
-            return {c: None for c in clients}
+    class Deployed(SequentialBackend):
+        simulated = False
 
     messages: list[str] = []
 
@@ -236,9 +285,20 @@ def test_factored_downlink_on_a_stateless_backend_says_it_sends_dense(tmp_path):
         def message(self, text):
             messages.append(text)
 
-    fed = Federation(_fed_cfg(tmp_path, "factored", rounds=2), run_dir=tmp_path / "s", backend=Stateless(), progress=Sink())
+    fed = Federation(_fed_cfg(tmp_path, "factored", rounds=2), run_dir=tmp_path / "s", backend=Deployed(), progress=Sink())
     res = fed.run()
     assert sum("receives the dense model" in m for m in messages) == 1
     dense = Federation(_fed_cfg(tmp_path, "dense", rounds=2), run_dir=tmp_path / "d", progress=Sink()).run()
     for f, d in zip(res.history, dense.history):  # dense tensors; only the header's model version differs
         assert d["bytes_down"] <= f["bytes_down"] <= d["bytes_down"] + 16 * 3
+
+
+def test_sequential_backend_options_are_checked():
+    from fedgalore.engine.backends import make_backend
+    from fedgalore.engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="keep_client_models"):
+        make_backend("sequential", {"keep_models": True})
+    with pytest.raises(ConfigError, match="true or false"):
+        make_backend("sequential", {"keep_client_models": "yes"})
+    assert make_backend("sequential", {"keep_client_models": True}).keeps_client_state

@@ -110,7 +110,12 @@ def test_factored_downlink_with_server_optimizer_is_a_config_error(tmp_path):
     fed = {"num_clients": 6, "clients_per_round": 3, "rounds": 2, "server_optimizer": {"name": "fedadam", "lr": 1e-3}}
     with pytest.raises(ConfigError, match="downlink=dense"):
         tiny_cfg(tmp_path, "fedgalore", federation=fed, method_options={"downlink": "factored"})
-    tiny_cfg(tmp_path, "fedgalore", federation=fed)  # dense downlink: fine
+    tiny_cfg(tmp_path, "fedgalore", federation=fed, method_options={"downlink": "dense"})  # dense downlink: fine
+    # the default (auto) resolves to dense under a server optimizer, factored without one
+    from fedgalore.engine.resolve import method_options
+
+    assert method_options(tiny_cfg(tmp_path, "fedgalore", federation=fed)).downlink == "dense"
+    assert method_options(tiny_cfg(tmp_path, "fedgalore")).downlink == "factored"
 
 
 def _fed(opt: dict, rounds: int = 4) -> dict:

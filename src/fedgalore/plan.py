@@ -378,6 +378,11 @@ def probe_method(cfg: FederatedConfig, spec: ModelSpec, method: str, options: di
 
     opts, parsed = _method_setting(cfg, method, dict(cfg.method.options if options is None else options))
     galore = isinstance(parsed, FedGaLoreOptions)
+    if hasattr(parsed, "downlink"):
+        # the plan's downlink is the dense model: what a client that holds no recent version gets, the
+        # most any client gets; the factored downlink's bytes depend on who was sampled when
+        # (benchmarks/downlink_bytes.py measures them)
+        opts = {**opts, "downlink": "dense"}
     dims = DimMap(spec, cfg.method.rank)
     if galore:
         opts = {**opts, "update_proj_gap": 1}

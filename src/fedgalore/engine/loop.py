@@ -107,9 +107,9 @@ class Federation:
         self.task, self.method = self.runtime.task, self.runtime.method
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.backend.start(self.runtime)
-        if getattr(self.method, "per_client_downlink", False) and not self.backend.keeps_client_state:
+        if self._downlink_mode() == "dense":
             self.progress.message(f"method {cfg.method.name}: a per-client (factored) downlink needs clients that keep "
-                                  f"their model between rounds; the {cfg.backend.name} backend's do not, so every "
+                                  f"their model between rounds; the {self.backend.name} backend's do not, so every "
                                   "client receives the dense model (set method.options.downlink=dense to silence this)")
         self._validation = self.runtime.validation_set()
         self.ledger = Ledger()
@@ -255,24 +255,55 @@ class Federation:
             f"(first error: {first}); the last complete round is checkpointed — fix the cause and resume"
         )
 
+    def _downlink_mode(self) -> str | None:
+        """How a method's per-client (factored) downlink runs on this backend: ``replay`` (the
+        clients keep their model and are sent the message the ledger counts), ``account`` (a
+        simulation: clients are handed the dense model, the ledger counts what a client that kept
+        its last model would receive), ``dense`` (a deployment whose clients keep nothing: dense is
+        sent and counted); None when the method's downlink is the same for every client."""
+        if not getattr(self.method, "per_client_downlink", False):
+            return None
+        if self.backend.keeps_client_state:
+            return "replay"
+        return "account" if self.backend.simulated else "dense"
+
     def _broadcast(self, k: int, rctx: RoundContext) -> bytes | dict[int, bytes]:
         """The round's broadcast, serialised and counted in the ledger per client. A method with a
         per-client downlink (``client_broadcast(state, ctx, common, held)``, e.g. FedGaLore's
         factored chain, fedgalore.protocol.downlink) builds each client's message from the version
-        of the model that client holds (``method.held_version`` of the backend's client state;
-        ``None`` on backends whose clients keep none); then the blobs go per client."""
+        of the model that client holds: its own store's (``replay``) or the server's record of what
+        it sent it (``account``; :meth:`_downlink_mode`); the ledger counts that message. The
+        backend gets the messages themselves (``replay``, and SCAFFOLD's per-client c − c_i) or,
+        in an ``account`` simulation, the dense broadcast, which yields the same model."""
         bcast = self.method.broadcast(self.state, rctx)
         per_client = getattr(self.method, "client_broadcast", None)
-        held = self.backend.client_versions(self.method, rctx.clients) if per_client is not None else {}
+        mode = self._downlink_mode()
+        if mode == "replay":
+            held = self.backend.client_versions(self.method, rctx.clients)
+        elif mode == "account":
+            held = self.method.held_versions(self.state, rctx.clients)
+        else:
+            held = {}
         msgs = {c: per_client(self.state, rctx, bcast, held.get(c)) if per_client is not None else bcast for c in rctx.clients}
+        if mode in ("replay", "account"):
+            self.method.downlink_sent(self.state, rctx.clients)
+        train = {c: bcast for c in rctx.clients} if mode == "account" else dict(msgs)
         if self.cfg.train.scaffold:  # each client's c − c_i (fedgalore.federated.scaffold): counted down
-            msgs = {c: Payload({**m.entries, **{CORR + kk: Dense(v) for kk, v in correction(self.state.extras, c, self.state.params).items()}},
-                               dict(m.meta)) for c, m in msgs.items()}
-        common = encode(bcast) if any(m is bcast for m in msgs.values()) else b""
-        blobs = {c: common if m is bcast else encode(m) for c, m in msgs.items()}
+            corr = {c: {CORR + kk: Dense(v) for kk, v in correction(self.state.extras, c, self.state.params).items()} for c in rctx.clients}
+            msgs = {c: Payload({**m.entries, **corr[c]}, dict(m.meta)) for c, m in msgs.items()}
+            train = msgs if mode != "account" else {c: Payload({**m.entries, **corr[c]}, dict(m.meta)) for c, m in train.items()}
+        blob_of: dict[int, bytes] = {}  # encode each distinct message once
+
+        def blob(m: Payload) -> bytes:
+            if id(m) not in blob_of:
+                blob_of[id(m)] = encode(m)
+            return blob_of[id(m)]
+
         for c in rctx.clients:
-            self.ledger.record(k + 1, c, "down", msgs[c], blobs[c])
-        return common if all(m is bcast for m in msgs.values()) else blobs
+            self.ledger.record(k + 1, c, "down", msgs[c], blob(msgs[c]))
+        if all(m is bcast for m in train.values()):
+            return blob(bcast)
+        return {c: blob(m) for c, m in train.items()}
 
     def _collect(self, k: int, attempt: int, rctx: RoundContext, results: list[ClientResult], weights: list[float],
                  client_recs: list[dict[str, Any]]) -> tuple[list[Payload], list[dict[str, Any]], list[float], list[int]]:

@@ -4,6 +4,10 @@
   written for FedGaLore runs unchanged with ``method.name=fedit``); the run keeps the options its
   method takes (:func:`fedgalore.methods.base.split_options`), and that is what its
   ``config.yaml`` records;
+* :func:`method_options` — the method's typed options with what depends on the rest of the
+  config filled in: a ``downlink: auto`` (FedGaLore) becomes ``factored``, or ``dense`` when a
+  server optimizer other than ``fedavg`` rewrites the aggregate (the factored chain would then
+  not be the update the server applied);
 * :func:`check_device` — ``device=cuda`` on a torch without CUDA (or ``cuda:3`` with one GPU, or
   ``mps`` off Apple silicon) is one :class:`~fedgalore.engine.config.ConfigError` line that
   says what to change, before any model or data is loaded.
@@ -12,7 +16,7 @@ from __future__ import annotations
 
 from fedgalore.engine.config import ConfigError, FederatedConfig
 
-__all__ = ["config_for_method", "check_device"]
+__all__ = ["config_for_method", "method_options", "check_device"]
 
 
 def config_for_method(cfg: FederatedConfig) -> FederatedConfig:
@@ -21,6 +25,16 @@ def config_for_method(cfg: FederatedConfig) -> FederatedConfig:
     out = FederatedConfig.from_dict(cfg.to_dict())
     out.method.options = cfg.method.own_options()
     return out
+
+
+def method_options(cfg: FederatedConfig):
+    """``cfg.method.typed_options()`` with ``downlink: auto`` resolved (see the module docstring)."""
+    from dataclasses import replace
+
+    opts = cfg.method.typed_options()
+    if getattr(opts, "downlink", None) == "auto":
+        opts = replace(opts, downlink="factored" if cfg.federation.server_optimizer.identity else "dense")
+    return opts
 
 
 def check_device(device: str) -> None:

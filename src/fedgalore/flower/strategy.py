@@ -50,6 +50,9 @@ class GridBackend(Backend):
     client (:meth:`FedGaLoreStrategy.configure_train`), uploads read back from the replies."""
 
     name = "flower"
+    #: a deployment: what the ledger counts is what the SuperNodes are sent (no client keeps its
+    #: model between rounds yet, so a per-client factored downlink goes dense)
+    simulated = False
 
     def __init__(self, strategy: "FedGaLoreStrategy", grid: Grid) -> None:
         self.strategy, self.grid = strategy, grid

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from fedgalore.federated.client import local_train, optimizer_steps
+from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
 from fedgalore.methods.base import MethodError, MethodOptions, load_params, named_params, option, register
 from fedgalore.methods.fedavg_full import DenseTargetsMethod
 from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank
@@ -119,9 +120,7 @@ class FedGaLoreOptions(MethodOptions):
     moment_protocol: Literal[_PROTOCOLS] = option("aligned", "paper: Algorithm 1 as written; aligned: prior weights across rounds")
     view_basis: Literal[_VIEW_BASES] | None = option(None, "shared view basis B (null: seeded for paper, consensus for aligned)")
     galore_torch_compat: bool = option(False, "the official galore_torch update rule (needs moment_protocol=paper when synced)")
-    downlink: Literal["dense", "factored"] = option(
-        "dense", "dense: W every round (Alg. 1); factored: the round's exact low-rank updates since the client's version "
-                 "(or dense when smaller); needs clients that keep state (sequential backend), others get dense")
+    downlink: Literal["auto", "dense", "factored"] = option("auto", DOWNLINK_HELP)
 
     def __post_init__(self) -> None:
         if self.update_proj_gap < 1:
@@ -129,14 +128,13 @@ class FedGaLoreOptions(MethodOptions):
 
 
 @register
-class FedGaLore(DenseTargetsMethod):
+class FedGaLore(FactoredDownlink, DenseTargetsMethod):
     name = "fedgalore"
     summary = "GaLore-AdamW clients (seeded SVD→random projectors) + FedAvg + AJIVE sync of projected second moments"
     options_class = FedGaLoreOptions
     default_sync = "ajive"
     #: variants pin their sync mode; a ``sync`` option from a shared config does not override it
     fixed_sync: str | None = None
-    _base: dict[str, torch.Tensor] | None = None  # W_0 of the adapted matrices (downlink: factored; setup)
 
     @classmethod
     def resolve_options(cls, options: FedGaLoreOptions, rank: int) -> FedGaLoreOptions:
@@ -175,16 +173,6 @@ class FedGaLore(DenseTargetsMethod):
             "track_cold": self.synced and not o.galore_torch_compat,
         }
 
-    def setup(self, model, target_modules, head_params):
-        model = super().setup(model, target_modules, head_params)
-        #: the public initial model W_0 of the adapted matrices (version 0 of the factored
-        #: downlink, which every process builds identically): a client without a cache starts here
-        self._base: dict[str, torch.Tensor] | None = None
-        if self.options.downlink == "factored":
-            params = named_params(model, self.targets)
-            self._base = {n: p.detach().float().cpu().clone() for n, p in params.items()}
-        return model
-
     # ------------------------------------------------------------------ T
     def broadcast(self, state: ServerState, ctx: RoundContext) -> Payload:
         entries: dict[str, Any] = {k: Dense(v) for k, v in state.params.items()}
@@ -192,50 +180,19 @@ class FedGaLore(DenseTargetsMethod):
             if n in state.moments:
                 entries[f"moment/{n}"] = state.moments[n]
         meta: dict[str, Any] = {"round": ctx.round, "round_seed": ctx.round_seed}
-        if self.options.downlink == "factored":
-            meta["version"] = downlink.version(state)
+        meta.update(self.downlink_meta(state))
         return Payload(entries, meta)
 
-    # factored downlink (fedgalore.protocol.downlink; the loop calls these two when present)
-    @property
-    def per_client_downlink(self) -> bool:
-        """True when this method's downlink depends on what each client holds (``factored``)."""
-        return self.options.downlink == "factored"
+    # factored downlink (methods/downlink_mixin.py): the adapted matrices travel as chains
+    def downlink_names(self) -> list[str]:
+        return list(self.targets)
 
-    def held_version(self, client_state: dict[str, Any] | None) -> int | None:
-        """The model version a client's store holds: its cache's, else 0 (the public W_0) when this
-        process has the base, else None (send dense). Dense downlink: None."""
-        if self.options.downlink != "factored" or client_state is None:
-            return None
-        cache = client_state.get("downlink")
-        if cache is not None:
-            return cache.version
-        return 0 if self._base is not None else None
-
-    def client_broadcast(self, state: ServerState, ctx: RoundContext, common: Payload, held: int | None) -> Payload:
-        """The message for a client that holds version ``held``: each adapted matrix as the chain
-        of factored updates since then, or dense when the chain is gone or not smaller (the
-        head and ``v̄`` as in ``common``). Dense downlink: ``common``."""
-        if self.options.downlink != "factored":
-            return common
-        return downlink.client_payload(state, common, self.targets, held)
-
-    def reconstruct_targets(self, broadcast: Payload, client_state: dict[str, Any] | None) -> dict[str, torch.Tensor]:
-        """The adapted matrices of the broadcast's model W_k: dense as sent, or this client's copy
-        (its cache, or W_0) with the chain applied (:func:`fedgalore.protocol.downlink.reconstruct`)."""
-        cache = None if client_state is None else client_state.get("downlink")
-        if cache is None and self._base is not None:
-            cache = downlink.ClientCache(0, self._base)
-        return downlink.reconstruct(broadcast, self.targets, cache)
+    def downlink_base(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return {n: p.detach().float().cpu().clone() for n, p in named_params(model, self.targets).items()}
 
     def client_update(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> Payload:
-        if "version" in broadcast.meta:  # factored downlink: W_k from this client's copy + the chain
-            start = self.reconstruct_targets(broadcast, ctx.state)
-            if ctx.state is not None:
-                ctx.state["downlink"] = downlink.ClientCache(int(broadcast.meta["version"]), dict(start))
-            start.update({n: broadcast[n].materialize() for n in self.heads})
-        else:
-            start = {n: broadcast[n].materialize() for n in self.targets + self.heads}
+        start = self.start_matrices(broadcast, ctx.state)  # W_k: dense, or the client's copy + the chain
+        start.update({n: broadcast[n].materialize() for n in self.heads})
         load_params(model, start)
         params = named_params(model, self.targets + self.heads)
         tc = ctx.train
@@ -280,22 +237,13 @@ class FedGaLore(DenseTargetsMethod):
         return Payload(entries, meta)
     # ------------------------------------------------------------------ A
     def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext):
-        """θ̄_{k+1} = θ̄_k + Σ_i p̃_i Δθ_i (Alg. 1 line 11). ``downlink: factored``: the sum is kept as
-        one factored record (:func:`fedgalore.protocol.downlink.weighted_update`), applied to W by
-        the same function the clients apply it with, and kept in the server's chain."""
-        applied = {}
-        factored = self.options.downlink == "factored"
-        chain = {}
-        for n in self.targets:
-            if factored:
-                chain[n] = downlink.weighted_update([u[n] for u in uploads], weights)  # type: ignore[misc]
-                applied[n] = downlink.apply_update(state.params[n], chain[n])
-                continue
-            delta = aggregate_galore_updates([u[n] for u in uploads], weights, state.params[n])  # type: ignore[misc]
-            state.params[n] += delta
-            applied[n] = delta
-        if factored:
-            downlink.record_update(state, chain)
+        """θ̄_{k+1} = θ̄_k + Σ_i p̃_i Δθ_i (Alg. 1 line 11). The sum is kept as one factored record
+        (:func:`fedgalore.protocol.downlink.weighted_update`) and applied to W by the same function
+        a client of the factored downlink applies it with (:func:`~fedgalore.protocol.downlink.apply_update`),
+        whatever the downlink: the server's W is bit-identical under ``downlink: dense`` and
+        ``factored``. ``factored`` also keeps the record in the server's chain."""
+        updates = {n: downlink.weighted_update([u[n] for u in uploads], weights) for n in self.targets}  # type: ignore[misc]
+        applied = self.apply_round_update(state, updates)
         self.average_heads(state, uploads, weights)
         return applied
 

@@ -14,13 +14,14 @@ A  stacking: ``B_st = [B_1 … B_K]`` (m×Kr), ``A_st = [p_1A_1; …; p_KA_K]`` 
    is unchanged). The head is averaged size-weighted. Adapters are re-initialised next round.
 S  none.
 
-Communication: up ``LowRank(B_i, A_i)`` + head. Down: the current global adapted matrices
-``Dense(W)`` (fp32) + head. The paper sends the round's stacked factors and lets every client
-merge them locally; that is only correct for a client that holds the previous round's ``W``,
-i.e. every client participating in every round (the reference also assumes ``frac = 1``: its
-stacked config's rank is ``r·num_clients``). With partial participation a stateless client needs
-the merged matrices, so that is what is counted — an honest, round-independent figure; with full
-participation and ``K·r·(m+n) < m·n`` the stacked factors would be cheaper.
+Communication: up ``LowRank(B_i, A_i)`` + head. Down (option ``downlink``, default ``auto`` →
+``factored``; fedgalore.methods.downlink_mixin): a client that holds the model of version ``h``
+gets the stacked factors ``(s·B_st, A_st)`` of every round since ``h`` — the paper's broadcast,
+which is only correct for a client that holds the previous round's ``W`` (the reference assumes
+``frac = 1``: its stacked config's rank is ``r·num_clients``) — and, per matrix, the dense ``W``
+when that chain is gone or would be larger (a client that missed many rounds, or a new one);
+the head dense. ``downlink: dense`` sends ``Dense(W)`` + head every round, as before. The
+server's ``W`` is the same under both (one function applies the update on both sides).
 """
 from __future__ import annotations
 
@@ -32,8 +33,9 @@ from torch import nn
 
 from fedgalore.federated.seeding import mixed_seed
 from fedgalore.methods.base import option, register
+from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
 from fedgalore.methods.lora_common import LoraMethod, LoraOptions, check_weights, lifted, w_key
-from fedgalore.protocol.payload import Payload
+from fedgalore.protocol.payload import LowRank, Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 
 __all__ = ["FLoRA"]
@@ -43,10 +45,11 @@ __all__ = ["FLoRA"]
 class FLoRAOptions(LoraOptions):
     fresh_init: Literal["per_client", "shared"] = option(
         "per_client", "each round's fresh A: one per client (as the reference) or one shared by all clients")
+    downlink: Literal["auto", "dense", "factored"] = option("auto", DOWNLINK_HELP)
 
 
 @register
-class FLoRA(LoraMethod):
+class FLoRA(FactoredDownlink, LoraMethod):
     name = "flora"
     summary = "fresh LoRA A,B + head with AdamW each round; server merges s·Σp_iB_iA_i into W (stacking)"
     optimizer_kind = "adamw"
@@ -65,24 +68,33 @@ class FLoRA(LoraMethod):
     def broadcast(self, state: ServerState, ctx: RoundContext) -> Payload:
         return self.broadcast_merged(state, ctx)
 
+    def downlink_names(self) -> list[str]:
+        return [w_key(m) for m in self.targets]
+
+    def downlink_base(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return self.merged_downlink_base(model)
+
     @torch.no_grad()
     def load_broadcast(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> None:
-        self.load_merged(model, broadcast)
+        self.load_merged(model, broadcast, ctx.state)
         self.init_adapters(model, self.fresh_seed(ctx.round_seed, ctx.client))
 
     def upload_entries(self, model: nn.Module) -> dict[str, Any]:
         return {**self.pair_entries(model), **self.head_entries(self.head_state(model))}
 
     def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext) -> dict[str, torch.Tensor]:
-        """A: ``ΔW̄ = s·[B_1…B_K][p_1A_1;…;p_KA_K] = s·Σ p_i B_i A_i``; ``W ← W + ΔW̄``."""
+        """A: ``ΔW̄ = s·[B_1…B_K][p_1A_1;…;p_KA_K] = s·Σ p_i B_i A_i``; ``W ← W + ΔW̄``, the
+        update kept as the factors ``(s·B_st, A_st)`` (rank K·r; fp32) and applied as the clients
+        of the factored downlink apply it (the paper's stacked broadcast, for a client that
+        holds the previous W)."""
         p = check_weights(uploads, weights)
-        delta: dict[str, torch.Tensor] = {}
+        updates = {}
         for m in self.targets:
             pairs = [self.upload_pair(u, m) for u in uploads]
-            b_stacked = torch.cat([b for b, _ in pairs], dim=1)
-            a_stacked = torch.cat([pi * a for pi, (_, a) in zip(p, pairs)], dim=0)
-            delta[w_key(m)] = lifted(b_stacked, a_stacked, self.scaling)
-            state.params[w_key(m)] = state.params[w_key(m)] + delta[w_key(m)]
+            b_stacked = torch.cat([b.float() for b, _ in pairs], dim=1)
+            a_stacked = torch.cat([pi * a.float() for pi, (_, a) in zip(p, pairs)], dim=0)
+            updates[w_key(m)] = LowRank(self.scaling * b_stacked, a_stacked)
+        delta = self.apply_round_update(state, updates)
         self.average_heads(state, uploads, p)
         return delta
 

@@ -23,9 +23,13 @@ A  ``Ā = Σ p_i A_i`` (= ``A0`` when frozen), ``B̄ = Σ p_i B_i``, ``ΔW̄ = s
    frozen, ``ΔW̄ = Σ p_i s(B_i − B0)A0`` is the exact average of the client deltas.
 S  none.
 
-Communication: down the current residual base ``Dense(W_res)`` (fp32) per adapted matrix + head
-(``A0, B0`` are a deterministic function of the pretrained weights, rebuilt by every process,
-so they never travel); up ``Dense(B_i)`` + head when ``A`` is frozen (an unchanged ``A0`` is not
+Communication: down the current residual base per adapted matrix + head (``A0, B0`` are a
+deterministic function of the pretrained weights, rebuilt by every process, so they never travel
+as state). Option ``downlink`` (default ``auto`` → ``factored``; fedgalore.methods.downlink_mixin):
+a client that holds ``W_res`` of version ``h`` gets each round's update since ``h`` as factors —
+``(s(B̄ − B0), A0)``, rank r, when A is frozen (A0 travels inside the factors: not exploited),
+``([sB̄, −sB0], [Ā; A0])``, rank 2r, otherwise — or, per matrix, the dense ``W_res`` when that
+chain is gone or larger; ``downlink: dense`` sends ``Dense(W_res)`` (fp32) every round; up ``Dense(B_i)`` + head when ``A`` is frozen (an unchanged ``A0`` is not
 information; the reference's state dict also carries it), ``LowRank(B_i, A_i)`` + head otherwise.
 Differences from the reference left as documented choices: clients are stateless (the reference
 keeps each client's AdamW state across rounds), and the LR schedule is the shared one.
@@ -33,13 +37,14 @@ keeps each client's AdamW state across rounds), and the LR schedule is the share
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 import torch
 from torch import nn
 
 from fedgalore.methods.base import option, register
-from fedgalore.protocol.payload import Dense, Payload
+from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
+from fedgalore.protocol.payload import Dense, LowRank, Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 from fedgalore.methods.lora_common import (
     LoraMethod,
@@ -78,10 +83,11 @@ class FRLoRAOptions(LoraOptions):
     freeze_a: bool = option(True, "A stays at A0 on the clients (the reference code); false trains both factors")
     uniform_average: bool = option(False, "uniform mean of the uploads (the reference code) instead of size-weighted")
     adapter_weight_decay: float = option(0.0, "AdamW weight decay of the adapters (the head uses train.weight_decay)")
+    downlink: Literal["auto", "dense", "factored"] = option("auto", DOWNLINK_HELP)
 
 
 @register
-class FRLoRA(LoraMethod):
+class FRLoRA(FactoredDownlink, LoraMethod):
     name = "fr_lora"
     summary = "PiSSA-init LoRA (A frozen) + head with AdamW; server adds s(B̄Ā − B0A0) to the residual base, resets adapters"
     optimizer_kind = "adamw"
@@ -122,9 +128,15 @@ class FRLoRA(LoraMethod):
     def broadcast(self, state: ServerState, ctx: RoundContext) -> Payload:
         return self.broadcast_merged(state, ctx)
 
+    def downlink_names(self) -> list[str]:
+        return [w_key(m) for m in self.targets]
+
+    def downlink_base(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return self.merged_downlink_base(model)  # the residual base W0 − s·B0A0 (prepared at setup)
+
     @torch.no_grad()
     def load_broadcast(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> None:
-        self.load_merged(model, broadcast)
+        self.load_merged(model, broadcast, ctx.state)
         self.reset_adapters(model)
 
     @torch.no_grad()
@@ -149,17 +161,23 @@ class FRLoRA(LoraMethod):
         return self.upload_pair(upload, module)
 
     def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext) -> dict[str, torch.Tensor]:
-        """A: ``ΔW̄ = s(B̄Ā − B0A0)``, ``W_res ← W_res + ΔW̄`` (adapters reset to (A0, B0))."""
+        """A: ``ΔW̄ = s(B̄Ā − B0A0)``, ``W_res ← W_res + ΔW̄`` (adapters reset to (A0, B0)). The
+        update is kept factored and applied as a client of the factored downlink applies it:
+        ``(s(B̄ − B0), A0)`` (rank r) when A is frozen, ``([sB̄, −sB0], [Ā; A0])`` (rank 2r) otherwise."""
         p = check_weights(uploads, weights)
         if self.uniform_average:
             p = [1.0 / len(uploads)] * len(uploads)
-        delta: dict[str, torch.Tensor] = {}
+        updates = {}
         for m in self.targets:
             pairs = [self.client_factors(state, u, m) for u in uploads]
             b_bar = weighted_sum([b for b, _ in pairs], p)
-            a_bar = weighted_sum([a for _, a in pairs], p)
-            delta[w_key(m)] = lifted(b_bar, a_bar, self.scaling) - lifted(state.extras[b_key(m)], state.extras[a_key(m)], self.scaling)
-            state.params[w_key(m)] = state.params[w_key(m)] + delta[w_key(m)]
+            b0, a0 = state.extras[b_key(m)].float(), state.extras[a_key(m)].float()
+            if self.freeze_a:
+                updates[w_key(m)] = LowRank(self.scaling * (b_bar - b0), a0.clone())
+            else:
+                a_bar = weighted_sum([a for _, a in pairs], p)
+                updates[w_key(m)] = LowRank(torch.cat([self.scaling * b_bar, -self.scaling * b0], dim=1), torch.cat([a_bar, a0], dim=0))
+        delta = self.apply_round_update(state, updates)
         self.average_heads(state, uploads, p)
         state.meta["weights"] = "uniform" if self.uniform_average else "size"
         return delta

@@ -311,17 +311,32 @@ class LoraMethod(Method):
 
     def broadcast_merged(self, state: ServerState, ctx: Any) -> Payload:
         """Down-link of methods that merge updates into the base (FLoRA, FR-LoRA): the dense
-        adapted matrices W and the head."""
+        adapted matrices W and the head (with the model version under a factored downlink,
+        fedgalore.methods.downlink_mixin, whose per-client message replaces W by its chain)."""
         entries: dict[str, Any] = {w_key(m): Dense(state.params[w_key(m)]) for m in self.targets}
         entries.update({n: Dense(state.params[n]) for n in self.heads})
-        return Payload(entries, self.round_meta(ctx))
+        meta = self.round_meta(ctx)
+        downlink_meta = getattr(self, "downlink_meta", None)
+        if downlink_meta is not None:
+            meta.update(downlink_meta(state))
+        return Payload(entries, meta)
 
     @torch.no_grad()
-    def load_merged(self, model: nn.Module, broadcast: Payload) -> None:
-        """Load :meth:`broadcast_merged`'s W into the base layers and the head."""
+    def load_merged(self, model: nn.Module, broadcast: Payload, client_state: dict[str, Any] | None = None) -> None:
+        """Load :meth:`broadcast_merged`'s W into the base layers and the head (a factored
+        downlink's chain rebuilt from the client's copy first)."""
+        start = getattr(self, "start_matrices", None)
+        if start is not None:
+            ws = start(broadcast, client_state)
+        else:
+            ws = {w_key(m): self.upload_tensor(broadcast, w_key(m)) for m in self.targets}
         for m in self.targets:
-            self.assign(self.base_weight(model, m), self.upload_tensor(broadcast, w_key(m)))
+            self.assign(self.base_weight(model, m), ws[w_key(m)])
         self.load_heads(model, {n: self.upload_tensor(broadcast, n) for n in self.heads})
+
+    def merged_downlink_base(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Version 0 of the merged base matrices (the set-up model's, fp32 copies)."""
+        return {w_key(m): self.base_weight(model, m).detach().float().cpu().clone() for m in self.targets}
 
     def validate_upload(self, state: ServerState, upload: Payload, ctx: Any) -> str | None:
         """Factor pairs must be ``LowRank(B (out×r), A (r×in))`` of each adapted module."""

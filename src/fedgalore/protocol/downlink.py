@@ -48,6 +48,7 @@ from fedgalore.protocol.payload import (
     Payload,
     PayloadError,
     SeededLowRank,
+    encode,
     flatten_entries,
 )
 from fedgalore.protocol.state import ServerState
@@ -63,6 +64,8 @@ __all__ = [
     "version",
     "record_update",
     "chain_versions",
+    "held_versions",
+    "mark_sent",
     "client_payload",
     "reconstruct",
 ]
@@ -70,6 +73,7 @@ __all__ = [
 #: key prefix of the chain entries, in a broadcast and in ``ServerState.moments``
 CHAIN_PREFIX = "downlink/"
 _META = "downlink_version"
+_HELD = "downlink_held"
 
 
 class DownlinkError(PayloadError):
@@ -174,24 +178,49 @@ def record_update(state: ServerState, updates: Mapping[str, Entry], new_version:
     state.meta[_META] = v
 
 
+def held_versions(state: ServerState, clients: Sequence[int]) -> dict[int, int]:
+    """The model version the server last sent each client (``0`` for a client never sent one: it
+    holds the public pretrained ``W_0``). This is the server's record of what a client that keeps
+    its last global model holds — what the ledger's factored downlink is counted from in a
+    simulation, and what a deployed server tracks. Kept in ``state.meta`` (checkpointed), so a
+    resumed run sends, and counts, the same bytes as an uninterrupted one."""
+    table = state.meta.get(_HELD, {})
+    return {int(c): int(table.get(str(int(c)), 0)) for c in clients}
+
+
+def mark_sent(state: ServerState, clients: Sequence[int]) -> None:
+    """Record that ``clients`` were sent the current model version (:func:`held_versions`)."""
+    table = dict(state.meta.get(_HELD, {}))
+    cur = version(state)
+    for c in clients:
+        table[str(int(c))] = cur
+    state.meta[_HELD] = table
+
+
 def client_payload(state: ServerState, dense: Payload, names: Sequence[str], held: int | None) -> Payload:
     """The broadcast for a client that holds version ``held`` of ``names`` (``None``: nothing).
 
     Starts from the dense broadcast ``dense`` (every parameter dense + the rest of the round's
     message) and replaces each matrix of ``names`` by its chain ``held+1..current`` when the
-    server keeps all of it (then it is smaller than dense by :func:`record_update`'s rule)."""
+    server keeps all of it and its encoded entries (tensors and their header) take fewer bytes
+    than the dense matrix's tensor: per matrix, the message never grows."""
     cur = version(state)
     if held is None or held > cur:
         return dense
     entries: dict[str, Any] = dict(dense.entries)
     chained = False
+    empty = len(encode(Payload({})))
     for n in names:
         need = list(range(held + 1, cur + 1))
         have = set(chain_versions(state, n))
         if all(v in have for v in need):
+            chain = {_key(v, n): state.moments[_key(v, n)] for v in need}
+            # on the wire, headers included, below the dense matrix's tensor bytes alone (small
+            # matrices: the chain's per-tensor headers can outweigh its savings)
+            if chain and len(encode(Payload(chain))) - empty >= dense_bytes(state.params[n]):
+                continue
             del entries[n]
-            for v in need:
-                entries[_key(v, n)] = state.moments[_key(v, n)]
+            entries.update(chain)
             chained = True
     if not chained:
         return dense

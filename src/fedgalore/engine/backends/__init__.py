@@ -14,7 +14,12 @@ def make_backend(name: str, options: dict[str, Any] | None = None) -> Backend:
     if name == "sequential":
         from fedgalore.engine.backends.sequential import SequentialBackend
 
-        return SequentialBackend()
+        opts = dict(options or {})
+        unknown = sorted(set(opts) - {"keep_client_models"})
+        if unknown:
+            raise ConfigError(f"backend.options {', '.join(unknown)} not known to the sequential backend "
+                              "(it takes keep_client_models: true | false)")
+        return SequentialBackend(**opts)
     if name == "ray":
         try:
             from fedgalore.engine.backends.ray import RayBackend

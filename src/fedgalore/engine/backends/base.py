@@ -28,12 +28,19 @@ class Backend(abc.ABC):
         hands one blob per client (``dict[client, bytes]``): the factored downlink only to a backend
         whose :meth:`client_versions` reports client state, SCAFFOLD's c − c_i to every backend."""
 
-    #: whether simulated clients keep state between rounds (what a per-client downlink needs)
+    #: whether the clients keep their own model between rounds and rebuild the next one from a
+    #: per-client (factored) downlink: they are handed exactly the message the ledger counts
     keeps_client_state: bool = False
+    #: whether this backend simulates the clients (sequential, Ray). A simulation whose clients
+    #: keep no model is handed the dense broadcast to train from, while the ledger counts what a
+    #: client that kept its last global model would receive (the server's record of the version
+    #: it sent each client). A deployment (Flower) ships what it counts: dense, unless its clients
+    #: keep their model.
+    simulated: bool = True
 
     def client_versions(self, method, clients: list[int]) -> dict[int, int | None]:
-        """The model version each client holds (``method.held_version`` of its state), for a
-        per-client downlink. Default: clients keep no state between rounds (``None``: dense)."""
+        """The model version each client's own store holds (``method.held_version``), for a
+        per-client downlink on a backend that :attr:`keeps_client_state`. Default: ``None`` (dense)."""
         return {c: None for c in clients}
 
     def close(self) -> None:

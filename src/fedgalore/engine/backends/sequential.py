@@ -1,14 +1,23 @@
 """The default backend: clients run one after another in this process on one shared model.
 
 Memory is one model plus one client's optimizer state: each client's ``client_update`` loads the
-broadcast into the shared model, trains, and returns its upload. Each client also has a store
-that lasts the run (``Runtime.client_state``), in memory: empty unless the method keeps something
-there (FedGaLore's ``downlink: factored`` keeps the client's copy of the adapted matrices, the
-size of those matrices per client seen).
+broadcast into the shared model, trains, and returns its upload.
+
+Option ``keep_client_models`` (default false). A per-client downlink (FedGaLore's factored one,
+fedgalore.protocol.downlink) is exact, so by default the simulated clients are handed the dense
+broadcast to train from while the ledger counts the factored message a client that kept its
+last global model would receive (the server's record of the version it sent each client,
+checkpointed). With ``keep_client_models: true`` every simulated client keeps its own fp32 copy
+of the adapted matrices between rounds (``Runtime.client_state``) and rebuilds the next model
+from exactly the message the ledger counts — an end-to-end check of the protocol, at one copy of
+those matrices per client seen (plus W_0 once). The two modes train bit-identically and count
+the same bytes (tests/test_downlink.py); after a resume the kept copies are gone, so that mode's
+clients start again from W_0 (bytes may differ after the resume; the model does not).
 """
 from __future__ import annotations
 
 from fedgalore.engine.backends.base import Backend
+from fedgalore.engine.config import ConfigError
 from fedgalore.engine.events import ProgressSink
 from fedgalore.engine.runtime import ClientJob, ClientResult
 
@@ -16,15 +25,34 @@ from fedgalore.engine.runtime import ClientJob, ClientResult
 class SequentialBackend(Backend):
     name = "sequential"
 
-    keeps_client_state = True
+    def __init__(self, keep_client_models: bool = False) -> None:
+        if not isinstance(keep_client_models, bool):
+            raise ConfigError(f"backend.options.keep_client_models={keep_client_models!r} must be true or false")
+        self.keep_client_models = keep_client_models
+        self.keeps_client_state = keep_client_models
+        self._base: dict | None = None
 
     def start(self, runtime) -> None:
         super().start(runtime)
-        runtime.client_state = {}  # each simulated client's own store, kept between rounds (in memory)
+        # each simulated client's own store, kept between rounds (in memory); None: stateless clients
+        runtime.client_state = {} if self.keep_client_models else None
+        base = getattr(runtime.method, "downlink_base", None)
+        if self.keep_client_models and base is not None and getattr(runtime.method, "per_client_downlink", False):
+            self._base = base(runtime.model)  # W_0, public: what a client that kept nothing yet holds
 
     def client_versions(self, method, clients):
         held = getattr(method, "held_version", None)
-        return {c: None if held is None else held(self.runtime.client_state.get(c, {})) for c in clients}
+        if held is None or self.runtime.client_state is None:
+            return {c: None for c in clients}
+        out = {}
+        for c in clients:
+            store = self.runtime.client_state.setdefault(c, {})
+            if store.get("downlink") is None and self._base is not None:
+                from fedgalore.protocol.downlink import ClientCache
+
+                store["downlink"] = ClientCache(0, self._base)  # shared W_0; the client replaces it with its own copy
+            out[c] = held(store)
+        return out
 
     def run_clients(self, broadcast, jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
         results = []
