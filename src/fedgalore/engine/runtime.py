@@ -132,8 +132,10 @@ class Runtime:
 
         return gen, len(chunks)
 
-    def execute(self, job: ClientJob, broadcast: bytes, on_step=None) -> ClientResult:
-        """Run operator T for one client on a serialised broadcast; never raises."""
+    def execute(self, job: ClientJob, broadcast: bytes, on_step=None, client_state: dict | None = None) -> ClientResult:
+        """Run operator T for one client on a serialised broadcast; never raises. ``client_state``:
+        the client's own store when the caller keeps it (a Flower node's ``Context.state``),
+        else this runtime's ``client_state`` entry for the client (None: stateless)."""
         t0 = time.perf_counter()
         try:
             gen, steps = self.batches(job.client, job.round)
@@ -152,7 +154,8 @@ class Runtime:
                 steps_per_round=self.steps_per_round,
                 on_step=on_step,
                 device=self.device,
-                state=None if self.client_state is None else self.client_state.setdefault(job.client, {}),
+                state=client_state if client_state is not None
+                else None if self.client_state is None else self.client_state.setdefault(job.client, {}),
             )
             seed = int(client_seed(self.cfg.seed, job.round, job.client, DROPOUT).generate_state(1)[0])
             devices = [self.device.index or 0] if self.device.type == "cuda" else []

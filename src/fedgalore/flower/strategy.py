@@ -50,13 +50,17 @@ class GridBackend(Backend):
     client (:meth:`FedGaLoreStrategy.configure_train`), uploads read back from the replies."""
 
     name = "flower"
-    #: a deployment: what the ledger counts is what the SuperNodes are sent (no client keeps its
-    #: model between rounds yet, so a per-client factored downlink goes dense)
+    #: a deployment: what the ledger counts is what the SuperNodes are sent. Each node keeps its
+    #: model between rounds in its ``Context.state`` (fedgalore.flower.client_app), so a factored
+    #: downlink's chain is sent from the version each node reported holding.
     simulated = False
+    keeps_client_state = True
 
     def __init__(self, strategy: "FedGaLoreStrategy", grid: Grid) -> None:
         self.strategy, self.grid = strategy, grid
         self.node_of: dict[int, int] = {}
+        #: the model version each client's node reported holding (None: unknown or none → dense)
+        self.held: dict[int, int | None] = {}
         self.job: dict[str, str | bytes] = {}
         self.last_round_bytes: dict[str, int] = {}
 
@@ -68,6 +72,13 @@ class GridBackend(Backend):
         parts = encode_partition(runtime.parts)
         self.job = {"config": cfg_json, "partition": parts, "key": hashlib.sha256(cfg_json.encode() + parts).hexdigest()[:16]}
         self.node_of = self.strategy.discover_nodes(self.grid, runtime.cfg.federation.num_clients)
+
+    def client_versions(self, method, clients: list[int]) -> dict[int, int | None]:
+        """What each node holds: the version it last reported, W_0 (0) for a node that has not
+        trained in this run, None (dense) after a missing reply or a node that kept nothing."""
+        if not getattr(method, "per_client_downlink", False):
+            return {c: None for c in clients}
+        return {c: self.held.get(c, 0) for c in clients}
 
     def run_clients(self, broadcast: bytes | dict[int, bytes], jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
         for j in jobs:
@@ -81,7 +92,15 @@ class GridBackend(Backend):
         })
         arrays = {c: blob_to_record(b) for c, b in broadcast.items()} if isinstance(broadcast, dict) else blob_to_record(broadcast)
         messages = list(self.strategy.configure_train(server_round, arrays, config, self.grid))
-        results = client_results([j.client for j in jobs], self.grid.send_and_receive(messages, timeout=self.strategy.timeout))
+        replies = list(self.grid.send_and_receive(messages, timeout=self.strategy.timeout))
+        results = client_results([j.client for j in jobs], replies)
+        for j in jobs:
+            self.held[j.client] = None  # no reply: unknown
+        for msg in replies:
+            if not msg.has_error() and "result" in msg.content:
+                res = msg.content["result"]
+                held = int(res["held_version"]) if "held_version" in res else -1
+                self.held[int(res["client"])] = held if held >= 0 else None
         for r, j in zip(results, jobs):
             if progress is not None:
                 progress.client_end(j.round, j.client, {"time": r.time, "error": r.error, **r.stats})
