@@ -589,11 +589,21 @@ def remedy_probe_rows(setting: str) -> dict[str, dict]:
     return rows
 
 
+# the remedy knobs are probed at this alpha only (seed 0's validation split); the other alpha runs
+# the values chosen here (2-core budget: a second probe would cost ~10 more runs)
+REMEDY_CHOOSE_ON = "dirichlet:0.3"
+
+
 def stage_remedies_probe(workers: int) -> None:
-    """Seed 0, both alphas: every base at its issue-17 client rate, every remedy value."""
-    for setting in ALIGN_ALPHAS:
+    """Seed 0: every base at its issue-17 client rate; every remedy value at ``REMEDY_CHOOSE_ON``,
+    the values chosen there (on validation) at the other alpha."""
+    for setting in [REMEDY_CHOOSE_ON, *(a for a in ALIGN_ALPHAS if a != REMEDY_CHOOSE_ON)]:
         out = RUNS / "remedies" / f"probe_{_alpha_dir(setting)}"
         rows = remedy_probe_rows(setting)
+        if setting != REMEDY_CHOOSE_ON:
+            chosen = remedy_choice()[REMEDY_CHOOSE_ON]
+            keep = {remedy_label(b, r, chosen.get(remedy_label(b, r))) for b, r in REMEDY_ROWS}
+            rows = {k: v for k, v in rows.items() if k in keep}
         _run_stage(out, list(rows), [setting], [0], rows, workers, overrides=ALIGN_OVERRIDES)
     remedies_report()
 
