@@ -17,10 +17,9 @@ gap τ, nor on the sequence length, so the runs are short):
 For each: FedGaLore with the factored downlink (the counting mode, ``downlink: auto``), FedGaLore
 with ``downlink: dense`` (its final metrics must equal the factored run's: the server applies the
 same arithmetic), and FedAvg-Full. Reported: mean bytes_down per client-round, the run's total,
-and the ratios FedAvg-Full / FedGaLore-factored and FedGaLore-dense / FedGaLore-factored; the
-bound an exact encoding can reach (dense matrix bytes over the bytes of K rank-r records plus the
-synchronised v̄) is printed beside them. Single-threaded; JSON to
-``benchmarks/results/downlink_bytes.json``.
+the tensor bytes by payload kind, and the ratios FedAvg-Full / FedGaLore-factored and
+FedGaLore-dense / FedGaLore-factored. Single-threaded; JSON to
+``benchmarks/results/downlink_bytes.json`` (scenarios run later are merged into it).
 """
 from __future__ import annotations
 
@@ -57,7 +56,7 @@ def _scenario(name: str) -> dict:
             d["federation"]["partition"].update(min_size=1, max_retries=1000)
     elif name == "smollm2_cross_silo":
         d = load_config(ROOT / "conf" / "pipeline" / "offline_math.yaml").to_dict()
-        d["task"]["options"].update(n_test=2, max_length=64, eval_max_new_tokens=4)
+        d["task"]["options"].update(n_test=2, eval_max_new_tokens=4)
         d["train"].update(local_steps=1, batch_size=2)
         d["federation"].update(eval_every=100)
     else:

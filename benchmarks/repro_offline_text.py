@@ -525,11 +525,14 @@ REMEDY_BASES = {"fedavg_full": {"method": "fedavg_full"}, "fedit": {"method": "f
                 "fedgalore": {"method": "fedgalore", "moment_protocol": "aligned", "view_basis": "consensus"}}
 # issue-17 label of each base (its chosen client rate)
 REMEDY_RATE_FROM = {"fedavg_full": "fedavg_full", "fedit": "fedit", "fedgalore": "fedgalore_aligned"}
-REMEDY_PROX_MU = [0.01, 0.1, 1.0]
+# the first grids were {0.01, 0.1, 1} and eta {3e-4, 1e-3, 3e-3} (dense) / {3e-3, 1e-2, 3e-2} (LoRA);
+# at alpha 0.3 FedAvg-Full's best mu (1) and every base's best eta were at the top edge, so the
+# grids were extended upward once (mu 10; eta 1e-2, 3e-2 / 1e-1) before any other run
+REMEDY_PROX_MU = {"fedavg_full": [0.01, 0.1, 1.0, 10.0], "fedit": [0.01, 0.1, 1.0]}
 # an adaptive server step moves each coordinate by ~eta: on the scale of one round's mean client
 # update (dense matrices ~1e-3 at these client rates; LoRA factors ~1e-2)
-REMEDY_ADAM_LR = {"fedavg_full": [3.0e-4, 1.0e-3, 3.0e-3], "fedgalore": [3.0e-4, 1.0e-3, 3.0e-3],
-                  "fedit": [3.0e-3, 1.0e-2, 3.0e-2]}
+REMEDY_ADAM_LR = {"fedavg_full": [3.0e-4, 1.0e-3, 3.0e-3, 1.0e-2, 3.0e-2], "fedgalore": [3.0e-4, 1.0e-3, 3.0e-3, 1.0e-2, 3.0e-2],
+                  "fedit": [3.0e-3, 1.0e-2, 3.0e-2, 1.0e-1]}
 REMEDY_ADAM_TAU = 1.0e-3
 # (base, remedy) rows of the report, in order; remedy None = plain
 REMEDY_ROWS = [("fedavg_full", None), ("fedavg_full", "prox"), ("fedavg_full", "scaffold"), ("fedavg_full", "adam"),
@@ -568,7 +571,7 @@ def remedy_row(base: str, remedy: str | None, value: float | None, client_lr: fl
 
 def _remedy_values(base: str, remedy: str | None) -> list[float | None]:
     if remedy == "prox":
-        return list(REMEDY_PROX_MU)
+        return list(REMEDY_PROX_MU[base])
     if remedy == "adam":
         return list(REMEDY_ADAM_LR[base])
     return [None]
