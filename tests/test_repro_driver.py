@@ -89,3 +89,35 @@ def test_math_driver_runs_the_command_it_documents(driver) -> None:
     cfg = load_config(math.MATH.config, math.OVERRIDES)
     assert cfg.task.options["n_test"] == 30 and cfg.federation.eval_every == cfg.federation.rounds == 4
     assert cfg.train.lr == 1e-4  # the paper's shared NLG rate, every method
+
+
+def test_remedy_rows_are_valid_compare_rows_and_the_choice_uses_validation(driver, tmp_path, monkeypatch) -> None:
+    """Issue-21 study: every probe row is a config `fedgalore compare` accepts (the remedy where
+    the row says, the issue-17 client rate), labels are unique, and the chosen remedy value is the
+    best on *validation* (not test), ties to the smaller value."""
+    from fedgalore.compare import plan_grid
+    from fedgalore.engine.config import load_config
+
+    rows = driver.remedy_probe_rows("dirichlet:0.3")
+    assert len(rows) == len(set(rows)) == sum(len(driver._remedy_values(b, r)) for b, r in driver.REMEDY_ROWS)
+    cells = plan_grid(load_config(driver.CONFIG), list(rows), ["dirichlet:0.3"], [0], tmp_path / "g", method_options=rows)
+    by_label = {c.label: c.cfg for c in cells}
+    assert by_label["fedit_prox1e-1"].train.prox_mu == 0.1 and by_label["fedit_prox1e-1"].method.name == "fedit"
+    assert by_label["fedavg_full_scaffold"].train.scaffold
+    adam = by_label["fedgalore_adam1e-2"].federation.server_optimizer
+    assert (adam.name, adam.lr, adam.tau, adam.bias_correction) == ("fedadam", 1e-2, 1e-3, True)
+    assert by_label["fedgalore"].train.lr == 1e-2 and by_label["fedavg_full"].train.lr == 5e-4  # issue 17's choice
+
+    probe = tmp_path / "remedies" / "probe_a0.3"
+    grid = []
+    for label, val, test in (("fedit_prox1e-2", 0.50, 0.90), ("fedit_prox1e-1", 0.60, 0.10), ("fedit_prox1", 0.60, 0.20)):
+        rd = f"runs/{label}-dirichlet0.3-s0"
+        (probe / rd).mkdir(parents=True)
+        (probe / rd / "summary.json").write_text(json.dumps({
+            "status": "complete", "final": {"accuracy": test}, "final_validation": {"accuracy": val},
+            "bytes_up_per_client_round": 1, "bytes_down_per_client_round": 1}))
+        (probe / rd / "diagnostics.jsonl").write_text("")
+        grid.append({"label": label, "setting": "dirichlet:0.3", "seed": 0, "run_dir": rd})
+    (probe / "grid.json").write_text(json.dumps({"cells": grid}))
+    monkeypatch.setattr(driver, "RUNS", tmp_path)
+    assert driver.remedy_choice()["dirichlet:0.3"] == {"fedit_prox": 0.1}  # val 0.60 twice: the smaller mu, not test's best
