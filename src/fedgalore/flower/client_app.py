@@ -16,7 +16,8 @@ tied to the run's key), rebuilds ``W_k`` from the chain the server sends, and re
 version it now holds in its reply (``held_version``, −1 for none), which the server's
 :class:`~fedgalore.flower.strategy.GridBackend` sends the next chain from. A node that has not
 trained in this run holds the public ``W_0`` (its runtime builds it). A node that lost its state
-cannot apply a chain: its round fails with that error, it reports −1, and gets dense next time.
+cannot apply a chain: its round fails with that error, it reports holding ``W_0`` (version 0), and
+is sent the chain since ``W_0`` (or dense) next time.
 """
 from __future__ import annotations
 
