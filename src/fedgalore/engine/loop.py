@@ -289,9 +289,12 @@ class Federation:
             self.method.downlink_sent(self.state, rctx.clients)
         train = {c: bcast for c in rctx.clients} if mode == "account" else dict(msgs)
         if self.cfg.train.scaffold:  # each client's c − c_i (fedgalore.federated.scaffold): counted down
-            corr = {c: {CORR + kk: Dense(v) for kk, v in correction(self.state.extras, c, self.state.params).items()} for c in rctx.clients}
-            msgs = {c: Payload({**m.entries, **corr[c]}, dict(m.meta)) for c, m in msgs.items()}
-            train = msgs if mode != "account" else {c: Payload({**m.entries, **corr[c]}, dict(m.meta)) for c, m in train.items()}
+            def with_correction(m: Payload, c: int) -> Payload:
+                corr = correction(self.state.extras, c, self.state.params)
+                return Payload({**m.entries, **{CORR + kk: Dense(v) for kk, v in corr.items()}}, dict(m.meta))
+
+            msgs = {c: with_correction(m, c) for c, m in msgs.items()}
+            train = msgs if mode != "account" else {c: with_correction(m, c) for c, m in train.items()}
         blob_of: dict[int, bytes] = {}  # encode each distinct message once
 
         def blob(m: Payload) -> bytes:

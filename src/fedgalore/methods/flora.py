@@ -66,7 +66,9 @@ class FLoRA(FactoredDownlink, LoraMethod):
         return ServerState(params=params, meta={"scaling": self.scaling})
 
     def broadcast(self, state: ServerState, ctx: RoundContext) -> Payload:
-        return self.broadcast_merged(state, ctx)
+        msg = self.broadcast_merged(state, ctx)
+        msg.meta.update(self.downlink_meta(state))
+        return msg
 
     def downlink_names(self) -> list[str]:
         return [w_key(m) for m in self.targets]
@@ -76,7 +78,7 @@ class FLoRA(FactoredDownlink, LoraMethod):
 
     @torch.no_grad()
     def load_broadcast(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> None:
-        self.load_merged(model, broadcast, ctx.state)
+        self.load_merged(model, broadcast, self.start_matrices(broadcast, ctx.state))
         self.init_adapters(model, self.fresh_seed(ctx.round_seed, ctx.client))
 
     def upload_entries(self, model: nn.Module) -> dict[str, Any]:

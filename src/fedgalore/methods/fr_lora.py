@@ -126,7 +126,9 @@ class FRLoRA(FactoredDownlink, LoraMethod):
         return ServerState(params=params, extras=extras, meta={"scaling": self.scaling})
 
     def broadcast(self, state: ServerState, ctx: RoundContext) -> Payload:
-        return self.broadcast_merged(state, ctx)
+        msg = self.broadcast_merged(state, ctx)
+        msg.meta.update(self.downlink_meta(state))
+        return msg
 
     def downlink_names(self) -> list[str]:
         return [w_key(m) for m in self.targets]
@@ -136,7 +138,7 @@ class FRLoRA(FactoredDownlink, LoraMethod):
 
     @torch.no_grad()
     def load_broadcast(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> None:
-        self.load_merged(model, broadcast, ctx.state)
+        self.load_merged(model, broadcast, self.start_matrices(broadcast, ctx.state))
         self.reset_adapters(model)
 
     @torch.no_grad()

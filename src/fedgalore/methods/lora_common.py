@@ -311,25 +311,17 @@ class LoraMethod(Method):
 
     def broadcast_merged(self, state: ServerState, ctx: Any) -> Payload:
         """Down-link of methods that merge updates into the base (FLoRA, FR-LoRA): the dense
-        adapted matrices W and the head (with the model version under a factored downlink,
-        fedgalore.methods.downlink_mixin, whose per-client message replaces W by its chain)."""
+        adapted matrices W and the head (a factored downlink adds the model version and its
+        per-client message replaces W by its chain: fedgalore.methods.downlink_mixin)."""
         entries: dict[str, Any] = {w_key(m): Dense(state.params[w_key(m)]) for m in self.targets}
         entries.update({n: Dense(state.params[n]) for n in self.heads})
-        meta = self.round_meta(ctx)
-        downlink_meta = getattr(self, "downlink_meta", None)
-        if downlink_meta is not None:
-            meta.update(downlink_meta(state))
-        return Payload(entries, meta)
+        return Payload(entries, self.round_meta(ctx))
 
     @torch.no_grad()
-    def load_merged(self, model: nn.Module, broadcast: Payload, client_state: dict[str, Any] | None = None) -> None:
-        """Load :meth:`broadcast_merged`'s W into the base layers and the head (a factored
-        downlink's chain rebuilt from the client's copy first)."""
-        start = getattr(self, "start_matrices", None)
-        if start is not None:
-            ws = start(broadcast, client_state)
-        else:
-            ws = {w_key(m): self.upload_tensor(broadcast, w_key(m)) for m in self.targets}
+    def load_merged(self, model: nn.Module, broadcast: Payload, ws: dict[str, torch.Tensor]) -> None:
+        """Load the merged matrices ``ws`` (by ``w_key``: the broadcast's W, a factored downlink's
+        chain already rebuilt, fedgalore.methods.downlink_mixin ``start_matrices``) into the base
+        layers and the broadcast's head."""
         for m in self.targets:
             self.assign(self.base_weight(model, m), ws[w_key(m)])
         self.load_heads(model, {n: self.upload_tensor(broadcast, n) for n in self.heads})

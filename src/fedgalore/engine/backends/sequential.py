@@ -20,6 +20,7 @@ from fedgalore.engine.backends.base import Backend
 from fedgalore.engine.config import ConfigError
 from fedgalore.engine.events import ProgressSink
 from fedgalore.engine.runtime import ClientJob, ClientResult
+from fedgalore.protocol.downlink import ClientCache
 
 
 class SequentialBackend(Backend):
@@ -48,8 +49,6 @@ class SequentialBackend(Backend):
         for c in clients:
             store = self.runtime.client_state.setdefault(c, {})
             if store.get("downlink") is None and self._base is not None:
-                from fedgalore.protocol.downlink import ClientCache
-
                 store["downlink"] = ClientCache(0, self._base)  # shared W_0; the client replaces it with its own copy
             out[c] = held(store)
         return out
