@@ -128,12 +128,15 @@ def child_round(name: str, method: str, out: Path) -> None:
     handle = register_optimizer_step_post_hook(lambda opt, *a: opt_peak.__setitem__(0, max(opt_peak[0], tensor_bytes(dict(opt.state)))))
     tracker.wrap(task, "build_model", "model_build")
     tracker.wrap(task, "evaluate", "evaluation")
-    tracker.wrap(server_mod, "encode", "broadcast_encode")
-    tracker.wrap(server_mod, "decode", "upload_decode")
-    tracker.wrap(server_mod, "save_checkpoint", "checkpoint")
+    tracker.wrap(server_mod.CheckpointWriter, "save", "checkpoint")
     tracker.wrap(server_mod, "drift_diagnostics", "diagnostics")
-    tracker.wrap(backends_base, "decode", "broadcast_decode")
-    tracker.wrap(backends_base, "encode", "upload_encode")
+    copy = backends_base.transfer  # in process: the client's copy of the broadcast, then the server's of the upload
+
+    def transfer(payload):
+        with tracker.phase("upload" if "num_examples" in payload.meta else "broadcast"):  # every upload names its example count
+            return copy(payload)
+
+    backends_base.transfer = transfer
     tracker.wrap(backends_base.Runtime, "execute", "client")
     baseline = rss_bytes()
     t0 = time.perf_counter()
@@ -282,7 +285,7 @@ def fit_activations(acts: list[dict]) -> dict:
     return fit
 
 
-PHASES = {"broadcast_encode": "broadcast_encode", "client_training": "client_update", "upload_encode": "upload_encode",
+PHASES = {"broadcast": "broadcast", "client_training": "client_update", "upload": "upload",
           "aggregation": "aggregation", "diagnostics": "diagnostics", "evaluation": "evaluation", "checkpoint": "checkpoint"}
 
 

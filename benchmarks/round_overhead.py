@@ -1,6 +1,6 @@
 """Round overhead: a federated round's wall time over a bare training loop doing the same steps.
 
-Issue 18, "round overhead" (measurement only; the optimisation follows the payload rewrite).
+Issue 18, "round overhead".
 For each scale — ``tiny_text`` (random BERT, milliseconds per step), ``offline_text`` (MiniLM-L6
 × BBC News, 64 tokens, batch 16) and ``offline_math`` (SmolLM2-135M, batch 4) — and each method
 (``fedgalore``, ``fedavg_full``), one process runs, interleaved round by round:
@@ -12,12 +12,15 @@ For each scale — ``tiny_text`` (random BERT, milliseconds per step), ``offline
   (``GaLoreAdamW`` without the update record / ``AdamW``), the shared ``local_train``, nothing
   else.
 
-Round 1 is a warm-up for both and not counted. The ratio is round time / bare time (goal ≤ 1.03
+The sequential backend hands payloads over in process (copies, sizes computed exactly); the
+checkpoint is the loop's own (:class:`~fedgalore.federated.checkpoint.CheckpointWriter`: tensors
+streamed in the round's thread — counted — fsync, hash and rename beside the next round, which
+the other core absorbs). Round 1 is a warm-up for both and not counted. The ratio is round time / bare time (goal ≤ 1.03
 at MiniLM and SmolLM2). The round is broken down by wrapping the engine's functions (times are
 inclusive; ``client: train`` is ``local_train``): server broadcast (build + encode), client
 decode, load params, train, rest of the client update (optimizer setup, export of the update,
-deltas), upload encode, server decode + validation, aggregate, sync, checkpoint, and the rest
-(logs, ledger). Single-threaded; the load average is recorded next to every timing. Writes
+deltas), upload encode (or in-process copy), server decode + validation, ledger sizes,
+aggregate, sync, checkpoint, and the rest (logs, sampling). Single-threaded; the load average is recorded next to every timing. Writes
 ``benchmarks/results/round_overhead.json``. ``--quick``: tiny and MiniLM only, 2 counted rounds.
 """
 # fedgalore-bench: not-in-all (about 10 min single-threaded; run it by name)
@@ -91,7 +94,7 @@ def _bare_optimizer(method, model, names, tc):
     if method.name == "fedgalore":
         from fedgalore.optim import GaLoreAdamW
 
-        group = method._galore_group([(n, params[n]) for n in method.targets], None)
+        group = method._galore_group([(n, params[n]) for n in method.targets])
         group["track_cold"] = False  # the shadow cold moment exists for the federated diagnostics only
         groups = [group] + ([{"params": [(n, params[n]) for n in method.heads], "lr": tc.head_lr or tc.lr}] if method.heads else [])
         return GaLoreAdamW(groups, lr=tc.lr, betas=tc.betas, eps=tc.eps, weight_decay=tc.weight_decay), params
@@ -126,7 +129,8 @@ def bare_round(fed, k: int) -> float:
 def measure(scale: str, method: str, rounds: int) -> dict:
     from fedgalore.engine import loop as server_mod
     from fedgalore.engine.loop import Federation
-    from fedgalore.federated.checkpoint import save_checkpoint
+    from fedgalore.federated.checkpoint import CheckpointWriter
+    from fedgalore.protocol.payload import Ledger
 
     base = importlib.import_module("fedgalore.engine.runtime")
     meth_mod = importlib.import_module(f"fedgalore.methods.{'fedgalore' if method == 'fedgalore' else 'fedavg_full'}")
@@ -137,7 +141,10 @@ def measure(scale: str, method: str, rounds: int) -> dict:
     m = fed.method
     clock.wrap(m, "broadcast", "server: broadcast build")
     clock.wrap(server_mod, "encode", "server: broadcast encode")
+    clock.wrap(server_mod, "encoded_size", "server: broadcast size (in process)")
+    clock.wrap(Ledger, "record", "server: ledger records (upload sizes)")
     clock.wrap(base, "decode", "client: decode broadcast")
+    clock.wrap(base, "transfer", "client: copy broadcast/upload (in process)")
     clock.wrap(meth_mod, "load_params", "client: load params")
     clock.wrap(meth_mod, "local_train", "client: train (local_train)")
     clock.wrap(m, "client_update", "client: client_update (all)")
@@ -148,18 +155,19 @@ def measure(scale: str, method: str, rounds: int) -> dict:
     clock.wrap(m, "synchronize", "server: sync")
     clock.wrap(fed.task, "evaluate", "evaluation (excluded)")
     rows = []
+    writer = CheckpointWriter(fed.run_dir, keep=1)  # the loop's: streamed here, made durable beside the next round
     for k in range(rounds + 1):
         clock.t.clear()
         load = os.getloadavg()[0]
         t0 = time.perf_counter()
         fed._round(k)
         tc0 = time.perf_counter()
-        save_checkpoint(fed.run_dir, k + 1, fed.state, {"wall_time": 0.0}, keep=1)
+        fed._checkpoint(writer, k, t0)
         t_ckpt = time.perf_counter() - tc0
         t_round = time.perf_counter() - t0 - clock.t.get("evaluation (excluded)", 0.0)
         t_bare = bare_round(fed, k)
         parts = dict(clock.t)
-        parts["server: checkpoint"] = t_ckpt
+        parts["server: checkpoint (this thread)"] = t_ckpt
         parts["client: rest of client_update (optimizer setup, export)"] = (
             parts.get("client: client_update (all)", 0.0) - parts.get("client: load params", 0.0) - parts.get("client: train (local_train)", 0.0))
         parts.pop("client: client_update (all)", None)
@@ -169,6 +177,7 @@ def measure(scale: str, method: str, rounds: int) -> dict:
         rows.append({"round": k + 1, "warmup": k == 0, "round_s": t_round, "bare_s": t_bare, "ratio": t_round / t_bare,
                      "breakdown_s": parts, "loadavg_1min": load})
         print(f"  {scale:8s} {method:11s} round {k + 1}: {t_round:7.3f} s vs bare {t_bare:7.3f} s = {t_round / t_bare:5.3f}x (load {load:.1f})", flush=True)
+    writer.wait()
     fed.backend.close()
     counted = [r for r in rows if not r["warmup"]]
     mean = lambda key: sum(r[key] for r in counted) / len(counted)  # noqa: E731

@@ -117,12 +117,14 @@ def test_cli_plan(tmp_path, capsys):
 def test_phase_formula():
     c = dict(model=10, gradients=5, optimizer_state=2, activations=1, server_state=20, broadcast_blob=21, upload_blob=3, eval_kv_cache=7)
     gpu = phase_peaks(c, clients=4, on_host=False, diagnostics=True, dense_uploads=False)
-    assert gpu["client_training"] == {"accelerator": 10 + 20 + 5 + 2 + 1, "host": 42 + 3 * 3}  # + the earlier uploads
-    assert gpu["aggregation"]["host"] == 21 + 2 * 4 * 3 + 20
-    assert gpu["diagnostics"]["host"] == 21 + 24 + 20 + 4 * 20 + 20
-    assert gpu["checkpoint"]["host"] == 20 + 2 * 20  # a host copy of the device state, then its blob
+    # in process: the client's copy of the broadcast and the earlier uploads, nothing serialised
+    assert gpu["client_training"] == {"accelerator": 10 + 20 + 5 + 2 + 1, "host": 21 + 3 * 3}
+    assert gpu["upload"]["host"] == 21 + 3 * 3 + 2 * 3  # its tensors and the server's copy
+    assert gpu["aggregation"]["host"] == 4 * 3 + 20
+    assert gpu["diagnostics"]["host"] == 12 + 20 + 4 * 20 + 20
+    assert gpu["checkpoint"]["host"] == 0  # streamed tensor by tensor
     cpu = phase_peaks(c, clients=4, on_host=True, diagnostics=False, dense_uploads=True)
-    assert "diagnostics" not in cpu and cpu["checkpoint"] == {"accelerator": 0, "host": 30 + 40}
+    assert "diagnostics" not in cpu and cpu["checkpoint"] == {"accelerator": 0, "host": 30}
 
 
 @pytest.mark.skipif(not peak_tracking_available(), reason="needs Linux /proc/self/clear_refs")

@@ -425,7 +425,7 @@ def probe_method(cfg: FederatedConfig, spec: ModelSpec, method: str, options: di
         def capture(round_idx, client, direction, payload, blob=None):
             from fedgalore.protocol.payload import encode
 
-            records.append((int(round_idx), int(client), direction, blob if blob is not None else encode(payload)))
+            records.append((int(round_idx), int(client), direction, blob if isinstance(blob, bytes) else encode(payload)))
             return record(round_idx, client, direction, payload, blob)
 
         fed.ledger.record = capture  # type: ignore[method-assign]
@@ -502,38 +502,40 @@ def phase_peaks(c: dict[str, int], clients: int, on_host: bool, diagnostics: boo
     eval_kv_cache KV``), as the current code holds them (sequential backend; measured on CPU by
     ``benchmarks/memory_scaling.py``). ``K`` = clients per round. Host (H) / accelerator (A):
 
-    * broadcast encode: A ``W + S`` (``init_server_state`` clones the trained tensors on the
-      model's device); H ``2B`` (safetensors keeps a bytes copy of every tensor and builds the
-      blob) plus a host copy of ``S`` when it lives on the accelerator;
+    * broadcast (the client's copy, ``fedgalore.protocol.payload.transfer``): A ``W + S``
+      (``init_server_state`` clones the trained tensors on the model's device); H ``B`` — the
+      sequential backend hands the payload over in process, nothing is serialised (the ledger
+      computes the encoded size);
     * client training (last client): A ``W + S + G + O + A + T`` (``T`` the optimizer step's
       temporaries: torch AdamW's foreach path — the default on CUDA — allocates one more copy of
       the trained parameters, the single-tensor CPU path ~0.37 of them, measured); H ``B`` (the
-      round loop holds the blob) ``+ B`` (the decoded broadcast, alive while the client trains)
-      ``+ (K−1)U`` (earlier clients' upload blobs);
-    * upload encode (last client): H ``B + (K−1)U`` (earlier uploads) ``+ U`` (tensors) ``+ 2U``;
-    * aggregation: H ``B + 2KU`` (every upload's blob and decoded payload) ``+ S`` (the dense
-      applied update ``A`` returns, kept for the diagnostics); A ``W + S``;
+      client's copy of the broadcast, alive while it trains) ``+ (K−1)U`` (earlier clients'
+      uploads);
+    * upload (last client): H ``B + (K−1)U`` (earlier uploads) ``+ U`` (its tensors) ``+ U``
+      (the server's copy);
+    * aggregation: H ``KU`` (every upload) ``+ S`` (the dense applied update ``A`` returns, kept
+      for the diagnostics); A ``W + S``;
     * diagnostics (``diagnostics: true``): H also every client's dense delta (``K S``; none when
       the uploads are dense deltas already) and their weighted mean while the drift is measured
       (``S``);
-    * evaluation: A ``W + S + KV``; H whatever the round still holds (``B + 2KU + S`` and the
+    * evaluation: A ``W + S + KV``; H whatever the round still holds (``KU + S`` and the
       clients' dense deltas: locals of the round);
-    * checkpoint: H ``2S`` (bytes copies + blob) plus a host copy of ``S`` when on the accelerator.
+    * checkpoint: streamed tensor by tensor (``CheckpointWriter``): H at most one 64 MiB chunk
+      of an accelerator tensor on its way to disk, taken as 0.
 
     With ``on_host`` (``device=cpu``) both columns are one pool, reported as host."""
     W, G, O, A, S = c["model"], c["gradients"], c["optimizer_state"], c["activations"], c["server_state"]
     B, U, KV, K, T = c["broadcast_blob"], c["upload_blob"], c["eval_kv_cache"], clients, c.get("optimizer_step_transient", 0)
-    copy_s = 0 if on_host else S
     deltas = K * S if diagnostics and not dense_uploads else 0
-    held = B + 2 * K * U + S
+    held = K * U + S
     phases = {
-        "broadcast_encode": {"accelerator": W + S, "host": copy_s + 2 * B},
-        "client_training": {"accelerator": W + S + G + O + A + T, "host": 2 * B + (K - 1) * U},
-        "upload_encode": {"accelerator": W + S, "host": B + (K - 1) * U + 3 * U},
+        "broadcast": {"accelerator": W + S, "host": B},
+        "client_training": {"accelerator": W + S + G + O + A + T, "host": B + (K - 1) * U},
+        "upload": {"accelerator": W + S, "host": B + (K - 1) * U + 2 * U},
         "aggregation": {"accelerator": W + S, "host": held},
         "diagnostics": {"accelerator": W + S, "host": held + deltas + S},
         "evaluation": {"accelerator": W + S + KV, "host": held + deltas},
-        "checkpoint": {"accelerator": W + S, "host": copy_s + 2 * S},
+        "checkpoint": {"accelerator": W + S, "host": 0},
     }
     if not diagnostics:
         del phases["diagnostics"]

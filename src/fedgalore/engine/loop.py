@@ -17,7 +17,8 @@ and S (``synchronize``); a backend decides where T runs; the run directory's fil
    the server parameters as a pseudo-gradient, and SCAFFOLD (``train.scaffold``,
    :mod:`fedgalore.federated.scaffold`) updates its control variates; diagnostics measure the
    two mismatches;
-5. the global model is evaluated every ``eval_every`` rounds and the state is checkpointed.
+5. the global model is evaluated every ``eval_every`` rounds and the state is checkpointed
+   (streamed to disk; the fsync, hash and rename overlap the next round).
 
 Every random choice derives from (run seed, round, client) (:mod:`fedgalore.federated.seeding`),
 so a run resumed from any checkpoint ends with exactly the metrics of an uninterrupted one.
@@ -39,14 +40,15 @@ from fedgalore.engine.resolve import check_device, config_for_method
 from fedgalore.engine.rundir import RunDirectory, choose_run_dir, run_summary
 from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
 from fedgalore.engine.validation import expected_keys, norm_problem, update_norm, validate_upload
-from fedgalore.federated.checkpoint import load_latest_checkpoint, save_checkpoint
+from fedgalore.federated.checkpoint import CheckpointError, CheckpointWriter, load_latest_checkpoint
 from fedgalore.federated.diagnostics import drift_diagnostics, update_space_diagnostics
 from fedgalore.federated.scaffold import CORR, NEW_CI, correction, split_entries, update_controls
 from fedgalore.federated.server_opt import STATE_PREFIX, server_step
 from fedgalore.federated.seeding import round_seed, sample_clients
 from fedgalore.methods.base import Method
-from fedgalore.protocol.payload import Dense, Ledger, Payload, PayloadError, decode, encode
+from fedgalore.protocol.payload import Dense, Ledger, Payload, PayloadError, decode, encode, encoded_size
 from fedgalore.protocol.state import RoundContext
+from fedgalore.sync.ajive import all_finite
 from fedgalore.tasks.base import Task
 
 __all__ = ["Federation", "RunResult"]
@@ -139,13 +141,13 @@ class Federation:
         self.progress.start(fed.rounds, {"run_name": self.run_dir.name, "run_dir": str(self.run_dir), "method": cfg.method.name,
                                          "task": cfg.task.name, "start_round": self.start_round})
         self.files.write_summary(self._summary("running", self.wall_time_before))
+        writer = CheckpointWriter(self.run_dir, keep=cfg.output.keep_checkpoints)
         try:
             for k in range(self.start_round, fed.rounds):
                 self._round(k)
-                wall = self.wall_time_before + time.perf_counter() - t_start
                 if (k + 1) % cfg.output.checkpoint_every == 0 or k + 1 == fed.rounds:
-                    save_checkpoint(self.run_dir, k + 1, self.state, {"wall_time": wall, "loop": {"upload_keys": self.upload_keys}},
-                                    keep=cfg.output.keep_checkpoints)
+                    self._checkpoint(writer, k, t_start)
+            writer.wait()  # the last checkpoint is durable before the run says it is complete
             wall = self.wall_time_before + time.perf_counter() - t_start
             summary = self._summary("complete", wall)
             self.files.write_summary(summary)
@@ -154,9 +156,24 @@ class Federation:
             exc.run_dir = self.run_dir  # type: ignore[attr-defined]  # the CLI names it in "continue with ..."
             raise
         finally:
+            try:
+                writer.wait()  # an interrupted run still finishes the checkpoint it started
+            except CheckpointError as exc:
+                self.progress.message(str(exc))
             self.progress.close()
             self.backend.close()
         return RunResult(self.run_dir, summary, self.history)
+
+    def _checkpoint(self, writer: CheckpointWriter, k: int, t_start: float) -> None:
+        """Checkpoint the state after round ``k``: the tensors are streamed to disk here, the
+        fsync, hash and rename run beside the next round (:class:`CheckpointWriter`). The time
+        this thread spent is the round's ``time_checkpoint`` (metrics.csv; summary
+        ``time_checkpoint``)."""
+        t0 = time.perf_counter()
+        wall = self.wall_time_before + t0 - t_start
+        writer.save(k + 1, self.state, {"wall_time": wall, "loop": {"upload_keys": self.upload_keys}})
+        self.history[-1]["time_checkpoint"] = time.perf_counter() - t0
+        self.files.write_csv(self.history)
 
     def _summary(self, status: str, wall: float) -> dict[str, Any]:
         return run_summary(self.cfg, self.task, self.history, self.ledger, status, wall)
@@ -267,7 +284,7 @@ class Federation:
             return "replay"
         return "account" if self.backend.simulated else "dense"
 
-    def _broadcast(self, k: int, rctx: RoundContext) -> bytes | dict[int, bytes]:
+    def _broadcast(self, k: int, rctx: RoundContext) -> bytes | Payload | dict[int, bytes | Payload]:
         """The round's broadcast, serialised and counted in the ledger per client. A method with a
         per-client downlink (``client_broadcast(state, ctx, common, held)``, e.g. FedGaLore's
         factored chain, fedgalore.protocol.downlink) builds each client's message from the version
@@ -295,15 +312,23 @@ class Federation:
 
             msgs = {c: with_correction(m, c) for c, m in msgs.items()}
             train = msgs if mode != "account" else {c: with_correction(m, c) for c, m in train.items()}
-        blob_of: dict[int, bytes] = {}  # encode each distinct message once
+        in_process = self.backend.in_process
+        blob_of: dict[int, Any] = {}  # encode (or size) each distinct message once
 
-        def blob(m: Payload) -> bytes:
+        def blob(m: Payload) -> bytes | Payload:
             if id(m) not in blob_of:
-                blob_of[id(m)] = encode(m)
+                blob_of[id(m)] = m if in_process else encode(m)
             return blob_of[id(m)]
 
+        size_of: dict[int, int] = {}
+
+        def size(m: Payload) -> int:
+            if id(m) not in size_of:
+                size_of[id(m)] = encoded_size(m) if in_process else len(blob(m))
+            return size_of[id(m)]
+
         for c in rctx.clients:
-            self.ledger.record(k + 1, c, "down", msgs[c], blob(msgs[c]))
+            self.ledger.record(k + 1, c, "down", msgs[c], size(msgs[c]))
         if all(m is bcast for m in train.values()):
             return blob(bcast)
         return {c: blob(m) for c, m in train.items()}
@@ -318,7 +343,10 @@ class Federation:
         decoded = []
         for res in results:
             up = None
-            if res.upload is not None:
+            if isinstance(res.upload, Payload):  # handed over in process (a private copy); counted as encoded
+                up = res.upload
+                self.ledger.record(k + 1, res.client, "up", up)
+            elif res.upload is not None:
                 try:
                     up = decode(res.upload)
                 except PayloadError as exc:
@@ -327,7 +355,7 @@ class Federation:
             if up is not None and self.cfg.train.scaffold:  # c_i⁺ (counted up above) is the server's, not A's
                 up, self._controls[res.client] = split_entries(up, NEW_CI)
                 ci = self._controls[res.client]
-                if set(ci) != set(self.state.params) or not all(bool(torch.isfinite(v).all()) for v in ci.values()):
+                if set(ci) != set(self.state.params) or not all(all_finite(v) for v in ci.values()):
                     res.error, up = "rejected: SCAFFOLD control variate missing or non-finite", None
             decoded.append(up)
         keys = expected_keys(self.upload_keys, [u for u in decoded if u is not None])

@@ -169,6 +169,7 @@ def run_summary(cfg: FederatedConfig, task: Task, history: Sequence[dict[str, An
         "bytes_up_per_client_round": ledger.total("up") / max(n_up, 1),
         "bytes_down_per_client_round": ledger.total("down") / max(n_down, 1),
         "wall_time": wall,
+        "time_checkpoint": sum(h.get("time_checkpoint", 0.0) for h in history),
         "time_per_round": (sum(h.get("time_round", 0.0) for h in history) / rounds_done) if rounds_done else 0.0,
         "server_time_fraction": (
             sum(h.get("time_server", 0.0) for h in history) / max(sum(h.get("time_round", 0.0) for h in history), 1e-12)

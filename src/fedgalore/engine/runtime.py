@@ -5,7 +5,11 @@ partition, all built deterministically from the run's config. The server's loop 
 sequential backend trains on it); a Ray actor or a Flower SuperNode builds its own from the same
 resolved config — the method objects and payloads are the same in every process. A client's job
 (:class:`ClientJob`) and result (:class:`ClientResult`) hold only integers and serialised
-payloads (safetensors bytes): that is all that crosses a process boundary.
+payloads (safetensors bytes): that is all that crosses a process boundary. Inside one process
+(the sequential backend) the payloads are handed over as objects instead, each side working on
+its own copy of the tensors (:func:`fedgalore.protocol.payload.transfer`: what decoding the
+bytes would give), and the ledger counts the bytes the codec would write
+(:func:`~fedgalore.protocol.payload.encoded_size`).
 """
 from __future__ import annotations
 
@@ -25,7 +29,7 @@ from fedgalore.federated.partition import make_partition
 from fedgalore.federated.scaffold import CORR, ScaffoldClient, split_entries
 from fedgalore.federated.seeding import BATCHES, DROPOUT, client_seed, validation_seed
 from fedgalore.methods.base import Method, method_class
-from fedgalore.protocol.payload import Payload, decode, encode
+from fedgalore.protocol.payload import Payload, decode, encode, transfer
 from fedgalore.protocol.state import ClientContext, TrainConfig
 from fedgalore.tasks import Task, get_task, resolve_target_modules
 from fedgalore.tasks.base import head_parameters, stratified_split, subset_examples
@@ -48,7 +52,7 @@ class ClientResult:
     """What came back from a client: its serialised upload, or why there is none."""
 
     client: int
-    upload: bytes | None  # serialised Payload, None on failure
+    upload: bytes | Payload | None  # serialised Payload (a transferred one in process), None on failure
     error: str | None = None
     time: float = 0.0
     stats: dict = field(default_factory=dict)
@@ -132,10 +136,14 @@ class Runtime:
 
         return gen, len(chunks)
 
-    def execute(self, job: ClientJob, broadcast: bytes, on_step=None, client_state: dict | None = None) -> ClientResult:
+    def execute(self, job: ClientJob, broadcast: bytes | Payload, on_step=None, client_state: dict | None = None) -> ClientResult:
         """Run operator T for one client on a serialised broadcast; never raises. ``client_state``:
         the client's own store when the caller keeps it (a Flower node's ``Context.state``),
-        else this runtime's ``client_state`` entry for the client (None: stateless)."""
+        else this runtime's ``client_state`` entry for the client (None: stateless).
+
+        A :class:`Payload` broadcast (the caller runs in this process) is used through
+        :func:`~fedgalore.protocol.payload.transfer` — exactly what decoding its bytes gives — and
+        the upload comes back transferred too, instead of serialised."""
         t0 = time.perf_counter()
         try:
             gen, steps = self.batches(job.client, job.round)
@@ -166,7 +174,7 @@ class Runtime:
                 torch.set_rng_state(torch.Generator().manual_seed(seed).get_state())
                 if devices:
                     torch.cuda.set_rng_state(torch.Generator().manual_seed(seed).get_state(), devices[0])
-                payload = decode(broadcast)
+                payload = transfer(broadcast) if isinstance(broadcast, Payload) else decode(broadcast)
                 if self.cfg.train.scaffold:  # c − c_i rides along the broadcast (fedgalore.federated.scaffold)
                     payload, corr = split_entries(payload, CORR)
                     ctx.scaffold = ScaffoldClient(corr, self.method.scaffold_params(self.model))
@@ -175,7 +183,7 @@ class Runtime:
                     if ctx.scaffold.new_ci is None:
                         raise ClientError(f"client {job.client}: SCAFFOLD needs at least one local step")
                     upload = Payload({**upload.entries, **ctx.scaffold.upload_entries()}, dict(upload.meta))
-            blob = encode(upload)
+            blob = transfer(upload) if isinstance(broadcast, Payload) else encode(upload)
             return ClientResult(job.client, blob, None, time.perf_counter() - t0, dict(upload.meta))
         except ClientError as exc:
             return ClientResult(job.client, None, str(exc), time.perf_counter() - t0)

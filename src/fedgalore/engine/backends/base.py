@@ -23,14 +23,20 @@ class Backend(abc.ABC):
         self.runtime = runtime
 
     @abc.abstractmethod
-    def run_clients(self, broadcast: bytes | dict[int, bytes], jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
-        """Run T for every job on the same broadcast; results in job order. A per-client downlink
-        hands one blob per client (``dict[client, bytes]``): the factored downlink only to a backend
+    def run_clients(self, broadcast, jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
+        """Run T for every job on the same broadcast (``bytes``, or a ``Payload`` for an
+        :attr:`in_process` backend); results in job order. A per-client downlink
+        hands one message per client (``dict[client, bytes | Payload]``): the factored downlink only to a backend
         whose :meth:`client_versions` reports client state, SCAFFOLD's c − c_i to every backend."""
 
     #: whether the clients keep their own model between rounds and rebuild the next one from a
     #: per-client (factored) downlink: they are handed exactly the message the ledger counts
     keeps_client_state: bool = False
+    #: whether the clients run in this process (sequential): the loop hands them the broadcast
+    #: as :class:`~fedgalore.protocol.payload.Payload` objects (each client works on its own copy,
+    #: ``Runtime.execute``), gets the uploads back the same way and counts every message with
+    #: ``encoded_size`` — the bytes the codec would write — instead of serialising it
+    in_process: bool = False
     #: whether this backend simulates the clients (sequential, Ray). A simulation whose clients
     #: keep no model is handed the dense broadcast to train from, while the ledger counts what a
     #: client that kept its last global model would receive (the server's record of the version

@@ -1,7 +1,10 @@
 """The default backend: clients run one after another in this process on one shared model.
 
 Memory is one model plus one client's optimizer state: each client's ``client_update`` loads the
-broadcast into the shared model, trains, and returns its upload.
+broadcast into the shared model, trains, and returns its upload. Nothing is serialised: the
+broadcast and the uploads are handed over as payload objects, each side on its own copy of the
+tensors (``fedgalore.protocol.payload.transfer``, what decoding the bytes would give), and the
+ledger counts exactly the bytes the codec would write (``encoded_size``).
 
 Option ``keep_client_models`` (default false). A per-client downlink (FedGaLore's factored one,
 fedgalore.protocol.downlink) is exact, so by default the simulated clients are handed the dense
@@ -25,6 +28,7 @@ from fedgalore.protocol.downlink import ClientCache
 
 class SequentialBackend(Backend):
     name = "sequential"
+    in_process = True  # payloads are handed over as objects (copied), counted with encoded_size
 
     def __init__(self, keep_client_models: bool = False) -> None:
         if not isinstance(keep_client_models, bool):

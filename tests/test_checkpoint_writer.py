@@ -1,0 +1,81 @@
+"""Streamed, half-background checkpoints (issue 18, round overhead): same file as before, taken at
+the moment ``save`` returns, complete or absent, errors surfaced."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import save as st_save
+
+from fedgalore.federated import checkpoint as ck
+from fedgalore.federated.checkpoint import CheckpointError, CheckpointWriter, load_latest_checkpoint, save_checkpoint
+from fedgalore.protocol.payload import MomentView, flatten_entries
+from fedgalore.protocol.state import ServerState
+
+
+def _state(seed: int = 0) -> ServerState:
+    g = torch.Generator().manual_seed(seed)
+    return ServerState(
+        params={"a.weight": torch.randn(12, 7, generator=g), "head": torch.randn(3, generator=g).to(torch.bfloat16)},
+        extras={"step": torch.tensor(4, dtype=torch.int64)},
+        meta={"seed_chain": [1, 2], "downlink_held": {"3": 2}},
+        moments={"a.weight": MomentView(torch.rand(12, 2, generator=g), "right", (12, 7), basis=torch.randn(2, 7, generator=g))},
+    )
+
+
+def _same(a: ServerState, b: ServerState) -> bool:
+    return (a.meta == b.meta and all(torch.equal(a.params[k], b.params[k]) for k in a.params)
+            and all(torch.equal(a.extras[k], b.extras[k]) for k in a.extras)
+            and torch.equal(a.moments["a.weight"].moment, b.moments["a.weight"].moment))
+
+
+def test_streamed_file_is_the_blob_safetensors_would_write(tmp_path):
+    st = _state()
+    path = save_checkpoint(tmp_path, 1, st, {"wall_time": 1.5})
+    tensors = {f"p/{k}": v for k, v in st.params.items()} | {f"x/{k}": v for k, v in st.extras.items()}
+    tensors |= {f"m/{k}": v for k, v in flatten_entries(st.moments)[1].items()}
+    blob = st_save(tensors)
+    assert (path / "state.safetensors").read_bytes() == blob
+    info = json.loads((path / "state.json").read_text())
+    assert info["sha256"] == hashlib.sha256(blob).hexdigest() and info["round"] == 1 and info["wall_time"] == 1.5
+    loaded, _ = load_latest_checkpoint(tmp_path)
+    assert _same(loaded, st)
+
+
+def test_background_checkpoint_holds_the_state_as_of_save(tmp_path):
+    """The next round may change the state in place as soon as ``save`` returns."""
+    st, before = _state(), _state()
+    w = CheckpointWriter(tmp_path, keep=2)
+    w.save(1, st, {"wall_time": 0.0})
+    st.params["a.weight"].mul_(-3.0)  # the next round, while fsync and hash run in the background
+    st.meta["seed_chain"].append(99)
+    st.moments["a.weight"].moment.zero_()
+    w.wait()
+    loaded, info = load_latest_checkpoint(tmp_path)
+    assert info["round"] == 1 and _same(loaded, before)
+    w.save(2, st, {})
+    w.save(3, st, {})  # waits for round 2 first; keep=2 prunes round 1
+    w.wait()
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("round_*")) == ["round_0002", "round_0003"]
+    assert (tmp_path / "checkpoints" / "LATEST").read_text().strip() == "round_0003"
+
+
+def test_a_failing_background_step_is_raised_and_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    st = _state()
+    w = CheckpointWriter(tmp_path, keep=3)
+    w.save(1, st, {})
+    w.wait()
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck.os, "rename", broken)
+    w.save(2, st, {})
+    with pytest.raises(CheckpointError, match="disk full"):
+        w.wait()
+    w.wait()  # reported once
+    monkeypatch.undo()
+    _, info = load_latest_checkpoint(tmp_path)
+    assert info["round"] == 1  # round 2 never became visible
