@@ -79,3 +79,20 @@ def test_a_failing_background_step_is_raised_and_leaves_the_previous_checkpoint(
     monkeypatch.undo()
     _, info = load_latest_checkpoint(tmp_path)
     assert info["round"] == 1  # round 2 never became visible
+
+
+def test_a_run_reports_its_checkpoint_time_and_ends_with_a_durable_checkpoint(tmp_path):
+    import csv
+
+    import fedgalore
+    from test_engine import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, "fedgalore", rounds=3)
+    cfg.output.checkpoint_every = 2  # rounds 2 and 3 (the last)
+    res = fedgalore.run(cfg, run_dir=tmp_path / "r")
+    rows = list(csv.DictReader(open(res.run_dir / "metrics.csv")))
+    took = [r["time_checkpoint"] for r in rows]
+    assert took[0] == "" and float(took[1]) > 0 and float(took[2]) > 0
+    assert res.summary["time_checkpoint"] == pytest.approx(float(took[1]) + float(took[2]))
+    state, info = load_latest_checkpoint(res.run_dir)  # complete when run() returned
+    assert info["round"] == 3 and not list((res.run_dir / "checkpoints").glob(".tmp_*"))

@@ -285,7 +285,8 @@ class Federation:
         return "account" if self.backend.simulated else "dense"
 
     def _broadcast(self, k: int, rctx: RoundContext) -> bytes | Payload | dict[int, bytes | Payload]:
-        """The round's broadcast, serialised and counted in the ledger per client. A method with a
+        """The round's broadcast, serialised (an :attr:`~Backend.in_process` backend gets the
+        payloads themselves and the ledger their exact encoded size) and counted per client. A method with a
         per-client downlink (``client_broadcast(state, ctx, common, held)``, e.g. FedGaLore's
         factored chain, fedgalore.protocol.downlink) builds each client's message from the version
         of the model that client holds: its own store's (``replay``) or the server's record of what

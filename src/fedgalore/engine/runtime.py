@@ -172,8 +172,9 @@ class Runtime:
             # is bit-identical whatever backend, order or resume point runs it.
             with torch.random.fork_rng(devices=devices):
                 torch.set_rng_state(torch.Generator().manual_seed(seed).get_state())
-                if devices:
-                    torch.cuda.set_rng_state(torch.Generator().manual_seed(seed).get_state(), devices[0])
+                if devices:  # a CUDA generator's state is (seed, offset), not a CPU generator's: seed it
+                    with torch.cuda.device(devices[0]):
+                        torch.cuda.manual_seed(seed)
                 payload = transfer(broadcast) if isinstance(broadcast, Payload) else decode(broadcast)
                 if self.cfg.train.scaffold:  # c − c_i rides along the broadcast (fedgalore.federated.scaffold)
                     payload, corr = split_entries(payload, CORR)

@@ -48,7 +48,7 @@ from fedgalore.protocol.payload import (
     Payload,
     PayloadError,
     SeededLowRank,
-    encode,
+    encoded_size,
     flatten_entries,
 )
 from fedgalore.protocol.state import ServerState
@@ -209,7 +209,7 @@ def client_payload(state: ServerState, dense: Payload, names: Sequence[str], hel
         return dense
     entries: dict[str, Any] = dict(dense.entries)
     chained = False
-    empty = len(encode(Payload({})))
+    empty = encoded_size(Payload({}))
     for n in names:
         need = list(range(held + 1, cur + 1))
         have = set(chain_versions(state, n))
@@ -217,7 +217,7 @@ def client_payload(state: ServerState, dense: Payload, names: Sequence[str], hel
             chain = {_key(v, n): state.moments[_key(v, n)] for v in need}
             # on the wire, headers included, below the dense matrix's tensor bytes alone (small
             # matrices: the chain's per-tensor headers can outweigh its savings)
-            if chain and len(encode(Payload(chain))) - empty >= dense_bytes(state.params[n]):
+            if chain and encoded_size(Payload(chain)) - empty >= dense_bytes(state.params[n]):
                 continue
             del entries[n]
             entries.update(chain)

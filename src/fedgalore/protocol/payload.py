@@ -410,8 +410,7 @@ def encoded_size(payload: Payload) -> int:
 
     What the ledger counts for a message handed over in process (the sequential backend): the
     bytes the wire format would carry, exactly (tests/test_payload.py checks the equality)."""
-    specs, tensors = flatten_entries(payload.entries, materialize=False)
-    size = safetensors_size(tensors, {"fedgalore": _header_json(specs, payload.meta)})
+    size = _measure(payload)[0]
     return len(encode(payload)) if size is None else size
 
 
@@ -444,18 +443,26 @@ def decode(blob: bytes) -> Payload:
     return Payload(unflatten_entries(specs, tensors), meta)
 
 
-def tensor_bytes_by_kind(payload: Payload) -> dict[str, int]:
-    """Raw tensor bytes per entry kind (the header is the remainder of the blob size); a tensor
-    shared by several entries counts once, for the first entry that stores it."""
-    out: dict[str, int] = {}
+def _measure(payload: Payload) -> tuple[int | None, dict[str, int]]:
+    """One pass over the entries: ``(len(encode(payload))`` or None when a dtype is unknown,
+    raw tensor bytes per entry kind)``."""
+    by_kind: dict[str, int] = {}
+    specs: dict[str, Any] = {}
     tensors: dict[str, torch.Tensor] = {}
     seen: dict[tuple, str] = {}
     for name, entry in payload.entries.items():
-        before = set(tensors)
-        _flatten(name, entry, tensors, seen, materialize=False)
+        own: dict[str, torch.Tensor] = {}  # the tensors this entry stores first (shared ones: once)
+        specs[name] = _flatten(name, entry, own, seen, materialize=False)
         kind = _KINDS[type(entry)]
-        out[kind] = out.get(kind, 0) + sum(tensors[k].numel() * tensors[k].element_size() for k in set(tensors) - before)
-    return out
+        by_kind[kind] = by_kind.get(kind, 0) + sum(t.numel() * t.element_size() for t in own.values())
+        tensors.update(own)
+    return safetensors_size(tensors, {"fedgalore": _header_json(specs, payload.meta)}), by_kind
+
+
+def tensor_bytes_by_kind(payload: Payload) -> dict[str, int]:
+    """Raw tensor bytes per entry kind (the header is the remainder of the blob size); a tensor
+    shared by several entries counts once, for the first entry that stores it."""
+    return _measure(payload)[1]
 
 
 # ----------------------------------------------------------------------------- ledger
@@ -470,8 +477,11 @@ class Ledger:
         length :func:`encoded_size` computes (exactly what :func:`encode` would write)."""
         if direction not in ("up", "down"):
             raise ValueError("direction must be 'up' or 'down'")
-        size = encoded_size(payload) if blob is None else blob if isinstance(blob, int) else len(blob)
-        by_kind = tensor_bytes_by_kind(payload)
+        exact, by_kind = _measure(payload)
+        if blob is not None:
+            size = blob if isinstance(blob, int) else len(blob)
+        else:
+            size = exact if exact is not None else len(encode(payload))
         rec = {
             "round": int(round_idx),
             "client": int(client),
