@@ -117,12 +117,14 @@ def test_cli_plan(tmp_path, capsys):
 def test_phase_formula():
     c = dict(model=10, gradients=5, optimizer_state=2, activations=1, server_state=20, broadcast_blob=21, upload_blob=3, eval_kv_cache=7)
     gpu = phase_peaks(c, clients=4, on_host=False, diagnostics=True, dense_uploads=False)
-    # in process: the client's copy of the broadcast and the earlier uploads, nothing serialised
-    assert gpu["client_training"] == {"accelerator": 10 + 20 + 5 + 2 + 1, "host": 21 + 3 * 3}
-    assert gpu["upload"]["host"] == 21 + 3 * 3 + 2 * 3  # its tensors and the server's copy
-    assert gpu["aggregation"]["host"] == 4 * 3 + 20
-    assert gpu["diagnostics"]["host"] == 12 + 20 + 4 * 20 + 20
-    assert gpu["checkpoint"]["host"] == 0  # streamed tensor by tensor
+    # the server state lives on the host; in process: the client's copy of the broadcast and the
+    # earlier uploads, nothing serialised
+    assert gpu["client_training"] == {"accelerator": 10 + 5 + 2 + 1, "host": 20 + 21 + 3 * 3}
+    assert gpu["upload"]["host"] == 20 + 21 + 3 * 3 + 2 * 3  # its tensors and the server's copy
+    assert gpu["aggregation"] == {"accelerator": 10, "host": 20 + 4 * 3 + 20}
+    assert gpu["diagnostics"]["host"] == 20 + 12 + 20 + 4 * 20 + 20
+    assert gpu["evaluation"]["accelerator"] == 10 + 7
+    assert gpu["checkpoint"] == {"accelerator": 10, "host": 20}  # streamed tensor by tensor: no blob
     cpu = phase_peaks(c, clients=4, on_host=True, diagnostics=False, dense_uploads=True)
     assert "diagnostics" not in cpu and cpu["checkpoint"] == {"accelerator": 0, "host": 30}
 

@@ -502,40 +502,42 @@ def phase_peaks(c: dict[str, int], clients: int, on_host: bool, diagnostics: boo
     eval_kv_cache KV``), as the current code holds them (sequential backend; measured on CPU by
     ``benchmarks/memory_scaling.py``). ``K`` = clients per round. Host (H) / accelerator (A):
 
-    * broadcast (the client's copy, ``fedgalore.protocol.payload.transfer``): A ``W + S``
-      (``init_server_state`` clones the trained tensors on the model's device); H ``B`` — the
-      sequential backend hands the payload over in process, nothing is serialised (the ledger
-      computes the encoded size);
-    * client training (last client): A ``W + S + G + O + A + T`` (``T`` the optimizer step's
-      temporaries: torch AdamW's foreach path — the default on CUDA — allocates one more copy of
-      the trained parameters, the single-tensor CPU path ~0.37 of them, measured); H ``B`` (the
-      client's copy of the broadcast, alive while it trains) ``+ (K−1)U`` (earlier clients'
-      uploads);
-    * upload (last client): H ``B + (K−1)U`` (earlier uploads) ``+ U`` (its tensors) ``+ U``
-      (the server's copy);
-    * aggregation: H ``KU`` (every upload) ``+ S`` (the dense applied update ``A`` returns, kept
-      for the diagnostics); A ``W + S``;
+    The server state ``S`` lives on the host whatever the model's device (``init_server_state``
+    copies it there; measured on an H100 at 7B, RESULTS §10.6); the accelerator holds the model
+    and what training and evaluation add to it.
+
+    * broadcast (the client's copy, ``fedgalore.protocol.payload.transfer``): A ``W``; H ``S +
+      B`` — the sequential backend hands the payload over in process, nothing is serialised (the
+      ledger computes the encoded size);
+    * client training (last client): A ``W + G + O + A + T`` (``T`` the optimizer step's
+      temporaries: torch AdamW's foreach path allocates one more copy of the trained parameters,
+      the single-tensor CPU path ~0.37 of them, measured; fused AdamW — FedAvg-Full on CUDA —
+      none); H ``S + B`` (the client's copy of the broadcast, alive while it trains) ``+ (K−1)U``
+      (earlier clients' uploads);
+    * upload (last client): H ``S + B + (K−1)U`` ``+ U`` (its tensors) ``+ U`` (the server's copy);
+    * aggregation: H ``S + KU`` (every upload) ``+ S`` (the dense applied update ``A`` returns,
+      kept for the diagnostics); A ``W``;
     * diagnostics (``diagnostics: true``): H also every client's dense delta (``K S``; none when
       the uploads are dense deltas already) and their weighted mean while the drift is measured
       (``S``);
-    * evaluation: A ``W + S + KV``; H whatever the round still holds (``KU + S`` and the
-      clients' dense deltas: locals of the round);
-    * checkpoint: streamed tensor by tensor (``CheckpointWriter``): H at most one 64 MiB chunk
-      of an accelerator tensor on its way to disk, taken as 0.
+    * evaluation: A ``W + KV``; H whatever the round still holds (``S + KU + S`` and the clients'
+      dense deltas: locals of the round);
+    * checkpoint: streamed tensor by tensor (``CheckpointWriter``): H ``S`` plus one 64 MiB chunk,
+      taken as 0.
 
     With ``on_host`` (``device=cpu``) both columns are one pool, reported as host."""
     W, G, O, A, S = c["model"], c["gradients"], c["optimizer_state"], c["activations"], c["server_state"]
     B, U, KV, K, T = c["broadcast_blob"], c["upload_blob"], c["eval_kv_cache"], clients, c.get("optimizer_step_transient", 0)
     deltas = K * S if diagnostics and not dense_uploads else 0
-    held = K * U + S
+    held = S + K * U + S
     phases = {
-        "broadcast": {"accelerator": W + S, "host": B},
-        "client_training": {"accelerator": W + S + G + O + A + T, "host": B + (K - 1) * U},
-        "upload": {"accelerator": W + S, "host": B + (K - 1) * U + 2 * U},
-        "aggregation": {"accelerator": W + S, "host": held},
-        "diagnostics": {"accelerator": W + S, "host": held + deltas + S},
-        "evaluation": {"accelerator": W + S + KV, "host": held + deltas},
-        "checkpoint": {"accelerator": W + S, "host": 0},
+        "broadcast": {"accelerator": W, "host": S + B},
+        "client_training": {"accelerator": W + G + O + A + T, "host": S + B + (K - 1) * U},
+        "upload": {"accelerator": W, "host": S + B + (K - 1) * U + 2 * U},
+        "aggregation": {"accelerator": W, "host": held},
+        "diagnostics": {"accelerator": W, "host": held + deltas + S},
+        "evaluation": {"accelerator": W + KV, "host": held + deltas},
+        "checkpoint": {"accelerator": W, "host": S},
     }
     if not diagnostics:
         del phases["diagnostics"]
@@ -546,7 +548,7 @@ def phase_peaks(c: dict[str, int], clients: int, on_host: bool, diagnostics: boo
 
 #: temporaries of one torch AdamW step, as a share of the trained parameters' bytes (measured:
 #: foreach — CUDA's default — 1.0; the CPU single-tensor path 0.37); GaLoreAdamW works per matrix
-ADAMW_STEP_TRANSIENT = {"foreach": 1.0, "cpu": 0.37}
+ADAMW_STEP_TRANSIENT = {"foreach": 1.0, "cpu": 0.37, "fused": 0.0}  # FedAvg-Full runs AdamW(fused=True) on CUDA
 #: methods whose uploads are the dense deltas themselves (the diagnostics reuse them)
 DENSE_UPLOADS = frozenset({"fedavg_full"})
 #: host memory outside the components: Python, torch, the tokenizer and the tokenised data set
@@ -565,7 +567,7 @@ def memory_plan(cfg: FederatedConfig, spec: ModelSpec, probe: Probe, clients_per
             "eval_kv_cache": kv_cache_bytes(a, cfg.federation.eval_batch_size, tokens + int(a.get("max_new_tokens", 0)), spec.dtype)}
     on_host = not (cfg.device.startswith("cuda") or cfg.device == "mps")
     if "AdamW" in probe.optimizers:  # torch's AdamW (GaLoreAdamW is a different class)
-        comp["optimizer_step_transient"] = int(ADAMW_STEP_TRANSIENT["cpu" if on_host else "foreach"] * probe.trained)
+        comp["optimizer_step_transient"] = int(ADAMW_STEP_TRANSIENT["cpu" if on_host else "fused"] * probe.trained)
     phases = phase_peaks(comp, clients_per_round, on_host, bool(cfg.diagnostics), probe.method in DENSE_UPLOADS)
     for v in phases.values():
         v["host"] += HOST_RUNTIME
