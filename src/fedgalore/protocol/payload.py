@@ -409,7 +409,7 @@ def encoded_size(payload: Payload) -> int:
     """``len(encode(payload))``, computed from shapes and dtypes without serialising a tensor.
 
     What the ledger counts for a message handed over in process (the sequential backend): the
-    bytes the wire format would carry, exactly (tests/test_payload.py checks the equality)."""
+    bytes the wire format would carry, exactly (tests/test_payload_size.py checks the equality)."""
     size = _measure(payload)[0]
     return len(encode(payload)) if size is None else size
 
