@@ -96,3 +96,30 @@ def test_a_run_reports_its_checkpoint_time_and_ends_with_a_durable_checkpoint(tm
     assert res.summary["time_checkpoint"] == pytest.approx(float(took[1]) + float(took[2]))
     state, info = load_latest_checkpoint(res.run_dir)  # complete when run() returned
     assert info["round"] == 3 and not list((res.run_dir / "checkpoints").glob(".tmp_*"))
+
+
+@pytest.mark.parametrize("budget,expect", [(1e-9, [1, 5]), (1.0, [1, 2, 3, 4, 5])])
+def test_checkpoint_every_auto_spends_at_most_its_budget(tmp_path, budget, expect):
+    """``auto``: the first round (its cost measured), then only while the time in checkpoints stays
+    within the budget share of the wall time; always the last round."""
+    import csv
+
+    import fedgalore
+    from test_engine import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, "fedavg_full", rounds=5)
+    cfg.output.checkpoint_every = "auto"
+    cfg.output.checkpoint_budget = budget
+    res = fedgalore.run(cfg.validate(), run_dir=tmp_path / "r")
+    rows = list(csv.DictReader(open(res.run_dir / "metrics.csv")))
+    assert [int(r["round"]) for r in rows if r.get("time_checkpoint")] == expect
+    assert load_latest_checkpoint(res.run_dir)[1]["round"] == 5
+
+
+def test_checkpoint_settings_are_checked():
+    from fedgalore.engine.config import ConfigError, FederatedConfig
+
+    for bad, msg in (({"checkpoint_every": "sometimes"}, "checkpoint_every"), ({"checkpoint_every": 0}, "checkpoint_every"),
+                     ({"checkpoint_budget": 0}, "checkpoint_budget")):
+        with pytest.raises(ConfigError, match=msg):
+            FederatedConfig.from_dict({"output": bad})

@@ -355,6 +355,9 @@ def test_config_difference_ignores_schema_changes_and_the_display() -> None:
     old = {"train": {"lr": 1e-3}, "federation": {"rounds": 2}, "output": {"progress": "rich"}}
     assert config_difference(old, {"train": {"lr": 1e-3}, "federation": {"rounds": 2, "new_key": 5}}) is None
     assert config_difference(old, {"train": {"lr": 1e-3}, "federation": {"rounds": 2}, "output": {"progress": "quiet"}}) is None
+    # the checkpoint cadence does not change a run's result: resuming with another one is the same run
+    assert config_difference(old, {"train": {"lr": 1e-3}, "federation": {"rounds": 2},
+                                   "output": {"checkpoint_every": "auto", "checkpoint_budget": 0.1, "keep_checkpoints": 1}}) is None
     assert config_difference(old, {"train": {"lr": 5e-4}, "federation": {"rounds": 2}}) == "train.lr: 0.001 -> 0.0005"
 
 

@@ -283,7 +283,7 @@ _KEYS = st.sampled_from([
     "train.local_epochs", "train.local_steps", "train.warmup_ratio", "train.schedule", "train.betas", "train.grad_clip",
     "federation.num_clients", "federation.clients_per_round", "federation.rounds", "federation.min_clients",
     "federation.partition.alpha", "federation.partition.kind", "federation.partition.min_size", "federation.max_update_norm",
-    "output.progress", "output.keep_checkpoints", "backend.name", "nonsense", "train.nonsense", "federation.partition.x",
+    "output.progress", "output.keep_checkpoints", "output.checkpoint_every", "output.checkpoint_budget", "backend.name", "nonsense", "train.nonsense", "federation.partition.x",
 ])
 
 

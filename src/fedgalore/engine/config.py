@@ -26,7 +26,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Literal, Sequence
 
 from fedgalore.federated.partition import PartitionConfig
 from fedgalore.federated.server_opt import ServerOptimizerConfig
@@ -97,7 +97,10 @@ class BackendConfig:
 class OutputConfig:
     dir: str = "runs"
     run_name: str | None = None  # default: "<name>-<method>-<setting>-s<seed>"
-    checkpoint_every: int = 1
+    #: rounds between checkpoints (and after the last), or "auto": checkpoint after a round while
+    #: the loop's time in checkpoints stays within ``checkpoint_budget`` of the run's wall time
+    checkpoint_every: int | Literal["auto"] = 1
+    checkpoint_budget: float = 0.02
     keep_checkpoints: int = 2
     progress: str = "auto"  # "auto" | "rich" | "plain" | "quiet"
 
@@ -175,7 +178,11 @@ class FederatedConfig:
         _check(t.schedule in ("cosine", "linear", "constant"), "train.schedule must be cosine, linear or constant")
         _check(t.schedule_scope in ("global", "round"), "train.schedule_scope must be 'global' or 'round'")
         _check(t.grad_clip is None or t.grad_clip > 0, "train.grad_clip must be > 0 or null")
-        _check(self.output.checkpoint_every >= 1, "output.checkpoint_every must be >= 1")
+        _check(self.output.checkpoint_every == "auto" or self.output.checkpoint_every >= 1,
+               "output.checkpoint_every must be >= 1 or 'auto'")
+        _check(0 < self.output.checkpoint_budget <= 1,
+               f"output.checkpoint_budget={self.output.checkpoint_budget} must be in (0, 1] (the share of wall time "
+               "checkpoint_every=auto may spend checkpointing, e.g. 0.02)")
         _check(self.output.keep_checkpoints >= 1, "output.keep_checkpoints must be >= 1")
         _check(self.output.progress in ("auto", "rich", "plain", "quiet"), "output.progress must be auto, rich, plain or quiet")
         _check(self.device == "cpu" or self.device.startswith("cuda") or self.device == "mps", f"device={self.device!r} must be cpu, cuda[:N] or mps")
@@ -237,7 +244,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 def config_difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     """The first difference between two plain configs (``FederatedConfig.to_dict()`` or a saved
     ``config.yaml``), as ``"train.lr: 0.001 -> 0.0005"``; None when they describe the same run.
-    The display (``output.progress``) does not count. A key present on one side only is a
+    The display (``output.progress``) and the checkpoint cadence (``output.checkpoint_every``,
+    ``checkpoint_budget``, ``keep_checkpoints``) do not count. A key present on one side only is a
     config-schema change between library versions: the missing side is read as the key's default
     (a new option's default is the old behaviour, e.g. ``train.prox_mu: 0``), so a run with the
     option set differs from an older run without it; keys that are not config fields (inside
@@ -270,5 +278,6 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
 
 def _comparable(d: dict[str, Any]) -> dict[str, Any]:
     d = json.loads(json.dumps(d))
-    d.get("output", {}).pop("progress", None)  # display only
+    for key in ("progress", "checkpoint_every", "checkpoint_budget", "keep_checkpoints"):  # display and checkpoint cadence:
+        d.get("output", {}).pop(key, None)  # they do not change the run's result
     return d

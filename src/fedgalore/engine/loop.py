@@ -133,6 +133,7 @@ class Federation:
             self.history, self.ledger.records = self.files.restore(self.start_round)
             self.progress.message(f"resuming {self.run_dir} after round {self.start_round}")
         self.files.write_static(cfg, self.runtime)
+        self._first_round_here = len(self.history)  # checkpoint_every=auto counts this process's rounds
 
     # ------------------------------------------------------------------ the run
     def run(self) -> RunResult:
@@ -142,10 +143,11 @@ class Federation:
                                          "task": cfg.task.name, "start_round": self.start_round})
         self.files.write_summary(self._summary("running", self.wall_time_before))
         writer = CheckpointWriter(self.run_dir, keep=cfg.output.keep_checkpoints)
+        self._first_round_here = len(self.history)
         try:
             for k in range(self.start_round, fed.rounds):
                 self._round(k)
-                if (k + 1) % cfg.output.checkpoint_every == 0 or k + 1 == fed.rounds:
+                if self._checkpoint_due(k, t_start):
                     self._checkpoint(writer, k, t_start)
             writer.wait()  # the last checkpoint is durable before the run says it is complete
             wall = self.wall_time_before + time.perf_counter() - t_start
@@ -163,6 +165,23 @@ class Federation:
             self.progress.close()
             self.backend.close()
         return RunResult(self.run_dir, summary, self.history)
+
+    def _checkpoint_due(self, k: int, t_start: float) -> bool:
+        """Whether to checkpoint after round ``k``: after the last round always; every
+        ``output.checkpoint_every`` rounds; or, with ``"auto"``, after the first round of this
+        process (to measure the cost) and then whenever the time this process has spent in
+        checkpoints, plus the last one's cost, stays within ``output.checkpoint_budget`` of its
+        wall time — the cost is amortised over as many rounds as it takes (a resume repeats the
+        rounds after the last checkpoint, with the same result)."""
+        out = self.cfg.output
+        if k + 1 == self.cfg.federation.rounds:
+            return True
+        if out.checkpoint_every != "auto":
+            return (k + 1) % int(out.checkpoint_every) == 0
+        costs = [h["time_checkpoint"] for h in self.history[self._first_round_here:] if "time_checkpoint" in h]
+        if not costs:
+            return True
+        return sum(costs) + costs[-1] <= out.checkpoint_budget * (time.perf_counter() - t_start)
 
     def _checkpoint(self, writer: CheckpointWriter, k: int, t_start: float) -> None:
         """Checkpoint the state after round ``k``: the tensors are streamed to disk here, the
