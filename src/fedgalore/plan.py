@@ -48,6 +48,7 @@ from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.federated.client import optimizer_steps
 from fedgalore.methods.base import MethodOptions, parse_options, split_options
 from fedgalore.methods.fedgalore import FedGaLoreOptions
+from fedgalore.protocol.payload import dump_safetensors_header
 from fedgalore.tasks.base import ArrayDataset, Task, TaskError, head_parameters, resolve_target_modules
 
 __all__ = [
@@ -271,10 +272,6 @@ class _ProbeTask(Task):
 
 
 # ============================================================================ exact blob sizes
-def _dump_header(header: dict) -> bytes:
-    """The JSON header as safetensors writes it (serde_json: compact, UTF-8), padded to 8 bytes."""
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    return raw + b" " * ((8 - len(raw) % 8) % 8)
 
 
 def _map_shapes(obj: Any, dims: DimMap) -> Any:
@@ -294,8 +291,8 @@ def real_blob_size(blob: bytes, dims: DimMap) -> tuple[int, int]:
     safetensors and :func:`fedgalore.protocol.payload.encode` write it (checked on the blob)."""
     (n,) = struct.unpack("<Q", blob[:8])
     header = json.loads(blob[8 : 8 + n])
-    if _dump_header(header) != blob[8 : 8 + n]:
-        raise PlanError("the safetensors header format is not the one the plan rebuilds; update fedgalore.plan._dump_header")
+    if dump_safetensors_header(header) != blob[8 : 8 + n]:
+        raise PlanError("the safetensors header format is not the one the plan rebuilds; update fedgalore.protocol.payload.dump_safetensors_header")
     meta = dict(header.get("__metadata__", {}))
     if "fedgalore" in meta:
         spec = json.loads(meta["fedgalore"])
@@ -318,7 +315,7 @@ def real_blob_size(blob: bytes, dims: DimMap) -> tuple[int, int]:
         offset += sizes[k][1]
     for k, v in tensors:
         out[k] = {**v, "shape": sizes[k][0], "data_offsets": offsets[k]}
-    return 8 + len(_dump_header(out)) + offset, offset
+    return 8 + len(dump_safetensors_header(out)) + offset, offset
 
 
 def _tensors(obj: Any, seen: set[int] | None = None) -> Iterable[torch.Tensor]:

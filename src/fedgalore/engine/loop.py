@@ -143,7 +143,6 @@ class Federation:
                                          "task": cfg.task.name, "start_round": self.start_round})
         self.files.write_summary(self._summary("running", self.wall_time_before))
         writer = CheckpointWriter(self.run_dir, keep=cfg.output.keep_checkpoints)
-        self._first_round_here = len(self.history)
         try:
             for k in range(self.start_round, fed.rounds):
                 self._round(k)

@@ -339,6 +339,13 @@ _ST_DTYPES = [
 _ST_NAME = {dt: (rank, name) for rank, (dt, name) in enumerate(_ST_DTYPES)}
 
 
+def dump_safetensors_header(header: dict[str, Any]) -> bytes:
+    """A safetensors JSON header as the writer emits it: compact serde_json (``"``, ``\\`` and
+    control characters escaped, other text as UTF-8), padded with spaces to a multiple of 8."""
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    return raw + b" " * ((8 - len(raw) % 8) % 8)
+
+
 def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> tuple[bytes, list[str]] | None:
     """The first bytes of ``safetensors.torch.save(tensors, metadata)`` — the 8-byte length and
     the JSON header padded with spaces to a multiple of 8 — and the tensor names in the order
@@ -359,8 +366,7 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     for _, name, dname, shape, nbytes in order:
         header[name] = {"dtype": dname, "shape": shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    raw += b" " * ((8 - len(raw) % 8) % 8)
+    raw = dump_safetensors_header(header)
     return struct.pack("<Q", len(raw)) + raw, [o[1] for o in order]
 
 

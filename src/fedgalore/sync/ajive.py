@@ -638,13 +638,11 @@ def _joint_space(states: list[_ViewState], ranks: list[int], packs: tuple | None
             u_m, svals, vh_m = torch.linalg.svd(mstack.double(), full_matrices=False)
             def joint_vectors(j: int):
                 return u_m[:, :j].to(dtype), (vh_m[:j].T * svals[:j]).to(dtype)
-        # a new name: the closures above read ``svals`` on the views' device when they run
-        svals_host = svals.double().cpu()
-        return _JointSpace(svals_host, joint_vectors, active, offsets, s_tot)
     else:
         svals = torch.zeros(0, dtype=torch.float64)
         def joint_vectors(j: int):
             return torch.zeros(m, 0, dtype=dtype, device=device), None
+    # never rebind ``svals``: the closures above read it, on the views' device, when they run
     return _JointSpace(svals.double().cpu(), joint_vectors, active, offsets, s_tot)
 
 
