@@ -180,6 +180,21 @@ def test_run_writes_run_directory_and_learns(tmp_path):
     assert 0 <= diag[0]["tail_energy_mean"] <= 1 and diag[0]["drift_mean"] > 0
 
 
+def test_diagnostics_off_skips_the_sync_mismatch_diagnostics_and_changes_no_result(tmp_path):
+    """``diagnostics: false`` reaches FedGaLore's sync through the round context: the mismatch
+    diagnostics are not computed, and the run's metrics, bytes and final state are the same."""
+    runs = {}
+    for flag in (True, False):
+        cfg = tiny_cfg(tmp_path / str(flag), method="fedgalore", rounds=2, diagnostics=flag)
+        res = fedgalore.run(cfg)
+        diag = [json.loads(line) for line in (res.run_dir / "diagnostics.jsonl").read_text().splitlines()]
+        runs[flag] = (res, diag)
+    (on, d_on), (off, d_off) = runs[True], runs[False]
+    assert strip_times(on.history) == strip_times(off.history)
+    assert "mismatch_before" in d_on[0] and "mismatch_before" not in d_off[0]
+    assert d_on[0]["joint_rank"] == d_off[0]["joint_rank"] > 0
+
+
 class _Kill(ProgressSink):
     def __init__(self, at_round):
         self.at = at_round

@@ -252,3 +252,16 @@ def test_closed_form_diagnostics_on_a_shared_basis_match_dense(mode, orthonormal
     after = sum(float(pi * (d - vbar).norm()) for pi, d in zip(P, dense)) / float(vbar.norm())
     assert res.diagnostics["mismatch_after"] == pytest.approx(after, rel=1e-8)
     assert res.diagnostics["removed_fraction"] == pytest.approx(float((vbar_mean - vbar).norm() / vbar_mean.norm()), rel=1e-7, abs=1e-10)
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_diagnostics_off_gives_the_same_state_without_the_mismatch_diagnostics(shared):
+    """``diagnostics=False`` (the run's switch, through RoundContext) only drops the mismatch
+    diagnostics: the synchronised state is bit-identical."""
+    views = _views(seed=13, shared=shared, weights=True)
+    on = synchronize_moments(views, W, "ajive", joint_rank=2, seed=4)
+    off = synchronize_moments(views, W, "ajive", joint_rank=2, seed=4, diagnostics=False)
+    assert torch.equal(on.state.moment, off.state.moment) and torch.equal(on.state.weight, off.state.weight)
+    assert {"mismatch_before", "mismatch_after", "removed_fraction"} <= set(on.diagnostics)
+    assert not {"mismatch_before", "mismatch_after", "removed_fraction"} & set(off.diagnostics)
+    assert off.diagnostics["joint_rank"] == on.diagnostics["joint_rank"]

@@ -166,3 +166,30 @@ def test_change_of_basis_preserves_component_in_new_span(side):
     # same basis: identity map
     c_same = change_of_basis(p_old, p_old, side)
     assert torch.allclose(c_same, torch.eye(r), atol=1e-5)
+
+
+def test_seeded_basis_cache_hands_out_copies_and_stays_within_its_budget(monkeypatch):
+    """The per-process LRU cache of seeded bases: a hit returns the same bits as a fresh draw, a
+    caller that writes into its basis does not change the next caller's, and the cache never
+    holds more than BASIS_CACHE_BYTES (least recently used dropped first)."""
+    from fedgalore.protocol import bases
+
+    monkeypatch.setattr(bases, "BASIS_CACHE_BYTES", 3 * 40 * 6 * 4)  # room for three 40 x 6 bases
+    monkeypatch.setattr(bases, "_cache", type(bases._cache)())
+    monkeypatch.setattr(bases, "_cache_bytes", 0)
+    fresh = {s: bases._haar(s, 40, 6).float() for s in range(5)}
+    for side in ("right", "left"):
+        for s in range(5):
+            p = seeded_basis(s, 40, 40, 6, side)
+            ref = fresh[s].T if side == "right" else fresh[s]
+            assert torch.equal(p, ref) and p.is_contiguous()
+            p.add_(1.0)  # the caller owns its copy
+            assert torch.equal(seeded_basis(s, 40, 40, 6, side), ref)
+        assert bases._cache_bytes <= bases.BASIS_CACHE_BYTES and len(bases._cache) == 3
+        assert list(bases._cache) == [(s, 40, 6) for s in (2, 3, 4)]  # the least recent went first
+    one = seeded_basis(7, 1, 40, 1, "right")  # a 1 x 40 transpose is contiguous already: still a copy
+    one.zero_()
+    assert torch.equal(seeded_basis(7, 1, 40, 1, "right"), bases._haar(7, 40, 1).float().T)
+    monkeypatch.setattr(bases, "BASIS_CACHE_BYTES", 0)  # 0 disables the cache
+    assert torch.equal(seeded_basis(9, 40, 40, 6, "left"), bases._haar(9, 40, 6).float())
+    assert (9, 40, 6) not in bases._cache

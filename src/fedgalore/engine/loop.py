@@ -265,7 +265,7 @@ class Federation:
             sizes = [len(self.runtime.parts[c]) for c in clients]
             weights = [s / sum(sizes) for s in sizes]
             self.progress.round_start(k, clients)
-            rctx = RoundContext(k, fed.rounds, seed_k, clients, weights)
+            rctx = RoundContext(k, fed.rounds, seed_k, clients, weights, cfg.diagnostics)
             blob = self._broadcast(k, rctx)
             jobs = [ClientJob(k, fed.rounds, c, seed_k) for c in clients]
             t1 = time.perf_counter()
@@ -275,7 +275,7 @@ class Federation:
             if len(uploads) >= fed.min_clients:
                 total = sum(kept_w)
                 self.upload_keys = sorted(uploads[0].entries)
-                ctx = RoundContext(k, fed.rounds, seed_k, kept_c, [w / total for w in kept_w])
+                ctx = RoundContext(k, fed.rounds, seed_k, kept_c, [w / total for w in kept_w], cfg.diagnostics)
                 controls = {c: self._controls.pop(c) for c in kept_c if c in self._controls}
                 self._controls = {}
                 return _Round(ctx, uploads, deltas, clients, client_recs, t_clients, controls)

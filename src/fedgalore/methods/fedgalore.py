@@ -305,28 +305,28 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         if not self.synced:
             return {}
         diags: dict[str, list[float]] = {}
-        for j, n in enumerate(self.targets):
-            views = [u[f"moment/{n}"] for u in uploads]
-            with warnings.catch_warnings():
-                # client views are exactly rank r, so AJIVE lowers ranks it cannot use every round;
-                # expected, and recorded in the diagnostics (joint_rank, state_rank)
-                warnings.simplefilter("ignore", RuntimeWarning)
+        with warnings.catch_warnings():
+            # client views are exactly rank r, so AJIVE lowers ranks it cannot use every round;
+            # expected, and recorded in the diagnostics (joint_rank, state_rank)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for j, n in enumerate(self.targets):
                 res = synchronize_moments(
-                    views,  # type: ignore[arg-type]
+                    [u[f"moment/{n}"] for u in uploads],  # type: ignore[misc]
                     weights,
                     mode=self.options.sync,
                     joint_rank=self.options.joint_rank,
                     center=self.options.sync_center,
                     seed=(ctx.round_seed + j) % (2**63),
+                    diagnostics=ctx.diagnostics,
                 )
-            if res.state is not None:
-                st = res.state
-                state.moments[n] = MomentView(st.moment.float(), st.side, st.shape,
-                                              None if st.basis is None else st.basis.float(), st.seed,
-                                              None if st.weight is None else st.weight.float())
-            for k, v in res.diagnostics.items():
-                if isinstance(v, (int, float)):
-                    diags.setdefault(k, []).append(float(v))
+                if res.state is not None:
+                    st = res.state
+                    state.moments[n] = MomentView(st.moment.float(), st.side, st.shape,
+                                                  None if st.basis is None else st.basis.float(), st.seed,
+                                                  None if st.weight is None else st.weight.float())
+                for k, v in res.diagnostics.items():
+                    if isinstance(v, (int, float)):
+                        diags.setdefault(k, []).append(float(v))
         out = {k: sum(v) / len(v) for k, v in diags.items()}
         for key in _CLIENT_DIAGS:
             vals = [float(u.meta[key]) for u in uploads if isinstance(u.meta.get(key), (int, float))]

@@ -12,6 +12,8 @@ Nothing here touches a global RNG.
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 
 import torch
 
@@ -19,6 +21,14 @@ __all__ = ["SIDES", "basis_seed", "seeded_basis"]
 
 SIDES = ("right", "left")
 _SEED_MASK = (1 << 63) - 1
+
+#: Bytes of recently drawn seeded bases kept per process (least recently used dropped first). One
+#: round rebuilds the same basis in every client and again in the server's sync and downlink; a
+#: draw is a float64 QR of ``d x r`` (about 0.3 ms at 1536 x 8), a cache hit a copy. 0 disables.
+BASIS_CACHE_BYTES = 64 << 20
+_cache: "OrderedDict[tuple[int, int, int], torch.Tensor]" = OrderedDict()
+_cache_bytes = 0
+_cache_lock = threading.Lock()
 
 
 def basis_seed(round_seed: int, param_key: str, refresh_index: int) -> int:
@@ -66,5 +76,28 @@ def seeded_basis(seed: int, m: int, n: int, rank: int, side: str) -> torch.Tenso
     d = n if side == "right" else m
     if rank <= 0 or rank > d:
         raise ValueError(f"rank must be in [1, {d}] for side {side!r} of a {m}x{n} matrix, got {rank}")
+    q = _cached_haar32(int(seed), d, rank)
+    return (q.T if side == "right" else q).clone(memory_format=torch.contiguous_format)
+
+
+def _cached_haar32(seed: int, d: int, rank: int) -> torch.Tensor:
+    """``_haar(seed, d, rank)`` as float32, through the per-process LRU cache of
+    :data:`BASIS_CACHE_BYTES` (callers get copies; the cached tensor is never handed out)."""
+    global _cache_bytes
+    key = (seed, d, rank)
+    with _cache_lock:
+        hit = _cache.get(key)
+        if hit is not None:
+            _cache.move_to_end(key)
+            return hit
     q = _haar(seed, d, rank).to(torch.float32)
-    return q.T.contiguous() if side == "right" else q.contiguous()
+    size = q.numel() * q.element_size()
+    if size <= BASIS_CACHE_BYTES:
+        with _cache_lock:
+            if key not in _cache:
+                _cache[key] = q
+                _cache_bytes += size
+            while _cache_bytes > BASIS_CACHE_BYTES and _cache:
+                _, old = _cache.popitem(last=False)
+                _cache_bytes -= old.numel() * old.element_size()
+    return q

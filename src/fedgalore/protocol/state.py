@@ -69,6 +69,8 @@ class RoundContext:
     round_seed: int  # s_k, broadcast to clients (seeded projectors)
     clients: list[int]  # sampled client ids
     weights: list[float]  # p_i over the sampled clients (sum to 1)
+    #: the run's ``diagnostics`` switch: S may skip what only feeds the diagnostics file
+    diagnostics: bool = True
 
 
 @dataclass

@@ -167,11 +167,13 @@ def _ratio(num: float, den: float) -> float:
 
 # ----------------------------------------------------------------------------- sync on factors
 def _check_weights(weights: Sequence[float], k: int) -> torch.Tensor:
+    """The weights as float64 normalised to sum 1; one clear error for a wrong count or values."""
     if len(weights) != k:
         raise ValueError(f"got {len(weights)} weights for {k} views")
-    p = torch.tensor([float(w) for w in weights], dtype=torch.float64)
-    if not bool(torch.isfinite(p).all()) or bool((p < 0).any()) or float(p.sum()) <= 0:
+    w = [float(x) for x in weights]  # plain floats: this runs once per matrix per round
+    if not all(math.isfinite(x) and x >= 0.0 for x in w) or sum(w) <= 0.0:
         raise ValueError("weights must be finite, non-negative and not all zero")
+    p = torch.tensor(w, dtype=torch.float64)
     return p / p.sum()
 
 
@@ -339,6 +341,7 @@ def synchronize_moments(
     joint_rank: Union[int, str, None] = None,
     center: bool = True,
     seed: int = 0,
+    diagnostics: bool = True,
     **ajive_options,
 ) -> SyncResult:
     """Second-moment synchronisation of Algorithm 1, lines 12–13 (paper §5, eq. "matrix view"):
@@ -346,7 +349,9 @@ def synchronize_moments(
     ``B`` (the views' common basis, else their :func:`consensus_basis`; module doc); for ``ajive``
     ``v̄ = Σ_i p_i (μ_i + J_i)``. ``joint_rank``: int, ``"auto"`` (ajive only) or ``None`` (= the
     view rank ``r``, the paper's ``k = r``). Returns ``state`` as a :class:`MomentView` on ``B``
-    (the seed when ``B`` is seeded), with weights ``Σ_i p_i c_i`` when every view has weights."""
+    (the seed when ``B`` is seeded), with weights ``Σ_i p_i c_i`` when every view has weights.
+    ``diagnostics=False`` skips the mismatch diagnostics (the state is the same; ``joint_rank``,
+    ``state_rank``, ``basis_overlap`` and ``time_s`` are still reported)."""
     side, shape = _check_views(views)
     if mode not in MODES:
         raise ValueError(f"unknown sync mode {mode!r}; expected one of {MODES}")
@@ -385,7 +390,7 @@ def synchronize_moments(
     # pairs (rows × r, d × r) with one shared right factor: V_i = A_i Rᵀ
     right = basis.T if side == "right" else basis
     pairs = [((mo if side == "right" else mo.T), right) for mo in moms]
-    res = synchronize(pairs, p.tolist(), mode, joint_rank, center, seed, **ajive_options)
+    res = synchronize(pairs, p.tolist(), mode, joint_rank, center, seed, diagnostics, **ajive_options)
     res.diagnostics["basis_overlap"] = overlap
     if res.state is not None:
         st = res.state
