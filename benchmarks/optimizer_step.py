@@ -25,8 +25,10 @@ Method (DESIGN §6: ratios measured side by side in one process, interleaved):
 * ``breakdown`` (issue 18): the pieces of a GaLore normal step timed alone over the same stack,
   interleaved with the fused AdamW step: the streaming floors (one read of G: ``G.sum()``; one
   read + write of W: ``W.mul_``), the rank-r projection with oneDNN and with ``torch.matmul``
-  (MKL), the back-projection with and without the decay, ``addmm_``'s ``beta`` and the row-blocked
-  decay + back-projection the optimizer uses.
+  (MKL), the back-projection with and without the decay, ``addmm_``'s ``beta``, the row-blocked
+  torch decay + back-projection, and the AVX2 kernels the optimizer uses where they apply
+  (:mod:`fedgalore.optim.cpu_kernels`; ``benchmarks/step_roofline.py`` puts them against the
+  core's peak).
 
 * ``--baseline OLD.py`` adds an older version of the optimizer (its file, imported as a separate
   module) as row ``fedgalore_rsvd_then_random_baseline``: before/after ratios from one process.
@@ -55,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from fedgalore.optim import GaLoreAdamW
+from fedgalore.optim import GaLoreAdamW, cpu_kernels
 from fedgalore.optim import galore_adamw as _ga
 from fedgalore.optim.projector import project
 from fedgalore.protocol.bases import SIDES
@@ -114,6 +116,17 @@ def _load_baseline(path: str):
     return mod.GaLoreAdamW
 
 
+def _torch_only(fn):
+    """``fn`` with the optimizer's AVX2 kernels switched off (its torch path)."""
+    def run():
+        prev, cpu_kernels.ENABLED = cpu_kernels.ENABLED, False
+        try:
+            return fn()
+        finally:
+            cpu_kernels.ENABLED = prev
+    return run
+
+
 def _breakdown(params: list[torch.Tensor], opt: GaLoreAdamW, fused: torch.optim.Optimizer, reps: int,
                log) -> dict[str, dict[str, float]]:
     """Pieces of a GaLore normal step over the whole stack, interleaved with the fused AdamW step
@@ -141,11 +154,15 @@ def _breakdown(params: list[torch.Tensor], opt: GaLoreAdamW, fused: torch.optim.
         "back_project addmm_ (no decay)": each(lambda p, g, side, basis, u, a, b: p.data.addmm_(a, b, alpha=coef)),
         "decay mul_ + addmm_": each(lambda p, g, side, basis, u, a, b: p.data.mul_(decay).addmm_(a, b, alpha=coef)),
         "decay as addmm_ beta": each(lambda p, g, side, basis, u, a, b: p.data.addmm_(a, b, beta=decay, alpha=coef)),
-        "decay + back_project, row blocks (used)": each(
-            lambda p, g, side, basis, u, a, b: _ga._decay_back_project(p.data, u, basis, side, decay, coef)),
+        "decay + back_project, torch row blocks": _torch_only(each(
+            lambda p, g, side, basis, u, a, b: _ga._decay_back_project(p.data, u, basis, side, decay, coef))),
     }
     if onednn is not None:
-        pieces["project oneDNN (used)"] = each(lambda p, g, side, basis, u, a, b: _ga._onednn_project(onednn, g, basis, side))
+        pieces["project oneDNN"] = each(lambda p, g, side, basis, u, a, b: _ga._onednn_project(onednn, g, basis, side))
+    if all(cpu_kernels.usable(it[1], it[3]) for it in items):  # what the optimizer runs where they apply
+        pieces["project AVX2 kernel (used)"] = each(lambda p, g, side, basis, u, a, b: cpu_kernels.project(g, basis, side))
+        pieces["decay + back_project AVX2 kernel (used)"] = each(
+            lambda p, g, side, basis, u, a, b: cpu_kernels.decay_back_project(p.data, u, basis, side, decay, coef))
     times: dict[str, list[float]] = {k: [] for k in pieces}
     for i in range(reps):
         order = list(pieces) if i % 2 == 0 else list(reversed(list(pieces)))
@@ -337,8 +354,10 @@ def main() -> None:
         "baseline": args.baseline,
         "breakdown": breakdown,
         "targets_rsvd_then_random": targets,
-        "kernels": {"projection": "oneDNN (torch.ops.mkldnn._linear_pointwise)" if _ga._onednn_linear() is not None
-                    else "torch.matmul", "block_bytes": _ga.BLOCK_BYTES, "onednn_min_numel": _ga.ONEDNN_MIN_NUMEL},
+        "kernels": {"avx2": cpu_kernels.available(), "avx2_unavailable_because": cpu_kernels.reason(),
+                    "projection": "AVX2 kernel (fedgalore.optim.cpu_kernels) where usable, else "
+                    + ("oneDNN (torch.ops.mkldnn._linear_pointwise)" if _ga._onednn_linear() is not None else "torch.matmul"),
+                    "block_bytes": _ga.BLOCK_BYTES, "onednn_min_numel": _ga.ONEDNN_MIN_NUMEL},
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
                     "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                     "load_average_at_end": list(os.getloadavg()),

@@ -17,10 +17,22 @@ LR, WD, B1, B2, EPS, SCALE = 1e-2, 0.1, 0.9, 0.999, 1e-8, 0.5
 SHAPES = {"right": (384, 256), "left": (256, 640)}
 
 
-@pytest.fixture(params=["fast", "plain"])
+@pytest.fixture(params=["avx2", "fast", "plain"])
 def kernels(request, monkeypatch):
-    """``fast``: oneDNN projection for every size and small row blocks (several per matrix);
+    """``avx2``: the AVX2 kernels (fedgalore.optim.cpu_kernels, one thread) for every size;
+    ``fast``: oneDNN projection for every size and small row blocks (several per matrix);
     ``plain``: torch.matmul and one unblocked mul_ + addmm_."""
+    from fedgalore.optim import cpu_kernels
+
+    if request.param == "avx2":
+        if not cpu_kernels.available():
+            pytest.skip(f"AVX2 kernels unavailable: {cpu_kernels.reason()}")
+        prev = torch.get_num_threads()
+        torch.set_num_threads(1)
+        request.addfinalizer(lambda: torch.set_num_threads(prev))
+        monkeypatch.setattr(ga, "ONEDNN_MIN_NUMEL", 0)
+        return request.param
+    monkeypatch.setattr(cpu_kernels, "ENABLED", False)
     if request.param == "fast":
         if ga._onednn_linear() is None:
             pytest.skip("oneDNN projection unavailable in this torch build")

@@ -73,6 +73,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
+import fedgalore.optim.cpu_kernels as cpu_kernels
 from fedgalore.optim.projector import PROJ_TYPES, change_of_basis, project, resolve_side, rsvd_basis, svd_basis
 from fedgalore.protocol.bases import SIDES, basis_seed, seeded_basis
 from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, SeededLowRank
@@ -225,10 +226,13 @@ def _project_step(g: torch.Tensor, basis: torch.Tensor, side: str) -> tuple[torc
     """``R = project(G, P, side)`` and whether a finite ``R`` proves ``G`` finite (the kernel used
     propagates NaN/Inf, see :func:`_propagates_nonfinite`).
 
-    On CPU, fp32 projections of at least :data:`ONEDNN_MIN_NUMEL` entries use oneDNN: for the
-    skinny rank-r shapes MKL's sgemm ran 1.5-1.7x slower on the RoBERTa-base stack
-    (benchmarks/RESULTS.md §1).
+    On CPU, fp32 projections of at least :data:`ONEDNN_MIN_NUMEL` entries use the AVX2 kernels
+    of :mod:`fedgalore.optim.cpu_kernels` where they apply (rank 8 or 16, one thread; faster
+    than oneDNN at the RoBERTa-base shapes, benchmarks/RESULTS.md §10.1), else oneDNN: for the
+    skinny rank-r shapes MKL's sgemm ran 1.5-1.7x slower (benchmarks/RESULTS.md §1).
     """
+    if g.numel() >= ONEDNN_MIN_NUMEL and cpu_kernels.usable(g, basis):
+        return cpu_kernels.project(g, basis, side), True  # probed: NaN/Inf propagate
     if (
         g.device.type == "cpu" and g.dtype == torch.float32 and basis.dtype == torch.float32
         and g.numel() >= ONEDNN_MIN_NUMEL and g.is_contiguous() and basis.is_contiguous()
@@ -246,12 +250,17 @@ def _decay_back_project(w: torch.Tensor, u: torch.Tensor, basis: Optional[torch.
     torch order (decay first, then the update), as :meth:`GaLoreAdamW._galore_step` documents.
     ``addmm_``'s ``beta`` would fold the decay into the GEMM, but MKL scales ``C`` in a separate
     pass and measured slower than ``mul_`` + ``addmm_`` (benchmarks/RESULTS.md §1); instead, on
-    CPU, the two run per row block of :data:`BLOCK_BYTES`, so the GEMM finds its rows in cache.
+    CPU, the two run per row block of :data:`BLOCK_BYTES`, so the GEMM finds its rows in cache —
+    or, where :func:`fedgalore.optim.cpu_kernels.usable`, in one AVX2 kernel that scales each row
+    of ``W`` and adds its rank-``r`` update while the row is in registers (``coef·u`` formed first).
     """
     if basis is None:
         if decay != 1.0:
             w.mul_(decay)
         w.add_(u, alpha=coef)
+        return
+    if w.numel() >= ONEDNN_MIN_NUMEL and cpu_kernels.usable(w, basis) and u.dtype == torch.float32:
+        cpu_kernels.decay_back_project(w, u, basis, side, decay, coef)  # one AVX2 pass over W
         return
     a, b = (u, basis) if side == "right" else (basis, u)  # W += coef a @ b; rows of W are rows of a
     if decay == 1.0:
@@ -675,11 +684,21 @@ class GaLoreAdamW(Optimizer):
             r, propagates = _project_step(g32, basis, side)
             if not (propagates or checked) and self._nonfinite(p, group, state, g32):
                 return
-        if self._nonfinite(p, group, state, r):
-            return
         lr, wd, eps, scale = float(group["lr"]), group["weight_decay"], group["eps"], group["scale"]
         b1, b2 = group["betas"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
+        w8, cv = state.get("v_weight"), state.get("cold_v")
+        u = None
+        if not compat and p.numel() >= ONEDNN_MIN_NUMEL and cpu_kernels.moments_usable(r, m, v, w8, cv):
+            # the check of R, M, V (and c, the cold V) and U in one kernel call (same rule as below)
+            c2 = 1.0 if w8 is not None or state["v_warm"] else math.sqrt(1.0 - b2 ** (state["v_step"] + 1))
+            u = cpu_kernels.adam_moments(r, m, v, b1, b2, eps * c2, cold_v=cv, v_weight=w8)
+            if u is None and not self._nonfinite(p, group, state, r):
+                raise RuntimeError(f"internal: the moment kernel and torch disagree on whether R of {self._names[p]!r} is finite")
+            if u is None:
+                return
+        elif self._nonfinite(p, group, state, r):
+            return
         state["step"] += 1
         state["v_step"] += 1
         t = state["step"]
@@ -701,21 +720,23 @@ class GaLoreAdamW(Optimizer):
             if state["rec_on"]:
                 self._record(state, u, -step_size * scale, decay if wd > 0.0 else 1.0, after=True)
             return
-        m.lerp_(r, 1.0 - b1)
-        v.mul_(b2).addcmul_(r, r, value=1.0 - b2)
         coef = -lr / (1.0 - b1**t) * scale
-        if "v_weight" in state:
-            w8 = state["v_weight"]
-            w8.mul_(b2).add_(1.0 - b2)
-            u, coef_u = m / (v / w8).sqrt_().add_(eps), coef
+        if u is not None:  # moments updated by the kernel above
+            coef_u = coef * c2
         else:
-            # M / (sqrt(V) / c2 + eps) = c2 M / (sqrt(V) + c2 eps): the factor c2 joins the coefficient
-            c2 = 1.0 if state["v_warm"] else math.sqrt(1.0 - b2 ** state["v_step"])
-            u, coef_u = m / v.sqrt().add_(eps * c2), coef * c2
+            m.lerp_(r, 1.0 - b1)
+            v.mul_(b2).addcmul_(r, r, value=1.0 - b2)
+            if w8 is not None:
+                w8.mul_(b2).add_(1.0 - b2)
+                u, coef_u = m / (v / w8).sqrt_().add_(eps), coef
+            else:
+                # M / (sqrt(V) / c2 + eps) = c2 M / (sqrt(V) + c2 eps): the factor c2 joins the coefficient
+                c2 = 1.0 if state["v_warm"] else math.sqrt(1.0 - b2 ** state["v_step"])
+                u, coef_u = m / v.sqrt().add_(eps * c2), coef * c2
+            if cv is not None:
+                cv.mul_(b2).addcmul_(r, r, value=1.0 - b2)
         cold = None
-        if "cold_v" in state:
-            cv = state["cold_v"]
-            cv.mul_(b2).addcmul_(r, r, value=1.0 - b2)
+        if cv is not None:
             state["cold_step"] += 1
             if state["rec_on"] and "rec_cold" in state:  # U_cold only feeds the record
                 cc = math.sqrt(1.0 - b2 ** state["cold_step"])
