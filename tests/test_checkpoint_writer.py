@@ -81,6 +81,68 @@ def test_a_failing_background_step_is_raised_and_leaves_the_previous_checkpoint(
     assert info["round"] == 1  # round 2 never became visible
 
 
+def test_deferred_tensors_are_written_in_the_background_and_are_the_same_file(tmp_path, monkeypatch):
+    """``defer_tensors``: the caller's thread only snapshots the metadata; the file is the one the
+    streamed mode writes; metadata changed right after ``save`` is not in it; a failing write is
+    raised by ``wait`` and leaves the previous checkpoint newest."""
+    st = _state()
+    streamed = save_checkpoint(tmp_path / "a", 1, st, {"wall_time": 1.0})
+    w = CheckpointWriter(tmp_path / "b", keep=3)
+    calls = []
+    real = ck.write_safetensors
+    monkeypatch.setattr(ck, "write_safetensors", lambda fh, t: (calls.append(__import__("threading").current_thread().name), real(fh, t))[1])
+    w.save(1, st, {"wall_time": 1.0}, defer_tensors=True)
+    st.meta["seed_chain"].append(7)  # metadata may change at once (snapshotted); tensors only after wait()
+    w.wait()
+    assert calls == ["fedgalore-checkpoint"]
+    deferred = tmp_path / "b" / "checkpoints" / "round_0001"
+    assert (deferred / "state.safetensors").read_bytes() == (streamed / "state.safetensors").read_bytes()
+    assert json.loads((deferred / "state.json").read_text())["server_meta"]["seed_chain"] == [1, 2]
+
+    def broken(fh, tensors):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ck, "write_safetensors", broken)
+    w.save(2, st, {}, defer_tensors=True)
+    with pytest.raises(CheckpointError, match="disk full"):
+        w.wait()
+    assert load_latest_checkpoint(tmp_path / "b")[1]["round"] == 1
+
+
+def test_the_round_loop_waits_for_its_checkpoint_before_the_aggregation_changes_the_state(tmp_path, monkeypatch):
+    """The loop's checkpoints stream the state's own tensors in the background; every aggregation
+    (the first in-place change of the state) starts with no checkpoint pending, and the
+    checkpoints hold the state of their round (a resumed run equals an uninterrupted one: the
+    kill-and-resume tests; here: the last checkpoint equals the final state)."""
+    import fedgalore
+    from fedgalore.engine.loop import Federation
+    from test_engine import tiny_cfg
+
+    pending = []
+    real_round = Federation._round
+
+    def watched(self, k):
+        real_agg = self.method.aggregate
+
+        def agg(*a, **kw):
+            pending.append(self._writer._thread is not None)
+            return real_agg(*a, **kw)
+
+        self.method.aggregate = agg
+        try:
+            return real_round(self, k)
+        finally:
+            self.method.aggregate = real_agg
+
+    monkeypatch.setattr(Federation, "_round", watched)
+    cfg = tiny_cfg(tmp_path, "fedavg_full", rounds=3)
+    fed = Federation(cfg, run_dir=tmp_path / "r")
+    fed.run()
+    assert pending == [False, False, False]
+    state, info = load_latest_checkpoint(fed.run_dir)
+    assert info["round"] == 3 and all(torch.equal(state.params[k], fed.state.params[k]) for k in fed.state.params)
+
+
 def test_a_run_reports_its_checkpoint_time_and_ends_with_a_durable_checkpoint(tmp_path):
     import csv
 

@@ -168,6 +168,9 @@ def test_run_writes_run_directory_and_learns(tmp_path):
     assert s["status"] == "complete" and s["rounds_completed"] == 8
     env = json.loads((d / "environment.json").read_text())
     assert env["cpu"] != "" and env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    from fedgalore.optim import cpu_kernels
+
+    assert env["cpu_kernels"] == {"available": cpu_kernels.available(), "reason": cpu_kernels.reason()}
     first = res.history[0]["eval/accuracy"]
     assert s["final"]["accuracy"] > max(first, 0.5)  # it learns
     part = json.loads((d / "partition.json").read_text())

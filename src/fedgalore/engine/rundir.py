@@ -35,6 +35,7 @@ from fedgalore.engine.runtime import Runtime
 from fedgalore.federated.checkpoint import atomic_write_text
 from fedgalore.federated.partition import label_histograms
 from fedgalore.jsonl import append_jsonl, read_jsonl
+from fedgalore.optim import cpu_kernels
 from fedgalore.protocol.payload import Ledger
 from fedgalore.tasks.base import Task
 
@@ -93,6 +94,9 @@ class RunDirectory:
             # one machine, but float kernels differ across CPUs (last digits, which chaotic runs amplify)
             "cpu": _cpu_model(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            # whether GaLore steps on this machine may take the AVX2 kernels (fp32 rounding differs
+            # from the torch path's); null reason = available
+            "cpu_kernels": {"available": cpu_kernels.available(), "reason": cpu_kernels.reason()},
             "seed": cfg.seed,
             "method": method.describe(),
             "target_modules": runtime.target_modules,

@@ -20,6 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors.torch import load as st_load
 
 from fedgalore.protocol.payload import flatten_entries, unflatten_entries, write_safetensors
@@ -63,7 +64,9 @@ class CheckpointWriter:
     background thread beside the next round (``background=True``) or inline. A checkpoint is
     only ever visible complete: a crash before the rename leaves the previous one as the
     newest. :meth:`wait` finishes the pending one (and raises what went wrong there); the next
-    :meth:`save` waits for it first."""
+    :meth:`save` waits for it first. With ``save(..., defer_tensors=True)`` the streaming moves to
+    the background thread too (the round loop's choice: its thread then spends milliseconds per
+    checkpoint, and waits, if at all, before the next aggregation changes the state)."""
 
     def __init__(self, run_dir: Path, keep: int = 2, background: bool = True) -> None:
         self.root = Path(run_dir) / "checkpoints"
@@ -72,8 +75,14 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def save(self, round_done: int, state: ServerState, meta: dict[str, Any]) -> Path:
-        """Start the checkpoint after ``round_done`` completed rounds; returns its final path."""
+    def save(self, round_done: int, state: ServerState, meta: dict[str, Any], defer_tensors: bool = False) -> Path:
+        """Start the checkpoint after ``round_done`` completed rounds; returns its final path.
+
+        ``defer_tensors=True`` (with ``background``): the tensors are streamed in the background
+        thread as well, from the state's own tensors (no copy), so the caller's thread only
+        snapshots the metadata. The caller then must not change any state tensor in place before
+        :meth:`wait` (the round loop waits before its aggregation, the first in-place change;
+        rebinding entries is fine)."""
         self.wait()
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"round_{round_done:04d}"
@@ -85,16 +94,23 @@ class CheckpointWriter:
         tensors.update({f"x/{k}": v.detach() for k, v in state.extras.items()})
         moment_specs, moment_tensors = flatten_entries(state.moments, materialize=False)
         tensors.update({f"m/{k}": v for k, v in moment_tensors.items()})
-        with open(tmp / "state.safetensors", "wb") as fh:
-            write_safetensors(fh, tensors)
+        deferred = defer_tensors and self.background
+        if not deferred:
+            self._write(tmp, tensors)
         # a snapshot of the metadata (the state moves on while the rest is written)
         info = json.loads(json.dumps({"round": round_done, "server_meta": state.meta, "moments": moment_specs, **meta}))
         if self.background:
-            self._thread = threading.Thread(target=self._finish_safely, args=(tmp, final, info), name="fedgalore-checkpoint")
+            args = (tmp, final, info, tensors if deferred else None)
+            self._thread = threading.Thread(target=self._finish_safely, args=args, name="fedgalore-checkpoint")
             self._thread.start()
         else:
             self._finish(tmp, final, info)
         return final
+
+    @staticmethod
+    def _write(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
+        with open(tmp / "state.safetensors", "wb") as fh:
+            write_safetensors(fh, tensors)
 
     def wait(self) -> None:
         """Block until the pending checkpoint is durable; raise its error, if any."""
@@ -105,8 +121,10 @@ class CheckpointWriter:
             err, self._error = self._error, None
             raise CheckpointError(f"writing a checkpoint in {self.root} failed: {err}") from err
 
-    def _finish_safely(self, tmp: Path, final: Path, info: dict[str, Any]) -> None:
+    def _finish_safely(self, tmp: Path, final: Path, info: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None) -> None:
         try:
+            if tensors is not None:
+                self._write(tmp, tensors)
             self._finish(tmp, final, info)
         except BaseException as exc:  # reported by wait()
             self._error = exc
