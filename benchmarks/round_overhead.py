@@ -13,9 +13,10 @@ For each scale — ``tiny_text`` (random BERT, milliseconds per step), ``offline
   else.
 
 The sequential backend hands payloads over in process (copies, sizes computed exactly); the
-checkpoint is the loop's own (:class:`~fedgalore.federated.checkpoint.CheckpointWriter`: tensors
-streamed in the round's thread — counted — fsync, hash and rename beside the next round, which
-the other core absorbs). Round 1 is a warm-up for both and not counted. The ratio is round time / bare time (goal ≤ 1.03
+checkpoint is the loop's own (:class:`~fedgalore.federated.checkpoint.CheckpointWriter` with
+``defer_tensors``: the metadata snapshot in the round's thread — counted — the tensors streamed,
+fsync, hash and rename beside the next round's clients, which the other core absorbs; the wait
+before the next aggregation, if any, is counted too). Round 1 is a warm-up for both and not counted. The ratio is round time / bare time (goal ≤ 1.03
 at MiniLM and SmolLM2). The round is broken down by wrapping the engine's functions (times are
 inclusive; ``client: train`` is ``local_train``): server broadcast (build + encode), client
 decode, load params, train, rest of the client update (optimizer setup, export of the update,
@@ -155,7 +156,10 @@ def measure(scale: str, method: str, rounds: int) -> dict:
     clock.wrap(m, "synchronize", "server: sync")
     clock.wrap(fed.task, "evaluate", "evaluation (excluded)")
     rows = []
-    writer = CheckpointWriter(fed.run_dir, keep=1)  # the loop's: streamed here, made durable beside the next round
+    # the loop's writer: the state's tensors are streamed beside the next round's clients, and the
+    # round waits for them before its aggregation (Federation._checkpoint_wait, timed below)
+    writer = fed._writer = CheckpointWriter(fed.run_dir, keep=1)
+    clock.wrap(fed, "_checkpoint_wait", "server: checkpoint wait (this thread)")
     for k in range(rounds + 1):
         clock.t.clear()
         load = os.getloadavg()[0]
