@@ -119,11 +119,8 @@ def _load_baseline(path: str):
 def _torch_only(fn):
     """``fn`` with the optimizer's AVX2 kernels switched off (its torch path)."""
     def run():
-        prev, cpu_kernels.ENABLED = cpu_kernels.ENABLED, False
-        try:
+        with cpu_kernels.disabled():
             return fn()
-        finally:
-            cpu_kernels.ENABLED = prev
     return run
 
 

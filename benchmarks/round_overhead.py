@@ -158,7 +158,7 @@ def measure(scale: str, method: str, rounds: int) -> dict:
     rows = []
     # the loop's writer: the state's tensors are streamed beside the next round's clients, and the
     # round waits for them before its aggregation (Federation._checkpoint_wait, timed below)
-    writer = fed._writer = CheckpointWriter(fed.run_dir, keep=1)
+    fed._writer = CheckpointWriter(fed.run_dir, keep=1)
     clock.wrap(fed, "_checkpoint_wait", "server: checkpoint wait (this thread)")
     for k in range(rounds + 1):
         clock.t.clear()
@@ -166,7 +166,7 @@ def measure(scale: str, method: str, rounds: int) -> dict:
         t0 = time.perf_counter()
         fed._round(k)
         tc0 = time.perf_counter()
-        fed._checkpoint(writer, k, t0)
+        fed._checkpoint(k, t0)
         t_ckpt = time.perf_counter() - tc0
         t_round = time.perf_counter() - t0 - clock.t.get("evaluation (excluded)", 0.0)
         t_bare = bare_round(fed, k)
@@ -181,7 +181,7 @@ def measure(scale: str, method: str, rounds: int) -> dict:
         rows.append({"round": k + 1, "warmup": k == 0, "round_s": t_round, "bare_s": t_bare, "ratio": t_round / t_bare,
                      "breakdown_s": parts, "loadavg_1min": load})
         print(f"  {scale:8s} {method:11s} round {k + 1}: {t_round:7.3f} s vs bare {t_bare:7.3f} s = {t_round / t_bare:5.3f}x (load {load:.1f})", flush=True)
-    writer.wait()
+    fed._writer.wait()
     fed.backend.close()
     counted = [r for r in rows if not r["warmup"]]
     mean = lambda key: sum(r[key] for r in counted) / len(counted)  # noqa: E731

@@ -1,4 +1,4 @@
-"""The GaLore step against this core's roofline: why "≤ 1.0× fused AdamW" is not reached on CPU.
+"""The GaLore step against this core's roofline: what "≤ 1.0× fused AdamW" takes on one CPU core.
 
 Issue 18 set the goal from bytes alone: a normal GaLore step streams ``G`` once and ``W`` twice
 (3 passes) against fused AdamW's 7, so ≈ 0.45×. But the step also runs two rank-``r`` GEMMs —
@@ -15,7 +15,7 @@ measures, on one core and cache-cold matrices (a pool larger than the last-level
   optimizer's projection), the optimizer's own row-blocked decay + back-projection, and
   the AVX2/FMA kernels made for these skinny shapes (:mod:`fedgalore.optim.cpu_kernels`, which the
   optimizer uses since this benchmark; skipped, with the reason, where they are not available).
-  The torch rows run with the kernels switched off (``cpu_kernels.ENABLED = False``).
+  The torch rows run with the kernels switched off (``cpu_kernels.disabled()``).
 
 From these it reports, per shape and for the stack (weighted by parameter count): the GEMMs'
 GF/s and fraction of peak, the best GaLore core (best projection + best back-projection) over
@@ -70,19 +70,10 @@ def _peak_gflops(reps: int) -> float:
     return 2 * 1024**3 / min(ts) / 1e9  # the best run: a peak
 
 
-class _TorchOnly:
-    """Run the optimizer's own functions with the AVX2 kernels switched off."""
-
-    def __enter__(self):
-        self.prev, cpu_kernels.ENABLED = cpu_kernels.ENABLED, False
-
-    def __exit__(self, *exc):
-        cpu_kernels.ENABLED = self.prev
-
-
 def _torch_only(fn):
+    """``fn`` with the optimizer's AVX2 kernels switched off (its torch path)."""
     def run():
-        with _TorchOnly():
+        with cpu_kernels.disabled():
             return fn()
     return run
 

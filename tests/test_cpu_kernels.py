@@ -4,6 +4,7 @@ the optimizer steps the same with and without them, and every reason not to use 
 to torch with the reason stated."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -93,8 +94,7 @@ def test_optimizer_steps_the_same_with_and_without_the_kernels(wd, extra, one_th
         monkeypatch.setattr(cpu_kernels, name, lambda *a, _fn=fn, _name=name, **k: (calls.__setitem__(_name, calls[_name] + 1), _fn(*a, **k))[1])
     out = {}
     for on in (True, False):
-        cpu_kernels.ENABLED = on
-        try:
+        with contextlib.nullcontext() if on else cpu_kernels.disabled():
             ps = [torch.nn.Parameter(x.clone()) for x in init]
             opt = GaLoreAdamW([{"params": [(f"w{i}", p) for i, p in enumerate(ps)], "rank": 8, "projector": "rsvd_then_random",
                                 "update_proj_gap": 200, "scale": 0.25, "nonfinite": "skip", **extra}], lr=1e-2, weight_decay=wd)
@@ -106,12 +106,10 @@ def test_optimizer_steps_the_same_with_and_without_the_kernels(wd, extra, one_th
             upd = opt.export_update()
             out[on] = ([p.detach().clone() for p in ps], [opt.state[p]["skipped"] for p in ps],
                        [ga.rebuild_delta(upd[f"w{i}"], x) for i, x in enumerate(init)], opt.moment_diagnostics())
-        finally:
-            cpu_kernels.ENABLED = True
-    # with the kernels: 2 matrices x 3 steps projected (the first step's refresh included), the
-    # skipped one not back-projected; without them: no call
-    # the first step's refresh checks G and R itself; the NaN step is refused by the moment kernel
+    # with the kernels: 2 matrices x 3 steps projected and through the moment kernel (the NaN step
+    # is refused there), the skipped one not back-projected; without them: no call
     assert calls == {"project": 6, "decay_back_project": 5, "adam_moments": 6}
+    assert cpu_kernels.ENABLED  # restored after the block
     (p_on, skip_on, d_on, g_on), (p_off, skip_off, d_off, g_off) = out[True], out[False]
     assert skip_on == skip_off == [1, 0]
     for a, b, x, da, db in zip(p_on, p_off, init, d_on, d_off):

@@ -149,7 +149,7 @@ class Federation:
             for k in range(self.start_round, fed.rounds):
                 self._round(k)
                 if self._checkpoint_due(k, t_start):
-                    self._checkpoint(writer, k, t_start)
+                    self._checkpoint(k, t_start)
             self._checkpoint_wait()  # the last checkpoint is durable before the run says it is complete
             wall = self.wall_time_before + time.perf_counter() - t_start
             summary = self._summary("complete", wall)
@@ -184,7 +184,7 @@ class Federation:
             return True
         return sum(costs) + costs[-1] <= out.checkpoint_budget * (time.perf_counter() - t_start)
 
-    def _checkpoint(self, writer: CheckpointWriter, k: int, t_start: float) -> None:
+    def _checkpoint(self, k: int, t_start: float) -> None:
         """Checkpoint the state after round ``k``: the metadata is snapshotted here; streaming the
         state's tensors, fsync, hash and rename run beside the next round's client training
         (:class:`CheckpointWriter` with ``defer_tensors``), which does not touch the server state;
@@ -193,7 +193,7 @@ class Federation:
         (metrics.csv; summary ``time_checkpoint``)."""
         t0 = time.perf_counter()
         wall = self.wall_time_before + t0 - t_start
-        writer.save(k + 1, self.state, {"wall_time": wall, "loop": {"upload_keys": self.upload_keys}}, defer_tensors=True)
+        self._writer.save(k + 1, self.state, {"wall_time": wall, "loop": {"upload_keys": self.upload_keys}}, defer_tensors=True)
         self._pending_rec = self.history[-1]
         self._pending_rec["time_checkpoint"] = time.perf_counter() - t0
         self.files.write_csv(self.history)

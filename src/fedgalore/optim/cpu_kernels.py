@@ -5,8 +5,8 @@ time in two skinny GEMMs over the ``m × n`` matrix: the projection ``R = G Pᵀ
 ``Pᵀ G`` (left) and the decay + back-projection ``W ← d W + c U P`` / ``d W + c P U``. At
 ``r = 8`` they are compute-bound on a core like this box's (``2 r = 16`` flops per weight each,
 ≈ the flops a core can do in the time it streams one fp32 weight), and MKL and oneDNN run them at
-12–30 % of the core's FMA peak; the kernels in ``kernels/rank_r_avx2.c`` — register-blocked for
-exactly these shapes, no packing — at 33–40 % (``benchmarks/step_roofline.py``,
+13–34 % of the core's FMA peak; the kernels in ``kernels/rank_r_avx2.c`` — register-blocked for
+exactly these shapes, no packing — at 36–44 % (``benchmarks/step_roofline.py``,
 benchmarks/RESULTS.md §10.1). No library we may depend on ships such kernels, hence C of our own.
 
 How they are used (:func:`available`): on x86-64 Linux/macOS with AVX2 and FMA, a C compiler
@@ -24,6 +24,7 @@ every thread torch is given); ``cpu_kernels.ENABLED = False`` turns them off in 
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -34,11 +35,12 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
-__all__ = ["available", "reason", "usable", "moments_usable", "project", "decay_back_project", "adam_moments", "ENABLED", "MAX_RANK", "SOURCE"]
+__all__ = ["available", "reason", "usable", "moments_usable", "disabled", "project", "decay_back_project", "adam_moments",
+           "ENABLED", "MAX_RANK", "SOURCE"]
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "rank_r_avx2.c"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC"]
@@ -176,6 +178,17 @@ def reason() -> Optional[str]:
     """Why the kernels are not used in this process (``None`` when they are)."""
     available()
     return _state["reason"]  # type: ignore[return-value]
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block the optimizer takes its torch path (:data:`ENABLED` off, then restored)."""
+    global ENABLED
+    prev, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = prev
 
 
 def usable(g: torch.Tensor, basis: torch.Tensor) -> bool:

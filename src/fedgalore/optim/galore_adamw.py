@@ -688,10 +688,12 @@ class GaLoreAdamW(Optimizer):
         b1, b2 = group["betas"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
         w8, cv = state.get("v_weight"), state.get("cold_v")
+        # M / (sqrt(V) / c2 + eps) = c2 M / (sqrt(V) + c2 eps): AdamW's bias correction of this
+        # step's V (v_step + 1) joins the coefficient; 1 with prior weights c or a warm V
+        c2 = 1.0 if w8 is not None or state["v_warm"] else math.sqrt(1.0 - b2 ** (state["v_step"] + 1))
         u = None
         if not compat and p.numel() >= ONEDNN_MIN_NUMEL and cpu_kernels.moments_usable(r, m, v, w8, cv):
             # the check of R, M, V (and c, the cold V) and U in one kernel call (same rule as below)
-            c2 = 1.0 if w8 is not None or state["v_warm"] else math.sqrt(1.0 - b2 ** (state["v_step"] + 1))
             u = cpu_kernels.adam_moments(r, m, v, b1, b2, eps * c2, cold_v=cv, v_weight=w8)
             if u is None and not self._nonfinite(p, group, state, r):
                 raise RuntimeError(f"internal: the moment kernel and torch disagree on whether R of {self._names[p]!r} is finite")
@@ -721,18 +723,15 @@ class GaLoreAdamW(Optimizer):
                 self._record(state, u, -step_size * scale, decay if wd > 0.0 else 1.0, after=True)
             return
         coef = -lr / (1.0 - b1**t) * scale
-        if u is not None:  # moments updated by the kernel above
-            coef_u = coef * c2
-        else:
+        coef_u = coef * c2
+        if u is None:  # else the kernel above updated the moments
             m.lerp_(r, 1.0 - b1)
             v.mul_(b2).addcmul_(r, r, value=1.0 - b2)
             if w8 is not None:
                 w8.mul_(b2).add_(1.0 - b2)
-                u, coef_u = m / (v / w8).sqrt_().add_(eps), coef
+                u = m / (v / w8).sqrt_().add_(eps)
             else:
-                # M / (sqrt(V) / c2 + eps) = c2 M / (sqrt(V) + c2 eps): the factor c2 joins the coefficient
-                c2 = 1.0 if state["v_warm"] else math.sqrt(1.0 - b2 ** state["v_step"])
-                u, coef_u = m / v.sqrt().add_(eps * c2), coef * c2
+                u = m / v.sqrt().add_(eps * c2)
             if cv is not None:
                 cv.mul_(b2).addcmul_(r, r, value=1.0 - b2)
         cold = None
