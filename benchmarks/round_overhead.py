@@ -197,13 +197,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny and MiniLM, 2 counted rounds")
     ap.add_argument("--rounds", type=int, default=3, help="counted rounds per cell (after one warm-up)")
+    ap.add_argument("--scales", nargs="+", choices=tuple(SCALES), help="only these scales (default: all; --quick: tiny, minilm)")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="only these methods")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/round_overhead.json"))
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    scales = ("tiny", "minilm") if args.quick else tuple(SCALES)
+    scales = tuple(args.scales) if args.scales else ("tiny", "minilm") if args.quick else tuple(SCALES)
     rounds = 2 if args.quick else args.rounds
     t0, load0 = time.perf_counter(), os.getloadavg()
-    cells = [measure(s, m, rounds) for s in scales for m in METHODS]
+    cells = [measure(s, m, rounds) for s in scales for m in args.methods]
     res = {"meta": {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
                     "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "clients": CLIENTS,
                     "loadavg_start": load0, "loadavg_end": os.getloadavg(), "seconds": time.perf_counter() - t0},

@@ -10,7 +10,14 @@ mode, on synthetic views of those shapes, in four variants interleaved in one pr
   each client's own basis (the aligned mode's ``consensus`` views: the server builds the
   consensus basis and moves every view onto it);
 * with and without the mismatch diagnostics (``diagnostics``: the run's switch reaches S through
-  :class:`fedgalore.protocol.state.RoundContext`).
+  :class:`fedgalore.protocol.state.RoundContext`);
+* one matrix at a time (:func:`~fedgalore.sync.synchronize_moments`, the reference) or the round's
+  matrices together (:func:`~fedgalore.sync.synchronize_moments_many`: same-shape matrices batched,
+  FedGaLore's default ``sync_batched: true``).
+
+The views' moments are non-negative and of rank 3–8 per client (drawn), as a real round's are
+after the move onto the consensus basis (most views of a SmolLM2 round have numerical rank
+below r = 8, so AJIVE lowers ranks and drops joint components matrix by matrix).
 
 Medians over repetitions, one thread, the load average recorded. Writes
 ``benchmarks/results/sync_per_matrix.json``. ``--clients K`` (default 2, as
@@ -35,7 +42,7 @@ from pathlib import Path
 import torch
 
 from fedgalore.protocol.payload import MomentView
-from fedgalore.sync.moments import synchronize_moments
+from fedgalore.sync import synchronize_moments, synchronize_moments_many
 
 ROOT = Path(__file__).resolve().parents[1]
 # SmolLM2-135M: hidden 576, 9 query / 3 key-value heads of 64, intermediate 1536, 30 layers
@@ -49,7 +56,9 @@ def _views(shared: bool, clients: int, gen: torch.Generator) -> list[list[Moment
         side = "right" if m >= n else "left"
         per = []
         for _ in range(clients):
-            mom = torch.rand((m, RANK) if side == "right" else (RANK, n), generator=gen)
+            k = int(torch.randint(3, RANK + 1, (1,), generator=gen))
+            rows, cols = (m, RANK) if side == "right" else (RANK, n)
+            mom = torch.rand(rows, k, generator=gen) @ torch.rand(k, cols, generator=gen)
             weight = torch.rand(RANK, generator=gen) + 0.5
             if shared:
                 per.append(MomentView(mom, side, (m, n), None, 1000 + j, weight))
@@ -70,16 +79,21 @@ def main(argv: list[str] | None = None) -> dict:
     gen = torch.Generator().manual_seed(0)
     weights = [1.0 / args.clients] * args.clients
     views = {"seeded": _views(True, args.clients, gen), "own bases": _views(False, args.clients, gen)}
-    cases = {f"{basis}, diagnostics {'on' if diag else 'off'}": (basis, diag) for basis in views for diag in (True, False)}
+    cases = {f"{basis}, diagnostics {'on' if diag else 'off'}, {path}": (basis, diag, path)
+             for basis in views for diag in (True, False) for path in ("per matrix", "batched")}
 
-    def one_round(basis: str, diag: bool) -> None:
+    def one_round(basis: str, diag: bool, path: str) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # rank-r views: AJIVE lowers ranks, expected
+            if path == "batched":
+                synchronize_moments_many(views[basis], weights, "ajive", joint_rank=RANK, seeds=range(len(views[basis])),
+                                         diagnostics=diag)
+                return
             for j, per in enumerate(views[basis]):
                 synchronize_moments(per, weights, "ajive", joint_rank=RANK, seed=j, diagnostics=diag)
 
-    for basis, diag in cases.values():  # warm-up (also fills the seeded-basis cache, as a run does)
-        one_round(basis, diag)
+    for case in cases.values():  # warm-up (also fills the seeded-basis cache, as a run does)
+        one_round(*case)
     samples: dict[str, list[float]] = {k: [] for k in cases}
     loads = []
     names = list(cases)
@@ -95,6 +109,8 @@ def main(argv: list[str] | None = None) -> dict:
         "shapes_per_layer": LAYER, "repetitions": args.reps, "mode": "ajive, joint rank = r",
         "median_s_per_round": {k: statistics.median(v) for k, v in samples.items()},
         "ms_per_matrix": {k: 1e3 * statistics.median(v) / matrices for k, v in samples.items()},
+        "batched_speedup": {k.replace(", batched", ""): statistics.median(samples[k.replace("batched", "per matrix")]) / statistics.median(v)
+                            for k, v in samples.items() if k.endswith("batched")},
         "machine": {"cpus": os.cpu_count(), "threads": torch.get_num_threads(), "torch": torch.__version__,
                     "python": platform.python_version(), "platform": platform.platform(),
                     "load_1min": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)}},
@@ -102,7 +118,9 @@ def main(argv: list[str] | None = None) -> dict:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
     for k in names:
-        print(f"{k:32s} {result['median_s_per_round'][k]:.3f} s per round  {result['ms_per_matrix'][k]:.2f} ms per matrix")
+        print(f"{k:46s} {result['median_s_per_round'][k]:.3f} s per round  {result['ms_per_matrix'][k]:.2f} ms per matrix")
+    for k, v in result["batched_speedup"].items():
+        print(f"batched vs per matrix, {k}: {v:.2f}x")
     print(f"load {result['machine']['load_1min']}; wrote {args.out}")
     return result
 

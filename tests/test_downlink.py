@@ -49,7 +49,11 @@ def test_weighted_update_is_the_dense_aggregate():
     assert _rel(fac.materialize(w0), dense) < 1e-6
     w = w0.clone()
     delta = apply_update(w, fac)
-    assert torch.equal(w, w0 + delta)
+    assert _rel(delta, dense) < 1e-6
+    assert _rel(w, w0 + dense) < 1e-6  # W + decay·W, then one GEMM of the stacked factors into W
+    w_fast = w0.clone()
+    assert apply_update(w_fast, fac, return_delta=False) is None
+    assert torch.equal(w_fast, w)  # asking for ΔW changes no bit of W
 
 
 def test_chain_is_pruned_below_dense_and_client_payload_picks_the_smaller():
@@ -96,6 +100,18 @@ def test_cache_at_another_version_is_refused():
     with pytest.raises(DownlinkError, match="holds None"):
         reconstruct(p, ["w"], None)
     assert torch.equal(reconstruct(p, ["w"], ClientCache(0, {"w": w0}))["w"], state.params["w"])
+    # in place: only on a cache that owns its tensors, only after the whole chain is checked
+    shared = ClientCache(0, {"w": w0.clone()})
+    got = reconstruct(p, ["w"], shared, in_place=True)["w"]
+    assert torch.equal(shared.params["w"], w0) and got is not shared.params["w"]
+    own = ClientCache(0, {"w": w0.clone()}, owned=True)
+    got = reconstruct(p, ["w"], own, in_place=True)["w"]
+    assert got is own.params["w"] and torch.equal(got, state.params["w"])
+    missing = Payload({k: e for k, e in p.entries.items() if not k.startswith("downlink/2/")}, dict(p.meta))
+    mine = ClientCache(0, {"w": w0.clone(), "v": w0.clone()}, owned=True)
+    with pytest.raises(DownlinkError, match="version 2 missing"):
+        reconstruct(missing, ["w"], mine, in_place=True)
+    assert torch.equal(mine.params["w"], w0)  # refused before anything was applied
 
 
 def test_partial_participation_clients_hold_the_server_model_over_missed_rounds():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,9 @@ from fedgalore.protocol.payload import (
     decode,
     encode,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import check_equivalence  # noqa: E402
 
 
 def tiny_cfg(tmp_path: Path, method: str = "fedavg_full", rounds: int = 3, **over) -> FederatedConfig:
@@ -184,8 +188,10 @@ def test_run_writes_run_directory_and_learns(tmp_path):
 
 
 def test_diagnostics_off_skips_the_sync_mismatch_diagnostics_and_changes_no_result(tmp_path):
-    """``diagnostics: false`` reaches FedGaLore's sync through the round context: the mismatch
-    diagnostics are not computed, and the run's metrics, bytes and final state are the same."""
+    """``diagnostics: false`` reaches FedGaLore's sync (round context), its clients (client
+    context: no shadow cold moment, no moment numbers in the upload's meta) and the aggregate (no
+    ΔW copy): none of it is computed, and the run's metrics, downlink bytes and final state are
+    the same bits; the uploads are smaller by the numbers they no longer carry."""
     runs = {}
     for flag in (True, False):
         cfg = tiny_cfg(tmp_path / str(flag), method="fedgalore", rounds=2, diagnostics=flag)
@@ -193,9 +199,16 @@ def test_diagnostics_off_skips_the_sync_mismatch_diagnostics_and_changes_no_resu
         diag = [json.loads(line) for line in (res.run_dir / "diagnostics.jsonl").read_text().splitlines()]
         runs[flag] = (res, diag)
     (on, d_on), (off, d_off) = runs[True], runs[False]
-    assert strip_times(on.history) == strip_times(off.history)
+    up = ("bytes_up", "cum_bytes_up")  # without diagnostics the uploads do not carry the clients' numbers
+    assert [{k: v for k, v in r.items() if k not in up} for r in strip_times(on.history)] == \
+        [{k: v for k, v in r.items() if k not in up} for r in strip_times(off.history)]
+    assert all(0 < a["bytes_up"] - b["bytes_up"] < 1000 for a, b in zip(on.history, off.history))
     assert "mismatch_before" in d_on[0] and "mismatch_before" not in d_off[0]
     assert d_on[0]["joint_rank"] == d_off[0]["joint_rank"] > 0
+    # the clients skip the shadow cold moment and the aggregate its ΔW copy: the same bits
+    assert "update_norm_vs_cold" in d_on[0] and "update_norm_vs_cold" not in d_off[0]
+    assert "tail_energy_mean" in d_on[0] and "tail_energy_mean" not in d_off[0]
+    assert check_equivalence._state_hash(on.run_dir) == check_equivalence._state_hash(off.run_dir)
 
 
 class _Kill(ProgressSink):

@@ -338,7 +338,15 @@ class Federation:
             held = self.method.held_versions(self.state, rctx.clients)
         else:
             held = {}
-        msgs = {c: per_client(self.state, rctx, bcast, held.get(c)) if per_client is not None else bcast for c in rctx.clients}
+        by_held: dict[int | None, Payload] = {}  # a message depends on the held version only: built once per version
+
+        def message(c: int) -> Payload:
+            h = held.get(c)
+            if h not in by_held:
+                by_held[h] = per_client(self.state, rctx, bcast, h)
+            return by_held[h]
+
+        msgs = {c: message(c) if per_client is not None else bcast for c in rctx.clients}
         if mode in ("replay", "account"):
             self.method.downlink_sent(self.state, rctx.clients)
         train = {c: bcast for c in rctx.clients} if mode == "account" else dict(msgs)

@@ -162,6 +162,7 @@ class Runtime:
                 steps_per_round=self.steps_per_round,
                 on_step=on_step,
                 device=self.device,
+                diagnostics=bool(self.cfg.diagnostics),
                 state=client_state if client_state is not None
                 else None if self.client_state is None else self.client_state.setdefault(job.client, {}),
             )

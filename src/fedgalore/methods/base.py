@@ -119,7 +119,8 @@ class Method(abc.ABC):
     @abc.abstractmethod
     def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext) -> dict[str, torch.Tensor]:
         """Aggregation operator A. Mutates ``state``; returns the dense effective update applied
-        to each adapted weight matrix (ΔW̄, used by diagnostics)."""
+        to each adapted weight matrix (ΔW̄, used by diagnostics only: a method may return ``{}``
+        when ``ctx.diagnostics`` is off)."""
 
     def synchronize(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext) -> dict[str, float]:
         """State synchronisation operator S (default: none). Returns diagnostics."""

@@ -85,28 +85,34 @@ class FactoredDownlink:
             return common
         return downlink.client_payload(state, common, self.downlink_names(), held)
 
-    def reconstruct_targets(self, broadcast: Payload, client_state: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+    def reconstruct_targets(self, broadcast: Payload, client_state: dict[str, Any] | None, in_place: bool = False) -> dict[str, torch.Tensor]:
         """The chained matrices of the broadcast's model: dense as sent, or the client's cache
-        with the chain applied (:func:`fedgalore.protocol.downlink.reconstruct`)."""
+        with the chain applied (:func:`fedgalore.protocol.downlink.reconstruct`; ``in_place``:
+        to the cache's own tensors)."""
         cache = None if client_state is None else client_state.get("downlink")
-        return downlink.reconstruct(broadcast, self.downlink_names(), cache)
+        return downlink.reconstruct(broadcast, self.downlink_names(), cache, in_place=in_place)
 
     def start_matrices(self, broadcast: Payload, client_state: dict[str, Any] | None) -> dict[str, torch.Tensor]:
         """Client side: the chained matrices of ``W_k`` (rebuilt from the client's copy when the
-        broadcast is a chain) and, for a client that keeps its model, its new copy."""
+        broadcast is a chain) and, for a client that keeps its model, its new copy. A chained
+        matrix is applied to the client's own copy in place and returned as that tensor (no copy
+        of every matrix, twice, per round): callers copy the matrices into the model and never
+        write to them, so the cache is not the model being trained."""
         if "version" not in broadcast.meta:
             return {n: broadcast[n].materialize() for n in self.downlink_names()}
-        start = self.reconstruct_targets(broadcast, client_state)
-        if client_state is not None:  # fp32 copies: the cache is not the model being trained
-            client_state["downlink"] = downlink.ClientCache(int(broadcast.meta["version"]),
-                                                            {n: w.detach().float().clone() for n, w in start.items()})
+        start = self.reconstruct_targets(broadcast, client_state, in_place=client_state is not None)
+        if client_state is not None:  # matrices sent dense are the message's tensors: the cache copies those
+            own = {n: w.detach().float().clone() if n in broadcast.entries else w for n, w in start.items()}
+            client_state["downlink"] = downlink.ClientCache(int(broadcast.meta["version"]), own, owned=True)
         return start
 
-    def apply_round_update(self, state: ServerState, updates: Mapping[str, Entry]) -> dict[str, torch.Tensor]:
+    def apply_round_update(self, state: ServerState, updates: Mapping[str, Entry], delta: bool = True) -> dict[str, torch.Tensor]:
         """``W ← W + ΔW`` for every chained matrix with :func:`fedgalore.protocol.downlink.apply_update`
         (what a client applies), the round's updates kept in the chain under ``factored``;
-        returns the applied ``ΔW``."""
-        applied = {n: downlink.apply_update(state.params[n], u) for n, u in updates.items()}
+        returns each ``ΔW`` as an ``m × n`` matrix, or ``{}`` when not ``delta`` (a run
+        without diagnostics: nothing reads it, and it costs an m × n product per matrix). The
+        new ``W`` is the same bits either way."""
+        applied = {n: downlink.apply_update(state.params[n], u, return_delta=delta) for n, u in updates.items()}
         if self.factored_downlink:
             downlink.record_update(state, updates)
-        return applied
+        return applied if delta else {}

@@ -63,7 +63,7 @@ from fedgalore.protocol import downlink
 from fedgalore.protocol.bases import basis_seed
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 from fedgalore.sync.moments import MODES as _SYNC_MODES
-from fedgalore.sync.moments import synchronize_moments
+from fedgalore.sync.batched import synchronize_moments_many
 
 _PROTOCOLS = ("paper", "aligned")
 _VIEW_BASES = ("seeded", "consensus")
@@ -117,6 +117,8 @@ class FedGaLoreOptions(MethodOptions):
     sync: Literal[_SYNC_MODES] | None = option(None, "second-moment sync S (null: ajive; the ablations pin theirs)")
     joint_rank: int | Literal["auto"] | None = option(None, "AJIVE joint rank k (null: the rank r; auto: Wedin/random-direction bounds)")
     sync_center: bool = option(True, "AJIVE centres each view (the mean joins the synchronised state)")
+    sync_batched: bool = option(True, "run S on same-shape matrices together (batched linear algebra, the same "
+                                      "equations and decisions; false: one matrix at a time, the reference)")
     moment_protocol: Literal[_PROTOCOLS] = option("aligned", "paper: Algorithm 1 as written; aligned: prior weights across rounds")
     view_basis: Literal[_VIEW_BASES] | None = option(None, "shared view basis B (null: seeded for paper, consensus for aligned)")
     galore_torch_compat: bool = option(False, "the official galore_torch update rule (needs moment_protocol=paper when synced)")
@@ -153,7 +155,10 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
     def synced(self) -> bool:
         return self.options.sync != "none"
 
-    def _galore_group(self, named: list[tuple[str, nn.Parameter]]) -> dict[str, Any]:
+    def _galore_group(self, named: list[tuple[str, nn.Parameter]], diagnostics: bool = True) -> dict[str, Any]:
+        """The client optimizer's GaLore group. ``diagnostics`` (the run's switch): the shadow
+        cold second moment feeds only the diagnostics (``update_norm_vs_cold``,
+        ``v_warm_cold_ratio``); the update is the same bits without it."""
         o = self.options
         return {
             "params": named,
@@ -170,7 +175,7 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             "nonfinite": o.nonfinite,
             # FedGaLore⁻ starts cold every round: AdamW's rule (bit-identical to earlier runs)
             "bias_correction": "weight" if self.synced and o.moment_protocol == "aligned" else "steps",
-            "track_cold": self.synced and not o.galore_torch_compat,
+            "track_cold": self.synced and not o.galore_torch_compat and diagnostics,
         }
 
     # ------------------------------------------------------------------ T
@@ -196,7 +201,7 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         load_params(model, start)
         params = named_params(model, self.targets + self.heads)
         tc = ctx.train
-        groups = [self._galore_group([(n, params[n]) for n in self.targets])]
+        groups = [self._galore_group([(n, params[n]) for n in self.targets], diagnostics=ctx.diagnostics)]
         if self.heads:
             groups.append({"params": [(n, params[n]) for n in self.heads], "lr": tc.head_lr or tc.lr})
         opt = GaLoreAdamW(
@@ -233,7 +238,8 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             views = opt.export_moments({n: opt.view_seed(n) for n in self.targets} if seeded else None)
             for n, view in views.items():
                 entries[f"moment/{n}"] = _share_basis(view, updates[n])
-            meta.update(_client_diagnostics(opt.moment_diagnostics()))
+            if ctx.diagnostics:
+                meta.update(_client_diagnostics(opt.moment_diagnostics()))
         return Payload(entries, meta)
     # ------------------------------------------------------------------ A
     def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext):
@@ -243,7 +249,7 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         whatever the downlink: the server's W is bit-identical under ``downlink: dense`` and
         ``factored``. ``factored`` also keeps the record in the server's chain."""
         updates = {n: downlink.weighted_update([u[n] for u in uploads], weights) for n in self.targets}  # type: ignore[misc]
-        applied = self.apply_round_update(state, updates)
+        applied = self.apply_round_update(state, updates, delta=ctx.diagnostics)
         self.average_heads(state, uploads, weights)
         return applied
 
@@ -309,16 +315,17 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             # client views are exactly rank r, so AJIVE lowers ranks it cannot use every round;
             # expected, and recorded in the diagnostics (joint_rank, state_rank)
             warnings.simplefilter("ignore", RuntimeWarning)
-            for j, n in enumerate(self.targets):
-                res = synchronize_moments(
-                    [u[f"moment/{n}"] for u in uploads],  # type: ignore[misc]
-                    weights,
-                    mode=self.options.sync,
-                    joint_rank=self.options.joint_rank,
-                    center=self.options.sync_center,
-                    seed=(ctx.round_seed + j) % (2**63),
-                    diagnostics=ctx.diagnostics,
-                )
+            results = synchronize_moments_many(
+                [[u[f"moment/{n}"] for u in uploads] for n in self.targets],  # type: ignore[misc]
+                weights,
+                mode=self.options.sync,
+                joint_rank=self.options.joint_rank,
+                center=self.options.sync_center,
+                seeds=[(ctx.round_seed + j) % (2**63) for j in range(len(self.targets))],
+                diagnostics=ctx.diagnostics,
+                batched=self.options.sync_batched,
+            )
+            for n, res in zip(self.targets, results):
                 if res.state is not None:
                     st = res.state
                     state.moments[n] = MomentView(st.moment.float(), st.side, st.shape,

@@ -96,7 +96,7 @@ class FLoRA(FactoredDownlink, LoraMethod):
             b_stacked = torch.cat([b.float() for b, _ in pairs], dim=1)
             a_stacked = torch.cat([pi * a.float() for pi, (_, a) in zip(p, pairs)], dim=0)
             updates[w_key(m)] = LowRank(self.scaling * b_stacked, a_stacked)
-        delta = self.apply_round_update(state, updates)
+        delta = self.apply_round_update(state, updates, delta=ctx.diagnostics)
         self.average_heads(state, uploads, p)
         return delta
 

@@ -179,7 +179,7 @@ class FRLoRA(FactoredDownlink, LoraMethod):
             else:
                 a_bar = weighted_sum([a for _, a in pairs], p)
                 updates[w_key(m)] = LowRank(torch.cat([self.scaling * b_bar, -self.scaling * b0], dim=1), torch.cat([a_bar, a0], dim=0))
-        delta = self.apply_round_update(state, updates)
+        delta = self.apply_round_update(state, updates, delta=ctx.diagnostics)
         self.average_heads(state, uploads, p)
         state.meta["weights"] = "uniform" if self.uniform_average else "size"
         return delta

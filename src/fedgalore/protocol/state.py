@@ -98,3 +98,6 @@ class ClientContext:
     #: SCAFFOLD's client side (a :class:`fedgalore.federated.scaffold.ScaffoldClient`) when
     #: ``train.scaffold`` is on; ``local_train`` applies its correction after every optimizer step
     scaffold: Any = None
+    #: the run's ``diagnostics`` switch: a client may skip what only feeds the diagnostics file
+    #: (FedGaLore: the shadow cold second moment and the moment diagnostics in the upload meta)
+    diagnostics: bool = True
