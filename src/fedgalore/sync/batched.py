@@ -56,6 +56,7 @@ from fedgalore.sync.moments import (
     _same_basis,
     _shared_basis_diagnostics,
     synchronize_moments,
+    top_singular_basis,
 )
 
 __all__ = ["synchronize_moments_many"]
@@ -285,15 +286,7 @@ def _consensus_basis(own: torch.Tensor, pw: list[float], rank: int, side: str) -
     """:func:`fedgalore.sync.moments.consensus_basis` for ``G`` matrices at once: ``own`` is
     ``G × K × (r×n)`` (right) or ``G × K × (m×r)`` (left); returns ``G × rank × n`` / ``G × m × rank``."""
     scale = torch.tensor([math.sqrt(w) for w in pw], dtype=torch.float64, device=own.device)
-    if side == "right":
-        G, K, r, n = own.shape
-        stack = (own.double() * scale[None, :, None, None]).transpose(-1, -2).transpose(1, 2).reshape(G, n, K * r)
-        q = torch.linalg.svd(stack, full_matrices=False)[0][..., :rank]  # G × n × rank (tall SVD, as the reference)
-    else:
-        G, K, m, r = own.shape
-        stack = (own.double() * scale[None, :, None, None]).transpose(1, 2).reshape(G, m, K * r)
-        q = torch.linalg.svd(stack, full_matrices=False)[0][..., :rank]  # G × m × rank
-    idx = q.abs().argmax(dim=-2, keepdim=True)  # G × 1 × rank
-    sign = torch.sign(torch.gather(q, -2, idx)).clamp_min(0).mul(2).sub(1)
-    q = (q * sign).to(own.dtype)
-    return (q.transpose(-1, -2) if side == "right" else q).contiguous()
+    cols = own.double() * scale[None, :, None, None]
+    cols = cols.transpose(-1, -2) if side == "right" else cols  # G × K × rows × r
+    G, K, rows, r = cols.shape
+    return top_singular_basis(cols.transpose(1, 2).reshape(G, rows, K * r), rank, side, own.dtype)

@@ -292,20 +292,23 @@ def consensus_basis(bases: Sequence[torch.Tensor], weights: Sequence[float], ran
     columns, orthonormal, each vector signed so that its largest-magnitude entry is positive
     (deterministic, and unchanged when a client flips the sign of a basis vector)."""
     p = _check_weights(weights, len(bases))
-    if side == "right":
-        # the right singular vectors of the wide Kr × n stack are the left ones of its transpose
-        # (LAPACK's tall SVD: 4× faster at 16 × 576 than the wide one)
-        stack = torch.cat([math.sqrt(float(w)) * b.double().T for w, b in zip(p, bases)], 1)
-        q = torch.linalg.svd(stack, full_matrices=False)[0][:, :rank]  # n × rank
-    else:
-        stack = torch.cat([math.sqrt(float(w)) * b.double() for w, b in zip(p, bases)], 1)
-        q = torch.linalg.svd(stack, full_matrices=False)[0][:, :rank]  # m × rank
-    # sign convention: each vector's largest entry is positive, so the basis does not depend on
-    # the (arbitrary) signs of the clients' basis vectors
-    idx = q.abs().argmax(dim=0)
-    q = q * torch.sign(q[idx, torch.arange(q.shape[1])]).clamp_min(0).mul(2).sub(1)
-    q = q.to(bases[0].dtype)
-    return (q.T if side == "right" else q).contiguous()
+    # the right singular vectors of the wide Kr × n stack are the left ones of its transpose
+    # (LAPACK's tall SVD: 4× faster at 16 × 576 than the wide one)
+    cols = [b.double().T if side == "right" else b.double() for b in bases]
+    stack = torch.cat([math.sqrt(float(w)) * c for w, c in zip(p, cols)], 1)
+    return top_singular_basis(stack[None], rank, side, bases[0].dtype)[0]
+
+
+def top_singular_basis(stack: torch.Tensor, rank: int, side: str, dtype: torch.dtype) -> torch.Tensor:
+    """The consensus basis from the stacked, weighted bases ``stack`` (``G × rows × Σr``, float64;
+    rows = ``n`` for the right side, ``m`` for the left): its top-``rank`` left singular vectors,
+    each signed so that its largest-magnitude entry is positive (deterministic, and unchanged when
+    a client flips the sign of a basis vector), as ``G × rank × n`` rows (right) or ``G × m ×
+    rank`` columns (left). Shared by :func:`consensus_basis` and the batched sync."""
+    q = torch.linalg.svd(stack, full_matrices=False)[0][..., :rank]  # G × rows × rank
+    idx = q.abs().argmax(dim=-2, keepdim=True)
+    q = (q * torch.sign(torch.gather(q, -2, idx)).clamp_min(0).mul(2).sub(1)).to(dtype)
+    return (q.transpose(-1, -2) if side == "right" else q).contiguous()
 
 
 def _same_basis(views: Sequence[MomentView]) -> bool:
