@@ -190,7 +190,7 @@ def test_run_writes_run_directory_and_learns(tmp_path):
 def test_diagnostics_off_skips_the_sync_mismatch_diagnostics_and_changes_no_result(tmp_path):
     """``diagnostics: false`` reaches FedGaLore's sync (round context), its clients (client
     context: no shadow cold moment, no moment numbers in the upload's meta) and the aggregate (no
-    ΔW copy): none of it is computed, and the run's metrics, downlink bytes and final state are
+    dense ΔW): none of it is computed, and the run's metrics, downlink bytes and final state are
     the same bits; the uploads are smaller by the numbers they no longer carry."""
     runs = {}
     for flag in (True, False):
@@ -205,7 +205,7 @@ def test_diagnostics_off_skips_the_sync_mismatch_diagnostics_and_changes_no_resu
     assert all(0 < a["bytes_up"] - b["bytes_up"] < 1000 for a, b in zip(on.history, off.history))
     assert "mismatch_before" in d_on[0] and "mismatch_before" not in d_off[0]
     assert d_on[0]["joint_rank"] == d_off[0]["joint_rank"] > 0
-    # the clients skip the shadow cold moment and the aggregate its ΔW copy: the same bits
+    # the clients skip the shadow cold moment and the aggregate its dense ΔW: the same bits
     assert "update_norm_vs_cold" in d_on[0] and "update_norm_vs_cold" not in d_off[0]
     assert "tail_energy_mean" in d_on[0] and "tail_energy_mean" not in d_off[0]
     assert check_equivalence._state_hash(on.run_dir) == check_equivalence._state_hash(off.run_dir)
