@@ -204,3 +204,20 @@ def test_joint_rank_zero_small_and_beyond_the_views(joint_rank):
         assert _rel(b.state.moment, a.state.moment) < 1e-4
     if joint_rank == 40:
         assert any("available joint directions" in w for w in _both.warned)
+
+
+def test_mismatch_diagnostics_on_a_basis_that_is_not_orthonormal():
+    """Views on one explicit basis with scaled rows (not orthonormal): the batched sync takes the
+    reference's closed form with its Cholesky factor for the diagnostics; states and numbers agree."""
+    g = torch.Generator().manual_seed(21)
+    scale = torch.tensor([1.0, 2.0, 0.5, 3.0, 1.5, 0.8])
+    items = []
+    for _ in range(3):
+        q = torch.linalg.qr(torch.randn(64, 6, generator=g))[0].T * scale[:, None]  # 6 × 64 rows, scaled
+        items.append([MomentView(torch.rand(96, 6, generator=g) + 0.1, "right", (96, 64), q.contiguous(), None,
+                                 torch.rand(6, generator=g) + 0.5) for _ in range(2)])
+    ref, got = _both(items, W[:2])
+    for a, b in zip(ref, got):
+        for key in ("mismatch_before", "mismatch_after", "removed_fraction"):
+            assert b.diagnostics[key] == pytest.approx(a.diagnostics[key], rel=1e-4, abs=1e-7)
+        assert _rel(b.state.moment, a.state.moment) < 1e-4

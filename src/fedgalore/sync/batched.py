@@ -36,7 +36,10 @@ decision can differ only where the reference's own margin is at rounding level: 
 captured SmolLM2 rounds (630 matrix syncs), two joint ranks differed by one, and in both the
 reference itself flips under 1e-6 relative noise on its input.
 
-Measured by ``benchmarks/sync_per_matrix.py`` (both paths, interleaved).
+The mismatch diagnostics (``diagnostics=True``) are batched as well, in the reference's closed
+form on the shared basis (:func:`_mismatch`); a basis that is not orthonormal takes the
+reference's Cholesky form, per matrix. Measured by ``benchmarks/sync_per_matrix.py`` (both
+paths, interleaved).
 """
 from __future__ import annotations
 
@@ -259,6 +262,7 @@ def _sync_group(group: list[Sequence[MomentView]], p: torch.Tensor, key: tuple, 
     coords = ((q1 @ u2.to(dtype)) * s2k.unsqueeze(-2)) @ ((q2 @ w2t.transpose(-1, -2).to(dtype)).transpose(-1, -2) @ right)
     wbar = sum(pw[i] * wts[:, i] for i in range(K)) if wts is not None else None
     n_kept = kept.sum(dim=-1)
+    mismatch = _mismatch(a, right, coords, pw) if diagnostics else None
     t_each = (time.perf_counter() - t0) / G
     results: list[SyncResult | None] = []
     for g in range(G):
@@ -269,7 +273,9 @@ def _sync_group(group: list[Sequence[MomentView]], p: torch.Tensor, key: tuple, 
         c = int(keep[g])
         co = coords[g] if side == "right" else coords[g].T
         diag = {"n_views": float(K), "joint_rank": float(n_kept[g]), "state_rank": float(c)}
-        if diagnostics:
+        if mismatch is not None and g in mismatch:
+            diag.update(mismatch[g])
+        elif diagnostics:  # a basis that is not orthonormal: the reference's closed form with its Cholesky factor
             su = (q1[g] @ u2[g, :, :c].to(dtype))
             sw = q2[g] @ w2t[g, :c].T.to(dtype)
             diag.update(_shared_basis_diagnostics([(a[g, i], right[g]) for i in range(K)], pw,
@@ -280,6 +286,32 @@ def _sync_group(group: list[Sequence[MomentView]], p: torch.Tensor, key: tuple, 
                           None if wbar is None else wbar[g].clone())
         results.append(SyncResult(view, diag))
     return results
+
+
+def _mismatch(a: torch.Tensor, right: torch.Tensor, coords: torch.Tensor, pw: list[float]) -> dict[int, dict[str, float]]:
+    """The mismatch diagnostics of :func:`fedgalore.sync.moments._shared_basis_diagnostics` for
+    every matrix whose basis is orthonormal (``‖X Bᵀ‖_F = ‖X‖_F``), batched: ``Ā = Σ_i p_i A_i``,
+    ``X̄ = v̄ B (BᵀB)⁻¹`` (the state's coordinates ``coords = v̄ B``); ``mismatch_before =
+    Σ_i p_i ‖A_i − Ā‖ / ‖Ā‖``, ``mismatch_after = Σ_i p_i ‖A_i − X̄‖ / ‖X̄‖``, ``removed_fraction
+    = ‖Ā − X̄‖ / ‖Ā‖`` (0 for a zero denominator). Matrices whose basis is not orthonormal are
+    left out (the caller takes the reference's form)."""
+    btb = right.double().transpose(-1, -2) @ right.double()  # G × r × r
+    eye = torch.eye(btb.shape[-1], dtype=torch.float64, device=btb.device)
+    orth = ((btb - eye).abs().amax(dim=(-2, -1)) < 1e-6).tolist()
+    xbar = (coords.double() @ torch.linalg.inv(btb)).to(a.dtype)  # G × rows × r
+    abar = sum(w * a[:, i] for i, w in enumerate(pw))
+    fro = lambda x: x.norm(dim=(-2, -1)).double()  # noqa: E731
+    mean, xnorm = fro(abar), fro(xbar)
+    dev_before = sum(w * fro(a[:, i] - abar) for i, w in enumerate(pw))
+    dev_after = sum(w * fro(a[:, i] - xbar) for i, w in enumerate(pw))
+    removed = fro(abar - xbar)
+    ratio = lambda num, den: num / den if den > 0.0 else 0.0  # noqa: E731
+    out = {}
+    for g, (ok, m_, x_, b_, a_, r_) in enumerate(zip(orth, mean.tolist(), xnorm.tolist(), dev_before.tolist(),
+                                                    dev_after.tolist(), removed.tolist())):
+        if ok:
+            out[g] = {"mismatch_before": ratio(b_, m_), "mismatch_after": ratio(a_, x_), "removed_fraction": ratio(r_, m_)}
+    return out
 
 
 def _consensus_basis(own: torch.Tensor, pw: list[float], rank: int, side: str) -> torch.Tensor:
