@@ -123,8 +123,7 @@ def apply_update(w: torch.Tensor, update: Entry, return_delta: bool = True) -> t
     stacked factors into ``W`` (``addmm_``), two passes over ``W`` and no ``m × n`` temporary
     (the dense sum of per-term products took about ten, 0.3 s a round at SmolLM2's 210
     matrices). ``Dense``: ``ΔW`` itself; other low-rank entries: their factors' product."""
-    shape = tuple(update.tensor.shape if isinstance(update, Dense) else
-                  (update.left.shape[0], update.right.shape[1]) if isinstance(update, LowRank) else update.shape)
+    shape = tuple(update.shape)
     if shape != tuple(w.shape):
         raise DownlinkError(f"update of shape {shape} for a matrix of shape {tuple(w.shape)}")
     delta = None
@@ -134,22 +133,14 @@ def apply_update(w: torch.Tensor, update: Entry, return_delta: bool = True) -> t
     if isinstance(update, GaLoreUpdate):
         if update.decay != 0.0:
             w.add_(w, alpha=float(update.decay))
-        _add_products(w, [_factors(t) for t in update.terms])
+        _add_products(w, [t.factors() for t in update.terms])
     elif isinstance(update, Dense):
         w.add_(update.tensor.float())
     elif isinstance(update, (LowRank, SeededLowRank)):
-        _add_products(w, [_factors(update)])
+        _add_products(w, [update.factors()])
     else:
         w.add_(update.materialize())
     return delta
-
-
-def _factors(term: LowRank | SeededLowRank) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(L, R)`` with ``term = L R`` (fp32; a seeded term's basis from its seed)."""
-    if isinstance(term, LowRank):
-        return term.left.float(), term.right.float()
-    p = term.basis()
-    return (term.coef.float(), p) if term.side == "right" else (p, term.coef.float())
 
 
 def _add_products(w: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -302,9 +293,9 @@ def reconstruct(payload: Payload, names: Sequence[str], cache: ClientCache | Non
     """The matrices ``names`` of the broadcast's model: dense entries as sent, chained ones by
     applying ``downlink/{v}/{name}`` for ``v = from+1..to`` to the cache's copy (fp32). By default
     new tensors (the cache is not modified); ``in_place`` applies the chain to the cache's own
-    tensors (when it ``owned`` them) and returns them (a client that keeps its model: no copy of every matrix, twice, per
-    round) — only after every chained matrix is checked, so a refused broadcast leaves the cache
-    as it was. Raises :class:`DownlinkError` when the cache does not hold the chain's base version
+    tensors (when it ``owned`` them) and returns them (a client that keeps its model: no copy of
+    every matrix, twice, per round) — only after every chained matrix is checked, so a refused
+    broadcast leaves the cache as it was. Raises :class:`DownlinkError` when the cache does not hold the chain's base version
     or a chain entry is missing."""
     info = payload.meta.get("downlink")
     out: dict[str, torch.Tensor] = {}

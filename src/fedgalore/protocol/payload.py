@@ -67,6 +67,10 @@ class PayloadError(ValueError):
 class Dense:
     tensor: torch.Tensor
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.tensor.shape)
+
     def materialize(self) -> torch.Tensor:
         return self.tensor
 
@@ -76,8 +80,17 @@ class LowRank:
     left: torch.Tensor  # (m, r)
     right: torch.Tensor  # (r, n)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.left.shape[0], self.right.shape[1])
+
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(L, R)`` in fp32 with the entry ``= L R``."""
+        return self.left.float(), self.right.float()
+
     def materialize(self) -> torch.Tensor:
-        return self.left.float() @ self.right.float()
+        left, right = self.factors()
+        return left @ right
 
 
 @dataclass(frozen=True)
@@ -92,9 +105,14 @@ class SeededLowRank:
         rank = self.coef.shape[1] if self.side == "right" else self.coef.shape[0]
         return seeded_basis(self.seed, m, n, rank, self.side)
 
-    def materialize(self) -> torch.Tensor:
+    def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(L, R)`` in fp32 with the entry ``= L R``: ``(C, P)`` right side, ``(P, C)`` left."""
         p = self.basis()
-        return self.coef.float() @ p if self.side == "right" else p @ self.coef.float()
+        return (self.coef.float(), p) if self.side == "right" else (p, self.coef.float())
+
+    def materialize(self) -> torch.Tensor:
+        left, right = self.factors()
+        return left @ right
 
 
 @dataclass(frozen=True)
