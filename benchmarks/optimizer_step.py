@@ -116,14 +116,6 @@ def _load_baseline(path: str):
     return mod.GaLoreAdamW
 
 
-def _torch_only(fn):
-    """``fn`` with the optimizer's AVX2 kernels switched off (its torch path)."""
-    def run():
-        with cpu_kernels.disabled():
-            return fn()
-    return run
-
-
 def _breakdown(params: list[torch.Tensor], opt: GaLoreAdamW, fused: torch.optim.Optimizer, reps: int,
                log) -> dict[str, dict[str, float]]:
     """Pieces of a GaLore normal step over the whole stack, interleaved with the fused AdamW step
@@ -151,7 +143,7 @@ def _breakdown(params: list[torch.Tensor], opt: GaLoreAdamW, fused: torch.optim.
         "back_project addmm_ (no decay)": each(lambda p, g, side, basis, u, a, b: p.data.addmm_(a, b, alpha=coef)),
         "decay mul_ + addmm_": each(lambda p, g, side, basis, u, a, b: p.data.mul_(decay).addmm_(a, b, alpha=coef)),
         "decay as addmm_ beta": each(lambda p, g, side, basis, u, a, b: p.data.addmm_(a, b, beta=decay, alpha=coef)),
-        "decay + back_project, torch row blocks": _torch_only(each(
+        "decay + back_project, torch row blocks": cpu_kernels.disabled()(each(
             lambda p, g, side, basis, u, a, b: _ga._decay_back_project(p.data, u, basis, side, decay, coef))),
     }
     if onednn is not None:

@@ -70,14 +70,6 @@ def _peak_gflops(reps: int) -> float:
     return 2 * 1024**3 / min(ts) / 1e9  # the best run: a peak
 
 
-def _torch_only(fn):
-    """``fn`` with the optimizer's AVX2 kernels switched off (its torch path)."""
-    def run():
-        with cpu_kernels.disabled():
-            return fn()
-    return run
-
-
 def _shape_cases(m: int, n: int, side: str, r: int, pool_bytes: int, gen: torch.Generator):
     """Callables for every measured piece on a pool of cache-cold ``m × n`` matrices, and the
     kernels' errors against torch (float64 reference)."""
@@ -112,7 +104,7 @@ def _shape_cases(m: int, n: int, side: str, r: int, pool_bytes: int, gen: torch.
             lr=1e-9, weight_decay=0.0, eps=1e-8, maximize=False))(nxt()),
         "project: MKL matmul": (lambda: gs[nxt()] @ bt) if side == "right" else (lambda: bt @ gs[nxt()]),
         "back-project: MKL mul_ + addmm_": lambda: ws[nxt()].mul_(decay).addmm_(a, b, alpha=1e-9),
-        "back-project: torch row-blocked decay + addmm_ (optimizer before)": _torch_only(
+        "back-project: torch row-blocked decay + addmm_ (optimizer before)": cpu_kernels.disabled()(
             lambda: _ga._decay_back_project(ws[nxt()], u, basis, side, decay, 1e-9)),
     }
     if onednn is not None:

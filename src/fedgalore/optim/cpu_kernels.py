@@ -182,7 +182,8 @@ def reason() -> Optional[str]:
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Within the block the optimizer takes its torch path (:data:`ENABLED` off, then restored)."""
+    """Within the block the optimizer takes its torch path (:data:`ENABLED` off, then restored);
+    as a decorator, ``disabled()(fn)``, for every call of ``fn``."""
     global ENABLED
     prev, ENABLED = ENABLED, False
     try:
