@@ -7,10 +7,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from fedgalore.tasks.base import ArrayDataset, Task, TaskError, resolve_target_modules
+import dataclasses
 
-__all__ = ["Task", "TaskError", "ArrayDataset", "resolve_target_modules", "get_task", "available_tasks", "TASKS",
-           "TASK_NEEDS", "HUB_TASKS"]
+from fedgalore.tasks.base import ArrayDataset, Task, TaskError, TaskOptions, resolve_target_modules, task_option
+from fedgalore.typed import ConfigError, from_plain, to_plain
+
+__all__ = ["Task", "TaskError", "TaskOptions", "task_option", "ArrayDataset", "resolve_target_modules", "get_task",
+           "task_class", "parse_task_options", "resolved_task_options", "available_tasks", "TASKS", "TASK_NEEDS",
+           "HUB_TASKS"]
 
 #: name -> "module:Class" (paper-scale hub tasks and their offline CPU counterparts)
 TASKS: dict[str, str] = {
@@ -51,16 +55,51 @@ def available_tasks() -> list[str]:
     return sorted(TASKS)
 
 
-def get_task(name: str, **options: Any) -> Task:
-    """Build the task ``name`` with its options (raises TaskError with a fix on bad input)."""
+def task_class(name: str) -> type[Task]:
+    """The registered task class ``name`` (imported on first use; TaskError with a fix otherwise)."""
     if name not in TASKS:
         raise TaskError(f"unknown task {name!r}; available: {', '.join(available_tasks())}")
     module, cls = TASKS[name].split(":")
     try:
-        task_cls = getattr(importlib.import_module(module), cls)
+        return getattr(importlib.import_module(module), cls)
     except ImportError as exc:
         raise TaskError(f"task {name!r} needs a package that is not installed ({exc.name}); run `make setup`") from None
+
+
+def parse_task_options(name: str, options: dict[str, Any] | None) -> TaskOptions | None:
+    """``task.options`` of task ``name`` as its typed :class:`TaskOptions` (``None`` for a task
+    that declares none). An unknown option, or a value of the wrong type, is one
+    :class:`TaskError` line naming the task and listing its options."""
+    cls = task_class(name).options_class
+    if cls is None:
+        return None
     try:
-        return task_cls(**options)
+        return from_plain(cls, dict(options or {}), "task.options")
+    except ConfigError as exc:
+        valid = ", ".join(f.name for f in dataclasses.fields(cls))
+        msg = str(exc)
+        if "valid keys here" in msg:  # from_plain's unknown-key line: say which task, list its options
+            key = msg.split(";")[0].rsplit(".", 1)[-1]
+            msg = f"task {name!r} has no option {key!r}"
+        else:
+            msg = f"task {name!r}: " + msg.removeprefix("task.options: ")
+        raise TaskError(f"{msg}; its options are: {valid} (`fedgalore tasks` lists them with defaults)") from None
+
+
+def resolved_task_options(name: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """Every option of task ``name`` with its default filled in (plain values): two configs whose
+    options differ only by a default written out resolve equal. A task without declared options
+    gives its options as given."""
+    parsed = parse_task_options(name, options)
+    return dict(options or {}) if parsed is None else to_plain(parsed)
+
+
+def get_task(name: str, **options: Any) -> Task:
+    """Build the task ``name`` with its options (raises TaskError with a fix on bad input)."""
+    task_cls = task_class(name)
+    parsed = parse_task_options(name, options)
+    kwargs = options if parsed is None else {f.name: getattr(parsed, f.name) for f in dataclasses.fields(parsed)}
+    try:
+        return task_cls(**kwargs)
     except TypeError as exc:
         raise TaskError(f"bad option for task {name!r}: {exc}") from None

@@ -8,19 +8,39 @@ evaluates a model. Methods never look inside a task beyond this interface.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import re
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["Task", "TaskError", "resolve_target_modules", "head_parameters", "subset_examples", "stratified_split"]
+__all__ = ["Task", "TaskError", "TaskOptions", "task_option", "resolve_target_modules", "head_parameters",
+           "subset_examples", "stratified_split"]
 
 
 class TaskError(ValueError):
     """A task could not be built (missing asset, bad option); the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class TaskOptions:
+    """A task's options: a frozen dataclass registered with the task (:attr:`Task.options_class`),
+    as methods declare theirs (:class:`fedgalore.methods.base.MethodOptions`). Every field has a
+    default and a one-line doc (:func:`task_option`); ``task.options`` of a config is parsed into it
+    (:func:`fedgalore.tasks.parse_task_options`: an unknown or mistyped option is one line that
+    lists the task's options) and the task is built as ``TaskClass(**fields)``. Ranges and
+    combinations may be checked in ``__post_init__`` (raise :class:`TaskError`)."""
+
+
+def task_option(default: Any, doc: str) -> Any:
+    """A field of a :class:`TaskOptions` dataclass: its default and its one-line doc. A mutable
+    default (a list, a dict) is given as is and copied per instance."""
+    if isinstance(default, (list, dict, set)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
 
 
 class Task(abc.ABC):
@@ -35,6 +55,9 @@ class Task(abc.ABC):
     head_modules: Sequence[str] = ("classifier",)
     #: PEFT task type for LoRA methods ("SEQ_CLS", "CAUSAL_LM", or None for a plain model)
     peft_task_type: str | None = "SEQ_CLS"
+    #: the task's options (a :class:`TaskOptions` dataclass); ``None``: the constructor's keywords
+    #: are passed through unchecked (a task written outside the package before options existed)
+    options_class: ClassVar[type[TaskOptions] | None] = None
 
     @abc.abstractmethod
     def build_model(self) -> nn.Module:
@@ -51,6 +74,16 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def partition_labels(self) -> np.ndarray:
         """One categorical value per training example: the column the Dirichlet split runs over."""
+
+    def partition_values(self, column: str | None = None) -> np.ndarray:
+        """One value per training example of the column a partition runs over: ``None`` is
+        :meth:`partition_labels` (the task's category: the label, the paper's MetaMathQA type);
+        a task whose examples keep other columns (a site, a user) returns those by name and
+        raises :class:`TaskError` naming the columns it has for any other name."""
+        if column is None:
+            return np.asarray(self.partition_labels())
+        raise TaskError(f"task {self.name!r} has no column {column!r} to partition by; "
+                        "it partitions by its labels only (leave the column out)")
 
     def label_names(self) -> list[str]:
         """Human-readable names of the partition categories (sorted category values by default)."""

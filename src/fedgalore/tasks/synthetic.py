@@ -8,18 +8,41 @@ model and data.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from fedgalore.tasks.base import ArrayDataset, Task
+from fedgalore.tasks.base import ArrayDataset, Task, TaskError, TaskOptions, task_option
 from fedgalore.tasks.metrics import accuracy, macro_f1
+
+
+@dataclass(frozen=True)
+class TinyTextOptions(TaskOptions):
+    """Options of ``tiny_text`` (sizes of the synthetic data and of the random-weight BERT)."""
+
+    num_classes: int = task_option(4, "number of classes (each has its own marker tokens)")
+    n_train: int = task_option(320, "training examples")
+    n_test: int = task_option(128, "test examples")
+    seq_len: int = task_option(16, "tokens per example")
+    vocab_size: int = task_option(64, "vocabulary size (>= 4 + 3 * num_classes + 1)")
+    hidden_size: int = task_option(32, "hidden size of the random BERT")
+    num_layers: int = task_option(2, "encoder layers of the random BERT")
+    seed: int = task_option(0, "seed of the data and of the model's random weights")
+
+    def __post_init__(self) -> None:
+        for key in ("num_classes", "n_train", "n_test", "seq_len", "hidden_size", "num_layers"):
+            if getattr(self, key) < 1:
+                raise TaskError(f"task.options.{key}={getattr(self, key)} must be >= 1")
+        if self.vocab_size <= 4 + 3 * self.num_classes:
+            raise TaskError(f"task.options.vocab_size={self.vocab_size} must exceed 4 + 3 * num_classes = {4 + 3 * self.num_classes}")
 
 
 class TinyTextTask(Task):
     name = "tiny_text"
+    options_class = TinyTextOptions
     primary_metric = "accuracy"
     target_modules = ("query", "value", "dense")
     head_modules = ("classifier",)
