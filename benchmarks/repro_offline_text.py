@@ -10,6 +10,7 @@ Usage (from the repo root; each stage skips the cells that already finished)::
     python benchmarks/repro_offline_text.py alignment_sweep   # issue 17: accuracy vs lr, 6 rows x 6 rates x alpha 0.3/0.5
     python benchmarks/repro_offline_text.py alignment_seeds   # issue 17: seeds 1-3 at the rates chosen on validation
     python benchmarks/repro_offline_text.py alignment_report  # rebuild results/repro_text/alignment/ from the runs
+    python benchmarks/repro_offline_text.py alignment_recheck # issue 33: the issue-17 cells the mechanism fixes touch
     python benchmarks/repro_offline_text.py all         # the first five in this order
     options: --workers N (parallel single-threaded worker processes, default 2)
 
@@ -512,6 +513,131 @@ def alignment_report(dest: Path = RESULTS / "alignment") -> dict:
     return result
 
 
+# ----------------------------------------------------------------------------- issue 33: recheck
+# Issue 33 fixed the second-moment mechanism: paper mode is now Algorithm 1 as written (raw buffer
+# up, linear re-projection + clamp at the warm start, AdamW's correction restarting with the
+# round), the aligned mode pools estimates by their evidence and caps every coordinate's step at
+# the cold start's. The issue-17 cells these changes touch are re-run here (FedGaLore⁻, FedAvg-Full
+# and FedIT are unchanged bit for bit and are read from results/repro_text/alignment/alignment.json):
+# the fixed paper mode's whole seed-0 sweep (its old rate choice was made for the old variant's
+# inflated steps; it gets the rates of the other GaLore rows), then seeds 1-2 at its new choice;
+# the aligned rows at their issue-17 choice (1e-2) on seeds 0-2, and at 2e-2 on seed 0 (where the
+# uncapped aligned mode collapsed at alpha 0.3).
+RECHECK_ROWS = {k: ALIGN_ROWS[k] for k in ("fedgalore_paper", "fedgalore_aligned", "fedgalore_aligned_seeded")}
+RECHECK_PAPER_LRS = list(_HIGH)
+RECHECK_ALIGNED_LRS = {0: [1.0e-2, 2.0e-2], 1: [1.0e-2], 2: [1.0e-2]}
+
+
+def recheck_paper_choice() -> dict[str, float]:
+    """Per alpha, the fixed paper mode's rate with the best final validation accuracy (seed 0; ties: smaller)."""
+    out = {}
+    for setting in ALIGN_ALPHAS:
+        runs = {r["label"]: r for r in _summaries(RUNS / "alignment_recheck" / f"sweep_{_alpha_dir(setting)}")}
+        scores = {lr: runs[_lr_label("fedgalore_paper", lr)]["val"] for lr in RECHECK_PAPER_LRS if _lr_label("fedgalore_paper", lr) in runs}
+        if scores:
+            out[setting] = max(scores, key=lambda lr: (scores[lr], -lr))
+    return out
+
+
+def stage_alignment_recheck(workers: int) -> None:
+    """Seed 0: the fixed paper mode at six rates, the aligned rows at 1e-2 and 2e-2; then seeds
+    1-2: the aligned rows at 1e-2 and paper mode at its new choice (on validation)."""
+    for setting in ALIGN_ALPHAS:
+        rows = {_lr_label("fedgalore_paper", lr): {**RECHECK_ROWS["fedgalore_paper"], "train": {"lr": lr}} for lr in RECHECK_PAPER_LRS}
+        for label in ("fedgalore_aligned", "fedgalore_aligned_seeded"):
+            rows.update({_lr_label(label, lr): {**RECHECK_ROWS[label], "train": {"lr": lr}} for lr in RECHECK_ALIGNED_LRS[0]})
+        _run_stage(RUNS / "alignment_recheck" / f"sweep_{_alpha_dir(setting)}", list(rows), [setting], [0], rows, workers,
+                   overrides=ALIGN_OVERRIDES)
+    choice = recheck_paper_choice()
+    for setting in ALIGN_ALPHAS:
+        rows = {"fedgalore_paper": {**RECHECK_ROWS["fedgalore_paper"], "train": {"lr": choice[setting]}}}
+        rows.update({label: {**RECHECK_ROWS[label], "train": {"lr": 1.0e-2}} for label in ("fedgalore_aligned", "fedgalore_aligned_seeded")})
+        _run_stage(RUNS / "alignment_recheck" / f"seeds_{_alpha_dir(setting)}", list(rows), [setting], ALIGN_SEEDS, rows, workers,
+                   overrides=ALIGN_OVERRIDES)
+    alignment_recheck_report()
+
+
+def alignment_recheck_report(dest: Path = RESULTS / "alignment_recheck") -> dict:
+    """Before (issue 17, results/repro_text/alignment/alignment.json) against after (issue 33) for
+    the re-run rows: the seed-0 sweep of paper mode (test and validation), the rates chosen, seeds
+    0-2 at the chosen rates, the paired difference to FedGaLore⁻ (its committed seeds), the client
+    update norm against FedGaLore⁻'s at the same rate, and the worst |U|/|U_cold| per round
+    (``update_ratio_max``), as ``alignment_recheck.json`` and ``alignment_recheck.md``."""
+    import statistics
+
+    before = json.loads((RESULTS / "alignment" / "alignment.json").read_text())
+    result: dict = {"alphas": {}}
+    md = ["# Issue 33: the issue-17 cells after the second-moment fixes", "",
+          "Before = issue 17 (results/repro_text/alignment/alignment.json); after = this re-run. FedGaLore⁻ "
+          "is unchanged by the fixes: its numbers are issue 17's.", ""]
+    choice = recheck_paper_choice()
+    for setting in ALIGN_ALPHAS:
+        old = before["alphas"][setting]
+        sweep = {r["label"]: r for r in _summaries(RUNS / "alignment_recheck" / f"sweep_{_alpha_dir(setting)}")}
+        seeds = {}
+        for r in _summaries(RUNS / "alignment_recheck" / f"seeds_{_alpha_dir(setting)}"):
+            seeds.setdefault(r["label"], {})[str(r["seed"])] = r
+        entry: dict = {"paper_sweep": {}, "paper_choice": None if setting not in choice else f"{choice[setting]:g}", "rows": {}}
+        for lr in RECHECK_PAPER_LRS:
+            r = sweep.get(_lr_label("fedgalore_paper", lr))
+            if r:
+                entry["paper_sweep"][f"{lr:g}"] = {"test": r["test"], "val": r["val"]}
+        minus_seeds = dict(old["seeds"].get("fedgalore_minus", {}))
+        lr_minus = float(old["choice"]["fedgalore_minus"])
+        minus_seeds["0"] = old["sweep"]["fedgalore_minus"][f"{lr_minus:g}"]["test"]
+        md += [f"## Dirichlet α = {setting.split(':')[1]}", "",
+               "| row | rate | seeds 0-2 before (mean ± std) | seeds 0-2 after (mean ± std) | after − FedGaLore⁻ (paired, mean ± std) "
+               "| update norm / FedGaLore⁻'s, rounds 2-6 (after) | max \|U\|/\|U_cold\| over rounds 2-6 (after) |",
+               "|---|---:|---:|---:|---:|---:|---:|"]
+        for label in RECHECK_ROWS:
+            lr = choice.get(setting) if label == "fedgalore_paper" else 1.0e-2
+            if lr is None:
+                continue
+            runs = {"0": sweep.get(_lr_label(label, lr))}
+            runs.update({k: v for k, v in seeds.get(label, {}).items()})
+            runs = {k: v for k, v in runs.items() if v}
+            after = {k: v["test"] for k, v in runs.items()}
+            old_lr = float(old["choice"][label])
+            old_tests = dict(old["seeds"].get(label, {}))
+            if f"{old_lr:g}" in old["sweep"].get(label, {}):
+                old_tests["0"] = old["sweep"][label][f"{old_lr:g}"]["test"]
+            common = sorted(set(after) & set(minus_seeds))
+            diff = [after[k] - minus_seeds[k] for k in common]
+            norms, ratio_max = [], []
+            min_sweep = old["sweep"]["fedgalore_minus"].get(f"{lr:g}", {}).get("client_update_norm_mean", [])
+            r0 = runs.get("0")
+            if r0:
+                mine = [d.get("client_update_norm_mean") for d in r0["diag"]]
+                norms = [a / b for a, b in zip(mine[1:], min_sweep[1:]) if a is not None and b]
+                ratio_max = [d["update_ratio_max"] for d in r0["diag"][1:] if "update_ratio_max" in d]
+            row = {"rate": f"{lr:g}", "before": old_tests, "before_rate": f"{old_lr:g}", "after": after,
+                   "paired_vs_minus": {"seeds": common, "diff": diff}, "norm_vs_minus_rounds_2_6": norms,
+                   "update_ratio_max_rounds_2_6": ratio_max}
+            entry["rows"][label] = row
+            ms = (lambda xs: f"{100 * statistics.mean(xs):.1f} ± {100 * statistics.stdev(xs):.1f}" if len(xs) > 1 else
+                  (f"{100 * xs[0]:.1f}" if xs else "—"))
+            md.append(f"| {label} | {lr:g} (before {old_lr:g}) | {ms(list(old_tests.values()))} | {ms(list(after.values()))} | "
+                      f"{ms(diff) if diff else '—'} | {', '.join(f'{x:.2f}' for x in norms) or '—'} | "
+                      f"{', '.join(f'{x:.2f}' for x in ratio_max) or '—'} |")
+        if entry["paper_sweep"]:
+            md += ["", "Fixed paper mode, seed 0, final accuracy by rate (test / validation): "
+                   + ", ".join(f"{k}: {100 * v['test']:.1f} / {100 * v['val']:.1f}" for k, v in entry["paper_sweep"].items())]
+        for label in ("fedgalore_aligned", "fedgalore_aligned_seeded"):
+            r = sweep.get(_lr_label(label, 2.0e-2))
+            if r:
+                old_t = old["sweep"].get(label, {}).get("0.02", {}).get("test")
+                entry.setdefault("at_2e-2", {})[label] = {"before": old_t, "after": r["test"]}
+                md.append(f"- {label} at 2e-2, seed 0: {100 * r['test']:.1f} % (before: "
+                          f"{'—' if old_t is None else f'{100 * old_t:.1f} %'}; FedGaLore⁻ at 2e-2: "
+                          f"{100 * old['sweep']['fedgalore_minus'].get('0.02', {}).get('test', float('nan')):.1f} %)")
+        md.append("")
+        result["alphas"][setting] = entry
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "alignment_recheck.json").write_text(json.dumps(result, indent=1))
+    (dest / "alignment_recheck.md").write_text("\n".join(md) + "\n")
+    return result
+
+
 # ----------------------------------------------------------------------------- issue 21: remedies
 # The heterogeneity remedies users compare against, on the issue-17 setup (offline_text_50 budget,
 # Dirichlet 0.3 / 0.5 with min_size 1, 10 % validation split): FedAvg-Full and FedIT each plain /
@@ -749,11 +875,11 @@ def remedies_report(dest: Path = RESULTS / "remedies") -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["lr", "main", "ablations", "hetero", "stepsize", "alignment_sweep",
-                                      "alignment_seeds", "alignment_report", "remedies_probe", "remedies_seeds",
-                                      "remedies_report", "all"])
+                                      "alignment_seeds", "alignment_report", "alignment_recheck",
+                                      "alignment_recheck_report", "remedies_probe", "remedies_seeds", "remedies_report", "all"])
     ap.add_argument("--workers", type=int, default=2)
     a = ap.parse_args(argv)
-    if a.stage in ("alignment_report", "remedies_report"):
+    if a.stage in ("alignment_report", "alignment_recheck_report", "remedies_report"):
         globals()[a.stage]()
         return 0
     stages = ["lr", "main", "ablations", "hetero", "stepsize"] if a.stage == "all" else [a.stage]

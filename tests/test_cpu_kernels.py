@@ -199,3 +199,26 @@ def test_adam_moments_follow_torchs_formulas_and_refuse_nonfinite(rows, cols, we
         before = [t.clone() for t in (m, v, cv)] + ([] if w8 is None else [w8.clone()])
         assert cpu_kernels.adam_moments(rb, m, v, b1, b2, eps, cold_v=cv, v_weight=w8) is None
         assert all(torch.equal(a, b) for a, b in zip(before, [m, v, cv] + ([] if w8 is None else [w8])))
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,cols,weight", [(40, 8, "col"), (8, 45, "row"), (17, 16, "col")])
+def test_adam_moments_cold_cap_follows_the_optimizer(rows, cols, weight):
+    """With ``cold_cap = 1/(1 − β₂^s)`` the kernel's denominator is ``√max(V/c, cap·V_cold) + eps``
+    (the aligned protocol's cap, GaLoreAdamW ``cap_to_cold``), equal to the torch ops; the warm
+    estimate wins where it is larger, the cold one elsewhere (both occur here)."""
+    gen = torch.Generator().manual_seed(rows + cols)
+    b1, b2, eps, cap = 0.9, 0.999, 1e-8, 1.0 / (1.0 - 0.999**3)
+    r = torch.randn(rows, cols, generator=gen)
+    m0, v0 = torch.randn(rows, cols, generator=gen), torch.rand(rows, cols, generator=gen)
+    cv0 = torch.rand(rows, cols, generator=gen) * 1e-3
+    w0 = torch.rand((rows, 1) if weight == "row" else (1, cols), generator=gen) + 0.1
+    m, v, cv, w8 = m0.clone(), v0.clone(), cv0.clone(), w0.clone()
+    u = cpu_kernels.adam_moments(r, m, v, b1, b2, eps, cold_v=cv, v_weight=w8, cold_cap=cap)
+    mt, vt = m0.clone().lerp_(r, 1.0 - b1), v0.clone().mul_(b2).addcmul_(r, r, value=1.0 - b2)
+    cvt, wt = cv0.clone().mul_(b2).addcmul_(r, r, value=1.0 - b2), w0.clone().mul_(b2).add_(1.0 - b2)
+    warm, cold = vt / wt, cvt * cap
+    assert bool((warm > cold).any()) and bool((cold > warm).any())
+    ut = mt / torch.maximum(warm, cold).sqrt_().add_(eps)
+    for got, ref in ((m, mt), (v, vt), (cv, cvt), (u, ut)):
+        assert float((got - ref).abs().max() / ref.abs().max()) < 1e-6

@@ -71,9 +71,12 @@ def test_chain_is_pruned_below_dense_and_client_payload_picks_the_smaller():
     dense = Payload({n: Dense(t) for n, t in state.params.items()}, {"round": 8})
     assert client_payload(state, dense, ["w"], None) is dense
     assert client_payload(state, dense, ["w"], 2) is dense  # behind the chain: dense
-    p = client_payload(state, dense, ["w"], 5)
-    assert "w" not in p.entries and sorted(k for k in p.entries if k.startswith("downlink/")) == ["downlink/6/w", "downlink/7/w", "downlink/8/w"]
-    assert p.meta["downlink"] == {"from": 5, "to": 8} and p.meta["round"] == 8
+    # from 5: three updates (headers included) plus the fingerprint exceed the dense matrix
+    assert "w" in client_payload(state, dense, ["w"], 5).entries
+    p = client_payload(state, dense, ["w"], 6)
+    assert "w" not in p.entries and sorted(k for k in p.entries if k.startswith("downlink/")) == ["downlink/7/w", "downlink/8/w"]
+    assert "downlink_check/w" in p.entries  # the server's fingerprint of W_8 travels with the chain
+    assert p.meta["downlink"] == {"from": 6, "to": 8} and p.meta["round"] == 8
     assert p.nbytes() < dense.nbytes()
     tiny = ServerState(params={"w": torch.randn(4, 4, generator=g)})  # 64 B dense: the chain's headers alone are more
     upd = weighted_update([_client_update(g, (4, 4), 1, 7, 0.0)], [1.0])

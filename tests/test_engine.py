@@ -202,7 +202,7 @@ def test_diagnostics_off_skips_the_sync_mismatch_diagnostics_and_changes_no_resu
     up = ("bytes_up", "cum_bytes_up")  # without diagnostics the uploads do not carry the clients' numbers
     assert [{k: v for k, v in r.items() if k not in up} for r in strip_times(on.history)] == \
         [{k: v for k, v in r.items() if k not in up} for r in strip_times(off.history)]
-    assert all(0 < a["bytes_up"] - b["bytes_up"] < 1000 for a, b in zip(on.history, off.history))
+    assert all(0 < a["bytes_up"] - b["bytes_up"] < 2000 for a, b in zip(on.history, off.history))
     assert "mismatch_before" in d_on[0] and "mismatch_before" not in d_off[0]
     assert d_on[0]["joint_rank"] == d_off[0]["joint_rank"] > 0
     # the clients skip the shadow cold moment and the aggregate its dense ΔW: the same bits

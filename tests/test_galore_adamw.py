@@ -349,9 +349,12 @@ def test_warm_start_sign_flip_invariance(rule):
         assert (states[0] - states[1]).abs().max() > 1e-6
 
 
-def test_paper_warm_start_is_linear_clamped_and_uncorrected():
-    """bias_correction='steps' (paper mode): v = max(x (B Pᵀ), 0) on the first basis P, then
-    used without 1/(1 - b2^t) while the first moment is corrected."""
+def test_paper_warm_start_is_algorithm_1_as_written():
+    """bias_correction='steps' (paper mode, Algorithm 1 line 3 + App. B): the synchronised buffer
+    x on basis B is re-projected linearly onto the first basis P and clamped, V0 = max(x (B Pᵀ), 0);
+    then AdamW runs as a freshly initialised optimizer: V1 = b2 V0 + (1 - b2) R², corrected by
+    this round's step count, 1 / (1 - b2^1) — not used uncorrected (the earlier variant, ~20x
+    larger first steps)."""
     pr = Problem(11)
     lr, eps, b1, b2 = 1e-2, 1e-8, 0.9, 0.999
     opt = _opt(pr, lr=lr, wd=0.0, **_galore(rank=4, tau=50, projector="random", projection_seed=1))
@@ -372,10 +375,14 @@ def test_paper_warm_start_is_linear_clamped_and_uncorrected():
     m = (1 - b1) * rproj
     e = opt.export_state()["w"]
     torch.testing.assert_close(e.exp_avg_sq, v, atol=1e-5 * v.abs().max().item(), rtol=1e-5)
-    expected = w_before - lr / (1 - b1) * (m / (v.sqrt() + eps)) @ p
+    expected = w_before - lr / (1 - b1) * (m / ((v / (1 - b2)).sqrt() + eps)) @ p
     torch.testing.assert_close(pr.w.detach(), expected, atol=1e-6, rtol=1e-5)
-    cold = w_before - lr / (1 - b1) * (m / ((v / (1 - b2)).sqrt() + eps)) @ p
-    assert (cold - expected).abs().max() > 1e-3  # the rule is observable
+    uncorrected = w_before - lr / (1 - b1) * (m / (v.sqrt() + eps)) @ p
+    assert (uncorrected - expected).abs().max() > 1e-3  # the rule is observable
+    # the upload of Algorithm 1 line 10 is the raw buffer, no evidence
+    up = opt.export_moments(buffer=True)["w"]
+    assert up.weight is None and up.seed == basis_seed(1, "w", 0)
+    torch.testing.assert_close(up.moment, e.exp_avg_sq, atol=0, rtol=0)
 
 
 def test_weight_rule_warm_start_transfers_prior_weights_and_debiases():
@@ -421,12 +428,13 @@ def test_weight_rule_without_warm_start_is_adamw_bias_correction():
     torch.testing.assert_close(oa.export_state()["w"].v_weight, ob.export_state()["w"].v_weight)
 
 
-@pytest.mark.parametrize("transfer", ["squared", "linear"])
-def test_export_moments_on_the_seeded_view_basis(transfer):
-    """export_moments(view_seeds) moves V and its weights to R = seeded_basis(seed) by the
-    transfer rule and carries the seed only; on R already it is V/c unchanged."""
+@pytest.mark.parametrize("transfer,rule", [("squared", "weight"), ("linear", "steps"), ("squared", "steps")])
+def test_export_moments_on_the_seeded_view_basis(transfer, rule):
+    """export_moments(view_seeds) moves V (and its evidence) to R = seeded_basis(seed) by the
+    transfer rule and carries the seed only; on R already it is V/c unchanged. Under the steps
+    rule the evidence is the step count's 1 - b2^s on every coordinate, which no move changes."""
     pr = Problem(18)
-    opt = _opt(pr, **_galore(rank=4, tau=50, projector="svd", moment_transfer=transfer, bias_correction="weight"))
+    opt = _opt(pr, **_galore(rank=4, tau=50, projector="svd", moment_transfer=transfer, bias_correction=rule))
     for t in range(5):
         pr.grads(t)
         opt.step()
@@ -438,17 +446,29 @@ def test_export_moments_on_the_seeded_view_basis(transfer):
     r = seeded_basis(seed, 64, 32, 4, "right")
     c = st.basis @ r.T
     raw = (st.exp_avg_sq @ c).clamp(min=0) if transfer == "linear" else st.exp_avg_sq @ (c * c)
-    w = st.v_weight[None, :] @ (c * c)
+    w = st.v_weight[None, :] @ (c * c) if rule == "weight" else torch.full((1, 4), 1 - 0.999**5)
     torch.testing.assert_close(view.weight, w.flatten(), atol=1e-9, rtol=1e-5)
     torch.testing.assert_close(view.moment, raw / w, atol=1e-9, rtol=1e-4)
     own = opt.export_moments()["w"]
     torch.testing.assert_close(own.basis, st.basis)
     torch.testing.assert_close(own.moment, st.exp_avg_sq / st.v_weight[None, :])
+    buf = opt.export_moments({"w": seed}, buffer=True)["w"]  # Algorithm 1's raw buffer, moved the same way
+    assert buf.weight is None
+    torch.testing.assert_close(buf.moment, raw, atol=1e-9, rtol=1e-5)
 
 
-def test_track_cold_reports_the_step_inflation_of_an_underestimated_prior():
-    """Shadow cold moment: without a warm start the update equals the cold one; a prior that
-    underestimates E[g²] (paper rule, uncorrected) inflates it, the weight rule does not."""
+def test_linear_transfer_with_per_coordinate_evidence_is_refused():
+    pr = Problem(18)
+    with pytest.raises(ValueError, match="moment_transfer='linear' cannot move per-coordinate evidence"):
+        _opt(pr, **_galore(rank=4, moment_transfer="linear", bias_correction="weight"))
+    with pytest.raises(ValueError, match="cap_to_cold .* needs bias_correction='weight'"):
+        _opt(pr, **_galore(rank=4, cap_to_cold=True))
+
+
+def test_track_cold_compares_with_the_cold_start_and_the_paper_rule_restarts_the_correction():
+    """Shadow cold moment: without a warm start the update equals the cold one. With Algorithm 1's
+    literal warm start a buffer close to 0 is a cold start again (the correction counts this
+    round's steps), so it neither inflates nor shrinks the steps."""
     def run(rule, prior):
         pr = Problem(19)
         opt = _opt(pr, lr=1e-2, wd=0.0, **_galore(rank=4, tau=50, projector="svd", bias_correction=rule, track_cold=True))
@@ -462,13 +482,62 @@ def test_track_cold_reports_the_step_inflation_of_an_underestimated_prior():
     cold, opt = run("steps", None)
     assert cold["update_norm"] == pytest.approx(cold["update_norm_cold"], rel=1e-6)
     assert cold["v_ratio_median"] == pytest.approx(1.0, rel=1e-5)
+    assert cold["update_ratio_max"] == pytest.approx(1.0, rel=1e-6) and cold["update_ratio_above"] == 0.0
     delta = opt.export_update()["w"].materialize()
     assert cold["update_norm"] == pytest.approx(float(delta.norm()), rel=1e-4)  # wd = 0: the whole update
-    tiny = MomentView(torch.full((64, 4), 1e-8), "right", (64, 32), torch.eye(32)[:4], None, torch.full((4,), 0.006))
+    tiny = MomentView(torch.full((64, 4), 1e-12), "right", (64, 32), torch.eye(32)[:4])
     paper, _ = run("steps", tiny)
-    weight, _ = run("weight", tiny)
-    assert paper["update_norm"] > 3 * paper["update_norm_cold"]
-    assert weight["update_norm"] < 1.5 * weight["update_norm_cold"]
+    assert paper["update_norm"] == pytest.approx(paper["update_norm_cold"], rel=1e-3)
+
+
+def _prior_on_training_basis(scale: float, weight: float, seed: int = 7) -> MomentView:
+    """A prior on the seeded basis the optimizer trains on at refresh 0 (``projection_seed=seed``),
+    so the warm start keeps all of its evidence (the case that showed the inflation, issue 33)."""
+    g = _gen(20)
+    return MomentView(scale * torch.rand(64, 4, generator=g), "right", (64, 32), None, basis_seed(seed, "w", 0),
+                      torch.full((4,), weight))
+
+
+@pytest.mark.parametrize("cap", [False, True])
+def test_aligned_prior_on_the_training_basis_never_steps_larger_than_cold_with_the_cap(cap):
+    """The aligned rule with evidence c0 = 0.5 (n0 = 500 steps) and a prior far below E[g̃²]:
+    uncapped, the first step's |U|/|U_cold| reaches about sqrt(1 + n0) on the coordinates the
+    prior underestimates; with cap_to_cold no coordinate of any step exceeds 1."""
+    pr = Problem(21)
+    opt = _opt(pr, lr=1e-2, wd=0.0, **_galore(rank=4, tau=50, projector="random", bias_correction="weight",
+                                               track_cold=True, cap_to_cold=cap))
+    opt.set_projection_seed(7)
+    opt.load_second_moment("w", _prior_on_training_basis(1e-9, 0.5))
+    opt.mark()
+    for t in range(4):
+        pr.grads(t)
+        opt.step()
+    d = opt.moment_diagnostics()["w"]
+    assert d["prior_retained"] == pytest.approx(1.0, rel=1e-5)
+    summary = opt.update_ratio_summary()
+    if cap:
+        assert summary["update_ratio_max"] <= 1.0 + 1e-6
+        assert summary["update_ratio_above"] == 0.0 and summary["update_ratio_p99"] <= 1.0 + 1e-6  # rounding
+        assert d["update_norm"] <= d["update_norm_cold"] * (1 + 1e-6)
+    else:
+        assert summary["update_ratio_max"] > 10  # ~ sqrt(1 + 500) at the first step
+        assert summary["update_ratio_above"] > 0.5
+
+
+def test_cold_cap_keeps_a_larger_prior():
+    """The cap only removes inflation: where the prior is larger than the fresh estimate the
+    aligned step stays smaller than a cold start's (the prior still conditions the step)."""
+    pr = Problem(22)
+    opt = _opt(pr, lr=1e-2, wd=0.0, **_galore(rank=4, tau=50, projector="random", bias_correction="weight",
+                                               track_cold=True, cap_to_cold=True))
+    opt.set_projection_seed(7)
+    opt.load_second_moment("w", _prior_on_training_basis(1e3, 0.5))
+    opt.mark()
+    pr.grads(0)
+    opt.step()
+    d = opt.moment_diagnostics()["w"]
+    assert d["update_norm"] < 0.5 * d["update_norm_cold"]
+    assert opt.update_ratio_summary()["update_ratio_max"] <= 1.0 + 1e-6
 
 
 def test_load_second_moment_bad_input():

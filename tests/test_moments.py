@@ -84,7 +84,8 @@ def test_ajive_on_a_shared_basis_matches_dense_ajive(side):
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_consensus_basis_and_views_moved_onto_it(side):
     """Views on different bases: B = top-r eigenvectors of Σ p_i P_iᵀP_i; every view moves onto
-    B by the squared rule with its weights; then the sync is the shared-basis sync."""
+    B by the squared rule with its weights; then the sync is the shared-basis sync, pooled by
+    evidence: v̄_j = Σ_i p_i c_ij v_ij / Σ_i p_i c_ij, c̄ = Σ_i p_i c_i."""
     views = _views(side=side, shared=False, seed=2, weights=True)
     res = synchronize_moments(views, W, "mean")
     st = res.state
@@ -105,9 +106,11 @@ def test_consensus_basis_and_views_moved_onto_it(side):
             raw, w = cc @ (v.moment * v.weight[:, None]), cc @ v.weight[:, None]
         moved.append(raw / w)
         wts.append(w.flatten())
-    mean = sum(pi * m for pi, m in zip(P, moved))
+    cbar = sum(pi * w for pi, w in zip(P, wts))
+    ev = (lambda w: w[None, :]) if side == "right" else (lambda w: w[:, None])
+    mean = sum(pi * ev(w) * m for pi, w, m in zip(P, wts, moved)) / ev(cbar)
     assert torch.allclose(st.moment, mean, atol=1e-12)
-    assert torch.allclose(st.weight, sum(pi * w for pi, w in zip(P, wts)), atol=1e-14)
+    assert torch.allclose(st.weight, cbar, atol=1e-14)
     overlap = sum(float(pi) * float(((v.basis @ b.T if side == "right" else b.T @ v.basis) ** 2).sum()) / R for pi, v in zip(P, views))
     assert res.diagnostics["basis_overlap"] == pytest.approx(overlap, rel=1e-10)
     assert 0 < overlap < 1

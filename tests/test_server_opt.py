@@ -146,3 +146,52 @@ def test_resume_is_exact_with_server_optimizer_state(tmp_path, method, opt):
     s1, _ = load_latest_checkpoint(full.run_dir)
     s2, _ = load_latest_checkpoint(resumed.run_dir)
     assert s1.meta["server_opt"] == s2.meta["server_opt"] == {"step": 4}
+
+
+def test_a_method_object_passed_in_code_gets_the_downlink_the_config_would(tmp_path):
+    """Issue 33: a FedGaLore object built in code keeps ``downlink: auto``; under FedAvgM the
+    engine resolves it to dense (the config check never saw it), so every client starts from the
+    server's W exactly; an explicit ``factored`` object is refused with one line."""
+    from fedgalore.engine.runtime import Runtime
+    from fedgalore.methods import get_method
+
+    fed = _fed({"name": "fedavgm", "lr": 1.0, "momentum": 0.9}, rounds=3)
+    cfg = tiny_cfg(tmp_path / "a", "fedgalore", federation=fed)
+    method = get_method("fedgalore", cfg.method.rank, update_proj_gap=50)
+    assert method.options.downlink == "auto" and method.factored_downlink  # unresolved outside the engine
+    res = fedgalore.run(cfg, method=method)
+    assert method.options.downlink == "dense" and not method.factored_downlink
+    assert res.summary["status"] == "complete" and all(r["dropped"] == [] for r in res.history)
+    bad = get_method("fedgalore", cfg.method.rank, update_proj_gap=50, downlink="factored")
+    with pytest.raises(ConfigError, match="downlink='dense'") as err:
+        Runtime(tiny_cfg(tmp_path / "b", "fedgalore", federation=fed), method=bad)
+    assert "\n" not in str(err.value)
+
+
+def test_a_chain_that_does_not_rebuild_the_servers_model_is_refused():
+    """The fingerprint sent with a chain (downlink_check/NAME) catches a server W that moved after
+    its update was recorded — what a server optimizer under the factored downlink did (the chain
+    rebuilt W_{v-1} + chain_v, 1.18 ‖ΔW‖ away from the server's W_v) — where version numbers
+    alone agreed; float rounding of the same chain passes."""
+    from fedgalore.protocol import downlink as dl
+    from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, Payload
+    from fedgalore.protocol.state import ServerState
+
+    g = torch.Generator().manual_seed(3)
+    w0 = torch.randn(96, 64, generator=g)
+    state = ServerState(params={"w": w0.clone()})
+    upd = GaLoreUpdate(0.0, (LowRank(1e-2 * torch.randn(96, 4, generator=g), torch.randn(4, 64, generator=g)),), (96, 64))
+    dl.apply_update(state.params["w"], upd)
+    dl.record_update(state, {"w": upd})
+    cache = dl.ClientCache(0, {"w": w0.clone()})
+    dense = Payload({"w": Dense(state.params["w"])}, {"round": 1})
+    ok = dl.client_payload(state, dense, ["w"], 0)
+    assert "downlink_check/w" in ok.entries and "w" not in ok.entries
+    rebuilt = dl.reconstruct(ok, ["w"], cache)["w"]
+    torch.testing.assert_close(rebuilt, state.params["w"])
+    noisy = dl.ClientCache(0, {"w": w0 * (1 + 1e-6 * torch.randn(96, 64, generator=g))})  # rounding-level difference
+    dl.reconstruct(ok, ["w"], noisy)
+    state2 = ServerState(params={"w": state.params["w"].clone()}, moments=dict(state.moments), meta=dict(state.meta))
+    state2.params["w"] += 1.18 * (state.params["w"] - w0)  # the server optimizer moved W after recording
+    with pytest.raises(dl.DownlinkError, match="not the server's"):
+        dl.reconstruct(dl.client_payload(state2, Payload({"w": Dense(state2.params["w"])}, {}), ["w"], 0), ["w"], cache)

@@ -8,6 +8,10 @@
   config filled in: a ``downlink: auto`` (FedGaLore) becomes ``factored``, or ``dense`` when a
   server optimizer other than ``fedavg`` rewrites the aggregate (the factored chain would then
   not be the update the server applied);
+* :func:`resolve_method` — the same for a method object passed in code
+  (``fedgalore.run(cfg, method=...)``): its ``downlink: auto`` is resolved against the config's
+  server optimizer, and an explicit ``factored`` with a server optimizer that rewrites the
+  aggregate is refused (the recorded chain would not rebuild the server's model);
 * :func:`check_device` — ``device=cuda`` on a torch without CUDA (or ``cuda:3`` with one GPU, or
   ``mps`` off Apple silicon) is one :class:`~fedgalore.engine.config.ConfigError` line that
   says what to change, before any model or data is loaded.
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 from fedgalore.engine.config import ConfigError, FederatedConfig
 
-__all__ = ["config_for_method", "method_options", "check_device"]
+__all__ = ["config_for_method", "method_options", "resolve_method", "check_device"]
 
 
 def config_for_method(cfg: FederatedConfig) -> FederatedConfig:
@@ -35,6 +39,23 @@ def method_options(cfg: FederatedConfig):
     if getattr(opts, "downlink", None) == "auto":
         opts = replace(opts, downlink="factored" if cfg.federation.server_optimizer.identity else "dense")
     return opts
+
+
+def resolve_method(method, cfg: FederatedConfig):
+    """``method`` (an object built in code) with its ``downlink`` resolved for ``cfg`` (module
+    doc); returns the same object. Raises :class:`ConfigError` for ``downlink: factored`` under a
+    server optimizer other than ``fedavg``."""
+    from dataclasses import replace
+
+    downlink = getattr(method.options, "downlink", None)
+    identity = cfg.federation.server_optimizer.identity
+    if downlink == "auto":
+        method.options = replace(method.options, downlink="factored" if identity else "dense")
+    elif downlink == "factored" and not identity:
+        raise ConfigError(f"federation.server_optimizer.name={cfg.federation.server_optimizer.name} changes the update "
+                          f"the factored downlink sends; build the {method.name} method with downlink='dense' "
+                          "(or use server_optimizer.name=fedavg)")
+    return method
 
 
 def check_device(device: str) -> None:

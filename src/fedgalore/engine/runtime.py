@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from fedgalore.engine.config import ConfigError, FederatedConfig
-from fedgalore.engine.resolve import method_options
+from fedgalore.engine.resolve import method_options, resolve_method
 from fedgalore.federated.client import ClientError
 from fedgalore.federated.partition import make_partition
 from fedgalore.federated.scaffold import CORR, ScaffoldClient, split_entries
@@ -64,7 +64,8 @@ class Runtime:
     def __init__(self, cfg: FederatedConfig, parts: Sequence[np.ndarray] | None = None, task: Task | None = None, method: Method | None = None):
         self.cfg = cfg
         self.task = task if task is not None else get_task(cfg.task.name, **cfg.task.options)
-        self.method = method if method is not None else method_class(cfg.method.name)(cfg.method.rank, method_options(cfg))
+        self.method = (resolve_method(method, cfg) if method is not None
+                       else method_class(cfg.method.name)(cfg.method.rank, method_options(cfg)))
         model = self.task.build_model()
         self.target_modules = resolve_target_modules(model, self.task.target_modules, exclude=self.task.head_modules)
         self.head_params = head_parameters(model, self.task.head_modules)

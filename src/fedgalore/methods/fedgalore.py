@@ -12,27 +12,46 @@ in coefficient space first, (Σ_i p̃_i U_iq) P_q, so the aggregate stays factor
 S: AJIVE (or mean) on the views V_i = ṽ_i Bᵀ over one shared basis B, v̄_{k+1} = Σ_i p̃_i (μ_i +
 J_i) kept as coordinates on B (:func:`fedgalore.sync.synchronize_moments`, lines 12–14).
 
-Two protocols for the second moment (method option ``moment_protocol``; docs/design.md §3.1–3.2):
+Two protocols for the second moment (method option ``moment_protocol``; docs/design.md §3.1–3.2;
+the rules for the moment and its evidence: :mod:`fedgalore.protocol.second_moment`):
 
-* ``paper`` — Algorithm 1 as written. B = R_k, the round's seeded basis
-  (``GaLoreAdamW.view_seed``: seed s_k and the parameter only), identical for every client: a
-  client that trained on another basis moves ṽ there with ``moment_transfer`` before upload, and
-  uploads the seed, not the basis. The next round's warm start re-projects v̄ *linearly* onto the
-  client's first basis, clamps at 0 and uses it uncorrected (``bias_correction="steps"``).
-* ``aligned`` — keeps the preconditioner across the round boundary: each coordinate carries its
-  prior weight (``bias_correction="weight"``, uploads and v̄ debiased by it), the warm start is
-  exact on the basis v̄ is expressed in and moves to the client's first basis by the in-round
-  (sign-invariant, ``squared``) rule, weights included — a direction the prior does not cover
-  gets its scale from the fresh gradients instead of an underestimated prior. ``view_basis``
-  picks B: ``seeded`` (R_k, as the paper) or ``consensus`` (the top-r principal subspace of the
-  clients' own data-driven bases, computed by the server and broadcast with v̄).
+* ``paper`` — Algorithm 1 as written:
+  line 3: the client's GaLoreAdamW state starts from the synchronised buffer v̄, re-projected onto
+  its first basis by App. B's linear buffer reprojection and clamped at 0
+  (``second_moment.warm_paper``); AdamW then runs as a freshly initialised optimizer, its bias
+  correction counting this round's steps (``bias_correction="steps"``);
+  line 6: in-round refreshes move the buffers linearly (``moment_transfer`` resolves to
+  ``linear``, App. B);
+  line 10: the upload is the raw projected buffer ṽ_T (``export_moments(buffer=True)``), no
+  evidence; a client whose last basis is not R_k moves ṽ there by ``moment_transfer`` first
+  (the paper does not say what such a client sends: our reading);
+  line 13: the views V_i = ṽ_i R_kᵀ on the round's seeded basis R_k (``GaLoreAdamW.view_seed``:
+  seed s_k and the parameter only), identical for every client; the upload carries the seed;
+  line 12–14: v̄ = AJIVE's joint component (+ the centring mean; AJIVE's k = r), pooled with the
+  client weights p̃_i (:func:`fedgalore.sync.synchronize_moments`; the paper does not state the
+  combination weights: p̃_i, as its FedAvg).
+  Deviations: none beyond the two readings just named. (An earlier variant of ours uploaded a
+  debiased estimate and then skipped the bias correction at the warm start; its ~20x larger
+  first steps were ours, not the paper's, and it is gone: issue 33.)
+* ``aligned`` (default; ours) — keeps the preconditioner across the round boundary: each
+  coordinate carries its evidence c (``bias_correction="weight"``; uploads are estimates V/c with
+  c), the server pools estimates weighted by p̃_i c_i (a client with no evidence for a coordinate
+  does not move it), the warm start is exact on the basis v̄ is expressed in and moves to the
+  client's first basis by the in-round (sign-invariant, ``squared``) rule, evidence included — a
+  direction the prior does not cover gets its scale from the fresh gradients — and, with
+  ``cold_cap`` (default), no coordinate ever steps larger than a cold start would
+  (``GaLoreAdamW`` ``cap_to_cold``: the denominator uses max(V̂, V̂_cold)). ``view_basis`` picks
+  B: ``seeded`` (R_k, as the paper) or ``consensus`` (the top-r principal subspace of the clients'
+  own data-driven bases, computed by the server and broadcast with v̄).
 
 Per round the diagnostics record, averaged over the round's clients: ``warm_clamped`` (share of
 warm-start entries clamped at 0), ``prior_retained`` (aligned: share of the prior weight that
 the move to the first basis kept), ``v_warm_cold_ratio`` (median of V̂ / V̂_cold at the round's
 end, V̂_cold a shadow cold start fed the same gradients), ``client_update_norm_precond`` and
 ``client_update_norm_cold`` (‖Σ_q C_q P_q‖_F of the update with the warm and the shadow cold
-second moment) and their ratio ``update_norm_vs_cold``.
+second moment) and their ratio ``update_norm_vs_cold``; and the worst client's distribution of
+|U|/|U_cold| over every coordinate and step (``update_ratio_max``, ``update_ratio_p99``) with the
+mean share above 1 (``update_ratio_above``).
 """
 from __future__ import annotations
 
@@ -68,7 +87,10 @@ from fedgalore.sync.batched import synchronize_moments_many
 _PROTOCOLS = ("paper", "aligned")
 _VIEW_BASES = ("seeded", "consensus")
 #: per-client numbers the optimizer reports (upload meta) and the round's diagnostics average
-_CLIENT_DIAGS = ("warm_clamped", "prior_retained", "v_warm_cold_ratio", "client_update_norm_precond", "client_update_norm_cold")
+_CLIENT_DIAGS = ("warm_clamped", "prior_retained", "v_warm_cold_ratio", "client_update_norm_precond", "client_update_norm_cold",
+                 "update_ratio_above")
+#: per-client numbers the round reports as their maximum over clients (the worst client)
+_CLIENT_MAX_DIAGS = ("update_ratio_max", "update_ratio_p99")
 
 
 def aggregate_galore_updates(
@@ -110,7 +132,8 @@ class FedGaLoreOptions(MethodOptions):
     projector: Literal[PROJECTORS] = option("rsvd_then_random", "basis kind; *_then_random: data-driven first, then seeded random (App. E)")
     adaptive_proj_steps: int = option(1, "data-driven refreshes before the seeded random ones (S)")
     adaptive_scope: Literal[ADAPTIVE_SCOPES] = option(GALORE_DEFAULTS["adaptive_scope"], "count those refreshes per round or over the whole run (global)")
-    moment_transfer: Literal[MOMENT_TRANSFERS] = option("squared", "how the moments move when the basis changes")
+    moment_transfer: Literal[MOMENT_TRANSFERS] | None = option(
+        None, "how the moments move when the basis changes (null: linear for moment_protocol=paper, App. B; squared otherwise)")
     rsvd_oversample: int = option(GALORE_DEFAULTS["rsvd_oversample"], "oversampling of the randomised SVD")
     rsvd_niter: int = option(GALORE_DEFAULTS["rsvd_niter"], "power iterations of the randomised SVD")
     nonfinite: Literal[NONFINITE_POLICIES] = option("raise", "a non-finite gradient: raise, or skip that parameter's step")
@@ -119,7 +142,9 @@ class FedGaLoreOptions(MethodOptions):
     sync_center: bool = option(True, "AJIVE centres each view (the mean joins the synchronised state)")
     sync_batched: bool = option(True, "run S on same-shape matrices together (batched linear algebra, the same "
                                       "equations and decisions; false: one matrix at a time, the reference)")
-    moment_protocol: Literal[_PROTOCOLS] = option("aligned", "paper: Algorithm 1 as written; aligned: prior weights across rounds")
+    moment_protocol: Literal[_PROTOCOLS] = option("aligned", "paper: Algorithm 1 as written; aligned: estimates with their evidence across rounds")
+    cold_cap: bool = option(True, "aligned: no coordinate steps larger than a cold start (denominator max(V̂, V̂_cold)); "
+                                  "false = the uncapped prior")
     view_basis: Literal[_VIEW_BASES] | None = option(None, "shared view basis B (null: seeded for paper, consensus for aligned)")
     galore_torch_compat: bool = option(False, "the official galore_torch update rule (needs moment_protocol=paper when synced)")
     downlink: Literal["auto", "dense", "factored"] = option("auto", DOWNLINK_HELP)
@@ -145,11 +170,17 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         o = options
         sync = cls.fixed_sync or (cls.default_sync if o.sync is None else o.sync)
         view_basis = o.view_basis or ("seeded" if o.moment_protocol == "paper" else "consensus")
+        transfer = o.moment_transfer or ("linear" if o.moment_protocol == "paper" else "squared")
         if o.moment_protocol == "paper" and view_basis != "seeded":
             raise MethodError("moment_protocol='paper' synchronises on the round's seeded basis R_k: use view_basis='seeded' (or moment_protocol='aligned')")
         if o.galore_torch_compat and o.moment_protocol == "aligned" and sync != "none":
             raise MethodError("galore_torch_compat reproduces the official optimizer, which has no prior weights: use moment_protocol='paper'")
-        return replace(o, sync=sync, view_basis=view_basis, joint_rank=rank if o.joint_rank is None else o.joint_rank)
+        if o.moment_protocol == "aligned" and sync != "none" and transfer == "linear":
+            raise MethodError("moment_transfer='linear' cannot move the aligned protocol's per-coordinate evidence "
+                              "(V C / c is no longer an average of old estimates): use moment_transfer='squared', "
+                              "or moment_protocol='paper'")
+        return replace(o, sync=sync, view_basis=view_basis, moment_transfer=transfer,
+                       joint_rank=rank if o.joint_rank is None else o.joint_rank)
 
     @property
     def synced(self) -> bool:
@@ -174,9 +205,15 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             "rsvd_niter": o.rsvd_niter,
             "nonfinite": o.nonfinite,
             # FedGaLore⁻ starts cold every round: AdamW's rule (bit-identical to earlier runs)
-            "bias_correction": "weight" if self.synced and o.moment_protocol == "aligned" else "steps",
+            "bias_correction": "weight" if self.aligned else "steps",
+            "cap_to_cold": self.aligned and o.cold_cap,
             "track_cold": self.synced and not o.galore_torch_compat and diagnostics,
         }
+
+    @property
+    def aligned(self) -> bool:
+        """The aligned protocol with a synchronised state (estimates with evidence, module doc)."""
+        return self.synced and self.options.moment_protocol == "aligned"
 
     # ------------------------------------------------------------------ T
     def broadcast(self, state: ServerState, ctx: RoundContext) -> Payload:
@@ -235,11 +272,14 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         meta: dict[str, Any] = {"num_examples": ctx.num_examples, **stats}
         if self.synced:
             seeded = self.options.view_basis == "seeded"
-            views = opt.export_moments({n: opt.view_seed(n) for n in self.targets} if seeded else None)
+            # Algorithm 1 line 10: the raw buffer (paper); the estimate with its evidence (aligned)
+            views = opt.export_moments({n: opt.view_seed(n) for n in self.targets} if seeded else None,
+                                       buffer=not self.aligned)
             for n, view in views.items():
                 entries[f"moment/{n}"] = _share_basis(view, updates[n])
             if ctx.diagnostics:
                 meta.update(_client_diagnostics(opt.moment_diagnostics()))
+                meta.update(opt.update_ratio_summary())
         return Payload(entries, meta)
     # ------------------------------------------------------------------ A
     def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext):
@@ -335,10 +375,10 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
                     if isinstance(v, (int, float)):
                         diags.setdefault(k, []).append(float(v))
         out = {k: sum(v) / len(v) for k, v in diags.items()}
-        for key in _CLIENT_DIAGS:
+        for key in _CLIENT_DIAGS + _CLIENT_MAX_DIAGS:
             vals = [float(u.meta[key]) for u in uploads if isinstance(u.meta.get(key), (int, float))]
             if vals:
-                out[key] = sum(vals) / len(vals)
+                out[key] = max(vals) if key in _CLIENT_MAX_DIAGS else sum(vals) / len(vals)
         if out.get("client_update_norm_cold"):
             out["update_norm_vs_cold"] = out["client_update_norm_precond"] / out["client_update_norm_cold"]
         return out

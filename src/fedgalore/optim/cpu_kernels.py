@@ -104,7 +104,7 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.project_cols.argtypes = [p, p, p, n, n, n, n]
     for fn in (lib.rank_update, lib.project_rows, lib.project_cols):
         fn.restype = None
-    lib.adam_moments.argtypes = [p, p, p, p, p, p, n, n, ctypes.c_int, f, f, f, f]
+    lib.adam_moments.argtypes = [p, p, p, p, p, p, n, n, ctypes.c_int, f, f, f, f, f]
     lib.adam_moments.restype = ctypes.c_int
     return lib
 
@@ -146,6 +146,13 @@ def _probe(lib: ctypes.CDLL) -> Optional[str]:
             if not (ok and torch.allclose(m, m_ref, rtol=2e-6, atol=1e-7) and torch.allclose(v, v_ref, rtol=2e-6, atol=0)
                     and torch.equal(v, cv) and torch.allclose(u, u_ref, rtol=1e-4, atol=1e-6)):
                 return f"adam_moments ({rows}x{cols}, b1={b1}) disagrees with torch"
+            # the cold cap: S = max(V / c, CV / (1 - b2^s)), here with a cold shadow 3x the warm V
+            m, v, w8, u = m0.clone(), v0.clone(), w0.clone(), torch.empty(rows, cols)
+            cv = 3.0 * v0
+            ok = _moments(lib, r_, m, v, cv, w8, u, per_row, b1, 0.99, 1e-3, cap=1.0 / 0.5)
+            s_ref = torch.maximum(v_ref / wb, (3.0 * v0 * 0.99 + 0.01 * r_ * r_) / 0.5)
+            if not (ok and torch.allclose(u, m_ref / (s_ref.sqrt() + 1e-3), rtol=1e-4, atol=1e-6)):
+                return f"adam_moments with the cold cap ({rows}x{cols}, b1={b1}) disagrees with torch"
         for bad in (float("nan"), float("inf")):
             rb = r_.clone()
             rb[-1, -1] = bad
@@ -223,12 +230,13 @@ def _back(lib: ctypes.CDLL, w: torch.Tensor, u: torch.Tensor, basis: torch.Tenso
 
 
 def _moments(lib: ctypes.CDLL, r: torch.Tensor, m: torch.Tensor, v: torch.Tensor, cv: Optional[torch.Tensor],
-             w8: Optional[torch.Tensor], u: torch.Tensor, per_row: int, b1: float, b2: float, eps: float) -> bool:
+             w8: Optional[torch.Tensor], u: torch.Tensor, per_row: int, b1: float, b2: float, eps: float,
+             cap: float = 0.0) -> bool:
     ptr = (lambda t: None if t is None else t.data_ptr())
     # 1 - beta in double, then rounded to fp32: as torch's ``lerp_(r, 1 - b1)`` / ``value=1 - b2``
     # (an fp32 1 - 0.999 is off by 1.3e-5 relative)
     return bool(lib.adam_moments(r.data_ptr(), m.data_ptr(), v.data_ptr(), ptr(cv), ptr(w8), u.data_ptr(),
-                                 r.shape[0], r.shape[1], per_row, 1.0 - b1, b2, 1.0 - b2, eps))
+                                 r.shape[0], r.shape[1], per_row, 1.0 - b1, b2, 1.0 - b2, eps, cap))
 
 
 def moments_usable(r: torch.Tensor, *state: Optional[torch.Tensor]) -> bool:
@@ -242,13 +250,16 @@ def moments_usable(r: torch.Tensor, *state: Optional[torch.Tensor]) -> bool:
 
 
 def adam_moments(r: torch.Tensor, m: torch.Tensor, v: torch.Tensor, b1: float, b2: float, eps: float,
-                 cold_v: Optional[torch.Tensor] = None, v_weight: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+                 cold_v: Optional[torch.Tensor] = None, v_weight: Optional[torch.Tensor] = None,
+                 cold_cap: float = 0.0) -> Optional[torch.Tensor]:
     """Adam's moments on the projected gradient ``R`` in place, all or nothing (paper Alg. 1 line
     8's optimizer state; the rule of :meth:`fedgalore.optim.GaLoreAdamW._galore_step`):
     ``M ← lerp(M, R, 1−β₁)``, ``V ← β₂V + (1−β₂)R∘R`` (and the shadow ``cold_v`` alike),
     ``c ← β₂c + (1−β₂)`` for ``v_weight`` ``c`` (shape ``(1, cols)`` or ``(rows, 1)``), and
-    returns ``U = M / (√(V/c) + eps)`` (``M / (√V + eps)`` without ``c``). Returns ``None`` and
-    changes nothing when ``R`` has a NaN/Inf entry. Callers check :func:`moments_usable` first."""
+    returns ``U = M / (√(V/c) + eps)`` (``M / (√V + eps)`` without ``c``); with ``cold_cap > 0``
+    (and ``cold_v``) the denominator is ``√max(V/c, cold_cap · cold_v) + eps`` — the aligned
+    protocol's cap at the cold start, ``cold_cap = 1/(1 − β₂^s)``. Returns ``None`` and changes
+    nothing when ``R`` has a NaN/Inf entry. Callers check :func:`moments_usable` first."""
     rows, cols = r.shape
     for name, t in (("exp_avg", m), ("exp_avg_sq", v), ("cold_v", cold_v)):
         if t is not None and tuple(t.shape) != (rows, cols):
@@ -260,7 +271,8 @@ def adam_moments(r: torch.Tensor, m: torch.Tensor, v: torch.Tensor, b1: float, b
         elif tuple(v_weight.shape) != (1, cols):
             raise ValueError(f"adam_moments: v_weight {tuple(v_weight.shape)} must be (1, {cols}) or ({rows}, 1)")
     u = torch.empty(rows, cols, dtype=torch.float32)
-    ok = _moments(_state["lib"], r, m, v, cold_v, v_weight, u, per_row, float(b1), float(b2), float(eps))  # type: ignore[arg-type]
+    ok = _moments(_state["lib"], r, m, v, cold_v, v_weight, u, per_row, float(b1), float(b2), float(eps),  # type: ignore[arg-type]
+                  float(cold_cap))
     return u if ok else None
 
 

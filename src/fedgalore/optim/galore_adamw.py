@@ -19,22 +19,32 @@ with an old basis the moments move to the new coordinates, ``C = P_old P_new^T``
 (``squared``, the default: the second moment of ``g p_new`` when the old coordinates are
 uncorrelated; non-negative and invariant to the sign of any basis vector), ``keep`` or ``reset``.
 
-Second-moment bias correction ``c2_t`` (group key ``bias_correction``):
+Second-moment bias correction ``c2_t`` (group key ``bias_correction``); the rules for the
+moment and its evidence are stated once in :mod:`fedgalore.protocol.second_moment`:
 
-* ``"steps"`` (default; AdamW's rule): ``c2_t = 1 - b2^s`` with ``s`` the steps since ``V`` last
-  started cold (start or a ``reset`` transfer). A ``V`` warm-started by
-  :meth:`GaLoreAdamW.load_second_moment` is the server's estimate projected *linearly* onto the
-  client's first basis and clamped at 0 (paper Alg. 1: "reprojected ... when the seed
-  increments") and is used uncorrected (``c2_t = 1``). This is the paper mode. Measured cost: when
-  the first basis is not the one ``v̄`` is expressed in, the projected ``V`` underestimates the new
-  coordinates' ``E[g̃²]`` and the steps grow (benchmarks/RESULTS.md §9).
-* ``"weight"``: every coordinate ``j`` of the projected axis carries the prior weight
-  ``c_j`` of its EMA (the mass ``1 - b2^s`` an EMA accumulates): ``c <- b2 c + (1 - b2)`` per step,
-  ``V / c`` is the estimate. A warm start loads ``V = c̄ v̄`` and ``c = c̄`` *on the basis v̄ is
-  expressed in* (exact), and every basis change — including the move to the round's first basis —
-  moves ``V`` by ``moment_transfer`` and the weights by ``c <- c (C∘C)``: a direction the old basis
-  does not span carries no prior, so the fresh gradients set its scale (no step inflation, and
-  sign-invariant with ``squared``). For a cold start ``c = 1 - b2^s``: identical to ``"steps"``.
+* ``"steps"`` (default; AdamW's rule): ``c2_t = 1 - b2^s`` with ``s`` the steps of this
+  optimizer since ``V`` last started (its creation or a ``reset`` transfer). A ``V``
+  warm-started by :meth:`GaLoreAdamW.load_second_moment` is the synchronised *buffer* re-projected
+  linearly onto the client's first basis and clamped at 0 (paper Algorithm 1 line 3 with App. B's
+  buffer reprojection, :func:`~fedgalore.protocol.second_moment.warm_paper`), and the correction
+  still counts this optimizer's steps, as a freshly initialised AdamW's does: Algorithm 1 as
+  written (the paper mode of FedGaLore).
+* ``"weight"``: every coordinate ``j`` of the projected axis carries the evidence ``c_j`` of its
+  EMA (the mass ``1 - b2^s`` an EMA accumulates): ``c <- b2 c + (1 - b2)`` per step, ``V / c`` is
+  the estimate. A warm start loads ``V = c̄ v̄`` and ``c = c̄`` *on the basis v̄ is expressed in*
+  (exact), and every basis change — including the move to the round's first basis — moves ``V``
+  and ``c`` by the ``squared`` rule: a direction the old basis does not span carries no prior, so
+  the fresh gradients set its scale (sign-invariant). For a cold start ``c = 1 - b2^s``: identical
+  to ``"steps"``. ``moment_transfer="linear"`` is refused with it (``V C / c`` is then no longer
+  an average of old estimates).
+
+``cap_to_cold=True`` (``"weight"`` only; FedGaLore's aligned protocol): the denominator is
+``sqrt(max(V / c, V_cold / (1 - b2^s))) + eps`` with the shadow cold moment ``V_cold`` (zeros at
+the optimizer's creation and at :meth:`GaLoreAdamW.mark`, fed the same gradients, moved like
+``V``), so no coordinate ever steps larger than a cold start would: a prior that underestimates
+``g²`` on a coordinate can no longer enlarge that coordinate's step (with prior weight ``c0`` the
+first-step ratio ``|U| / |U_cold|`` reaches ``sqrt(1 + c0 / (1 - b2))`` otherwise, issue 33). The
+prior still lowers steps where it is larger than the fresh estimate.
 
 Projector kinds (group key ``projector``): ``identity`` (basis ``I`` of the projected side's
 full dimension, ``rank`` ignored, never refreshed: exactly AdamW when ``scale = 1``), ``svd``, ``rsvd``, ``random`` (seeded Haar), ``svd_then_random`` and
@@ -53,11 +63,11 @@ training run. Seeds always use the local refresh index ``q``:
 ``lr sqrt(1 - b2^t) / (1 - b1^t)``, ``W <- W - step * scale * U P`` then ``W <- W - lr wd W``,
 no moment transfer (the moments are kept across refreshes), and the same for plain groups.
 
-``track_cold=True`` keeps a shadow cold second moment (zeros at :meth:`GaLoreAdamW.mark`, moved
-like ``V``, corrected by steps) and the update the same first moments would have made with it:
-:meth:`GaLoreAdamW.moment_diagnostics` reports both update norms, the warm/cold ``V̂`` ratio and
-what the warm start clamped or kept — the evidence that a synchronised state conditions the step
-instead of inflating it.
+``track_cold=True`` keeps the shadow cold second moment (as ``cap_to_cold`` does) and the update
+the same first moments would have made with it: :meth:`GaLoreAdamW.moment_diagnostics` reports
+both update norms, the warm/cold ``V̂`` ratio, what the warm start clamped or kept, and the
+distribution of ``|U| / |U_cold|`` over every coordinate and step (max, 99th percentile, share
+above 1) — the evidence that a synchronised state conditions the step instead of inflating it.
 
 Optimizer state holds tensors and plain Python numbers only (side is stored as ``0=right,
 1=left``), so ``state_dict()`` loads with ``torch.load(weights_only=True)``. GaLore state
@@ -75,6 +85,7 @@ from torch.optim import Optimizer
 
 import fedgalore.optim.cpu_kernels as cpu_kernels
 from fedgalore.optim.projector import PROJ_TYPES, change_of_basis, project, resolve_side, rsvd_basis, svd_basis
+from fedgalore.protocol import second_moment as sm
 from fedgalore.protocol.bases import SIDES, basis_seed, seeded_basis
 from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, SeededLowRank
 
@@ -99,6 +110,7 @@ GALORE_DEFAULTS: dict[str, Any] = {
     # final choice to the reproduction measurement.
     "moment_transfer": "squared",
     "bias_correction": "steps",
+    "cap_to_cold": False,
     "track_cold": False,
     "rsvd_oversample": 8,
     "rsvd_niter": 2,
@@ -139,6 +151,15 @@ def rebuild_delta(update: GaLoreUpdate, w0: Optional[torch.Tensor] = None) -> to
     return update.materialize(None if w0 is None else w0.detach().cpu())
 
 
+def _ratio_summary(hist: torch.Tensor, top: float, above: int, n: int) -> dict[str, float]:
+    """Max, 99th percentile and share above 1 of the ``|U| / |U_cold|`` histogram (see
+    :meth:`GaLoreAdamW._observe_ratio`)."""
+    cum = torch.cumsum(hist, 0)
+    k = int(torch.searchsorted(cum, torch.tensor(math.ceil(0.99 * int(cum[-1])), dtype=cum.dtype)))  # first bin reaching 99 %
+    p99 = top if k >= len(_RATIO_EDGES) else min(top, float(2.0 ** _RATIO_EDGES[k]))
+    return {"update_ratio_max": top, "update_ratio_p99": p99, "update_ratio_above": above / n}
+
+
 def _mul(side: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Apply a change of basis ``C`` to projected coordinates: ``X C`` (right) / ``C X`` (left)."""
     return (lambda x, c: x @ c) if side == "right" else (lambda x, c: c @ x)
@@ -168,6 +189,8 @@ ONEDNN_MIN_NUMEL = 1 << 18
 #: GEMM updates rows the decay pass has just brought into cache; 0 turns the blocking off.
 BLOCK_BYTES = 1 << 20
 _KERNELS: dict[Any, Any] = {}
+#: upper bin edges of the |U| / |U_cold| histogram (log2 ratios, 1/64 apart over [-8, 8])
+_RATIO_EDGES = torch.arange(-8 * 64, 8 * 64 + 1, dtype=torch.float32) / 64.0
 
 
 def _onednn_project(op: Callable[..., torch.Tensor], g: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
@@ -402,8 +425,14 @@ class GaLoreAdamW(Optimizer):
             raise ValueError(
                 f"unknown bias_correction {group['bias_correction']!r}; expected one of {BIAS_CORRECTIONS}"
             )
-        if group["galore_torch_compat"] and (group["bias_correction"] != "steps" or group["track_cold"]):
-            raise ValueError("galore_torch_compat reproduces the official rule: use bias_correction='steps' and track_cold=False")
+        if group["galore_torch_compat"] and (group["bias_correction"] != "steps" or group["track_cold"] or group["cap_to_cold"]):
+            raise ValueError("galore_torch_compat reproduces the official rule: use bias_correction='steps', "
+                             "track_cold=False and cap_to_cold=False")
+        if group["bias_correction"] == "weight" and group["moment_transfer"] == "linear":
+            raise ValueError("moment_transfer='linear' cannot move per-coordinate evidence (bias_correction='weight'): "
+                             "V C / c is no longer an average of old estimates; use moment_transfer='squared'")
+        if group["cap_to_cold"] and group["bias_correction"] != "weight":
+            raise ValueError("cap_to_cold caps a warm prior's steps at the cold start's: it needs bias_correction='weight'")
         if group["adaptive_scope"] not in ADAPTIVE_SCOPES:
             raise ValueError(f"unknown adaptive_scope {group['adaptive_scope']!r}; expected one of {ADAPTIVE_SCOPES}")
         if not _is_int(group["update_proj_gap"]) or group["update_proj_gap"] < 1:
@@ -472,7 +501,6 @@ class GaLoreAdamW(Optimizer):
             side=SIDES.index(side),
             rank=rank,
             v_step=0,
-            v_warm=0,
             refresh=0,
             basis_seed=-1,
             basis_refresh=-1,
@@ -485,7 +513,7 @@ class GaLoreAdamW(Optimizer):
             d = shape[1] if side == "right" else shape[0]
             wshape = (1, d) if side == "right" else (d, 1)
             state["v_weight"] = torch.zeros(wshape, dtype=torch.float32, device=p.device)
-        if group["track_cold"]:
+        if group["track_cold"] or group["cap_to_cold"]:
             self._reset_cold(state)
         return state
 
@@ -493,6 +521,9 @@ class GaLoreAdamW(Optimizer):
     def _reset_cold(state: dict[str, Any]) -> None:
         state["cold_v"] = torch.zeros_like(state["exp_avg_sq"])
         state["cold_step"] = 0
+        if "ratio_hist" in state:
+            state["ratio_hist"].zero_()
+            state["ratio_max"], state["ratio_above"], state["ratio_n"] = 0.0, 0, 0
 
     def _has_basis(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
         return group["projector"] == "identity" or "basis" in state
@@ -533,31 +564,24 @@ class GaLoreAdamW(Optimizer):
         state["basis_refresh"] = q
         state["refresh"] = q + 1
         if state["rec_on"]:
-            self._open_term(state)
+            self._open_term(state, group)
 
     def _transfer(self, state: dict[str, Any], group: dict[str, Any], side: str, c: torch.Tensor) -> None:
-        """Move the moments to new coordinates (``C`` from :func:`change_of_basis`) by the group's
-        ``moment_transfer``; prior weights (``bias_correction="weight"``) move by ``C∘C``."""
+        """Move the moments to new coordinates (``C`` from :func:`change_of_basis`): ``M <- M C``
+        and the second moment by the group's ``moment_transfer``
+        (:func:`fedgalore.protocol.second_moment.move`) — with its per-coordinate evidence under
+        ``bias_correction="weight"``; the shadow cold moment is corrected by steps and moves like
+        an uncorrected ``V``."""
         mt = group["moment_transfer"]
-        mul = _mul(side)
-        state["exp_avg"] = mul(state["exp_avg"], c)
-        for key in ("exp_avg_sq", "cold_v"):
-            if key not in state:
-                continue
-            if mt == "linear":
-                state[key] = mul(state[key], c).clamp_(min=0.0)
-            elif mt == "squared":
-                state[key] = mul(state[key], c * c)
-            elif mt == "reset":
-                state[key].zero_()
+        state["exp_avg"] = _mul(side)(state["exp_avg"], c)
         if "v_weight" in state:
-            if mt == "reset":
-                state["v_weight"].zero_()
-            elif mt != "keep":
-                state["v_weight"] = mul(state["v_weight"], c * c)
+            state["exp_avg_sq"], state["v_weight"] = sm.move(state["exp_avg_sq"], state["v_weight"], c, side, mt)
+        else:
+            state["exp_avg_sq"] = sm.move(state["exp_avg_sq"], c.new_ones(()), c, side, mt, per_coordinate=False)[0]
+        if "cold_v" in state:
+            state["cold_v"] = sm.move(state["cold_v"], c.new_ones(()), c, side, mt, per_coordinate=False)[0]
         if mt == "reset":
             state["v_step"] = 0
-            state["v_warm"] = 0
             if "cold_v" in state:
                 state["cold_step"] = 0
 
@@ -689,12 +713,15 @@ class GaLoreAdamW(Optimizer):
         m, v = state["exp_avg"], state["exp_avg_sq"]
         w8, cv = state.get("v_weight"), state.get("cold_v")
         # M / (sqrt(V) / c2 + eps) = c2 M / (sqrt(V) + c2 eps): AdamW's bias correction of this
-        # step's V (v_step + 1) joins the coefficient; 1 with prior weights c or a warm V
-        c2 = 1.0 if w8 is not None or state["v_warm"] else math.sqrt(1.0 - b2 ** (state["v_step"] + 1))
+        # step's V (v_step + 1) joins the coefficient; 1 with evidence c (V / c is the estimate)
+        c2 = 1.0 if w8 is not None else math.sqrt(1.0 - b2 ** (state["v_step"] + 1))
+        # the shadow cold moment's correction after this step, and the cold cap 1 / (1 - b2^s)
+        cc = math.sqrt(1.0 - b2 ** (state["cold_step"] + 1)) if cv is not None else 1.0
+        cap = 1.0 / (cc * cc) if group["cap_to_cold"] else 0.0
         u = None
         if not compat and p.numel() >= ONEDNN_MIN_NUMEL and cpu_kernels.moments_usable(r, m, v, w8, cv):
             # the check of R, M, V (and c, the cold V) and U in one kernel call (same rule as below)
-            u = cpu_kernels.adam_moments(r, m, v, b1, b2, eps * c2, cold_v=cv, v_weight=w8)
+            u = cpu_kernels.adam_moments(r, m, v, b1, b2, eps * c2, cold_v=cv, v_weight=w8, cold_cap=cap)
             if u is None and not self._nonfinite(p, group, state, r):
                 raise RuntimeError(f"internal: the moment kernel and torch disagree on whether R of {self._names[p]!r} is finite")
             if u is None:
@@ -727,19 +754,23 @@ class GaLoreAdamW(Optimizer):
         if u is None:  # else the kernel above updated the moments
             m.lerp_(r, 1.0 - b1)
             v.mul_(b2).addcmul_(r, r, value=1.0 - b2)
-            if w8 is not None:
-                w8.mul_(b2).add_(1.0 - b2)
-                u = m / (v / w8).sqrt_().add_(eps)
-            else:
-                u = m / v.sqrt().add_(eps * c2)
             if cv is not None:
                 cv.mul_(b2).addcmul_(r, r, value=1.0 - b2)
+            if w8 is not None:
+                w8.mul_(b2).add_(1.0 - b2)
+                est = v / w8
+                if cap:  # the cold cap: sqrt(max(V / c, V_cold / (1 - b2^s)))
+                    est = torch.maximum(est, cv * cap)
+                u = m / est.sqrt_().add_(eps)
+            else:
+                u = m / v.sqrt().add_(eps * c2)
         cold = None
         if cv is not None:
             state["cold_step"] += 1
             if state["rec_on"] and "rec_cold" in state:  # U_cold only feeds the record
-                cc = math.sqrt(1.0 - b2 ** state["cold_step"])
                 cold = (m, cv.sqrt().add_(eps * cc), coef * cc)
+            if group["track_cold"]:
+                self._observe_ratio(state, v, w8, cv, c2, cc, cap, eps)
         w = p if p.dtype == torch.float32 else p.float()
         _decay_back_project(w, u, basis, side, decay, coef_u)
         if w is not p:
@@ -747,11 +778,35 @@ class GaLoreAdamW(Optimizer):
         if state["rec_on"]:
             self._record(state, u, coef_u, decay, after=False, cold=cold)
 
+    def _observe_ratio(self, state: dict[str, Any], v: torch.Tensor, w8: Optional[torch.Tensor], cv: torch.Tensor,
+                       c2: float, cc: float, cap: float, eps: float) -> None:
+        """Diagnostics (``track_cold``): this step's ``|U| / |U_cold| = D_cold / D`` on every
+        coordinate (the first moments are shared, so the ratio of the updates is that of their
+        denominators ``D = sqrt(V̂) + eps``), gathered into the round's maximum, the share above 1
+        and a histogram of ``log2`` ratios (bins of 1/64 over ``[-8, 8]``, upper edges inclusive)
+        from which :meth:`update_ratio_summary` reads the 99th percentile."""
+        if w8 is not None:
+            est = v / w8
+            if cap:
+                est = torch.maximum(est, cv * cap)
+        else:
+            est = v / (c2 * c2)
+        ratio = ((cv.sqrt() / cc + eps) / (est.sqrt() + eps)).flatten()
+        ratio = torch.nan_to_num(ratio, nan=1.0, posinf=2.0**9)
+        if "ratio_hist" not in state:
+            state["ratio_hist"] = torch.zeros(len(_RATIO_EDGES) + 1, dtype=torch.int64)
+            state["ratio_max"], state["ratio_above"], state["ratio_n"] = 0.0, 0, 0
+        idx = torch.bucketize(ratio.log2().float().cpu(), _RATIO_EDGES)
+        state["ratio_hist"] += torch.bincount(idx, minlength=len(_RATIO_EDGES) + 1)
+        state["ratio_max"] = max(state["ratio_max"], float(ratio.max()))
+        state["ratio_above"] += int((ratio > 1.0 + 1e-6).sum())
+        state["ratio_n"] += ratio.numel()
+
     # ------------------------------------------------------------------ update record
-    def _open_term(self, state: dict[str, Any]) -> None:
+    def _open_term(self, state: dict[str, Any], group: dict[str, Any]) -> None:
         state["rec_coef"] = torch.zeros_like(state["exp_avg"])
         state["rec_n"] = 0
-        if "cold_v" in state:
+        if "cold_v" in state and group["track_cold"]:  # the cold update feeds the diagnostics only
             state["rec_cold"] = torch.zeros_like(state["exp_avg"])
 
     def _close_term(self, state: dict[str, Any]) -> None:
@@ -813,7 +868,7 @@ class GaLoreAdamW(Optimizer):
             if "cold_v" in state:
                 self._reset_cold(state)
             if self._has_basis(group, state):
-                self._open_term(state)
+                self._open_term(state, group)
 
     def export_update(self) -> dict[str, GaLoreUpdate]:
         """Per GaLore parameter name, ``ΔW = decay·W0 + Σ_q term_q`` since :meth:`mark`.
@@ -865,10 +920,7 @@ class GaLoreAdamW(Optimizer):
         v = state["exp_avg_sq"]
         d = v.shape[1] if side == "right" else v.shape[0]
         shape = (1, d) if side == "right" else (d, 1)
-        if state["v_warm"]:
-            value = 1.0
-        else:
-            value = 1.0 - group["betas"][1] ** state["v_step"] if state["v_step"] > 0 else 0.0
+        value = 1.0 - group["betas"][1] ** state["v_step"] if state["v_step"] > 0 else 0.0
         return torch.full(shape, value, dtype=torch.float32, device=v.device)
 
     def export_state(self) -> dict[str, GaLoreStateEntry]:
@@ -891,7 +943,7 @@ class GaLoreAdamW(Optimizer):
                 seed=int(state["basis_seed"]) if seeded else None,
                 refresh_index=int(state["basis_refresh"]) if seeded else None,
                 projection_seed=int(group["projection_seed"]),
-                warm=bool(state["v_warm"]) or "warm_diag" in state,
+                warm="warm_diag" in state,
                 v_weight=self._v_weight(group, state).detach().flatten().clone(),
             )
         return out
@@ -908,16 +960,20 @@ class GaLoreAdamW(Optimizer):
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
         return basis_seed(int(group["projection_seed"]), name, 0)
 
-    def export_moments(self, view_seeds: Optional[dict[str, int]] = None) -> dict[str, MomentView]:
+    def export_moments(self, view_seeds: Optional[dict[str, int]] = None, buffer: bool = False) -> dict[str, MomentView]:
         """Per GaLore parameter, the projected second moment as a :class:`MomentView` (paper
-        Alg. 1 line 10, "upload ṽ"): the estimate ``V / c`` (bias-corrected by the prior weights
-        ``c``, see ``bias_correction``) and ``c`` itself.
+        Alg. 1 line 10, "upload ṽ").
+
+        ``buffer=False``: the estimate ``V / c`` with its evidence ``c``
+        (:func:`fedgalore.protocol.second_moment.estimate`; ``c = 1 - b2^s`` on every coordinate
+        under ``bias_correction="steps"``). ``buffer=True``: the raw buffer ``ṽ = V`` itself, with
+        no evidence (``weight=None``) — Algorithm 1 line 10 as written.
 
         Without ``view_seeds`` it is expressed in the current basis (the matrix, or its seed when
         seeded). With ``view_seeds[name] = s`` it is expressed in the seeded basis
-        ``R = seeded_basis(s, ...)``: unless the current basis already is ``R``, ``V`` and ``c``
-        move there by the group's ``moment_transfer`` (``C = P R^T``; linear: ``max(V C, 0)``,
-        squared: ``V (C∘C)``; weights ``c (C∘C)``), and the view carries the seed only.
+        ``R = seeded_basis(s, ...)``: unless the current basis already is ``R``, ``V`` (and ``c``)
+        move there by the group's ``moment_transfer`` (``C = P R^T``,
+        :func:`fedgalore.protocol.second_moment.move`), and the view carries the seed only.
         """
         out: dict[str, MomentView] = {}
         for name, p, group in self._galore_items():
@@ -927,6 +983,7 @@ class GaLoreAdamW(Optimizer):
             if basis is None:
                 raise ValueError(f"parameter {name!r} has no basis yet (no optimizer step happened)")
             shape = (int(p.shape[0]), int(p.shape[1]))
+            per_coordinate = "v_weight" in state
             v, w = state["exp_avg_sq"], self._v_weight(group, state)
             seed: Optional[int] = int(state["basis_seed"]) if state["basis_seed"] >= 0 else None
             target = None if view_seeds is None else view_seeds.get(name)
@@ -934,62 +991,37 @@ class GaLoreAdamW(Optimizer):
             if target is not None and target != seed:
                 rank = v.shape[1] if side == "right" else v.shape[0]
                 new = seeded_basis(int(target), shape[0], shape[1], rank, side).to(v.device)
-                c = change_of_basis(basis, new, side)
-                mul, mt = _mul(side), group["moment_transfer"]
-                if mt == "linear":
-                    v = mul(v, c).clamp_(min=0.0)
-                elif mt == "squared":
-                    v = mul(v, c * c)
-                elif mt == "reset":
-                    v = torch.zeros_like(mul(v, c))
-                if mt == "reset":
-                    w = torch.zeros_like(mul(w, c))
-                elif mt != "keep":
-                    w = mul(w, c * c)
+                v, w = sm.move(v, w, change_of_basis(basis, new, side), side, group["moment_transfer"], per_coordinate)
                 seed, out_basis = int(target), None
-            est = torch.where(w > 0, v / w.clamp(min=torch.finfo(torch.float32).tiny), torch.zeros_like(v))
+            moment, weight = (v, None) if buffer else (sm.estimate(v, w), w.detach().flatten().float().cpu().clone())
             out[name] = MomentView(
-                est.detach().float().cpu(), side, shape,
-                None if out_basis is None else out_basis.detach().float().cpu().clone(),
-                seed, w.detach().flatten().float().cpu().clone(),
+                moment.detach().float().cpu().clone(), side, shape,
+                None if out_basis is None else out_basis.detach().float().cpu().clone(), seed, weight,
             )
         return out
 
     def _apply_warm(self, state: dict[str, Any], group: dict[str, Any], side: str, new: torch.Tensor) -> None:
         """Start ``V`` from the pending synchronised state, for the basis ``new`` now in use.
 
-        ``x`` holds the coordinates of ``v̄`` on basis ``b``, ``c`` their prior weights;
-        ``C = change_of_basis(b, new)``. ``bias_correction="steps"`` (paper): ``V = max(x C, 0)``
-        (linear re-projection, then clamp), used uncorrected. ``"weight"``: ``V = max(x, 0) ∘ c``,
-        weights ``c``, both moved to ``new`` by ``moment_transfer`` exactly as an in-round refresh
-        (``C = I`` when ``new`` is ``b``: the lift is inverted exactly).
+        ``x`` holds the coordinates of ``v̄`` on basis ``b``, ``c`` their evidence;
+        ``C = change_of_basis(b, new)``. ``bias_correction="steps"`` (Algorithm 1 line 3 as
+        written): ``V = max(x C, 0)`` (:func:`fedgalore.protocol.second_moment.warm_paper`), and
+        the bias correction keeps counting this optimizer's steps. ``"weight"``: ``V = max(x, 0)∘c``
+        with evidence ``c``, both moved to ``new`` by ``moment_transfer`` exactly as an in-round
+        refresh (:func:`~fedgalore.protocol.second_moment.warm_aligned`; ``C = I`` when ``new`` is
+        ``b``: the lift is inverted exactly).
         """
         x, b, c = state.pop("warm_v"), state.pop("warm_basis"), state.pop("warm_weight")
         cb = change_of_basis(b, new, side)
-        mul = _mul(side)
         diag: dict[str, float] = {}
         if group["bias_correction"] == "steps":
-            raw = mul(x, cb)
-            diag["warm_clamped"] = float((raw < 0).float().mean())
-            state["exp_avg_sq"] = raw.clamp_(min=0.0).contiguous()
-            state["v_warm"] = 1
+            diag["warm_clamped"] = float((sm.apply_change(x, cb, side) < 0).float().mean())
+            state["exp_avg_sq"] = sm.warm_paper(x, cb, side).contiguous()
         else:
             diag["warm_clamped"] = float((x < 0).float().mean())
+            v, w = sm.warm_aligned(x, c, cb, side, group["moment_transfer"])
             d = x.shape[1] if side == "right" else x.shape[0]
-            wshape = (1, d) if side == "right" else (d, 1)
-            c = torch.ones(wshape, dtype=torch.float32, device=x.device) if c is None else c.reshape(wshape)
-            raw = x.clamp(min=0.0) * c
-            mt = group["moment_transfer"]
-            if mt == "keep":
-                if raw.shape != state["exp_avg_sq"].shape:
-                    raise ValueError("moment_transfer='keep' needs the synchronised state at the optimizer's rank")
-                v, w = raw, c
-            elif mt == "reset":
-                v, w = torch.zeros_like(mul(raw, cb)), torch.zeros_like(mul(c, cb))
-            else:
-                v = mul(raw, cb).clamp_(min=0.0) if mt == "linear" else mul(raw, cb * cb)
-                w = mul(c, cb * cb)
-            total = float(c.sum())
+            total = float(sm.as_evidence(c, side, d, x).sum())
             diag["prior_retained"] = float(w.sum()) / total if total > 0 else 0.0
             state["exp_avg_sq"] = v.contiguous()
             state["v_weight"] = w.contiguous()
@@ -1050,7 +1082,7 @@ class GaLoreAdamW(Optimizer):
         for name, p, group in self._galore_items():
             state = self.state.get(p, {})
             d = dict(state.get("warm_diag", {}))
-            if "cold_v" in state and state.get("rec_on") and state.get("cold_step", 0) > 0:
+            if group["track_cold"] and "cold_v" in state and state.get("rec_on") and state.get("cold_step", 0) > 0:
                 side = SIDES[state["side"]]
                 terms = list(state["rec_terms"])
                 if state.get("rec_n", 0) > 0:
@@ -1066,8 +1098,25 @@ class GaLoreAdamW(Optimizer):
                 cold_hat = state["cold_v"] / (1.0 - b2 ** state["cold_step"])
                 ok = cold_hat > 0
                 d["v_ratio_median"] = float((warm_hat[ok] / cold_hat[ok]).median()) if bool(ok.any()) else float("nan")
+            if state.get("ratio_n", 0) > 0:
+                d.update(_ratio_summary(state["ratio_hist"], state["ratio_max"], state["ratio_above"], state["ratio_n"]))
             out[name] = d
         return out
+
+    def update_ratio_summary(self) -> dict[str, float]:
+        """``|U| / |U_cold|`` over every coordinate of every GaLore matrix and every step since
+        :meth:`mark` (``track_cold``; empty without): ``update_ratio_max``, ``update_ratio_p99``
+        (99th percentile, to the histogram's 1.1 % resolution, read at a bin's upper edge so that
+        ratios all ≤ 1 give ≤ 1) and ``update_ratio_above`` (share of entries above 1). Above 1
+        means a coordinate stepped larger than a cold start would have (module doc,
+        ``cap_to_cold``)."""
+        hist, top, above, n = None, 0.0, 0, 0
+        for _, p, _ in self._galore_items():
+            st = self.state.get(p, {})
+            if st.get("ratio_n", 0) > 0:
+                hist = st["ratio_hist"].clone() if hist is None else hist + st["ratio_hist"]
+                top, above, n = max(top, st["ratio_max"]), above + st["ratio_above"], n + st["ratio_n"]
+        return {} if hist is None else _ratio_summary(hist, top, above, n)
 
     def _term_basis(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], term: dict[str, Any]) -> torch.Tensor:
         if term.get("basis") is not None:

@@ -28,6 +28,11 @@ a dense matrix under its own name (as the dense downlink), a chain entry under
 ``downlink/{v}/{name}`` (a :class:`GaLoreUpdate` with the weights folded into its factors), and
 ``meta["downlink"] = {"from": h, "to": k}``. The client checks that it holds version ``h`` for
 every chained matrix (:func:`reconstruct`) and refuses otherwise (never a silent mismatch).
+Each chained matrix also travels with the server's fingerprint of ``W_k`` under
+``downlink_check/{name}`` (:func:`fingerprint`: four random bilinear probes and the norm, fixed
+size), and the client checks its rebuilt matrix against it: a chain that does not rebuild the
+server's model — a stale cache, a server that changed ``W`` after recording the update (a server
+optimizer under the factored downlink) — is refused, not trained on.
 
 Deviation from the paper: Algorithm 1 broadcasts ``W``; this sends the same ``W`` as a chain of
 exact updates. Nothing about training changes except float rounding of ``W_k`` (the server's
@@ -69,10 +74,17 @@ __all__ = [
     "mark_sent",
     "client_payload",
     "reconstruct",
+    "fingerprint",
+    "CHECK_PREFIX",
 ]
 
 #: key prefix of the chain entries, in a broadcast and in ``ServerState.moments``
 CHAIN_PREFIX = "downlink/"
+#: key prefix of the server's fingerprints of the chained matrices, in a broadcast
+CHECK_PREFIX = "downlink_check/"
+#: random probes per fingerprint, and the tolerance of the check (module doc, :func:`fingerprint`)
+CHECK_PROBES = 4
+CHECK_TOL = 1e-5
 _META = "downlink_version"
 _HELD = "downlink_held"
 
@@ -264,7 +276,9 @@ def client_payload(state: ServerState, dense: Payload, names: Sequence[str], hel
     for n in names:
         have = set(index.get(n, ()))
         if all(v in have for v in need):
-            chain = {_key(v, n): state.moments[_key(v, n)] for v in need}
+            chain: dict[str, Any] = {_key(v, n): state.moments[_key(v, n)] for v in need}
+            if chain:
+                chain[CHECK_PREFIX + n] = Dense(_server_fingerprints(state, [n])[n].float())
             # on the wire, headers included, below the dense matrix's tensor bytes alone (small
             # matrices: the chain's per-tensor headers can outweigh its savings)
             if chain and encoded_size(Payload(chain)) - empty >= dense_bytes(state.params[n]):
@@ -275,6 +289,49 @@ def client_payload(state: ServerState, dense: Payload, names: Sequence[str], hel
     if not chained:
         return dense
     return Payload(entries, {**dense.meta, "downlink": {"from": int(held), "to": cur}})
+
+
+def fingerprint(w: torch.Tensor) -> torch.Tensor:
+    """A fixed-size fingerprint of a matrix ``W (m × n)`` that survives float rounding but not a
+    wrong matrix: ``y_j = a_jᵀ W x_j`` for ``j < 4`` with Gaussian ``a_j / √m``, ``x_j / √n``
+    drawn from a generator seeded by the shape only (every process draws the same), followed by
+    ``‖W‖_F``; float64, ``(5,)``. For a difference ``E`` between two matrices each probe is about
+    ``‖E‖_F / √(mn)`` times a standard normal, so :func:`fingerprints_match`'s tolerance
+    ``1e-5 ‖W‖_F / √(mn)`` per probe refuses a matrix off by more than about ``1e-4 ‖W‖_F``
+    (four probes: missing it needs all four below a tenth of their scale) and accepts the
+    differences of float rounding (``~1e-6 ‖W‖_F`` after a chain, across CPU kernels). One pass
+    over ``W`` (an ``m × n × 4`` product)."""
+    m, n = int(w.shape[0]), int(w.shape[1])
+    g = torch.Generator().manual_seed(0x5EED_C0DE ^ (m * 1_000_003 + n))
+    a = torch.randn(m, CHECK_PROBES, generator=g, dtype=torch.float64) / m**0.5
+    x = torch.randn(n, CHECK_PROBES, generator=g, dtype=torch.float64) / n**0.5
+    wf = w.detach()
+    wx = (wf.float() @ x.to(device=wf.device, dtype=torch.float32)).double().cpu()  # m × 4
+    y = (a * wx).sum(dim=0)
+    return torch.cat([y, torch.linalg.vector_norm(wf.float()).double().cpu().reshape(1)])
+
+
+def fingerprints_match(mine: torch.Tensor, server: torch.Tensor, shape: Sequence[int]) -> bool:
+    """Whether a rebuilt matrix's :func:`fingerprint` ``mine`` is the server's ``server`` up to
+    float rounding: every probe within ``1e-5 ‖W‖_F / √(mn)`` (the server's norm)."""
+    m, n = int(shape[0]), int(shape[1])
+    tol = CHECK_TOL * float(server[-1]) / (m * n) ** 0.5
+    return bool((mine[:-1].double() - server[:-1].double()).abs().max() <= tol) if tol > 0 else bool(torch.equal(mine[:-1], server[:-1]))
+
+
+def _server_fingerprints(state: ServerState, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """:func:`fingerprint` of the current ``W`` of ``names``, computed once per model version
+    (cached on the state object; a pure function of ``state.params``, so never checkpointed)."""
+    cur = version(state)
+    cache = getattr(state, "_downlink_fingerprints", None)
+    if cache is None or cache[0] != cur:
+        cache = (cur, {})
+        object.__setattr__(state, "_downlink_fingerprints", cache)
+    fps = cache[1]
+    for n in names:
+        if n not in fps:
+            fps[n] = fingerprint(state.params[n])
+    return {n: fps[n] for n in names}
 
 
 # ----------------------------------------------------------------------------- client side
@@ -296,7 +353,10 @@ def reconstruct(payload: Payload, names: Sequence[str], cache: ClientCache | Non
     tensors (when it ``owned`` them) and returns them (a client that keeps its model: no copy of
     every matrix, twice, per round) — only after every chained matrix is checked, so a refused
     broadcast leaves the cache as it was. Raises :class:`DownlinkError` when the cache does not hold the chain's base version
-    or a chain entry is missing."""
+    or a chain entry is missing, and when a rebuilt matrix does not match the server's
+    :func:`fingerprint` sent with it (``downlink_check/{name}``): the chain does not rebuild the
+    server's model. A cache updated in place is then marked invalid (version -1: the next
+    broadcast must be dense)."""
     info = payload.meta.get("downlink")
     out: dict[str, torch.Tensor] = {}
     chained = []
@@ -322,5 +382,13 @@ def reconstruct(payload: Payload, names: Sequence[str], cache: ClientCache | Non
             w = w.detach().float().clone()
         for v in range(int(info["from"]) + 1, int(info["to"]) + 1):  # type: ignore[index]
             apply_update(w, payload.entries[_key(v, n)], return_delta=False)
+        check = payload.entries.get(CHECK_PREFIX + n)
+        if check is not None and not fingerprints_match(fingerprint(w), check.materialize(), tuple(w.shape)):
+            if w is cache.params[n]:  # type: ignore[union-attr]
+                cache.version = -1  # type: ignore[union-attr]
+            raise DownlinkError(
+                f"{n}: the matrix rebuilt from the chain {info['from']}->{info['to']} is not the server's (fingerprint "  # type: ignore[index]
+                "mismatch): the server's model changed after it recorded the update (a server optimizer with the "
+                "factored downlink?) or this client's copy is stale; use method.options.downlink=dense")
         out[n] = w
     return out

@@ -50,14 +50,18 @@ from typing import Sequence, Union
 
 import torch
 
-from fedgalore.protocol.payload import Factored, MomentView
+from fedgalore.protocol import second_moment as sm
+from fedgalore.protocol.payload import MomentView
 from fedgalore.sync.ajive import all_finite
 from fedgalore.sync.moments import (
     SyncResult,
     _check_views,
     _check_weights,
+    _orthonormalising,
     _same_basis,
-    _shared_basis_diagnostics,
+    coordinate_diagnostics,
+    joint_projection,
+    numerical_rank,
     synchronize_moments,
     top_singular_basis,
 )
@@ -155,8 +159,9 @@ def _sync_group(group: list[Sequence[MomentView]], p: torch.Tensor, key: tuple, 
 
     moms = torch.stack([torch.stack([v.moment.to(dtype) for v in views]) for views in group])  # G × K × (m×r | r×n)
     wts = torch.stack([torch.stack([v.weight.to(dtype) for v in views]) for views in group]) if has_weight else None
-    if not all_finite(moms):
+    if not all_finite(moms) or (wts is not None and not all_finite(wts)):
         return [None] * G  # the reference names the view
+    evid = None if wts is None else wts.unsqueeze(-2)  # G × K × 1 × r (rows × r orientation)
     if same:
         basis = torch.stack([basis_of(views[0]) for views in group])  # G × (r×n | m×r)
         out_basis = [views[0].basis for views in group]
@@ -173,16 +178,11 @@ def _sync_group(group: list[Sequence[MomentView]], p: torch.Tensor, key: tuple, 
         c = own @ basis.transpose(-1, -2).unsqueeze(1) if side == "right" else basis.transpose(-1, -2).unsqueeze(1) @ own
         c2 = c * c  # G × K × r × r
         w = wts if has_weight else torch.ones(G, K, r, dtype=dtype, device=dev)
-        if side == "right":
-            wv = w.unsqueeze(-2)  # G × K × 1 × r
-            raw = (moms.clamp(min=0) * wv) @ c2
-            w_new = wv @ c2
-        else:
-            wv = w.unsqueeze(-1)  # G × K × r × 1
-            raw = c2 @ (moms.clamp(min=0) * wv)
-            w_new = c2 @ wv
-        moms = torch.where(w_new > 0, raw / w_new.clamp(min=torch.finfo(dtype).tiny), torch.zeros_like(raw))
-        wts = w_new.flatten(-2) if has_weight else None
+        ev = w.unsqueeze(-2) if side == "right" else w.unsqueeze(-1)  # G × K × (1×r | r×1)
+        acc, ev = sm.move(moms.clamp(min=0) * ev, ev, c, side, "squared")  # the reference's rule, batched
+        moms = sm.estimate(acc, ev)
+        wts = ev.flatten(-2) if has_weight else None
+        evid = ev if side == "right" else ev.transpose(-1, -2)  # G × K × 1 × r: pooled by evidence
         ov = c2.sum(dim=(-2, -1)).double() / r  # G × K
         overlap = [sum(pi * float(o) for pi, o in zip(pw, row)) for row in ov.cpu()]
     # factored views X_i = A_i Rᵀ: rows = m (right side) or n (left side)
@@ -241,28 +241,21 @@ def _sync_group(group: list[Sequence[MomentView]], p: torch.Tensor, key: tuple, 
     norms = (sv.unsqueeze(-1) * mtu).norm(dim=-2)  # G × K × jmax
     kept = cand & ~(norms.double() < tau.unsqueeze(-1)).any(dim=1)  # G × jmax
 
-    # Phase 3 + the state: v̄ = [1, U_J] [μ̄, W]ᵀ with W = Σ_i p_i V_i diag(s_i) U_iᵀ U_J, as a thin
-    # SVD of numerical rank; the kept components first, the dropped ones as zero columns after
-    # them (the QRs' leading blocks are the reference's, the zero block adds nothing)
+    # Phase 3 + the state: v̄ = L Ā, the joint projection of the evidence-pooled estimate
+    # (moments.synchronize_moments); the kept components first, the dropped ones as zero columns
     perm = torch.sort((~kept).to(torch.uint8), dim=-1, stable=True).indices  # G × jmax
     keptf = torch.gather(kept, -1, perm).to(dtype)
     uj = torch.gather(u_cand, -1, perm.unsqueeze(1).expand(-1, rows, -1)) * keptf.unsqueeze(1)
-    utu = torch.gather(mtu, -1, perm[:, None, None, :].expand(-1, K, r, -1)) * keptf[:, None, None, :]
-    coef = utu.transpose(-1, -2) * sv.unsqueeze(-2)  # G × K × jmax × r: U_Jᵀ X_i^c on V_i
-    wsum = sum(pw[i] * (V[:, i] @ coef[:, i].transpose(-1, -2)) for i in range(K))  # G × d × jmax
-    mubar = sum(pw[i] * mu[:, i] for i in range(K))  # G × d
-    left = torch.cat([torch.ones(G, rows, 1, dtype=dtype, device=dev), uj], -1)
-    rightf = torch.cat([mubar.unsqueeze(-1), wsum], -1)
-    q1, r1 = torch.linalg.qr(left)
-    q2, r2 = torch.linalg.qr(rightf)
-    u2, s2, w2t = torch.linalg.svd(r1.double() @ r2.double().transpose(-1, -2), full_matrices=False)
-    keep = (s2 > tol * s2[..., :1]).sum(dim=-1) * (s2[..., 0] > 0)  # G: the state's numerical rank
-    s2k = (s2 * (torch.arange(s2.shape[-1], device=dev) < keep.unsqueeze(-1))).to(dtype)
-    # coordinates on B: v̄ R = (Q_1 u s)(Q_2 w)ᵀ R, exact as v̄ lies in span(B)
-    coords = ((q1 @ u2.to(dtype)) * s2k.unsqueeze(-2)) @ ((q2 @ w2t.transpose(-1, -2).to(dtype)).transpose(-1, -2) @ right)
+    pooled, _ = sm.pool([a[:, i] for i in range(K)], None if evid is None else [evid[:, i] for i in range(K)], pw)
+    coords = joint_projection(pooled, uj, True)  # G × rows × r, coordinates on B
+    orthonormal = _orthonormal(right)
+    keep = numerical_rank(coords, max(rows, d))
+    for g in range(G):
+        if not orthonormal[g]:  # the rank of the full matrix X̄ Bᵀ: the reference's route
+            keep[g] = numerical_rank(coords[g] @ _orthonormalising(right[g]), max(rows, d))
     wbar = sum(pw[i] * wts[:, i] for i in range(K)) if wts is not None else None
     n_kept = kept.sum(dim=-1)
-    mismatch = _mismatch(a, right, coords, pw) if diagnostics else None
+    mismatch = _mismatch(a, pooled, coords, pw, orthonormal) if diagnostics else None
     t_each = (time.perf_counter() - t0) / G
     results: list[SyncResult | None] = []
     for g in range(G):
@@ -275,11 +268,8 @@ def _sync_group(group: list[Sequence[MomentView]], p: torch.Tensor, key: tuple, 
         diag = {"n_views": float(K), "joint_rank": float(n_kept[g]), "state_rank": float(c)}
         if mismatch is not None and g in mismatch:
             diag.update(mismatch[g])
-        elif diagnostics:  # a basis that is not orthonormal: the reference's closed form with its Cholesky factor
-            su = (q1[g] @ u2[g, :, :c].to(dtype))
-            sw = q2[g] @ w2t[g, :c].T.to(dtype)
-            diag.update(_shared_basis_diagnostics([(a[g, i], right[g]) for i in range(K)], pw,
-                                                  Factored(su, torch.diag(s2[g, :c].to(dtype)), sw)))
+        elif diagnostics:  # a basis that is not orthonormal: the reference's form with its Cholesky factor
+            diag.update(coordinate_diagnostics([a[g, i] for i in range(K)], right[g], pw, pooled[g], coords[g]))
         diag["basis_overlap"] = overlap[g]
         diag["time_s"] = t_each + time.perf_counter() - t1
         view = MomentView(co.clone(memory_format=torch.contiguous_format), side, shape, out_basis[g], out_seed[g],
@@ -288,30 +278,33 @@ def _sync_group(group: list[Sequence[MomentView]], p: torch.Tensor, key: tuple, 
     return results
 
 
-def _mismatch(a: torch.Tensor, right: torch.Tensor, coords: torch.Tensor, pw: list[float]) -> dict[int, dict[str, float]]:
-    """The mismatch diagnostics of :func:`fedgalore.sync.moments._shared_basis_diagnostics` for
-    every matrix whose basis is orthonormal (``‖X Bᵀ‖_F = ‖X‖_F``), batched: ``Ā = Σ_i p_i A_i``,
-    ``X̄ = v̄ B (BᵀB)⁻¹`` (the state's coordinates ``coords = v̄ B``); ``mismatch_before =
-    Σ_i p_i ‖A_i − Ā‖ / ‖Ā‖``, ``mismatch_after = Σ_i p_i ‖A_i − X̄‖ / ‖X̄‖``, ``removed_fraction
-    = ‖Ā − X̄‖ / ‖Ā‖`` (0 for a zero denominator). Matrices whose basis is not orthonormal are
-    left out (the caller takes the reference's form)."""
-    btb = right.double().transpose(-1, -2) @ right.double()  # G × r × r
-    eye = torch.eye(btb.shape[-1], dtype=torch.float64, device=btb.device)
-    orth = ((btb - eye).abs().amax(dim=(-2, -1)) < 1e-6).tolist()
-    xbar = (coords.double() @ torch.linalg.inv(btb)).to(a.dtype)  # G × rows × r
-    abar = sum(w * a[:, i] for i, w in enumerate(pw))
+def _mismatch(a: torch.Tensor, pooled: torch.Tensor, coords: torch.Tensor, pw: list[float],
+              orthonormal: list[bool]) -> dict[int, dict[str, float]]:
+    """:func:`fedgalore.sync.moments.coordinate_diagnostics` for every matrix whose basis is
+    orthonormal (``‖X Bᵀ‖_F = ‖X‖_F``), batched: views ``a`` (``G × K × rows × r``), the pooled
+    estimate ``Ā`` and the state ``X̄`` (``G × rows × r``); ``mismatch_before = Σ_i p_i ‖A_i − Ā‖
+    / ‖Ā‖``, ``mismatch_after = Σ_i p_i ‖A_i − X̄‖ / ‖X̄‖``, ``removed_fraction = ‖Ā − X̄‖ / ‖Ā‖``
+    (0 for a zero denominator). Matrices whose basis is not orthonormal are left out (the caller
+    takes the reference's form)."""
     fro = lambda x: x.norm(dim=(-2, -1)).double()  # noqa: E731
-    mean, xnorm = fro(abar), fro(xbar)
-    dev_before = sum(w * fro(a[:, i] - abar) for i, w in enumerate(pw))
-    dev_after = sum(w * fro(a[:, i] - xbar) for i, w in enumerate(pw))
-    removed = fro(abar - xbar)
+    mean, xnorm = fro(pooled), fro(coords)
+    dev_before = sum(w * fro(a[:, i] - pooled) for i, w in enumerate(pw))
+    dev_after = sum(w * fro(a[:, i] - coords) for i, w in enumerate(pw))
+    removed = fro(pooled - coords)
     ratio = lambda num, den: num / den if den > 0.0 else 0.0  # noqa: E731
     out = {}
-    for g, (ok, m_, x_, b_, a_, r_) in enumerate(zip(orth, mean.tolist(), xnorm.tolist(), dev_before.tolist(),
+    for g, (ok, m_, x_, b_, a_, r_) in enumerate(zip(orthonormal, mean.tolist(), xnorm.tolist(), dev_before.tolist(),
                                                     dev_after.tolist(), removed.tolist())):
         if ok:
             out[g] = {"mismatch_before": ratio(b_, m_), "mismatch_after": ratio(a_, x_), "removed_fraction": ratio(r_, m_)}
     return out
+
+
+def _orthonormal(right: torch.Tensor) -> list[bool]:
+    """Per matrix of the stack ``right`` (``G × d × r``): whether its columns are orthonormal."""
+    btb = right.double().transpose(-1, -2) @ right.double()
+    eye = torch.eye(btb.shape[-1], dtype=torch.float64, device=btb.device)
+    return ((btb - eye).abs().amax(dim=(-2, -1)) < 1e-6).tolist()
 
 
 def _consensus_basis(own: torch.Tensor, pw: list[float], rank: int, side: str) -> torch.Tensor:

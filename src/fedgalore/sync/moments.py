@@ -59,6 +59,7 @@ from typing import Sequence, Union
 
 import torch
 
+from fedgalore.protocol import second_moment as sm
 from fedgalore.protocol.payload import Factored, MomentView
 from fedgalore.sync.ajive import ajive, all_finite, elbow_rank, thin_svd_factored
 
@@ -89,6 +90,23 @@ def _thin(left: torch.Tensor, right: torch.Tensor, rank: int | None = None) -> F
     if rank is not None:
         u, s, v = u[:, :rank], s[:rank], v[:, :rank]
     return Factored(u, torch.diag(s), v)
+
+
+def _run_ajive(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], joint_rank: Union[int, str], center: bool, seed: int,
+               **ajive_options):
+    """AJIVE (:func:`fedgalore.sync.ajive.ajive`) on the factored views ``X_i = A_i B_iᵀ`` (checked
+    finite by the caller): signal ranks = the view ranks (``"auto"``: each view's elbow,
+    :func:`_signal_rank`), no individual components."""
+    dtype = pairs[0][0].dtype
+    eyes = [torch.eye(a.shape[1], dtype=dtype, device=a.device) for a, _ in pairs]
+    views = [Factored(a, e, b) for (a, b), e in zip(pairs, eyes)]
+    opts = dict(ajive_options)
+    if joint_rank == "auto":
+        opts.setdefault("init_signal_ranks", [_signal_rank(a, b) for a, b in pairs])
+    opts.setdefault("init_signal_ranks", [max(a.shape[1], 1) for a, _ in pairs])
+    opts.setdefault("compute_individual", False)
+    opts.setdefault("check_finite", False)
+    return ajive(views, joint_rank=None if joint_rank == "auto" else int(joint_rank), center=center, seed=seed, **opts)
 
 
 def frobenius_gram(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], shared_right: bool = False) -> torch.Tensor:
@@ -134,30 +152,30 @@ def _signal_rank(a: torch.Tensor, b: torch.Tensor) -> int:
     return max(1, min(elbow_rank(s, 2), c - 1))
 
 
-def _shared_basis_diagnostics(pairs, pw: list[float], state: Factored | None) -> dict[str, float]:
-    """The mismatch diagnostics in closed form for views on one right factor ``B`` (every call
-    from :func:`synchronize_moments`): ``V_i − V̄ = (A_i − Ā) Bᵀ`` and, as ``v̄`` lies in span(B),
-    ``V_i − v̄ = (A_i − X̄) Bᵀ`` with ``X̄ = v̄ B (BᵀB)⁻¹``; ``‖X Bᵀ‖_F = ‖X L‖_F`` for
-    ``BᵀB = L Lᵀ`` (``L = I`` for an orthonormal basis). ``O(K m r)``: no ``K × K`` Gram and no
-    cancellation in ``G_ii − 2 G_i·p + pᵀGp``."""
-    b = pairs[0][1]
-    btb = b.double().T @ b.double()
+def coordinate_diagnostics(coords: Sequence[torch.Tensor], right: torch.Tensor, pw: Sequence[float],
+                           pooled: torch.Tensor, state: torch.Tensor | None) -> dict[str, float]:
+    """The mismatch diagnostics (module doc) for views on one basis, from coordinates: view
+    ``i`` is ``A_i Bᵀ`` (``coords[i]`` = ``A_i``, rows × r; ``right`` = ``B``, d × r), the pooled
+    estimate :func:`fedgalore.protocol.second_moment.pool` is ``Ā Bᵀ`` (``pooled`` = ``Ā``) and
+    the synchronised state ``X̄ Bᵀ`` (``state`` = ``X̄``; ``None`` for mode ``none``), so
+    ``‖X Bᵀ‖_F = ‖X L‖_F`` for ``BᵀB = L Lᵀ`` (``L = I`` for an orthonormal basis):
+    ``mismatch_before = Σ_i p_i ‖A_i − Ā‖ / ‖Ā‖``, ``mismatch_after = Σ_i p_i ‖A_i − X̄‖ / ‖X̄‖``,
+    ``removed_fraction = ‖Ā − X̄‖ / ‖Ā‖``. ``O(K m r)``."""
+    btb = right.double().T @ right.double()
     eye = torch.eye(btb.shape[0], dtype=torch.float64, device=btb.device)
-    chol = None if float((btb - eye).abs().max()) < 1e-6 else torch.linalg.cholesky(btb).to(b.dtype)
+    chol = None if float((btb - eye).abs().max()) < 1e-6 else torch.linalg.cholesky(btb).to(right.dtype)
 
     def fro(x: torch.Tensor) -> float:
         return float((x if chol is None else x @ chol).norm())
 
-    abar = sum(w * a for w, (a, _) in zip(pw, pairs))
-    mean = fro(abar)
-    before = _ratio(sum(w * fro(a - abar) for w, (a, _) in zip(pw, pairs)), mean)
+    mean = fro(pooled)
+    before = _ratio(sum(w * fro(a - pooled) for w, a in zip(pw, coords)), mean)
     if state is None:
         return {"mismatch_before": before, "mismatch_after": before, "removed_fraction": 0.0}
-    xbar = (((state.left @ state.core) @ (state.right.T @ b)).double() @ torch.linalg.inv(btb)).to(b.dtype)
     return {
         "mismatch_before": before,
-        "mismatch_after": _ratio(sum(w * fro(a - xbar) for w, (a, _) in zip(pw, pairs)), fro(xbar)),
-        "removed_fraction": _ratio(fro(abar - xbar), mean),
+        "mismatch_after": _ratio(sum(w * fro(a - state) for w, a in zip(pw, coords)), fro(state)),
+        "removed_fraction": _ratio(fro(pooled - state), mean),
     }
 
 
@@ -227,15 +245,7 @@ def synchronize(
         state = _thin(left, right, None if mode == "mean" else int(joint_rank))
         jr = float(state.core.shape[0])
     elif mode == "ajive":
-        eyes = [torch.eye(a.shape[1], dtype=dtype, device=a.device) for a, _ in pairs]
-        views = [Factored(a, e, b) for (a, b), e in zip(pairs, eyes)]
-        opts = dict(ajive_options)
-        if joint_rank == "auto":
-            opts.setdefault("init_signal_ranks", [_signal_rank(a, b) for a, b in pairs])
-        opts.setdefault("init_signal_ranks", [max(a.shape[1], 1) for a, _ in pairs])
-        opts.setdefault("compute_individual", False)
-        opts.setdefault("check_finite", False)  # checked above
-        res = ajive(views, joint_rank=None if joint_rank == "auto" else int(joint_rank), center=center, seed=seed, **opts)
+        res = _run_ajive(pairs, joint_rank, center, seed, **ajive_options)
         uj = res.joint_scores
         jr = float(res.joint_rank)
         w = sum(pw[i] * (res.joint_rights[i] @ res.joint_coefs[i].T) for i in range(len(pairs)))  # d × J
@@ -251,7 +261,13 @@ def synchronize(
     diag: dict[str, float] = {"n_views": float(len(pairs)), "joint_rank": jr}
     diag["state_rank"] = float(state.core.shape[0]) if state is not None else 0.0
     if diagnostics and shared:
-        diag.update(_shared_basis_diagnostics(pairs, pw, state))
+        b = pairs[0][1]
+        coords = [a for a, _ in pairs]
+        xbar = None
+        if state is not None:  # v̄ lies in span(B): its coordinates X̄ = v̄ B (BᵀB)⁻¹
+            btb = b.double().T @ b.double()
+            xbar = (((state.left @ state.core) @ (state.right.T @ b)).double() @ torch.linalg.inv(btb)).to(b.dtype)
+        diag.update(coordinate_diagnostics(coords, b, pw, sum(w * a for w, a in zip(pw, coords)), xbar))
     elif diagnostics:
         g = frobenius_gram(pairs, shared_right=shared).cpu()
         pv = p.to(g.dtype)
@@ -351,58 +367,127 @@ def synchronize_moments(
 ) -> SyncResult:
     """Second-moment synchronisation of Algorithm 1, lines 12–13 (paper §5, eq. "matrix view"):
     ``v̄ = S({V_i}, {p_i})`` with ``V_i = v_i B`` (right) / ``B v_i`` (left) on the shared basis
-    ``B`` (the views' common basis, else their :func:`consensus_basis`; module doc); for ``ajive``
-    ``v̄ = Σ_i p_i (μ_i + J_i)``. ``joint_rank``: int, ``"auto"`` (ajive only) or ``None`` (= the
-    view rank ``r``, the paper's ``k = r``). Returns ``state`` as a :class:`MomentView` on ``B``
-    (the seed when ``B`` is seeded), with weights ``Σ_i p_i c_i`` when every view has weights.
-    ``diagnostics=False`` skips the mismatch diagnostics (the state is the same; ``joint_rank``,
-    ``state_rank``, ``basis_overlap`` and ``time_s`` are still reported)."""
+    ``B`` (the views' common basis, else their :func:`consensus_basis`; module doc).
+
+    Every mode is a function of the evidence-pooled estimate ``Ā = pool({v_i}, {c_i}, {p_i})``
+    (:func:`fedgalore.protocol.second_moment.pool`: ``Σ p_i c_i∘v_i / Σ p_i c_i`` per coordinate,
+    ``Σ p_i v_i`` for views without evidence): ``mean`` is ``Ā``; ``mean_svd`` its best rank-``k``
+    approximation; ``ajive`` is ``Σ_i p_i (1 μ_iᵀ + J_i)`` with ``J_i = U_J U_Jᵀ (V_i − 1 μ_iᵀ)``,
+    which — the projection being the same linear map of every view — equals
+    ``L Ā`` with ``L = 11ᵀ/m + U_J U_Jᵀ (I − 11ᵀ/m)`` (``U_J U_Jᵀ Ā`` without centring), the
+    pooling weighted by evidence instead of ``p_i`` alone. ``U_J`` comes from AJIVE on the views
+    themselves (:func:`fedgalore.sync.ajive.ajive`; ``joint_rank``: int, ``"auto"`` or ``None`` =
+    the view rank ``r``, the paper's ``k = r``).
+
+    Returns ``state`` as a :class:`MomentView` on ``B`` (the seed when ``B`` is seeded), with
+    evidence ``c̄ = Σ_i p_i c_i`` when every view has evidence. ``diagnostics=False`` skips the
+    mismatch diagnostics (the state is the same; ``joint_rank``, ``state_rank``,
+    ``basis_overlap`` and ``time_s`` are still reported)."""
+    t0 = time.perf_counter()
     side, shape = _check_views(views)
     if mode not in MODES:
         raise ValueError(f"unknown sync mode {mode!r}; expected one of {MODES}")
     p = _check_weights(weights, len(views))
+    pw = [float(x) for x in p]
     dtype = views[0].moment.dtype if views[0].moment.is_floating_point() else torch.float32
+    dev = views[0].moment.device
     has_weight = all(v.weight is not None for v in views)
     overlap = 1.0
+
     def basis_of(v: MomentView) -> torch.Tensor:  # explicit bases keep their precision
         raw = v.basis if v.basis is not None else v.basis_matrix()
-        return raw.to(device=views[0].moment.device, dtype=dtype)
+        return raw.to(device=dev, dtype=dtype)
 
+    for i, v in enumerate(views):
+        if not (all_finite(v.moment) and (v.weight is None or all_finite(v.weight))):
+            raise ValueError(f"view {i} contains NaN or Inf")
     if _same_basis(views):
         basis = basis_of(views[0])
         out_basis, out_seed = (views[0].basis, None) if views[0].basis is not None else (None, views[0].seed)
         moms = [v.moment.to(dtype) for v in views]
-        wts = [v.weight.to(dtype) for v in views] if has_weight else None
+        evs = [sm.as_evidence(v.weight, side, v.rank, moms[0]) for v in views] if has_weight else None
     else:
         own = [basis_of(v) for v in views]
+        if not all(all_finite(b) for b in own):
+            raise ValueError("a view's basis contains NaN or Inf")
         rank = max(v.rank for v in views)
-        basis = consensus_basis(own, p.tolist(), rank, side)
+        basis = consensus_basis(own, pw, rank, side)
         out_basis, out_seed = basis, None
-        mul = _mul(side)
-        moms, wts, ov = [], [], []
-        for v, b in zip(views, own):
+        moms, evs, ov = [], [], []
+        for v, b in zip(views, own):  # the squared rule onto B (module doc), evidence included
             c = _change(b, basis, side)
-            w = v.weight.to(dtype) if v.weight is not None else torch.ones(v.rank, dtype=dtype, device=c.device)
-            wv = w[None, :] if side == "right" else w[:, None]
-            raw = mul(v.moment.to(dtype).clamp(min=0) * wv, c * c)
-            w_new = mul(wv, c * c)
-            moms.append(torch.where(w_new > 0, raw / w_new.clamp(min=torch.finfo(dtype).tiny), torch.zeros_like(raw)))
-            wts.append(w_new.flatten())
+            ev = sm.as_evidence(v.weight, side, v.rank, c)
+            acc, ev = sm.move(v.moment.to(dtype).clamp(min=0) * ev, ev, c, side, "squared")
+            moms.append(sm.estimate(acc, ev))
+            evs.append(ev)  # a direction of B that client i's basis misses: no evidence from it
             ov.append(float((c * c).sum()) / v.rank)
-        overlap = sum(float(pi) * o for pi, o in zip(p, ov))
-        if not has_weight:
-            wts = None
-    # pairs (rows × r, d × r) with one shared right factor: V_i = A_i Rᵀ
+        overlap = sum(pi * o for pi, o in zip(pw, ov))
+    # rows × r orientation: V_i = A_i Rᵀ with R = Bᵀ (right) / B (left)
     right = basis.T if side == "right" else basis
-    pairs = [((mo if side == "right" else mo.T), right) for mo in moms]
-    res = synchronize(pairs, p.tolist(), mode, joint_rank, center, seed, diagnostics, **ajive_options)
-    res.diagnostics["basis_overlap"] = overlap
-    if res.state is not None:
-        st = res.state
-        coords = (st.left @ st.core) @ (st.right.T @ right)  # rows × r, exact: v̄ lies in span(B)
-        coords = coords if side == "right" else coords.T
-        wbar = None
-        if wts is not None:
-            wbar = sum(float(pi) * w.flatten() for pi, w in zip(p, wts))
-        res.state = MomentView(coords.contiguous(), side, shape, out_basis, out_seed, wbar)
-    return res
+    coords = [mo if side == "right" else mo.T for mo in moms]
+    evr = None if evs is None else [e if side == "right" else e.T for e in evs]
+    pooled, cbar = sm.pool(coords, evr, pw)
+    rows = pooled.shape[0]
+    state: torch.Tensor | None = None
+    jr = 0.0
+    if mode == "mean":
+        state = pooled
+    elif mode == "mean_svd":
+        if joint_rank == "auto":
+            raise ValueError("mode 'mean_svd' needs an integer rank")
+        k = max(v.rank for v in views) if joint_rank is None else int(joint_rank)
+        st = _thin(pooled, right, k)
+        state = (st.left @ st.core) @ (st.right.T @ right) @ torch.linalg.inv(right.T @ right)
+    elif mode == "ajive":
+        jrank = max(v.rank for v in views) if joint_rank is None else joint_rank
+        if jrank != "auto" and (not isinstance(jrank, int) or jrank < 0):
+            raise ValueError("joint_rank must be a non-negative int or 'auto'")
+        res = _run_ajive([(a, right) for a in coords], jrank, center, seed, **ajive_options)
+        state = joint_projection(pooled, res.joint_scores, center)
+        jr = float(res.joint_rank)
+    diag: dict[str, float] = {"n_views": float(len(views)), "joint_rank": jr}
+    srank = 0.0
+    if state is not None:
+        srank = float(numerical_rank(state @ _orthonormalising(right), max(rows, right.shape[0])))
+        if mode != "ajive":
+            jr = srank
+    diag["joint_rank"], diag["state_rank"] = jr, srank
+    if diagnostics:
+        diag.update(coordinate_diagnostics(coords, right, pw, pooled, state))
+    diag["basis_overlap"] = overlap
+    diag["time_s"] = time.perf_counter() - t0
+    if state is None:
+        return SyncResult(None, diag)
+    out = state if side == "right" else state.T
+    wbar = None if not has_weight or cbar is None else cbar.flatten()
+    return SyncResult(MomentView(out.contiguous(), side, shape, out_basis, out_seed, wbar), diag)
+
+
+def joint_projection(pooled: torch.Tensor, scores: torch.Tensor, center: bool) -> torch.Tensor:
+    """``L Ā``: AJIVE's synchronised state from the pooled coordinates ``Ā`` (rows × r) and the
+    joint scores ``U_J`` (rows × J, orthonormal or zero columns): ``1 μ̄ᵀ + U_J U_Jᵀ (Ā − 1 μ̄ᵀ)``
+    with ``μ̄ = Āᵀ1 / rows`` (``U_J U_Jᵀ Ā`` without ``center``). Works on stacked batches
+    (``G × rows × r`` with ``G × rows × J``) as well."""
+    if not center:
+        return scores @ (scores.transpose(-1, -2) @ pooled)
+    mu = pooled.mean(dim=-2, keepdim=True)  # 1 × r: the centring mean of the pooled view
+    return mu + scores @ (scores.transpose(-1, -2) @ (pooled - mu))
+
+
+def numerical_rank(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Numerical rank of ``x`` (or of each matrix of a stack): singular values above
+    ``10 · dim · eps · σ_max`` (``dim``: the larger dimension of the full ``m × n`` state), the
+    threshold of :func:`fedgalore.sync.ajive.thin_svd_factored`; 0 for a zero matrix."""
+    s = torch.linalg.svdvals(x.double())
+    tol = 10 * dim * torch.finfo(x.dtype).eps
+    return ((s > tol * s[..., :1]) & (s[..., :1] > 0)).sum(dim=-1)
+
+
+def _orthonormalising(right: torch.Tensor) -> torch.Tensor:
+    """``L`` with ``‖X Rᵀ‖ = ‖X L‖`` for every ``X`` (``RᵀR = L Lᵀ``; ``I`` when ``R`` has
+    orthonormal columns), so the state's rank is that of the full matrix."""
+    rtr = right.double().T @ right.double()
+    eye = torch.eye(rtr.shape[0], dtype=torch.float64, device=rtr.device)
+    if float((rtr - eye).abs().max()) < 1e-6:
+        return eye.to(right.dtype)
+    return torch.linalg.cholesky(rtr).to(right.dtype)

@@ -117,10 +117,12 @@ void project_cols(float *R, const float *A, const float *G, long m, long n, long
  *   V <- b2 V + w2 R R,   CV likewise when CV is not NULL (the shadow cold moment)
  *   W8 <- b2 W8 + w2            when W8 is not NULL (prior weights: per column if w8_per_row == 0,
  *                                per row otherwise)
- *   U <- M / (sqrt(V / W8) + eps)  with W8, else  M / (sqrt(V) + eps)
+ *   S  <- V / W8 with W8, else V;   S <- max(S, CV * cap) when cap > 0 and CV is not NULL (the
+ *                                cold cap: cap = 1 / (1 - b2^s) for the shadow's step count s)
+ *   U <- M / (sqrt(S) + eps)
  * and returns 1. */
 int adam_moments(const float *R, float *M, float *V, float *CV, float *W8, float *U,
-                 long rows, long cols, int w8_per_row, float w1, float b2, float w2, float eps) {
+                 long rows, long cols, int w8_per_row, float w1, float b2, float w2, float eps, float cap) {
     long total = rows * cols;
     __m256 acc = _mm256_setzero_ps(), zero = _mm256_setzero_ps();
     long k = 0;
@@ -138,7 +140,8 @@ int adam_moments(const float *R, float *M, float *V, float *CV, float *W8, float
         for (long j = 0; j < nw; j++) W8[j] = W8[j] * b2 + w2;
     }
     const __m256 vw1 = _mm256_set1_ps(w1), vnb1 = _mm256_set1_ps(nb1), vb2 = _mm256_set1_ps(b2), vw2 = _mm256_set1_ps(w2);
-    const __m256 veps = _mm256_set1_ps(eps);
+    const __m256 veps = _mm256_set1_ps(eps), vcap = _mm256_set1_ps(cap);
+    const int capped = cap > 0.0f && CV != NULL;
     for (long i = 0; i < rows; i++) {
         long base = i * cols, c = 0;
         __m256 wrow = W8 != NULL && w8_per_row ? _mm256_set1_ps(W8[i]) : _mm256_setzero_ps();
@@ -149,9 +152,14 @@ int adam_moments(const float *R, float *M, float *V, float *CV, float *W8, float
             m = low ? _mm256_add_ps(m, _mm256_mul_ps(vw1, d)) : _mm256_sub_ps(x, _mm256_mul_ps(d, vnb1));
             __m256 xx = _mm256_mul_ps(_mm256_mul_ps(vw2, x), x);
             __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(V + q), vb2), xx);
-            if (CV != NULL) _mm256_storeu_ps(CV + q, _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(CV + q), vb2), xx));
+            __m256 cv = _mm256_setzero_ps();
+            if (CV != NULL) {
+                cv = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(CV + q), vb2), xx);
+                _mm256_storeu_ps(CV + q, cv);
+            }
             __m256 s = v;
             if (W8 != NULL) s = _mm256_div_ps(v, w8_per_row ? wrow : _mm256_loadu_ps(W8 + c));
+            if (capped) s = _mm256_max_ps(s, _mm256_mul_ps(cv, vcap));
             __m256 u = _mm256_div_ps(m, _mm256_add_ps(_mm256_sqrt_ps(s), veps));
             _mm256_storeu_ps(M + q, m);
             _mm256_storeu_ps(V + q, v);
@@ -163,9 +171,14 @@ int adam_moments(const float *R, float *M, float *V, float *CV, float *W8, float
             m = low ? m + w1 * d : x - d * nb1;
             float xx = (w2 * x) * x;
             float v = V[q] * b2 + xx;
-            if (CV != NULL) CV[q] = CV[q] * b2 + xx;
+            float cv = 0.0f;
+            if (CV != NULL) cv = CV[q] = CV[q] * b2 + xx;
             float s = v;
             if (W8 != NULL) s = v / (w8_per_row ? W8[i] : W8[c]);
+            if (capped) {
+                float sc = cv * cap;
+                s = sc > s ? sc : s;
+            }
             M[q] = m;
             V[q] = v;
             U[q] = m / (__builtin_sqrtf(s) + eps);
