@@ -217,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
              f"checked on {got['cpu_capability']}, torch {got['torch']}")
     if diffs:
         print(f"{len(diffs)} difference(s) ({mode}; {where}):\n" + "\n".join(diffs[:50]))
+        if exact and any(expected.get(k) != got[k] for k in ("cpu_capability", "env", "torch")):
+            print("(--exact against a recording made with other kernels or torch differs in the last bits by design; "
+                  "record one here with: record --native)")
         return 1
     print(f"all {len(got['methods'])} methods agree ({mode}; {where})")
     return 0

@@ -89,12 +89,13 @@ def test_rounding_scale_perturbations_pass_and_structure_is_exact(here):
 
 
 def test_a_different_lr_decay_rule_fails_the_check(here, monkeypatch):
-    """Linear instead of cosine learning-rate decay: the check sees it in every method run."""
+    """Another learning-rate decay rule (linear for cosine, cosine for any other): the check sees it
+    in the losses and the final state of both methods."""
     import fedgalore.federated.client as client
 
-    cosine = client.lr_factor
-    monkeypatch.setattr(client, "lr_factor", lambda step, total, warmup, schedule: cosine(
-        step, total, warmup, "linear" if schedule == "cosine" else schedule))
+    factor = client.lr_factor
+    monkeypatch.setattr(client, "lr_factor", lambda step, total, warmup, schedule: factor(
+        step, total, warmup, "linear" if schedule == "cosine" else "cosine"))
     methods = ["fedit", "fedgalore"]
     got = ce.record_all(methods)
     for m in methods:

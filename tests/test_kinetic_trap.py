@@ -21,10 +21,10 @@ def land():
 
 
 def _numerical_rank(M: torch.Tensor, rtol: float = 1e-10) -> torch.Tensor:
-    """Per matrix of the batch, the singular values above ``rtol · σ_max``. Not
-    ``torch.linalg.matrix_rank``'s default (``σ_max · max(m, n) · eps``): ``dW = W₁ − W₀``
-    carries rounding of ``W₀``'s scale (~1e-16, about that default tolerance for ``dW``), so
-    the default counted that rounding as rank or not depending on the CPU's BLAS kernels."""
+    """Per matrix of the batch, the number of singular values above ``rtol · σ_max``. Not
+    ``torch.linalg.matrix_rank``'s default tolerance (``σ_max · max(m, n) · eps`` ≈ 2e-15·σ_max
+    here): ``dW = W₁ − W₀`` carries rounding of ``W₀``'s scale (~1e-16·‖W₀‖ ≈ 2e-15·σ_max(dW)),
+    which that default counted as rank or not depending on the CPU's BLAS kernels (issue 29)."""
     s = torch.linalg.svdvals(M)
     return (s > rtol * s[..., :1]).sum(-1)
 

@@ -4,8 +4,8 @@ Every message that crosses the client/server boundary is a :class:`Payload`: nam
 explicit types (docs/design.md §2 "Payloads are explicit types") plus JSON metadata. The wire format
 is a single safetensors blob whose header metadata holds the JSON description of the entries, so
 nothing is ever pickled; its floats are written in a fixed width (:func:`dump_header_json`), so a
-message's size does not depend on the last digits of the floats in its metadata. Communication is counted from the serialised bytes (:class:`Ledger`),
-never estimated.
+message's size does not depend on the last digits of the floats in its metadata. Communication
+is counted from the serialised bytes (:class:`Ledger`), never estimated.
 
 Entry types and the matrix each one stands for:
 
@@ -348,11 +348,13 @@ def dump_header_json(obj: Any) -> str:
     on the left with spaces to :data:`FLOAT_WIDTH` characters (JSON allows whitespace before a
     value; ``NaN``/``Infinity`` as :mod:`json` writes them, padded the same way).
 
-    Why: the header carries floats computed by the client (``train_loss``, diagnostics), whose
-    shortest ``repr`` takes 3 to 24 characters. Their last digits depend on the CPU's vector
-    width and BLAS kernels, so a ``repr`` header made a message's byte count — and the ledger's
-    totals — differ by a few bytes between machines. Fixed width makes the byte count depend
-    only on the message's structure (entries, shapes, which keys the metadata has)."""
+    Why (issue 29): the header carries floats computed by the client (its losses, diagnostics),
+    whose shortest ``repr`` takes 3 to 24 characters. Their last digits depend on the CPU's
+    vector width and BLAS kernels, so with ``repr`` a message's byte count — and the ledger's
+    totals — differed by a few bytes between machines. Fixed width makes the byte count depend
+    only on the message's structure (entries, shapes, which keys the metadata has). The price:
+    a float takes 24 bytes instead of ~18, and the header is written in Python (~3 ms for the
+    ~400 entries of a 210-matrix upload, against ~1 ms for ``json.dumps``)."""
     out: list[str] = []
     _dump(obj, out)
     return "".join(out)
