@@ -145,6 +145,18 @@ def record_all(methods: list[str] | None = None) -> dict:
     return out
 
 
+def dumps(obj: Any, indent: int = 0) -> str:
+    """JSON of a recording, one line per list without dicts (a tensor's ``[dtype, shape, norm]``,
+    a round's clients): ``json.loads`` reads it back; a re-recording's diff names what changed."""
+    pad = " " * (indent + 1)
+    if isinstance(obj, dict) and obj:
+        items = [f"{pad}{json.dumps(k)}: {dumps(v, indent + 1)}" for k, v in sorted(obj.items())]
+        return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
+    if isinstance(obj, list) and any(isinstance(v, dict) for v in obj):
+        return "[\n" + ",\n".join(pad + dumps(v, indent + 1) for v in obj) + "\n" + " " * indent + "]"
+    return json.dumps(obj)
+
+
 def close(a: float, b: float, rtol: float = RTOL, atol: float = ATOL) -> bool:
     """``|a − b| ≤ rtol·max(|a|, |b|) + atol`` (NaN equals NaN; infinities only themselves)."""
     if math.isnan(a) or math.isnan(b):
@@ -202,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             return subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv], env={**os.environ, **LOW_ISA_ENV}).returncode
         got = record_all()
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+        path.write_text(dumps(got) + "\n")
         print(f"recorded {len(got['methods'])} methods ({got['cpu_capability']}, torch {got['torch']}) -> {path}")
         return 0
     if not path.is_file():
