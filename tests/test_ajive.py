@@ -9,7 +9,10 @@ from fedgalore.protocol.payload import Factored
 from fedgalore.sync import ajive, elbow_rank, thin_svd_factored
 from fedgalore.sync.ajive import _randdir_samples, _sample_project_norms
 
-pytestmark = pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")  # numpy.matrix inside mvlearn
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::PendingDeprecationWarning"),  # numpy.matrix inside mvlearn
+    pytest.mark.isa,  # numerically sensitive: make test runs it again with the CPU kernels forced down
+]
 
 
 def _dense(f):

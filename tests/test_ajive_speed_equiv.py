@@ -17,6 +17,8 @@ import torch
 from fedgalore.protocol.payload import Factored
 from fedgalore.sync import ajive
 
+pytestmark = pytest.mark.isa  # numerically sensitive: make test runs it again with the CPU kernels forced down
+
 A = importlib.import_module("fedgalore.sync.ajive")
 
 

@@ -12,6 +12,8 @@ from fedgalore.optim import GaLoreAdamW, rebuild_delta
 from fedgalore.optim import galore_adamw as ga
 from fedgalore.optim.projector import project
 
+pytestmark = pytest.mark.isa  # numerically sensitive: make test runs it again with the CPU kernels forced down
+
 LR, WD, B1, B2, EPS, SCALE = 1e-2, 0.1, 0.9, 0.999, 1e-8, 0.5
 #: (m, n): right side (m >= n) and left side; the ``kernels`` fixture picks the kernels whatever the size
 SHAPES = {"right": (384, 256), "left": (256, 640)}

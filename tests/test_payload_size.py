@@ -99,6 +99,31 @@ def test_noncontiguous_and_shared_tensors_are_sized_as_written():
     assert encoded_size(p) == len(encode(p))
 
 
+@pytest.mark.isa
+def test_a_message_size_does_not_depend_on_its_floats():
+    """Floats in a header have a fixed width (issue 29: a loss's last digits, which the CPU's
+    kernels decide, changed the ledger's byte totals from one machine to another); they read
+    back as the same doubles, and the header is json.dumps's otherwise."""
+    import json
+    import math
+
+    from fedgalore.protocol.payload import FLOAT_WIDTH, dump_header_json
+
+    w = torch.ones(2, 3)
+    sizes, values = set(), [0.1, 1.2177465657393138, -3.3e-120, 1e300, 0.0, -0.0, 2.5, math.nan, math.inf, -math.inf]
+    for x in values:
+        p = Payload({"g": GaLoreUpdate(x, (LowRank(w.T, w),), (3, 3))}, {"loss": x, "steps": 3, "hist": [x, 1.0]})
+        blob = encode(p)
+        sizes |= {len(blob), encoded_size(p)}
+        back = decode(blob)
+        for y in (back.meta["loss"], back.meta["hist"][0], back["g"].decay):
+            assert (math.isnan(x) and math.isnan(y)) or (y == x and math.copysign(1, y) == math.copysign(1, x))
+    assert len(sizes) == 1
+    assert all(len(dump_header_json(x)) == FLOAT_WIDTH for x in values + [5e-324, -1.7976931348623157e308])
+    plain = {"b": [1, "x\u00e9\"\n", None, True, {}], "a": {"2": False, "10": []}, "c": ()}
+    assert dump_header_json(plain) == json.dumps(plain, sort_keys=True)
+
+
 def test_ledger_counts_the_computed_size_exactly_like_the_blob():
     rng = random.Random(5)
     p = _random_payload(rng)

@@ -16,6 +16,8 @@ from fedgalore.optim.projector import (
     svd_basis,
 )
 
+pytestmark = pytest.mark.isa  # numerically sensitive: make test runs it again with the CPU kernels forced down
+
 
 def _gen(seed: int) -> torch.Generator:
     g = torch.Generator()

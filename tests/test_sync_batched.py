@@ -12,6 +12,8 @@ import fedgalore.sync.batched as batched
 from fedgalore.protocol.payload import MomentView
 from fedgalore.sync import synchronize_moments, synchronize_moments_many
 
+pytestmark = pytest.mark.isa  # numerically sensitive: make test runs it again with the CPU kernels forced down
+
 W = [0.5, 0.3, 0.2]
 
 

@@ -48,7 +48,7 @@ from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.federated.client import optimizer_steps
 from fedgalore.methods.base import MethodOptions, parse_options, split_options
 from fedgalore.methods.fedgalore import FedGaLoreOptions
-from fedgalore.protocol.payload import dump_safetensors_header
+from fedgalore.protocol.payload import dump_header_json, dump_safetensors_header
 from fedgalore.tasks.base import ArrayDataset, Task, TaskError, head_parameters, resolve_target_modules
 
 __all__ = [
@@ -296,9 +296,9 @@ def real_blob_size(blob: bytes, dims: DimMap) -> tuple[int, int]:
     meta = dict(header.get("__metadata__", {}))
     if "fedgalore" in meta:
         spec = json.loads(meta["fedgalore"])
-        if json.dumps(spec, sort_keys=True) != meta["fedgalore"]:
-            raise PlanError("the payload header is not json.dumps(sort_keys=True); update fedgalore.plan.real_blob_size")
-        meta["fedgalore"] = json.dumps(_map_shapes(spec, dims), sort_keys=True)
+        if dump_header_json(spec) != meta["fedgalore"]:
+            raise PlanError("the payload header is not fedgalore.protocol.payload.dump_header_json's; update fedgalore.plan.real_blob_size")
+        meta["fedgalore"] = dump_header_json(_map_shapes(spec, dims))
     out: dict[str, Any] = {}
     if "__metadata__" in header:
         out["__metadata__"] = meta

@@ -3,8 +3,9 @@
 Every message that crosses the client/server boundary is a :class:`Payload`: named entries of
 explicit types (docs/design.md §2 "Payloads are explicit types") plus JSON metadata. The wire format
 is a single safetensors blob whose header metadata holds the JSON description of the entries, so
-nothing is ever pickled. Communication is counted from the serialised bytes (:class:`Ledger`),
-never estimated.
+nothing is ever pickled; its floats are written in a fixed width (:func:`dump_header_json`), so a
+message's size does not depend on the last digits of the floats in its metadata. Communication
+is counted from the serialised bytes (:class:`Ledger`), never estimated.
 
 Entry types and the matrix each one stands for:
 
@@ -29,8 +30,10 @@ data-driven basis used by both an update term and a moment view) once; the ledge
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any, Union
 
 import torch
@@ -51,6 +54,7 @@ __all__ = [
     "encode",
     "decode",
     "encoded_size",
+    "dump_header_json",
     "transfer",
     "flatten_entries",
     "unflatten_entries",
@@ -323,8 +327,71 @@ def unflatten_entries(specs: dict[str, Any], tensors: dict[str, torch.Tensor]) -
         raise PayloadError(f"malformed payload header: {type(exc).__name__}: {exc}") from None
 
 
+#: Characters a float takes in a payload header (:func:`dump_header_json`): the widest
+#: ``format(x, ".16e")``, ``-1.2345678901234567e-308``.
+FLOAT_WIDTH = 24
+
+
+def _fixed_float(x: float) -> str:
+    if x != x:
+        text = "NaN"
+    elif x in (math.inf, -math.inf):
+        text = "Infinity" if x > 0 else "-Infinity"
+    else:
+        text = format(x, ".16e")
+    return text.rjust(FLOAT_WIDTH)
+
+
+def dump_header_json(obj: Any) -> str:
+    """``json.dumps(obj, sort_keys=True)`` except that every float is written in a fixed width:
+    ``format(x, ".16e")`` (17 significant digits, so it reads back as the same double) padded
+    on the left with spaces to :data:`FLOAT_WIDTH` characters (JSON allows whitespace before a
+    value; ``NaN``/``Infinity`` as :mod:`json` writes them, padded the same way).
+
+    Why (issue 29): the header carries floats computed by the client (its losses, diagnostics),
+    whose shortest ``repr`` takes 3 to 24 characters. Their last digits depend on the CPU's
+    vector width and BLAS kernels, so with ``repr`` a message's byte count — and the ledger's
+    totals — differed by a few bytes between machines. Fixed width makes the byte count depend
+    only on the message's structure (entries, shapes, which keys the metadata has). The price:
+    a float takes 24 bytes instead of ~18, and the header is written in Python (~3 ms for the
+    ~400 entries of a 210-matrix upload, against ~1 ms for ``json.dumps``)."""
+    out: list[str] = []
+    _dump(obj, out)
+    return "".join(out)
+
+
+def _dump(obj: Any, out: list[str]) -> None:
+    if isinstance(obj, str):
+        out.append(_json_str(obj))
+    elif obj is None or isinstance(obj, bool):
+        out.append("null" if obj is None else "true" if obj else "false")
+    elif isinstance(obj, int):
+        out.append(int.__repr__(obj))
+    elif isinstance(obj, float):
+        out.append(_fixed_float(obj))
+    elif isinstance(obj, dict):
+        out.append("{")
+        for i, (k, v) in enumerate(sorted(obj.items())):  # json.dumps' order (TypeError on mixed key types, as it)
+            if not isinstance(k, str):
+                if not isinstance(k, (int, float)) and k is not None:
+                    raise TypeError(f"keys must be str, int, float, bool or None, not {type(k).__name__}")
+                k = json.dumps(k)  # json's key conversion: 1 -> "1", True -> "true", None -> "null"
+            out.append(f"{', ' if i else ''}{_json_str(k)}: ")
+            _dump(v, out)
+        out.append("}")
+    elif isinstance(obj, (list, tuple)):
+        out.append("[")
+        for i, v in enumerate(obj):
+            if i:
+                out.append(", ")
+            _dump(v, out)
+        out.append("]")
+    else:
+        raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
 def _header_json(specs: dict[str, Any], meta: dict[str, Any]) -> str:
-    return json.dumps({"entries": specs, "meta": meta}, sort_keys=True)
+    return dump_header_json({"entries": specs, "meta": meta})
 
 
 def encode(payload: Payload) -> bytes:
