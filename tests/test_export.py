@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -182,6 +183,9 @@ def test_model_card_and_evaluate(runs, tmp_path, capsys):
                  "The task's own data", "differ from the run's global model by at most"):
         assert text in card, text
     assert (out / "fedgalore_config.yaml").read_text() == (run.dir / "config.yaml").read_text()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # not safetensors' 0600
     for path in (run.dir, out):
         assert main(["evaluate", str(path), "--json"]) == 0
         got = json.loads(capsys.readouterr().out)
@@ -350,6 +354,7 @@ def test_glue_roberta_family(tmp_path):
     assert saved("good film")["input_ids"] == tok("good film")["input_ids"]
     card = (tmp_path / "hf" / "README.md").read_text()
     assert "| data_dir | sst2/ | " in card and "2 files; sha256 of the listing" in card and str(model_dir) in card
+    assert f'AutoTokenizer.from_pretrained("{tmp_path / "hf"}")' in card
     export_run(run.dir, tmp_path / "ad", format="peft")
     peft_model = PeftModel.from_pretrained(run.task.build_model(), tmp_path / "ad")  # head: classifier.dense + out_proj
     torch.testing.assert_close(logits_of(peft_model, run.batch), run.logits, atol=1e-5, rtol=0)
@@ -385,6 +390,7 @@ def test_domainnet_vit_family(tmp_path):
     torch.testing.assert_close(logits_of(model, run.batch), run.logits, atol=1e-5, rtol=0)
     same_metrics(run.task.evaluate(model, run.task.test_set(), 64), run.summary["final"])
     processor = AutoImageProcessor.from_pretrained(tmp_path / "hf")
+    assert "AutoImageProcessor.from_pretrained" in (tmp_path / "hf" / "README.md").read_text()
     test = run.task.test_set()
     with Image.open(test.paths[0]) as im:
         torch.testing.assert_close(processor(im, return_tensors="pt")["pixel_values"][0], test[0]["pixel_values"], atol=1e-6, rtol=0)

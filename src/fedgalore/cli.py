@@ -289,7 +289,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     res = export_run(args.run_dir, args.out, round=args.round, best=args.best, format=args.format, rank=args.rank,
                      force=args.force, verify=not args.no_verify, device=args.device)
-    kind = ("Hugging Face folder, adapters merged" if res.format == "hf" else
+    kind = ("Hugging Face folder, merged weights" if res.format == "hf" else
             f"PEFT adapter, rank {res.rank} extracted from W - W0" if res.rank else "PEFT adapter")
     print(f"exported round {res.round} of {res.run_dir} to {res.out} ({kind}; "
           f"{res.processor or 'no tokenizer/image processor: the task makes its own inputs'})")

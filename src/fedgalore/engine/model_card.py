@@ -112,7 +112,9 @@ def _load_snippet(g: GlobalModel, out: Path, fmt: str, model_class: str, process
                       + (f", num_labels={num_labels}, ignore_mismatched_sizes=True)" if num_labels else ")")]
         lines += [f'model = PeftModel.from_pretrained(base, "{out}")']
     if processor:
-        lines += [f"from transformers import {processor}", f'processor = {processor}.from_pretrained("{out}")']
+        auto = ("AutoTokenizer" if "Tokenizer" in processor else
+                "AutoImageProcessor" if "ImageProcessor" in processor else "AutoProcessor")
+        lines += [f"from transformers import {auto}", f'processor = {auto}.from_pretrained("{out}")  # {processor}']
     return lines + ["```"]
 
 
