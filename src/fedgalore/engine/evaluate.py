@@ -27,6 +27,7 @@ from torch import nn
 from fedgalore.engine.config import FederatedConfig, load_config
 from fedgalore.engine.global_model import ExportError, load_global_model
 from fedgalore.engine.model_card import EXPORT_CONFIG
+from fedgalore.engine.resolve import check_device
 from fedgalore.tasks import get_task, task_class
 from fedgalore.tasks.base import Task, quiet_transformers
 
@@ -100,6 +101,7 @@ def evaluate(path: str | Path, cfg: FederatedConfig | None = None, *, data: str 
     path = Path(path)
     if not path.is_dir():
         raise ExportError(f"{path} does not exist; pass a run directory or a folder written by fedgalore export")
+    check_device(device)
     is_run = (path / "config.yaml").is_file() and (path / "checkpoints").is_dir()
     if is_run:
         g = load_global_model(path, device=device)
