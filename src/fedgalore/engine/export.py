@@ -60,7 +60,7 @@ from fedgalore.engine.global_model import (
 )
 from fedgalore.engine.lora_extract import LoraFactors, lora_factors, total_error
 from fedgalore.engine.model_card import EXPORT_CONFIG, model_card
-from fedgalore.methods.base import Method, method_class
+from fedgalore.methods.base import Method, available_methods, method_class
 from fedgalore.tasks.base import Task, quiet_transformers
 
 __all__ = ["export_run", "ExportResult", "ExportError", "FORMATS"]
@@ -115,7 +115,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None
     if format == "peft" and rank is None:
         cls = type(method) if method is not None else method_class(cfg.method.name)
         if not cls.explicit_adapters:
-            adapters = ", ".join(n for n in ("fedit", "ffa_lora", "lora_fair"))
+            adapters = ", ".join(n for n in available_methods() if method_class(n).explicit_adapters)
             raise ExportError(f"method {cfg.method.name!r} changes the weights themselves, so it has no adapter of the "
                               f"pretrained model to export as it is (those methods: {adapters}); use --format hf for "
                               "the merged model, or --format peft --rank R to extract a rank-R LoRA adapter from W − W0")
