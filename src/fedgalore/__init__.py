@@ -9,10 +9,12 @@ Python API::
     cfg = fedgalore.load_config("conf/pipeline/offline_text.yaml", ["federation.rounds=5"])
     result = fedgalore.run(cfg)          # -> RunResult(run_dir, summary, history)
     fedgalore.resume(result.run_dir)     # continue a stopped run
+    fedgalore.export_run(result.run_dir, "exported/model")   # a Hugging Face folder (docs/export.md)
+    fedgalore.evaluate("exported/model")                      # its metrics on the task's test split
 """
 __version__ = "0.1.0"
 
-__all__ = ["run", "resume", "FederatedConfig", "load_config", "RunResult", "GaLoreAdamW"]
+__all__ = ["run", "resume", "export_run", "evaluate", "FederatedConfig", "load_config", "RunResult", "GaLoreAdamW"]
 
 
 def __getattr__(name):  # lazy: importing fedgalore stays cheap
@@ -20,6 +22,14 @@ def __getattr__(name):  # lazy: importing fedgalore stays cheap
         from fedgalore.engine import api
 
         return getattr(api, name)
+    if name == "export_run":
+        from fedgalore.engine.export import export_run
+
+        return export_run
+    if name == "evaluate":
+        from fedgalore.engine.evaluate import evaluate
+
+        return evaluate
     if name in ("RunResult", "Federation"):
         from fedgalore.engine import loop
 

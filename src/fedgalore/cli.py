@@ -1,4 +1,4 @@
-"""The ``fedgalore`` command: run, compare, plan, report, bench, repro, methods, tasks.
+"""The ``fedgalore`` command: run, compare, plan, report, export, evaluate, bench, repro, methods, tasks.
 
 See ``docs/cli.md`` for every command with examples. User errors (unknown method / task / config
 key, a value of the wrong type or out of range, a missing file or asset) print one line on
@@ -283,6 +283,48 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from fedgalore.engine.export import PROBE_EXAMPLES, export_run
+    from fedgalore.engine.lora_extract import RANK_NOTES
+
+    res = export_run(args.run_dir, args.out, round=args.round, best=args.best, format=args.format, rank=args.rank,
+                     force=args.force, verify=not args.no_verify, device=args.device)
+    kind = ("Hugging Face folder, merged weights" if res.format == "hf" else
+            f"PEFT adapter, rank {res.rank} extracted from W - W0" if res.rank else "PEFT adapter")
+    print(f"exported round {res.round} of {res.run_dir} to {res.out} ({kind}; "
+          f"{res.processor or 'no tokenizer/image processor: the task makes its own inputs'})")
+    if res.rank:
+        width = max(len(n) for n, _ in res.matrices)
+        for name, f in res.matrices:
+            print(f"  {name:<{width}}  {f.b.shape[0]}x{f.a.shape[1]}  rank(dW)={f.numerical_rank:<4} "
+                  f"relative error {f.rel_error:.4g}")
+        print(f"total relative Frobenius error {res.total_error:.4g} over {len(res.matrices)} matrices"
+              + (f"; {RANK_NOTES[res.method]}" if res.method in RANK_NOTES else ""))
+    if res.check is not None:
+        print(f"check: max |logit difference| {res.check:.3g} against the run's global model on "
+              f"{PROBE_EXAMPLES} test examples")
+    if res.format == "hf":
+        print(f"load:  transformers.{res.model_class}.from_pretrained({str(res.out)!r})")
+    else:
+        print(f"load:  peft.PeftModel.from_pretrained(base, {str(res.out)!r})  (base: {res.out / 'README.md'}, \"Load\")")
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from fedgalore.engine.config import ConfigError
+    from fedgalore.engine.evaluate import evaluate
+
+    if args.overrides and args.config is None:
+        raise ConfigError("key=value overrides change a --config: give --config CONFIG with them")
+    cfg = _load_config(args.config, args.overrides)[0] if args.config is not None else None
+    ev = evaluate(args.path, cfg, data=args.data, device=args.device, batch_size=args.batch_size)
+    if args.json:
+        print(json.dumps({"source": ev.source, "task": ev.task, "examples": ev.examples, "metrics": ev.metrics}))
+    else:
+        print(f"{ev.source} on {ev.task} ({ev.examples} test examples): {_fmt_metrics(ev.metrics)}")
+    return 0
+
+
 def _repo_roots() -> list[Path]:
     import fedgalore
 
@@ -455,6 +497,30 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--no-plots", action="store_true", help="tables only")
     rp.add_argument("--tensorboard", metavar="LOGDIR", help="also write TensorBoard event files (needs fedgalore[tensorboard])")
     rp.set_defaults(func=cmd_report)
+
+    ex = sub.add_parser("export", parents=[common], help="a run's model as a Hugging Face folder or a PEFT adapter")
+    ex.add_argument("run_dir", metavar="RUN_DIR")
+    ex.add_argument("--out", required=True, help="folder to write (must not exist or be empty; see --force)")
+    which = ex.add_mutually_exclusive_group()
+    which.add_argument("--round", type=int, help="export this round's kept checkpoint (default: the newest)")
+    which.add_argument("--best", action="store_true", help="export the round with the best validation metric")
+    ex.add_argument("--format", choices=("hf", "peft"), default="hf",
+                    help="hf: merged weights (default); peft: a LoRA adapter (FedIT, FFA-LoRA, LoRA-FAIR; others need --rank)")
+    ex.add_argument("--rank", type=int, help="with --format peft: extract a rank-R LoRA adapter from W - W0 (any method)")
+    ex.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
+    ex.add_argument("--no-verify", action="store_true", help="skip loading the folder back to compare logits")
+    ex.add_argument("--device", default="cpu", help="where to build the model (default cpu)")
+    ex.set_defaults(func=cmd_export)
+
+    ev = sub.add_parser("evaluate", parents=[common], help="metrics of an exported folder or a run on a task's test split")
+    ev.add_argument("path", metavar="DIR_OR_RUN")
+    ev.add_argument("--config", help="the task to evaluate on (default: the run's config; an export carries it)")
+    ev.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of --config")
+    ev.add_argument("--data", metavar="FILE", help="evaluate on this file instead of the test split (tasks that read files)")
+    ev.add_argument("--batch-size", type=int, help="evaluation batch size (default: federation.eval_batch_size)")
+    ev.add_argument("--device", default="cpu", help="where to run the model (default cpu)")
+    ev.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    ev.set_defaults(func=cmd_evaluate)
 
     b = sub.add_parser("bench", parents=[common], help="run benchmarks/NAME.py (or 'all')")
     b.add_argument("name", nargs="?", help="benchmark name (fedgalore bench --list)")

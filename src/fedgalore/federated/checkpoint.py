@@ -26,7 +26,8 @@ from safetensors.torch import load as st_load
 from fedgalore.protocol.payload import flatten_entries, unflatten_entries, write_safetensors
 from fedgalore.protocol.state import ServerState
 
-__all__ = ["save_checkpoint", "CheckpointWriter", "load_latest_checkpoint", "CheckpointError", "atomic_write_text"]
+__all__ = ["save_checkpoint", "CheckpointWriter", "load_latest_checkpoint", "load_checkpoint", "kept_rounds",
+           "CheckpointError", "atomic_write_text"]
 
 
 class CheckpointError(RuntimeError):
@@ -192,3 +193,32 @@ def load_latest_checkpoint(run_dir: Path, log=None) -> tuple[ServerState, dict[s
     if candidates:
         raise CheckpointError("no valid checkpoint: " + "; ".join(errors))
     return None
+
+
+def kept_rounds(run_dir: Path) -> list[int]:
+    """The rounds whose checkpoint ``run_dir`` keeps (``checkpoints/round_NNNN``), ascending; the
+    newest ``output.keep_checkpoints`` of those the run wrote. Not verified here: loading one
+    (:func:`load_checkpoint`) checks its hash."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    rounds = []
+    for p in root.glob("round_*"):
+        suffix = p.name[len("round_"):]
+        if p.is_dir() and suffix.isdigit() and (p / "state.json").is_file():
+            rounds.append(int(suffix))
+    return sorted(rounds)
+
+
+def load_checkpoint(run_dir: Path, round_done: int) -> tuple[ServerState, dict[str, Any]]:
+    """The server state after ``round_done`` completed rounds and its ``state.json`` metadata;
+    :class:`CheckpointError` when that checkpoint is absent or does not verify."""
+    path = Path(run_dir) / "checkpoints" / f"round_{int(round_done):04d}"
+    if not (path / "state.json").is_file():
+        raise CheckpointError(f"{Path(run_dir)} keeps no checkpoint of round {round_done}")
+    try:
+        return _load_one(path)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a truncated or malformed file of any kind
+        raise CheckpointError(f"checkpoint {path} is unreadable ({exc})") from None

@@ -76,6 +76,12 @@ class Method(abc.ABC):
     #: clients train (:meth:`scaffold_params`), so a control variate per parameter makes sense
     supports_scaffold: ClassVar[bool] = False
 
+    #: whether the global model is the task's pretrained model with the method's LoRA adapters
+    #: added, the base weights never changed (FedIT, FFA-LoRA, LoRA-FAIR): then the adapters
+    #: themselves are a PEFT adapter of the pretrained model (``fedgalore export --format peft``);
+    #: other methods change the weights themselves and need an extraction (``--rank``)
+    explicit_adapters: ClassVar[bool] = False
+
     def __init__(self, rank: int = 8, options: MethodOptions | None = None) -> None:
         if rank <= 0:
             raise MethodError(f"rank must be a positive integer, got {rank}")

@@ -42,6 +42,7 @@ class FedIT(LoraMethod):
     summary = "LoRA A,B + head with AdamW; server averages A and B separately (Zhang et al.)"
     optimizer_kind = "adamw"
     supports_scaffold = True
+    explicit_adapters = True  # W0 never changes: the global model is W0 + s·B̄Ā
 
     def scaffold_params(self, model: nn.Module) -> dict[str, nn.Parameter]:
         """A and B of every adapted module and the head, by their server names."""

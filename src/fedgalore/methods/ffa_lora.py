@@ -36,6 +36,7 @@ class FFALoRA(LoraMethod):
     optimizer_kind = "sgd"
     options_class = LoraSGDOptions
     supports_scaffold = True
+    explicit_adapters = True  # W0 never changes: the global model is W0 + s·B̄Ā
 
     def scaffold_params(self, model: nn.Module) -> dict[str, nn.Parameter]:
         """B of every adapted module and the head, by their server names (A is frozen)."""

@@ -8,17 +8,18 @@ evaluates a model. Methods never look inside a task beyond this interface.
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Iterator, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 __all__ = ["Task", "TaskError", "TaskOptions", "task_option", "resolve_target_modules", "head_parameters",
-           "subset_examples", "stratified_split"]
+           "subset_examples", "stratified_split", "quiet_transformers"]
 
 
 class TaskError(ValueError):
@@ -89,6 +90,12 @@ class Task(abc.ABC):
         """Human-readable names of the partition categories (sorted category values by default)."""
         return [str(v) for v in np.unique(self.partition_labels())]
 
+    def processor(self) -> Any | None:
+        """What turns raw inputs into this task's model inputs — a tokenizer or an image processor
+        (anything with ``save_pretrained``) — saved beside an exported model (``fedgalore
+        export``); ``None`` when the task makes its inputs otherwise (``tiny_text``'s token ids)."""
+        return None
+
     @abc.abstractmethod
     def collate(self, examples: Sequence[Any]) -> dict[str, torch.Tensor]:
         """Stack examples into a batch of tensors."""
@@ -110,6 +117,22 @@ class Task(abc.ABC):
             "n_test": len(self.test_set()),
             "labels": self.label_names(),
         }
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' load reports and progress bars inside the block (restored after)."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bar:
+            hf_logging.enable_progress_bar()
 
 
 def resolve_target_modules(

@@ -56,6 +56,7 @@ __all__ = [
     "OfflineMnistTask",
     "DomainNetTask",
     "ImageFolderDataset",
+    "vit_image_processor",
 ]
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,23 @@ def _reinit_head(model: nn.Module, seed: int, std: float = 0.02) -> None:
         model.classifier.bias.zero_()
 
 
+def vit_image_processor(size: int, mean: Sequence[float], std: Sequence[float], rgb: bool = True):
+    """A ViT image processor that makes a task's ``pixel_values`` from an image: resize to
+    ``size``² (PIL bilinear), ``x/255``, ``(x − mean)/std`` per channel (RGB when ``rgb``, else the
+    one grey channel). The PIL backend: it reproduces :class:`ImageFolderDataset` and
+    :func:`~fedgalore.tasks.mnist.to_pixels` exactly (tests/test_export.py); the torchvision
+    backend resizes slightly differently."""
+    try:
+        from transformers import ViTImageProcessorPil as Processor
+    except ImportError:  # transformers < 5: the slow processor is the PIL one
+        from transformers import ViTImageProcessor as Processor
+    from PIL import Image
+
+    return Processor(do_resize=True, size={"height": int(size), "width": int(size)}, resample=Image.BILINEAR,
+                     do_rescale=True, rescale_factor=1 / 255, do_normalize=True, image_mean=[float(m) for m in mean],
+                     image_std=[float(s) for s in std], do_convert_rgb=bool(rgb))
+
+
 # ============================================================================ offline tasks
 def _subsample(n_avail: int, n: int | None, seed: int) -> np.ndarray:
     if n is None or n >= n_avail:
@@ -218,6 +236,10 @@ class _OfflineVitTask(ImageClassificationTask):
 
     def partition_labels(self) -> np.ndarray:
         return self._train.columns["labels"].numpy()
+
+    def processor(self):
+        """28×28 grey images → :func:`~fedgalore.tasks.mnist.to_pixels`' ``(x/255 − 0.5)/0.5``."""
+        return vit_image_processor(28, (0.5,), (0.5,), rgb=False)
 
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "checkpoint": str(self.checkpoint or pretrained_vit_dir()), "seed": self.seed}
@@ -370,6 +392,10 @@ class DomainNetTask(ImageClassificationTask):
 
     def partition_labels(self) -> np.ndarray:
         return self._train.labels
+
+    def processor(self):
+        """An image → ``image_size``² RGB normalised as :class:`ImageFolderDataset` does."""
+        return vit_image_processor(self._train.image_size, self._train.mean, self._train.std)
 
     def build_model(self) -> nn.Module:
         """Pretrained ViT backbone + fresh seeded classifier over this domain's classes."""

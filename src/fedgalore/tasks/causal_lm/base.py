@@ -55,6 +55,10 @@ class CausalLMTask(Task):
     def partition_labels(self) -> np.ndarray:
         return self._labels
 
+    def processor(self) -> Any:
+        """The task's tokenizer (saved with an export)."""
+        return self.tokenizer
+
     def collate(self, examples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         return pad_batch(examples, pad_id(self.tokenizer))
 

@@ -11,20 +11,19 @@ biases), so :meth:`~TextClassificationTask.build_model` returns identical weight
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
 from fedgalore.tasks.assets import cache_dir
-from fedgalore.tasks.base import ArrayDataset, Task, TaskError
+from fedgalore.tasks.base import ArrayDataset, Task, TaskError, quiet_transformers
 from fedgalore.tasks.metrics import accuracy, binary_f1, macro_f1, matthews_corrcoef, mse, pearson, spearman
 
 __all__ = ["TextExamples", "TokenizedDataset", "TextClassificationTask", "subset_indices", "fingerprint_files"]
@@ -78,22 +77,6 @@ def subset_indices(n: int, limit: int | None, seed: int) -> np.ndarray:
     if limit < 1:
         raise TaskError(f"limit={limit} must be a positive integer (or null for all examples)")
     return np.sort(np.random.default_rng(seed).permutation(n)[:limit])
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Silence the load report and progress bar (the new head is re-initialised on purpose)."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bar:
-            hf_logging.enable_progress_bar()
 
 
 def fingerprint_files(paths: Sequence[Path]) -> str:
@@ -170,12 +153,16 @@ class TextClassificationTask(Task):
         self._train, self._test = self._prepare(data, cache_key)
 
     # ------------------------------------------------------------------ data
+    def processor(self):
+        """The checkpoint's tokenizer (saved with an export)."""
+        return self.tokenizer()
+
     def tokenizer(self):
         """The checkpoint's tokenizer (loaded on demand)."""
         from transformers import AutoTokenizer
 
         try:
-            with _quiet_transformers():
+            with quiet_transformers():  # the new head is re-initialised on purpose
                 return AutoTokenizer.from_pretrained(self.model_id)
         except (OSError, ValueError) as exc:
             raise TaskError(
@@ -277,7 +264,7 @@ class TextClassificationTask(Task):
         if self.dropout is not None:
             kwargs.update(hidden_dropout_prob=float(self.dropout), attention_probs_dropout_prob=float(self.dropout))
         try:
-            with _quiet_transformers():
+            with quiet_transformers():  # the new head is re-initialised on purpose
                 model, info = AutoModelForSequenceClassification.from_pretrained(
                     self.model_id, output_loading_info=True, ignore_mismatched_sizes=True, dtype=torch.float32, **kwargs
                 )

@@ -1,0 +1,136 @@
+"""Evaluate an exported folder or a run with a task's metrics (``fedgalore evaluate``; docs/export.md).
+
+::
+
+    import fedgalore
+    ev = fedgalore.evaluate("exported/tiny")                       # the export's own task and test split
+    ev = fedgalore.evaluate("runs/tiny-fedit-dirichlet0.5-s0")     # a run's newest checkpoint
+    ev = fedgalore.evaluate("exported/tiny", cfg, data="new.csv")  # a file-based task on another test file
+
+The model: a run directory's global model at its newest kept checkpoint
+(:func:`~fedgalore.engine.global_model.load_global_model`), or a folder written by
+``fedgalore export`` — any Hugging Face model folder, or a PEFT adapter folder on the task's
+pretrained model (:func:`load_exported`). The task: ``cfg``'s, else the run's saved config (an
+export carries it as ``fedgalore_config.yaml``). ``data`` replaces the task's test data by a file
+through the task's ``data`` option (:func:`with_test_data`): it works for the tasks that read
+data files and is one error line for the others.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fedgalore.engine.config import FederatedConfig, load_config
+from fedgalore.engine.global_model import ExportError, load_global_model
+from fedgalore.engine.model_card import EXPORT_CONFIG
+from fedgalore.engine.resolve import check_device
+from fedgalore.tasks import get_task, task_class
+from fedgalore.tasks.base import Task, quiet_transformers
+
+__all__ = ["evaluate", "Evaluation", "load_exported", "with_test_data"]
+
+
+@dataclass
+class Evaluation:
+    """The task's metrics of one model on one test set."""
+
+    metrics: dict[str, float]
+    #: what was evaluated: ``run <dir> round <n>`` or ``folder <dir>``
+    source: str
+    task: str
+    examples: int
+
+
+def load_exported(path: str | Path, task: Task) -> nn.Module:
+    """The model in ``path`` (eval mode): a PEFT adapter folder (``adapter_config.json``) on
+    ``task.build_model()`` with ``PeftModel.from_pretrained``; else a Hugging Face folder with the
+    class its ``config.json`` names (``architectures``: what ``AutoModelFor…`` resolves to)."""
+    path = Path(path)
+    if (path / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        # PEFT's layer initialisation draws from the global RNG: forked, so callers see no change
+        with torch.random.fork_rng(devices=[]), quiet_transformers():
+            model = PeftModel.from_pretrained(task.build_model(), str(path))
+    elif (path / "config.json").is_file():
+        import transformers
+
+        archs = transformers.AutoConfig.from_pretrained(str(path)).architectures or []
+        cls = getattr(transformers, archs[0], None) if archs else None
+        if cls is None:
+            raise ExportError(f"{path}/config.json names no model class this transformers has (architectures={archs})")
+        with quiet_transformers():
+            model = cls.from_pretrained(str(path))
+    else:
+        raise ExportError(f"{path} is neither a run directory nor a model folder (no config.json or adapter_config.json)")
+    return model.eval()
+
+
+def with_test_data(cfg: FederatedConfig, data: str | Path) -> FederatedConfig:
+    """``cfg`` with its task's test split read from the file ``data``: the task option ``data``
+    becomes ``{train: <its training data>, test: data}`` (a mapping keeps its other splits; a
+    single file loses its ``test_fraction``, since the file is now all training data). A task
+    without a ``data`` option reads no files: :class:`ExportError`."""
+    cls = task_class(cfg.task.name).options_class
+    names = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
+    if "data" not in names:
+        raise ExportError(f"task {cfg.task.name!r} reads no data files (it has no `data` option), so --data cannot "
+                          "replace its test set; --data works for the tasks that read files (text_classification, "
+                          "causal_lm, image_classification)")
+    options = dict(cfg.task.options)
+    current = options.get("data")
+    if isinstance(current, dict):
+        options["data"] = {**current, "test": str(data)}
+    else:
+        options["data"] = {"train": current, "test": str(data)}
+        options.pop("test_fraction", None)
+    out = FederatedConfig.from_dict(cfg.to_dict())
+    out.task.options = options
+    return out
+
+
+def evaluate(path: str | Path, cfg: FederatedConfig | None = None, *, data: str | Path | None = None,
+             device: str = "cpu", batch_size: int | None = None) -> Evaluation:
+    """The metrics (``task.evaluate``) of the run or exported folder ``path`` on the test split of
+    ``cfg``'s task (default: the run's saved config), or on the file ``data``
+    (:func:`with_test_data`). Batches of ``batch_size`` (default ``federation.eval_batch_size``)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ExportError(f"{path} does not exist; pass a run directory or a folder written by fedgalore export")
+    check_device(device)
+    is_run = (path / "config.yaml").is_file() and (path / "checkpoints").is_dir()
+    if is_run:
+        g = load_global_model(path, device=device)
+        model, source, own = g.model, f"run {path} round {g.round}", g.cfg
+    else:
+        own = load_config(path / EXPORT_CONFIG) if (path / EXPORT_CONFIG).is_file() else None
+        model, source = None, f"folder {path}"
+    cfg = cfg if cfg is not None else own
+    if cfg is None:
+        raise ExportError(f"{path} carries no {EXPORT_CONFIG}: pass --config CONFIG naming the task to evaluate on")
+    if data is not None:
+        cfg = with_test_data(cfg, data)
+    task = g.task if is_run and cfg is own else get_task(cfg.task.name, **cfg.task.options)
+    if model is None:
+        model = load_exported(path, task).to(device)
+    _check_labels(model, task)
+    examples = task.test_set()
+    metrics = task.evaluate(model, examples, int(batch_size or cfg.federation.eval_batch_size))
+    return Evaluation(metrics, source, cfg.task.name, len(examples))
+
+
+def _check_labels(model: nn.Module, task: Task) -> None:
+    config = getattr(model, "config", None)
+    inner = getattr(model, "get_base_model", lambda: model)()
+    if config is None or getattr(config, "problem_type", None) == "regression" or not type(inner).__name__.endswith(
+            ("ForSequenceClassification", "ForImageClassification")):
+        return
+    names = task.label_names()
+    if int(config.num_labels) != len(names):
+        raise ExportError(f"the model classifies into {config.num_labels} labels but task {task.name!r} has "
+                          f"{len(names)} ({', '.join(map(str, names[:6]))}{', …' if len(names) > 6 else ''}); "
+                          "evaluate it with the config it was trained with")

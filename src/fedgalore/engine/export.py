@@ -1,0 +1,312 @@
+"""Export a run's global model (``fedgalore export``; docs/export.md).
+
+::
+
+    import fedgalore
+    res = fedgalore.export_run("runs/tiny-fedit-dirichlet0.5-s0", "exported/tiny")          # hf
+    res = fedgalore.export_run(run_dir, "exported/tiny-adapter", format="peft")               # FedIT's adapter
+    res = fedgalore.export_run(run_dir, "exported/tiny-r8", format="peft", rank=8)            # any method
+
+Formats (the global model is :func:`~fedgalore.engine.global_model.load_global_model`'s: the
+model the round loop evaluates, from a kept checkpoint):
+
+* ``hf`` — a Hugging Face folder (``config.json`` with ``id2label``/``label2id`` for classifiers,
+  ``model.safetensors``, the task's tokenizer or image processor): every method's adapters merged
+  into plain weights — LoRA methods by PEFT's ``merge_and_unload`` (``W + s·BA``: FedIT's
+  ``s·B̄Ā``, FFA-LoRA's ``s·B̄A``, LoRA-FAIR's corrected ``s·B̄'Ā``, FR-LoRA's residual base plus
+  ``s·B0A0``, FLoRA's merged base with ``B = 0``), FedAvg-Full and FedGaLore as they are (they
+  train the dense matrices). ``AutoModelFor….from_pretrained(DIR)`` loads it.
+* ``peft`` — a PEFT LoRA adapter of the task's pretrained model, for the methods whose global
+  model is that model plus adapters (:attr:`~fedgalore.methods.base.Method.explicit_adapters`:
+  FedIT, FFA-LoRA, LoRA-FAIR), their ``(B, A)`` and α as trained. ``PeftModel.from_pretrained(
+  base, DIR)`` loads it on ``base = task.build_model()``.
+* ``peft`` with ``rank`` — for any method: per adapted matrix the best rank-R approximation of
+  ``W − W0`` (:mod:`~fedgalore.engine.lora_extract`), its relative error reported.
+
+In both ``peft`` forms the classifier head — trained and averaged by every method — and any other
+tensor the run changed outside the adapted matrices (FedAvg-Full ``trainable=all``: embeddings,
+norms, biases) travel whole as PEFT ``modules_to_save`` (biases of adapted layers as
+``bias="lora_only"``); the adapter folder holds no copy of the pretrained weights.
+
+Every export is checked before it is put in place: the written folder is loaded back the way a
+user loads it and its logits on a few test examples are compared with the run's global model
+(``hf`` and plain ``peft`` must agree to fp32 rounding; an extraction reports its difference).
+The folder also gets ``README.md`` (:mod:`~fedgalore.engine.model_card`), the run's config
+(``fedgalore_config.yaml``) and ``fedgalore_export.json``. It is written beside ``out`` and
+renamed into place: an export never leaves a half-written folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fedgalore.engine.evaluate import load_exported
+from fedgalore.engine.global_model import (
+    ExportError,
+    GlobalModel,
+    choose_round,
+    load_global_model,
+    merged_model,
+    probe_batch,
+    probe_logits,
+    run_config,
+)
+from fedgalore.engine.lora_extract import LoraFactors, lora_factors, total_error
+from fedgalore.engine.model_card import EXPORT_CONFIG, model_card
+from fedgalore.methods.base import Method, available_methods, method_class
+from fedgalore.tasks.base import Task, quiet_transformers
+
+__all__ = ["export_run", "ExportResult", "ExportError", "FORMATS"]
+
+FORMATS = ("hf", "peft")
+#: examples of the test set an export is checked on
+PROBE_EXAMPLES = 8
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_run` wrote and what its check measured."""
+
+    out: Path
+    run_dir: Path
+    round: int
+    method: str
+    format: str
+    rank: int | None
+    #: the transformers class of the model (``AutoModelFor…`` resolves to it)
+    model_class: str
+    #: the class of the saved tokenizer / image processor (None: the task has none)
+    processor: str | None
+    #: max |Δ logits| of the loaded folder against the run's global model (None: not checked)
+    check: float | None
+    #: ``--rank``: each adapted matrix with its extraction (errors, numerical rank)
+    matrices: list[tuple[str, LoraFactors]] = field(default_factory=list)
+    #: ``--rank``: the total relative Frobenius error over all adapted matrices
+    total_error: float | None = None
+    #: ``peft``: the tensors carried whole (head, other trained tensors)
+    dense: list[str] = field(default_factory=list)
+
+
+def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None, best: bool = False,  # noqa: A002
+               format: str = "hf", rank: int | None = None, force: bool = False, verify: bool = True,  # noqa: A002
+               task: Task | None = None, method: Method | None = None, device: str = "cpu") -> ExportResult:
+    """Write the global model of ``run_dir`` (round ``round``, the best validation round with
+    ``best``, else the newest kept checkpoint) to the folder ``out`` in ``format`` (module
+    docstring). ``out`` must not exist or be empty unless ``force`` (then it is replaced).
+    ``verify``: load the folder back and compare its logits with the run's model (on by default;
+    it costs a second copy of the model). ``task`` / ``method``: the objects the run was given
+    instead of built from its config. Bad input is one :class:`ExportError` line."""
+    run_dir, out = Path(run_dir), Path(out)
+    if format not in FORMATS:
+        raise ExportError(f"--format {format!r} is not one of {', '.join(FORMATS)}")
+    if rank is not None and format != "peft":
+        raise ExportError("--rank extracts a LoRA adapter: use it with --format peft")
+    if rank is not None and int(rank) < 1:
+        raise ExportError(f"--rank {rank} must be >= 1")
+    cfg = run_config(run_dir)
+    _check_out(out, force, run_dir)
+    if format == "peft" and rank is None:
+        cls = type(method) if method is not None else method_class(cfg.method.name)
+        if not cls.explicit_adapters:
+            adapters = ", ".join(n for n in available_methods() if method_class(n).explicit_adapters)
+            raise ExportError(f"method {cfg.method.name!r} changes the weights themselves, so it has no adapter of the "
+                              f"pretrained model to export as it is (those methods: {adapters}); use --format hf for "
+                              "the merged model, or --format peft --rank R to extract a rank-R LoRA adapter from W − W0")
+    chosen = choose_round(run_dir, round, best)  # bad rounds fail before the model is built
+    g = load_global_model(run_dir, round=chosen, task=task, method=method, device=device)
+    if format == "hf" and getattr(getattr(g.model, "config", None), "quantization_config", None) is not None:
+        raise ExportError("the run's model is quantised (task option load_in_4bit): merging adapters into it would "
+                          "requantise them; export --format peft (the adapters on the quantised base) instead")
+    batch = probe_batch(g.task, PROBE_EXAMPLES)
+    reference = probe_logits(g.model, batch) if verify else None
+    num_labels = _num_labels(g)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        with quiet_transformers():
+            result = _write(g, tmp, out, format, rank)
+            processor = g.task.processor()
+            if processor is not None:
+                processor.save_pretrained(str(tmp))
+                result.processor = type(processor).__name__
+            if reference is not None:
+                result.check = _check(load_exported(tmp, g.task), batch, reference, strict=rank is None)
+        shutil.copyfile(run_dir / "config.yaml", tmp / EXPORT_CONFIG)
+        _write_info(tmp, result)
+        (tmp / "README.md").write_text(model_card(
+            g, out, fmt=format, model_class=result.model_class, processor=result.processor, rank=rank,
+            matrices=result.matrices, total=result.total_error, check=result.check, dense=result.dense,
+            num_labels=num_labels, probe=len(reference) if reference is not None else 0))
+        _usual_permissions(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+# ----------------------------------------------------------------------------- checks
+def _check_out(out: Path, force: bool, run_dir: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; give a folder to write the model to")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise ExportError(f"--out {out} exists and is not empty; choose another folder, or add --force to replace it")
+        o, r = out.resolve(), run_dir.resolve()
+        if o == r or o in r.parents:
+            raise ExportError(f"--out {out} holds the run directory itself; --force would delete the run: choose another folder")
+
+
+def _check(model: nn.Module, batch: dict[str, torch.Tensor], reference: torch.Tensor, strict: bool) -> float:
+    """Max |Δ logits| of ``model`` against ``reference``; with ``strict`` more than rounding
+    (1e-4 of the logits' scale in fp32, 2e-2 in 16-bit) is an error (the folder is not kept)."""
+    diff = float((probe_logits(model, batch) - reference).abs().max())
+    low = next(model.parameters()).dtype in (torch.float16, torch.bfloat16)
+    tol = (2e-2 if low else 1e-4) * max(1.0, float(reference.abs().max()))
+    if strict and not diff <= tol:
+        raise ExportError(f"the written folder does not reproduce the run's logits (max |Δ| = {diff:.3g} > {tol:.1g}); "
+                          "nothing was written — this is a bug, please report it with the run's config.yaml")
+    return diff
+
+
+def _num_labels(g: GlobalModel) -> int | None:
+    """The classifier's label count (None for models without one, e.g. causal LMs)."""
+    config = getattr(g.model, "config", None)
+    arch = type(getattr(g.method, "inner", lambda m: m)(g.model)).__name__
+    if config is None or not arch.endswith(("ForSequenceClassification", "ForImageClassification")):
+        return None
+    return int(getattr(config, "num_labels", 0)) or None
+
+
+# ----------------------------------------------------------------------------- writers
+def _write(g: GlobalModel, tmp: Path, out: Path, fmt: str, rank: int | None) -> ExportResult:
+    def result(model_class: str, **kw: Any) -> ExportResult:
+        return ExportResult(out, g.run_dir, g.round, g.cfg.method.name, fmt, rank, model_class, None, None, **kw)
+
+    if fmt == "hf":
+        model = merged_model(g.model)
+        _set_labels(model, g.task)
+        model.save_pretrained(str(tmp))
+        return result(type(model).__name__)
+    if rank is None:
+        m: Any = g.method  # a LoRA method (explicit_adapters)
+        pre = g.task.build_model()
+        pre_params = dict(pre.named_parameters())
+        for t in g.runtime.target_modules:
+            if not torch.equal(m.base_weight(g.model, t).detach().cpu(), pre_params[t + ".weight"].detach()):
+                raise ExportError(f"method {g.cfg.method.name!r} changed the base weight of {t}: its adapters alone are "
+                                  "not the global model; export --format hf or --format peft --rank R")
+        factors = {t: (m.lora_b(g.model, t).detach().cpu(), m.lora_a(g.model, t).detach().cpu()) for t in g.runtime.target_modules}
+        heads = {n: p.detach().cpu() for n, p in m.head_params(g.model).items()}
+        dense = _write_peft(g, tmp, pre, factors, g.method.rank, float(m.lora_alpha), heads, {}, float(m.lora_dropout))
+        return result(type(pre).__name__, dense=dense)
+    pre = g.task.build_model()
+    pre_params = dict(pre.named_parameters())
+    targets = g.runtime.target_modules
+    for t in targets:
+        shape = tuple(pre_params[t + ".weight"].shape)
+        if rank > min(shape):
+            raise ExportError(f"--rank {rank} exceeds what the adapted matrix {t} ({shape[0]}×{shape[1]}) allows; "
+                              f"use --rank <= {min(min(pre_params[x + '.weight'].shape) for x in targets)}")
+    now = {n: p.detach().cpu() for n, p in merged_model(g.model).named_parameters()}
+    extracted = [(t, lora_factors(now[t + ".weight"].float() - pre_params[t + ".weight"].detach().float(), rank)) for t in targets]
+    heads = set(g.runtime.head_params)
+    skip = {t + ".weight" for t in targets}
+    biases = {n: now[n] for n in (t + ".bias" for t in targets) if n in now and not torch.equal(now[n], pre_params[n].detach())}
+    others = {n: v for n, v in now.items() if n not in skip and n not in biases
+              and (n in heads or not torch.equal(v, pre_params[n].detach()))}
+    factors = {t: (f.b, f.a) for t, f in extracted}
+    dense = _write_peft(g, tmp, pre, factors, rank, float(rank), others, biases, 0.0)
+    return result(type(pre).__name__, matrices=extracted, total_error=total_error([f for _, f in extracted]), dense=dense)
+
+
+def _set_labels(model: nn.Module, task: Task) -> None:
+    """``config.id2label``/``label2id`` from the task's label names when the config has only
+    transformers' defaults (``LABEL_0``, …) and the counts agree (classifiers only)."""
+    config = model.config
+    if getattr(config, "problem_type", None) == "regression" or not type(model).__name__.endswith(
+            ("ForSequenceClassification", "ForImageClassification")):
+        return
+    names = [str(n) for n in task.label_names()]
+    default = all(str(v) == f"LABEL_{k}" for k, v in (config.id2label or {}).items())
+    if default and len(names) == int(config.num_labels):
+        config.id2label = dict(enumerate(names))
+        config.label2id = {n: i for i, n in enumerate(names)}
+
+
+def _carriers(g: GlobalModel, names: list[str]) -> list[str]:
+    """The modules whose PEFT ``modules_to_save`` copy carries the tensors ``names`` whole: a head
+    parameter's head module (``classifier``), else the tensor's own module."""
+    heads = tuple(g.task.head_modules)
+    targets = g.runtime.target_modules
+    modules: list[str] = []
+    for n in names:
+        parts = n.split(".")
+        cut = next((i + 1 for i, p in enumerate(parts[:-1]) if p in heads), len(parts) - 1)
+        module = ".".join(parts[:cut])
+        if any(t == module or t.startswith(module + ".") for t in targets):
+            raise ExportError(f"cannot carry {n} in a PEFT adapter: its module {module} also holds adapted matrices; "
+                              "export --format hf instead")
+        if module not in modules:
+            modules.append(module)
+    return modules
+
+
+def _write_peft(g: GlobalModel, tmp: Path, base: nn.Module, factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                r: int, alpha: float, dense: dict[str, torch.Tensor], biases: dict[str, torch.Tensor],
+                dropout: float) -> list[str]:
+    """A PEFT LoRA adapter of ``base`` (the task's pretrained model) with ``B``, ``A`` per adapted
+    module (``W0 + (α/r)·BA``), the ``dense`` tensors carried whole (``modules_to_save``) and the
+    adapted layers' ``biases``; written with ``save_pretrained`` to ``tmp``. Returns the carried tensors."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+    config = LoraConfig(r=int(r), lora_alpha=alpha, lora_dropout=dropout, target_modules=list(factors),
+                        modules_to_save=_carriers(g, sorted(dense)) or None, bias="lora_only" if biases else "none",
+                        task_type=g.task.peft_task_type)
+    with torch.random.fork_rng(devices=[]):  # PEFT's initialisation draws from the global RNG
+        peft_model = get_peft_model(base, config)
+    state = {}
+    for t, (b, a) in factors.items():
+        state[f"base_model.model.{t}.lora_A.weight"] = a
+        state[f"base_model.model.{t}.lora_B.weight"] = b
+    state.update({f"base_model.model.{n}": v for n, v in dense.items()})
+    state.update({f"base_model.model.{n[:-len('.bias')]}.base_layer.bias": v for n, v in biases.items()})
+    loaded = set_peft_model_state_dict(peft_model, state)
+    if loaded.unexpected_keys:
+        raise ExportError(f"PEFT did not take {sorted(loaded.unexpected_keys)[:3]} (an unsupported layout); export --format hf")
+    peft_model.save_pretrained(str(tmp), save_embedding_layers=False)
+    return sorted(dense) + sorted(biases)
+
+
+def _usual_permissions(folder: Path) -> None:
+    """Give the written files the permissions the umask gives new files (``safetensors`` writes
+    the weights with mode 0600: unreadable to the rest of a team sharing the folder)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
+
+
+def _write_info(tmp: Path, result: ExportResult) -> None:
+    info = {
+        "run_dir": str(result.run_dir), "round": result.round, "method": result.method, "format": result.format,
+        "rank": result.rank,
+        "model_class": result.model_class, "processor": result.processor, "check_max_abs_logit_diff": result.check,
+        "total_relative_error": result.total_error,
+        "matrices": [{"name": n, "shape": [f.b.shape[0], f.a.shape[1]], "numerical_rank": f.numerical_rank,
+                      "relative_error": f.rel_error} for n, f in result.matrices],
+        "carried_whole": result.dense,
+    }
+    (tmp / "fedgalore_export.json").write_text(json.dumps(info, indent=1))

@@ -1,0 +1,190 @@
+"""The ``README.md`` model card of an exported run (``fedgalore export``; docs/export.md).
+
+It states what the folder holds and how it was made: method, task, base model, the data files
+the task options name (file name, size and SHA-256 of the content — never the data), the
+partition, the rounds, the metrics at the exported round and at the run's end, the bytes sent up
+and down until that round (the run's ledger), how to load the folder, the low-rank extraction's
+error per matrix (``--rank``), and the command that reproduces the run from its saved config.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from fedgalore.engine.global_model import GlobalModel
+from fedgalore.engine.lora_extract import RANK_NOTES, LoraFactors
+from fedgalore.engine.rundir import saved_summary
+
+__all__ = ["model_card", "input_files", "EXPORT_CONFIG"]
+
+#: the run's config.yaml, copied into an export (the card's reproduce command; ``fedgalore evaluate``)
+EXPORT_CONFIG = "fedgalore_config.yaml"
+
+#: task options that name the pretrained model rather than data (listed as the base model, not hashed)
+_MODEL_KEYS = ("model", "model_path", "checkpoint", "tokenizer")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def input_files(options: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The data files and folders the task options name (string values that are existing paths,
+    at any depth; options naming the model are skipped): a file with its size and the SHA-256 of
+    its content; a folder with its file count, total size and the SHA-256 of its listing
+    (relative names and sizes — hashing every image of a data set would take minutes)."""
+    out: list[dict[str, Any]] = []
+
+    def walk(key: str, value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                walk(f"{key}.{k}" if key else str(k), v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{key}[{i}]", v)
+        elif isinstance(value, str) and value and key.split(".")[0] not in _MODEL_KEYS:
+            p = Path(value).expanduser()
+            if p.is_file():
+                out.append({"option": key, "name": p.name, "bytes": p.stat().st_size, "sha256": _sha256(p)})
+            elif p.is_dir():
+                files = sorted(f for f in p.rglob("*") if f.is_file())
+                listing = "".join(f"{f.relative_to(p)}\t{f.stat().st_size}\n" for f in files)
+                out.append({"option": key, "name": p.name + "/", "bytes": sum(f.stat().st_size for f in files),
+                            "files": len(files), "listing_sha256": hashlib.sha256(listing.encode()).hexdigest()})
+
+    walk("", dict(options))
+    return out
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def _metric_rows(record: Mapping[str, Any]) -> list[str]:
+    test = {k[5:]: v for k, v in record.items() if k.startswith("eval/") and not k.startswith("eval/val_")}
+    val = {k[9:]: v for k, v in record.items() if k.startswith("eval/val_")}
+    names = list(dict.fromkeys([*test, *val]))
+    if not names:
+        return []
+    rows = ["| split | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for split, values in (("test", test), ("validation", val)):
+        if values:
+            rows.append(f"| {split} | " + " | ".join(_fmt(values.get(n, "")) for n in names) + " |")
+    return rows
+
+
+def _partition_line(g: GlobalModel) -> str:
+    fed = g.cfg.federation
+    try:
+        sizes = json.loads((g.run_dir / "partition.json").read_text()).get("sizes") or []
+    except (OSError, json.JSONDecodeError):
+        sizes = []
+    per_round = fed.clients_per_round if fed.clients_per_round is not None else fed.num_clients
+    line = f"{g.cfg.setting_label()} over {fed.num_clients} clients, {per_round} per round"
+    if sizes:
+        line += f"; client sizes {min(sizes)}–{max(sizes)} (median {statistics.median(sizes):g})"
+    if fed.validation_fraction > 0:
+        line += f"; {fed.validation_fraction:g} of the training pool held out for validation"
+    return line
+
+
+def _load_snippet(g: GlobalModel, out: Path, fmt: str, model_class: str, processor: str | None,
+                  num_labels: int | None) -> list[str]:
+    lines = ["```python"]
+    if fmt == "hf":
+        lines += [f"from transformers import {model_class}", f'model = {model_class}.from_pretrained("{out}")']
+    else:
+        model_id = g.task.describe().get("model")
+        lines += ["from peft import PeftModel",
+                  "import fedgalore",
+                  "from fedgalore.tasks import get_task",
+                  f'cfg = fedgalore.load_config("{out / EXPORT_CONFIG}")',
+                  "base = get_task(cfg.task.name, **cfg.task.options).build_model()  # the run's pretrained model"]
+        if model_id:
+            lines += [f"# or, with transformers only: base = {model_class}.from_pretrained(\"{model_id}\""
+                      + (f", num_labels={num_labels}, ignore_mismatched_sizes=True)" if num_labels else ")")]
+        lines += [f'model = PeftModel.from_pretrained(base, "{out}")']
+    if processor:
+        auto = ("AutoTokenizer" if "Tokenizer" in processor else
+                "AutoImageProcessor" if "ImageProcessor" in processor else "AutoProcessor")
+        lines += [f"from transformers import {auto}", f'processor = {auto}.from_pretrained("{out}")  # {processor}']
+    return lines + ["```"]
+
+
+def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, processor: str | None, rank: int | None = None,
+               matrices: Sequence[tuple[str, LoraFactors]] = (), total: float | None = None,
+               check: float | None = None, dense: Sequence[str] = (), num_labels: int | None = None,
+               probe: int = 0) -> str:
+    """The card's Markdown (module docstring). ``model_class``: the transformers class of the
+    model; ``processor``: the class of the saved tokenizer / image processor (None: none);
+    ``matrices``/``total``: the extraction of ``--rank``; ``check``: the max |Δ logits| against
+    the run's global model on ``probe`` test examples; ``dense``: tensors carried whole besides
+    the adapters; ``num_labels``: the classifier's label count (None: no classifier)."""
+    cfg, summary, record = g.cfg, saved_summary(g.run_dir), g.record()
+    desc = g.task.describe()
+    method = g.method.describe()
+    opts = {k: v for k, v in method.items() if k not in ("name", "rank")}
+    lib = "transformers" if fmt == "hf" else "peft"
+    done, total_rounds = summary.get("rounds_completed", g.round), summary.get("rounds", cfg.federation.rounds)
+    status = summary.get("status", "unknown")
+    lines = ["---", f"library_name: {lib}", f"tags: [fedgalore, federated-learning, {cfg.method.name}]", "---", "",
+             f"# {cfg.name}: {cfg.method.name} on {cfg.task.name}, round {g.round}", "",
+             f"The global model after round {g.round} of the federated run `{g.run_dir}` ({status}, "
+             f"{done}/{total_rounds} rounds), exported with `fedgalore export`.", "",
+             "| | |", "|---|---|",
+             f"| method | {cfg.method.name} (rank {cfg.method.rank}{'; ' + json.dumps(opts) if opts else ''}) |",
+             f"| task | {cfg.task.name} ({json.dumps(dict(cfg.task.options)) if cfg.task.options else 'default options'}) |",
+             f"| base model | {desc.get('model') or desc.get('checkpoint') or 'built by the task (no pretrained folder)'} |",
+             f"| partition | {_partition_line(g)} |",
+             f"| rounds | {g.round} exported; {done} completed of {total_rounds} configured |"]
+    if "cum_bytes_up" in record:
+        lines.append(f"| communication to round {g.round} | up {record['cum_bytes_up']:,} B, down {record['cum_bytes_down']:,} B |")
+    lines += ["", "## Data", ""]
+    files = input_files(cfg.task.options)
+    if files:
+        lines += ["| task option | file | bytes | checksum |", "|---|---|---|---|"]
+        for f in files:
+            check_sum = (f"sha256 `{f['sha256']}`" if "sha256" in f
+                         else f"{f['files']} files; sha256 of the listing `{f['listing_sha256']}`")
+            lines.append(f"| {f['option']} | {f['name']} | {f['bytes']:,} | {check_sum} |")
+    else:
+        lines.append(f"The task's own data (no data file in its options): {desc.get('n_train', '?')} training and "
+                     f"{desc.get('n_test', '?')} test examples.")
+    if desc.get("labels"):
+        lines += ["", f"Labels: {', '.join(map(str, desc['labels']))}."]
+    lines += ["", f"## Metrics at round {g.round}", ""]
+    rows = _metric_rows(record)
+    lines += rows if rows else [f"Round {g.round} was not evaluated (federation.eval_every={cfg.federation.eval_every})."]
+    if summary.get("final") and summary.get("rounds_completed") != g.round:
+        lines += ["", f"The run's final test metrics (round {summary.get('rounds_completed')}): "
+                  + ", ".join(f"{k}={_fmt(v)}" for k, v in summary["final"].items()) + "."]
+    lines += ["", "## Load", ""]
+    what = {"hf": "A Hugging Face model folder: every adapter merged into the weights.",
+            "peft": "A PEFT LoRA adapter of the task's pretrained model (the head and any other trained tensor "
+                    "travel whole as `modules_to_save`)."}[fmt]
+    lines += [what, ""] + _load_snippet(g, out, fmt, model_class, processor, num_labels)
+    if check is not None:
+        lines += ["", f"Checked when exported: the loaded folder's logits on {probe} test examples differ from "
+                  f"the run's global model by at most {check:.3g}."]
+    if rank is not None:
+        lines += ["", f"## Rank-{rank} extraction", "",
+                  f"Each adapted matrix's change ΔW = W − W0 is cut to its best rank-{rank} approximation (truncated "
+                  f"SVD). Total relative Frobenius error: {total:.4g}. {RANK_NOTES.get(cfg.method.name, '')}.", "",
+                  "| matrix | shape | rank of ΔW | relative error |", "|---|---|---|---|"]
+        for name, f in matrices:
+            lines.append(f"| {name} | {f.b.shape[0]}×{f.a.shape[1]} | {f.numerical_rank} | {f.rel_error:.4g} |")
+    if dense:
+        lines += ["", "Tensors carried whole: " + ", ".join(f"`{n}`" for n in dense) + "."]
+    lines += ["", "## Reproduce", "", f"`{EXPORT_CONFIG}` is the run's saved config:", "", "```bash",
+              f"fedgalore run --config {EXPORT_CONFIG}", "```"]
+    if g.round != total_rounds:
+        lines += ["", f"(This export is round {g.round} of that run; checkpoints of other rounds are kept by "
+                  "output.keep_checkpoints.)"]
+    return "\n".join(lines) + "\n"
