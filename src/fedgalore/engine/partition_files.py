@@ -75,8 +75,11 @@ def partition_figure(rec: dict[str, Any]) -> Any:
     fig.subplots_adjust(left=left, right=0.9, bottom=0.22 if turn else 0.12, top=0.9, hspace=0.06)
     top, ax = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 3]})
     x = np.arange(m)
-    top.bar(x, rec["sizes"], color="tab:blue", label="train")
-    if "test_sizes" in rec:
+    if m > 200:  # thousands of clients (a natural split by user): lines, not one bar each
+        top.fill_between(x, rec["sizes"], step="mid", color="tab:blue", label="train")
+    else:
+        top.bar(x, rec["sizes"], color="tab:blue", label="train")
+    if "test_sizes" in rec and m <= 200:
         top.bar(x, rec["test_sizes"], bottom=rec["sizes"], color="tab:orange", label="held out")
         top.set_ylim(0, 1.45 * max(np.add(rec["sizes"], rec["test_sizes"])))
         top.legend(fontsize=6, loc="upper right", ncols=2, frameon=False)

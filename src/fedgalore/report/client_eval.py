@@ -9,10 +9,7 @@ Reads the ``client_eval`` entries of ``metrics.jsonl`` (:mod:`fedgalore.engine.c
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Sequence
-
-import numpy as np
 
 from fedgalore.report import RunRecord, method_display_name
 
