@@ -41,7 +41,7 @@ from fedgalore.federated.partitioners import (
     iid_partition,
     partitioner_class,
 )
-from fedgalore.federated.partitioners.base import as_values, categories, check_int
+from fedgalore.federated.partitioners.base import as_values, categories, check_int, check_positive
 
 __all__ = [
     "PartitionError",
@@ -111,12 +111,7 @@ class PartitionConfig:
 
     def __post_init__(self) -> None:
         partitioner_class(self.kind)  # a registered kind (the error lists them)
-        try:
-            a = float(self.alpha)
-        except (TypeError, ValueError):
-            a = float("nan")
-        if not math.isfinite(a) or a <= 0:
-            raise PartitionError(f"alpha must be finite and > 0, got {self.alpha!r}")
+        check_positive("alpha", self.alpha)
         check_int("min_size", self.min_size, 0)
         check_int("max_retries", self.max_retries, 1)
         check_int("classes_per_client", self.classes_per_client, 1)
@@ -185,19 +180,14 @@ def parse_setting(s: str) -> PartitionConfig:
     fields_: dict[str, Any] | None = None
     if kind in available_partitioners() and (sep or kind == "iid"):
         fields_ = partitioner_class(kind).parse_setting(param.strip())
-    elif kind == "iid":
-        fields_ = {}
     else:
         match = _DIRICHLET.match(text.strip().lower())
         if match:
             try:
-                fields_ = {"alpha": float(match.group(1))}
+                fields_, kind = {"alpha": float(match.group(1))}, "dirichlet"
             except ValueError:
-                fields_ = None
-            kind = "dirichlet"
-    if fields_ is None or (kind == "dirichlet" and not _finite_positive(fields_.get("alpha"))):
-        if fields_ is not None:
-            raise PartitionError(f"partition setting {s!r}: alpha must be finite and > 0, got {fields_['alpha']:g}")
+                pass
+    if fields_ is None:
         raise PartitionError(
             f"unknown partition setting {s!r}; expected 'iid', 'dirichlet:<alpha>' or 'dir<alpha>' (e.g. "
             "'dirichlet:0.5', 'dir0.1'), 'natural:<column>', 'pathological:<classes>', 'shards:<per client>', "
@@ -206,11 +196,10 @@ def parse_setting(s: str) -> PartitionConfig:
     if by.strip():
         fields_["by"] = by.strip()
     floats = {k: float(v) for k, v in fields_.items() if isinstance(getattr(PartitionConfig, k, None), float)}
-    return PartitionConfig(kind=kind, **(fields_ | floats))
-
-
-def _finite_positive(v: Any) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
+    try:
+        return PartitionConfig(kind=kind, **(fields_ | floats))
+    except PartitionError as exc:  # a value out of range: the setting string says which
+        raise PartitionError(f"partition setting {s!r}: {exc}") from None
 
 
 def encode_partition(parts: Sequence[np.ndarray]) -> bytes:
