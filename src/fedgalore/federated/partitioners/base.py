@@ -152,6 +152,13 @@ def categories(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return classes, codes.reshape(-1)
 
 
+def shuffle_each(parts: list[np.ndarray], rng: np.random.Generator) -> list[np.ndarray]:
+    """Shuffle every client's index array in place (client order, then within each), returning them."""
+    for part in parts:
+        rng.shuffle(part)
+    return parts
+
+
 def _fmt(v: Any) -> str:
     return f"{v:g}" if isinstance(v, float) else str(v)
 

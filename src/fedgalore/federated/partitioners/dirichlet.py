@@ -37,6 +37,7 @@ from fedgalore.federated.partitioners.base import (
     check_clients,
     check_int,
     register,
+    shuffle_each,
 )
 
 __all__ = ["dirichlet_partition", "DirichletPartitioner"]
@@ -130,10 +131,7 @@ def dirichlet_partition(
                 sizes[j] += piece.size
         smallest = int(sizes.min())
         if smallest >= min_size:
-            parts = [np.concatenate(c) if c else np.empty(0, np.int64) for c in chunks]
-            for part in parts:
-                rng.shuffle(part)
-            return parts
+            return shuffle_each([np.concatenate(c) if c else np.empty(0, np.int64) for c in chunks], rng)
     raise PartitionError(
         f"could not draw a Dirichlet partition with every client holding >= {min_size} "
         f"examples in {max_retries} attempts (N={n}, num_clients={m}, alpha={alpha_f:g}; "

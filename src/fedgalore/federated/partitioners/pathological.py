@@ -28,6 +28,7 @@ from fedgalore.federated.partitioners.base import (
     check_clients,
     check_int,
     register,
+    shuffle_each,
 )
 
 __all__ = ["PathologicalPartitioner", "pathological_partition"]
@@ -92,10 +93,7 @@ def pathological_partition(labels: np.ndarray, num_clients: int, classes_per_cli
         owners = [j for j in range(m) if cls in held[j]]
         for j, piece in zip(owners, pieces):
             chunks[j].append(piece)
-    parts = [np.concatenate(ch) for ch in chunks]
-    for part in parts:
-        rng.shuffle(part)
-    return parts
+    return shuffle_each([np.concatenate(ch) for ch in chunks], rng)
 
 
 @register

@@ -23,6 +23,7 @@ from fedgalore.federated.partitioners.base import (
     check_clients,
     check_int,
     register,
+    shuffle_each,
 )
 
 __all__ = ["ShardsPartitioner", "shard_partition"]
@@ -40,10 +41,7 @@ def shard_partition(labels: np.ndarray, num_clients: int, shards_per_client: int
     shards = np.array_split(np.argsort(codes, kind="stable").astype(np.int64), m * s)
     rng = np.random.default_rng(seed)
     perm = rng.permutation(m * s)
-    parts = [np.concatenate([shards[i] for i in perm[j * s:(j + 1) * s]]) for j in range(m)]
-    for part in parts:
-        rng.shuffle(part)
-    return parts
+    return shuffle_each([np.concatenate([shards[i] for i in perm[j * s:(j + 1) * s]]) for j in range(m)], rng)
 
 
 @register
