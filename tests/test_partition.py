@@ -200,8 +200,8 @@ def test_parse_setting():
 
 
 def test_partition_config_validation():
-    with pytest.raises(PartitionError, match="kind"):
-        PartitionConfig(kind="shards")
+    with pytest.raises(PartitionError, match="kind must be one of iid, dirichlet, natural, pathological, shards, quantity"):
+        PartitionConfig(kind="sharded")
     with pytest.raises(PartitionError, match="alpha"):
         PartitionConfig(kind="dirichlet", alpha=0)
 
@@ -274,3 +274,39 @@ def test_property_iid(n, clients, seed):
     _assert_valid(parts, n)
     sizes = [len(p) for p in parts]
     assert max(sizes) - min(sizes) <= 1
+
+
+# ---------------------------------------------------------------- golden: the paper's splits, bit for bit
+def _digest(parts):
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(np.asarray(p, dtype=np.int64).tobytes())
+        h.update(b"|")
+    return h.hexdigest()[:16]
+
+
+def test_golden_iid_and_dirichlet_splits_unchanged():
+    """The partitioner registry keeps the existing splits bit for bit (golden runs and studies
+    depend on them): digests of the index arrays recorded with the code before the registry
+    (commit 00b00fc), for make_partition and for a run's split (validation hold-out + Dirichlet on
+    tiny_text). Integers from numpy Generator streams: a numpy release that changed a stream would
+    change them (and every recorded run); re-record then and say why."""
+    from fedgalore.engine.clients import split_clients
+    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.tasks.synthetic import TinyTextTask
+
+    y = np.random.default_rng(0).integers(0, 10, size=2000)
+    ys = np.array(["cat", "dog", "emu"] * 200 + ["yak"] * 30)
+    assert _digest(make_partition(y, 10, PartitionConfig("iid"), 3)) == "1e051e6fd1474e28"
+    assert _digest(make_partition(y, 20, PartitionConfig("dirichlet", alpha=0.5), 0)) == "7158465c4dafb394"
+    assert _digest(make_partition(y, 10, PartitionConfig("dirichlet", alpha=0.1, min_size=20), 1)) == "862247fe0b6e41d4"
+    assert _digest(make_partition(y, 7, PartitionConfig("dirichlet", alpha=10.0, balance=False), 2)) == "1272b7678034c4c8"
+    assert _digest(make_partition(ys, 6, PartitionConfig("dirichlet", alpha=0.5, min_size=5), 0)) == "5879d97ebedddd9b"
+    cfg = FederatedConfig.from_dict({
+        "task": {"name": "tiny_text", "options": {"n_train": 160, "n_test": 64}}, "method": {"name": "fedavg_full", "rank": 4},
+        "federation": {"num_clients": 6, "clients_per_round": 3, "validation_fraction": 0.2,
+                       "partition": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5}}})
+    clients = split_clients(cfg, TinyTextTask(n_train=160, n_test=64))
+    assert (_digest(clients.parts), _digest([clients.validation_idx])) == ("af7fde132e336a2f", "eca36503f8fcd7e1")

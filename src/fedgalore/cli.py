@@ -1,4 +1,4 @@
-"""The ``fedgalore`` command: run, compare, plan, report, export, evaluate, bench, repro, methods, tasks.
+"""The ``fedgalore`` command: run, compare, partition, plan, report, export, evaluate, bench, repro, methods, tasks.
 
 See ``docs/cli.md`` for every command with examples. User errors (unknown method / task / config
 key, a value of the wrong type or out of range, a missing file or asset) print one line on
@@ -252,6 +252,18 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_partition(args: argparse.Namespace) -> int:
+    """The split a run would train on: a table, partition.json and partition.png, no training."""
+    from fedgalore.engine.partition_files import format_partition, preview_partition
+
+    cfg, _ = _load_config(args.config, args.overrides)
+    _hub_note(cfg.task.name)
+    rec, out = preview_partition(cfg, args.out)
+    print(format_partition(rec))
+    print(f"wrote {out / 'partition.json'} and {out / 'partition.png'}")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from fedgalore.plan import format_plan, make_plan
 
@@ -273,6 +285,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     out = res["out"]
     print((out / "table.md").read_text().split("### Runs")[0].rstrip())
     plots = [p for p in res["files"] if p.suffix == ".png"]
+    if (out / "client_eval.md") in res["files"]:  # federation.client_eval: each client's held-out metrics
+        print("\n" + (out / "client_eval.md").read_text().rstrip())
     print(f"wrote {out / 'table.md'}, {out / 'table.tex'}, {out / 'comparison.json'}"
           + (f" and {len(plots)} plots (PNG + PDF) in {out / 'plots'}" if plots else ""))
     if args.tensorboard:
@@ -471,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--config", help="pipeline YAML (base config of every cell)")
     c.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of the base config (and compare.*)")
     c.add_argument("--methods", help="comma-separated method names / row labels, e.g. fedgalore,fedit,fedavg_full")
-    c.add_argument("--settings", help="comma-separated partition settings, e.g. iid,dirichlet:0.5 (default: the config's)")
+    c.add_argument("--settings", help="comma-separated partition settings, e.g. iid,dirichlet:0.5,natural:site "
+                   "(docs/data.md, \"Partitions\"; default: the config's)")
     c.add_argument("--seeds", help="comma-separated seeds, e.g. 0,1,2 (default: the config's seed)")
     c.add_argument("--out", help="comparison directory (default: <output.dir>/compare-<name>)")
     c.add_argument("--method-options", metavar="FILE", help="YAML/JSON mapping method -> options (see docs/cli.md)")
@@ -479,6 +494,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--no-report", action="store_true", help="only run the cells (write the report later with fedgalore report DIR)")
     c.add_argument("--shard", metavar="I/N", help="run only cells I, I+N, ... (start N workers on one --out; the last writes the report)")
     c.set_defaults(func=cmd_compare)
+
+    pa = sub.add_parser("partition", parents=[common], help="the clients' data split of a config, drawn without training")
+    pa.add_argument("--config", required=True, help="pipeline YAML (conf/pipeline/<name>.yaml)")
+    pa.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. federation.partition.kind=natural")
+    pa.add_argument("--out", help="where partition.json and partition.png go (default: <output.dir>/partitions/<name>-<setting>-s<seed>)")
+    pa.set_defaults(func=cmd_partition)
 
     pl = sub.add_parser("plan", parents=[common], help="bytes per round per method and peak memory, without training")
     pl.add_argument("--config", required=True, help="pipeline YAML (conf/pipeline/<name>.yaml)")

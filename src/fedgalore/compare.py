@@ -69,7 +69,7 @@ class Cell:
 
     label: str  # row label (usually the method name)
     method: str  # registered method name
-    setting: str  # canonical partition setting ("iid", "dirichlet:0.5")
+    setting: str  # canonical partition setting ("iid", "dirichlet:0.5", "natural:site", ...)
     seed: int
     name: str  # run name = directory under out_dir/runs
     cfg: FederatedConfig
@@ -150,10 +150,9 @@ def plan_grid(
                 d["train"].update(json.loads(json.dumps(dict(train_over))))
                 if server_opt is not None:  # the row's own server optimizer replaces the base config's
                     d["federation"]["server_optimizer"] = json.loads(json.dumps(dict(server_opt)))
-                p = d["federation"]["partition"]
-                p["kind"] = part.kind
-                if part.kind == "dirichlet":
-                    p["alpha"] = part.alpha
+                d["federation"]["partition"].update(part.setting_fields())  # the rest: the base config's
+                if part.kind == "natural":  # one client per value: the data decides how many
+                    d["federation"]["num_clients"] = None
                 d["seed"] = int(seed)
                 name = f"{label}-{_slug(setting)}-s{seed}"
                 d["output"]["dir"] = str(out / "runs")

@@ -575,14 +575,17 @@ def memory_plan(cfg: FederatedConfig, spec: ModelSpec, probe: Probe, clients_per
 
 # ============================================================================ the plan
 def _client_sizes(cfg: FederatedConfig, task: Task | None, train_examples: int | None) -> list[int]:
-    """Examples per client: the real partition when the task is built here, else an equal split
-    of the training set (``train_examples``, the task's ``n_train`` or a known data set size)."""
-    M = cfg.federation.num_clients
+    """Examples per client: the run's split (:func:`fedgalore.engine.clients.split_clients`) when
+    the task is built here, else an equal split of the training set (``train_examples``, the task's
+    ``n_train`` or a known data set size)."""
     if task is not None and train_examples is None:
-        from fedgalore.federated.partition import make_partition
+        from fedgalore.engine.clients import split_clients
 
-        parts = make_partition(task.partition_labels(), M, cfg.federation.partition, cfg.seed)
-        return [len(p) for p in parts]
+        return [len(p) for p in split_clients(cfg, task).parts]
+    M = cfg.federation.num_clients
+    if M is None:
+        raise PlanError("plan: a natural partition's clients come from the data; plan it where the task is built "
+                        "(without --train-examples), or set federation.num_clients")
     n = train_examples or cfg.task.options.get("n_train") or KNOWN_DATASETS.get(str(cfg.task.options.get("data", "meta-math/MetaMathQA")))
     if cfg.task.name == "offline_math" and n is None:
         n = 800
@@ -606,7 +609,7 @@ def make_plan(cfg: FederatedConfig, methods: Sequence[str] | None = None, method
     spec, task = model_spec(cfg)
     methods = list(methods or [cfg.method.name])
     sizes = _client_sizes(cfg, task, train_examples)
-    M = cfg.federation.num_clients
+    M = len(sizes)
     K = cfg.federation.clients_per_round or M
     out: dict[str, Any] = {"config": cfg.name, "model": spec.source, "dtype": str(spec.dtype).replace("torch.", ""),
                            "params": sum(int(np.prod(s)) for _, s in spec.params), "targets": len(spec.targets),

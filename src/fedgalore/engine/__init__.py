@@ -5,6 +5,10 @@
   options, the device);
 * :mod:`~fedgalore.engine.runtime` — what one process needs to run clients (task, model,
   method, partition);
+* :mod:`~fedgalore.engine.clients` — the run's clients: partition, validation and per-client
+  hold-outs, names; :mod:`~fedgalore.engine.partition_files` — ``partition.json`` /
+  ``partition.png`` and ``fedgalore partition``; :mod:`~fedgalore.engine.client_eval` — per-client
+  evaluation;
 * :mod:`~fedgalore.engine.backends` — where clients train (sequential, Ray; Flower in
   :mod:`fedgalore.flower`);
 * :mod:`~fedgalore.engine.validation` — server-side checks of client uploads;

@@ -71,7 +71,7 @@ class MethodConfig:
 
 @dataclass
 class FederationConfig:
-    num_clients: int = 20  # M
+    num_clients: int | None = 20  # M (null with partition.kind=natural: one client per value, inferred)
     clients_per_round: int | None = 5  # K (None: full participation)
     rounds: int = 20  # R
     eval_every: int = 1
@@ -83,6 +83,10 @@ class FederationConfig:
     client_timeout_s: float | None = None  # uploads that took longer are dropped (Ray: backend.options.timeout_s preempts)
     validation_fraction: float = 0.0  # share of the training pool held out (stratified) for model selection
     partition: PartitionConfig = field(default_factory=lambda: PartitionConfig(kind="dirichlet", alpha=0.5))
+    #: evaluate the global model on each client's held-out share every evaluation round (fedgalore.engine.client_eval)
+    client_eval: bool = False
+    #: with client_eval: share of each client's data held out from its training (stratified by category)
+    client_test_fraction: float = 0.2
     #: what the server does with the aggregate (fedgalore.federated.server_opt; default fedavg: keep it)
     server_optimizer: ServerOptimizerConfig = field(default_factory=ServerOptimizerConfig)
 
@@ -124,7 +128,7 @@ class FederatedConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "FederatedConfig":
-        cfg = from_plain(cls, data, "")
+        cfg = from_plain(cls, _natural_num_clients(data), "")
         cfg.validate()
         return cfg
 
@@ -132,8 +136,11 @@ class FederatedConfig:
     def validate(self) -> "FederatedConfig":
         f, t, p = self.federation, self.train, self.federation.partition
         _check(self.method.rank >= 1, "method.rank must be >= 1 (e.g. method.rank=8)")
-        _check(f.num_clients >= 1, "federation.num_clients must be >= 1")
-        if f.clients_per_round is not None:
+        _check(f.num_clients is not None or p.kind == "natural",
+               "federation.num_clients=null needs federation.partition.kind=natural (one client per value of a column); "
+               "set federation.num_clients")
+        _check(f.num_clients is None or f.num_clients >= 1, "federation.num_clients must be >= 1")
+        if f.clients_per_round is not None and f.num_clients is not None:
             _check(
                 1 <= f.clients_per_round <= f.num_clients,
                 f"federation.clients_per_round={f.clients_per_round} must be between 1 and "
@@ -143,7 +150,7 @@ class FederatedConfig:
         _check(f.eval_every >= 1, "federation.eval_every must be >= 1")
         _check(f.min_clients >= 1, "federation.min_clients must be >= 1")
         _check(
-            f.min_clients <= (f.clients_per_round or f.num_clients),
+            f.min_clients <= (f.clients_per_round or f.num_clients or f.min_clients),
             f"federation.min_clients={f.min_clients} exceeds the clients sampled per round",
         )
         _check(f.max_round_retries >= 0, "federation.max_round_retries must be >= 0")
@@ -154,7 +161,9 @@ class FederatedConfig:
             0.0 <= f.validation_fraction < 1.0,
             f"federation.validation_fraction={f.validation_fraction} must be in [0, 1) (e.g. 0.1 holds out 10 % of the training pool)",
         )
-        _check(p.kind in ("iid", "dirichlet"), f"federation.partition.kind={p.kind!r} must be 'iid' or 'dirichlet'")
+        _check(0.0 < f.client_test_fraction < 1.0,
+               f"federation.client_test_fraction={f.client_test_fraction} must be in (0, 1) (e.g. 0.2 holds out 20 % of "
+               "each client's data for federation.client_eval)")
         if p.kind == "dirichlet":
             _check(
                 isinstance(p.alpha, (int, float)) and math.isfinite(p.alpha) and p.alpha > 0,
@@ -201,8 +210,17 @@ class FederatedConfig:
         return self
 
     def setting_label(self) -> str:
-        p = self.federation.partition
-        return "iid" if p.kind == "iid" else f"dirichlet:{p.alpha:g}"
+        """The partition setting (``iid``, ``dirichlet:0.5``, ``natural:site``, ...; run names, tables)."""
+        return self.federation.partition.label()
+
+
+def _natural_num_clients(data: Any) -> Any:
+    """A natural partition infers ``federation.num_clients``: left out, it is null (not the default 20)."""
+    fed = data.get("federation") if isinstance(data, dict) else None
+    part = fed.get("partition") if isinstance(fed, dict) else None
+    if isinstance(part, dict) and part.get("kind") == "natural" and "num_clients" not in fed:
+        return {**data, "federation": {**fed, "num_clients": None}}
+    return data
 
 
 def _check(ok: bool, message: str) -> None:
@@ -278,6 +296,9 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
 
 def _comparable(d: dict[str, Any]) -> dict[str, Any]:
     d = json.loads(json.dumps(d))
+    fed = d.get("federation", {})
+    if isinstance(fed, dict) and (fed.get("partition") or {}).get("kind") == "natural":
+        fed.pop("num_clients", None)  # the data decides it (one client per value); a given one must agree
     for key in ("progress", "checkpoint_every", "checkpoint_budget", "keep_checkpoints"):  # display and checkpoint cadence:
         d.get("output", {}).pop(key, None)  # they do not change the run's result
     return d

@@ -17,8 +17,9 @@ and S (``synchronize``); a backend decides where T runs; the run directory's fil
    the server parameters as a pseudo-gradient, and SCAFFOLD (``train.scaffold``,
    :mod:`fedgalore.federated.scaffold`) updates its control variates; diagnostics measure the
    two mismatches;
-5. the global model is evaluated every ``eval_every`` rounds and the state is checkpointed
-   (streamed to disk; the fsync, hash and rename overlap the next round).
+5. the global model is evaluated every ``eval_every`` rounds (with ``federation.client_eval``
+   also on each client's held-out share, :mod:`fedgalore.engine.client_eval`) and the state is
+   checkpointed (streamed to disk; the fsync, hash and rename overlap the next round).
 
 Every random choice derives from (run seed, round, client) (:mod:`fedgalore.federated.seeding`),
 so a run resumed from any checkpoint ends with exactly the metrics of an uninterrupted one.
@@ -34,6 +35,7 @@ from typing import Any
 import torch
 
 from fedgalore.engine.backends import Backend, make_backend
+from fedgalore.engine.client_eval import evaluate_clients, summarize_clients
 from fedgalore.engine.config import FederatedConfig
 from fedgalore.engine.events import LogProgress, ProgressSink
 from fedgalore.engine.resolve import check_device, config_for_method
@@ -106,7 +108,9 @@ class Federation:
         self.run_dir = self.files.path
         self.backend = backend if backend is not None else make_backend(cfg.backend.name, cfg.backend.options)
         self.runtime = Runtime(cfg, task=task, method=method)
+        cfg = self.cfg = self.runtime.cfg  # as it runs: a natural partition's federation.num_clients filled in
         self.task, self.method = self.runtime.task, self.runtime.method
+        self._client_eval: dict[str, Any] | None = None  # the last evaluation's per-client record (client_eval)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.backend.start(self.runtime)
         if self._downlink_mode() == "dense":
@@ -249,6 +253,8 @@ class Federation:
             "time_eval": t_eval,
             "time_round": time.perf_counter() - t0,
         }
+        if self._client_eval is not None:  # federation.client_eval: each client's metrics (fedgalore.engine.client_eval)
+            rec["client_eval"], self._client_eval = self._client_eval, None
         self.history.append(rec)
         self.files.append_round(k + 1, rnd.client_recs, self.ledger, diag, rec)
         self.files.write_csv(self.history)
@@ -408,6 +414,8 @@ class Federation:
         for res, up, w in zip(results, decoded, weights):
             rec = {"round": k + 1, "attempt": attempt, "client": res.client, "time": res.time,
                    "num_examples": len(self.runtime.parts[res.client])}
+            if self.runtime.clients.names is not None:  # a natural partition's clients are named by the data
+                rec["client_name"] = self.runtime.clients.name(res.client)
             if up is not None and fed.client_timeout_s is not None and res.time > fed.client_timeout_s:
                 # the sequential backend cannot preempt a client; a late upload is discarded
                 res.error = f"timed out: {res.time:.1f}s > federation.client_timeout_s={fed.client_timeout_s:g}"
@@ -450,8 +458,8 @@ class Federation:
         return {**update_space_diagnostics(applied, self.method.rank), **drift_diagnostics(rnd.deltas, rnd.ctx.weights)}
 
     def _evaluate(self, k: int) -> tuple[dict[str, float], float]:
-        """The global model's test (and validation) metrics, every ``eval_every`` rounds and at
-        the end, and the seconds they took."""
+        """The global model's test (and validation, and per-client) metrics, every ``eval_every``
+        rounds and at the end, and the seconds they took."""
         fed = self.cfg.federation
         if not ((k + 1) % fed.eval_every == 0 or k + 1 == fed.rounds):
             return {}, 0.0
@@ -461,4 +469,10 @@ class Federation:
         if self._validation is not None:  # held-out training examples: for model selection
             val = self.task.evaluate(self.runtime.model, self._validation, fed.eval_batch_size)
             evals.update({f"val_{kk}": v for kk, v in val.items()})
+        if self.runtime.clients.test_parts is not None:  # each client's held-out share (federation.client_eval)
+            per = evaluate_clients(self.task, self.runtime.model, self.runtime.train_data, self.runtime.clients,
+                                   fed.eval_batch_size)
+            summary, worst = summarize_clients(per, self.task.primary_metric, self.task.higher_is_better)
+            evals.update(summary)
+            self._client_eval = {"worst_client": worst, "clients": per}
         return evals, time.perf_counter() - t0

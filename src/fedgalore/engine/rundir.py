@@ -3,7 +3,8 @@
 ::
 
     <run>/config.yaml         the resolved config (what ran: the method's own options)
-          partition.json      per-client label histograms and sizes
+          partition.json      the split: per client its name, size and category histogram
+          partition.png       the split drawn (fedgalore.engine.partition_files)
           task.json           the task's description (sizes, labels, model)
           environment.json    versions, CPU and kernel set, the method as it ran (describe())
           metrics.jsonl       one record per round (losses, evaluation, bytes, times)
@@ -27,13 +28,12 @@ import platform
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 
 from fedgalore.engine.config import ConfigError, FederatedConfig, config_difference, load_config
+from fedgalore.engine.partition_files import partition_record, write_partition_files
 from fedgalore.engine.runtime import Runtime
 from fedgalore.federated.checkpoint import atomic_write_text
-from fedgalore.federated.partition import label_histograms
 from fedgalore.jsonl import append_jsonl, read_jsonl
 from fedgalore.optim import cpu_kernels
 from fedgalore.protocol.payload import Ledger
@@ -70,20 +70,12 @@ class RunDirectory:
         return history, ledger
 
     def write_static(self, cfg: FederatedConfig, runtime: Runtime) -> None:
-        """config.yaml, partition.json, task.json and environment.json."""
+        """config.yaml, partition.json and partition.png, task.json and environment.json."""
         from omegaconf import OmegaConf
 
         task, method = runtime.task, runtime.method
         atomic_write_text(self.path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
-        hist, classes = label_histograms(task.partition_labels(), runtime.parts)
-        names = task.label_names()
-        partition = {
-            "setting": cfg.setting_label(),
-            "label_names": names if len(names) == len(classes) else [str(c) for c in classes],
-            "histograms": np.asarray(hist).tolist(),
-            "sizes": [int(len(p)) for p in runtime.parts],
-        }
-        atomic_write_text(self.path / "partition.json", json.dumps(partition))
+        write_partition_files(partition_record(cfg, task, runtime.clients), self.path)
         atomic_write_text(self.path / "task.json", json.dumps(task.describe(), default=str))
         env = {
             "python": platform.python_version(),
@@ -128,7 +120,7 @@ class RunDirectory:
     def write_csv(self, history: Sequence[dict[str, Any]]) -> None:
         keys: list[str] = []
         for h in history:
-            keys += [kk for kk in h if kk not in keys and kk not in ("clients", "dropped")]
+            keys += [kk for kk in h if kk not in keys and kk not in ("clients", "dropped", "client_eval")]
         with open(self.path / "metrics.csv", "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=keys, extrasaction="ignore")
             w.writeheader()

@@ -22,17 +22,17 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from fedgalore.engine.clients import resolve_clients, split_clients
 from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.engine.resolve import method_options, resolve_method
 from fedgalore.federated.client import ClientError
-from fedgalore.federated.partition import make_partition
 from fedgalore.federated.scaffold import CORR, ScaffoldClient, split_entries
-from fedgalore.federated.seeding import BATCHES, DROPOUT, client_seed, validation_seed
+from fedgalore.federated.seeding import BATCHES, DROPOUT, client_seed
 from fedgalore.methods.base import Method, method_class
 from fedgalore.protocol.payload import Payload, decode, encode, transfer
 from fedgalore.protocol.state import ClientContext, TrainConfig
 from fedgalore.tasks import Task, get_task, resolve_target_modules
-from fedgalore.tasks.base import head_parameters, stratified_split, subset_examples
+from fedgalore.tasks.base import head_parameters, subset_examples
 
 __all__ = ["Runtime", "ClientJob", "ClientResult"]
 
@@ -62,8 +62,11 @@ class Runtime:
     """Task + prepared model + method + partition, built deterministically from a config."""
 
     def __init__(self, cfg: FederatedConfig, parts: Sequence[np.ndarray] | None = None, task: Task | None = None, method: Method | None = None):
-        self.cfg = cfg
         self.task = task if task is not None else get_task(cfg.task.name, **cfg.task.options)
+        #: the clients' training parts (and held-out parts, names), the validation pool (fedgalore.engine.clients)
+        self.clients = split_clients(cfg, self.task, parts)
+        #: the config as it runs (a natural partition's client count filled in)
+        self.cfg = cfg = resolve_clients(cfg, self.clients)
         self.method = (resolve_method(method, cfg) if method is not None
                        else method_class(cfg.method.name)(cfg.method.rank, method_options(cfg)))
         model = self.task.build_model()
@@ -75,15 +78,9 @@ class Runtime:
         self.client_state: dict[int, dict] | None = None
         self.model = self.method.setup(model.to(self.device), self.target_modules, self.head_params)
         self.train_data = self.task.train_set()
-        labels = np.asarray(self.task.partition_labels())
         #: training examples held out from every client for model selection (federation.validation_fraction)
-        self.validation_idx, pool = np.zeros(0, dtype=np.int64), np.arange(len(labels))
-        if cfg.federation.validation_fraction > 0:
-            rng = np.random.default_rng(validation_seed(cfg.seed))
-            pool, self.validation_idx = stratified_split(labels, cfg.federation.validation_fraction, rng)
-        if parts is None:
-            parts = [pool[p] for p in make_partition(labels[pool], cfg.federation.num_clients, cfg.federation.partition, cfg.seed)]
-        self.parts = [np.asarray(p) for p in parts]
+        self.validation_idx = self.clients.validation_idx
+        self.parts = self.clients.parts
         sizes = [len(p) for p in self.parts]
         tc: TrainConfig = cfg.train
         mean_steps = self._steps_for(int(round(sum(sizes) / len(sizes))), tc)

@@ -10,6 +10,7 @@ checkpoint, or run on any backend in any client order, draws exactly the same nu
 * :func:`client_seed` — client ``i``'s streams in round ``k``: :data:`BATCHES` (the order of its
   local mini-batches) and :data:`DROPOUT` (the global RNG state its training starts from);
 * :func:`validation_seed` — the stratified hold-out of ``federation.validation_fraction``;
+* :func:`client_test_seed` — client ``i``'s held-out share (``federation.client_test_fraction``);
 * :func:`mixed_seed` — a 63-bit seed mixed from any integers (LoRA adapter initialisation).
 
 All use numpy's ``SeedSequence``, which mixes its entropy words so that nearby inputs give
@@ -20,12 +21,15 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["round_seed", "sample_clients", "client_seed", "validation_seed", "mixed_seed", "BATCHES", "DROPOUT"]
+__all__ = ["round_seed", "sample_clients", "client_seed", "validation_seed", "client_test_seed", "mixed_seed",
+           "BATCHES", "DROPOUT", "HOLD_OUT"]
 
 #: :func:`client_seed` stream of a client's mini-batch order
 BATCHES = 1
 #: :func:`client_seed` stream of the global RNG state a client's training starts from (dropout)
 DROPOUT = 2
+#: :func:`client_seed` stream of a client's held-out share (:func:`client_test_seed`)
+HOLD_OUT = 3
 
 
 def round_seed(run_seed: int, round_idx: int) -> int:
@@ -52,6 +56,12 @@ def client_seed(run_seed: int, round_idx: int, client: int, stream: int) -> np.r
 def validation_seed(run_seed: int) -> np.random.SeedSequence:
     """Seed sequence of the validation hold-out (``federation.validation_fraction``)."""
     return np.random.SeedSequence([int(run_seed), 11])
+
+
+def client_test_seed(run_seed: int, client: int) -> np.random.SeedSequence:
+    """Seed sequence of client ``client``'s held-out share (``federation.client_eval``): its
+    :data:`HOLD_OUT` stream, drawn once (round 0) for the whole run."""
+    return client_seed(run_seed, 0, client, HOLD_OUT)
 
 
 def mixed_seed(*values: int) -> int:

@@ -190,10 +190,10 @@ def build_report(
     """Write the tables and plots for a run or comparison directory.
 
     Returns ``{"out": Path, "files": [Path, ...], "comparison": dict}``; the files are
-    ``comparison.json``, ``table.md``, ``table.tex`` and ``plots/*.png|pdf`` under ``out_dir``
-    (default: ``path`` itself).
+    ``comparison.json``, ``table.md``, ``table.tex``, ``client_eval.md`` (runs with
+    ``federation.client_eval``) and ``plots/*.png|pdf`` under ``out_dir`` (default: ``path`` itself).
     """
-    from fedgalore.report import tables
+    from fedgalore.report import client_eval, tables
 
     root = Path(path)
     runs = find_runs(root)
@@ -208,6 +208,10 @@ def build_report(
         except ValueError:
             pass
     files = tables.write_tables(comp, out)
+    per_client = client_eval.client_eval_markdown(runs)
+    if per_client is not None:  # runs with federation.client_eval
+        (out / "client_eval.md").write_text(per_client + "\n")
+        files.append(out / "client_eval.md")
     if plots:
         from fedgalore.report import plots as _plots
 

@@ -10,6 +10,8 @@ pyplot's global state or the user's backend. Seed replicates are drawn as their 
 * ``partition`` — per-client label counts of the Dirichlet / IID split (clients × classes
   heatmap, like the paper's Appendix I figure), one panel per setting;
 * ``comm_vs_metric`` — metric vs cumulative uplink bytes (log scale);
+* ``client_eval`` — the primary metric of every client vs round (``federation.client_eval``;
+  :func:`plot_client_eval`);
 * ``diagnostics`` — tail energy beyond rank r, client drift, the clients' second moments (dashed:
   their spread around their mean before sync; solid: each client's distance to the synchronised
   state v̄ it restarts from — not a cross-client mismatch, which sync makes 0), and any other
@@ -25,10 +27,11 @@ import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from fedgalore.report import RunRecord, method_display_name
+from fedgalore.report.client_eval import evaluated_rounds, run_title
 from fedgalore.report.tables import setting_sort_key
 
-__all__ = ["plot_all", "plot_curves", "plot_bars", "plot_partition", "plot_comm", "plot_diagnostics", "comm_figure",
-           "diagnostics_figure", "diag_title"]
+__all__ = ["plot_all", "plot_curves", "plot_bars", "plot_partition", "plot_client_eval", "plot_comm", "plot_diagnostics",
+           "comm_figure", "diagnostics_figure", "diag_title"]
 
 _DIAG_PREFERRED = ["tail_energy_mean", "tail_energy_max", "drift_mean", "mismatch"]
 #: panel titles (what each diagnostics.jsonl key measures; unknown keys get their words)
@@ -212,12 +215,44 @@ def plot_partition(runs: Sequence[RunRecord], out: Path) -> list[Path]:
         ax.set_xlabel("client")
         ax.set_ylabel("class")
         step = max(1, h.shape[0] // 20)
-        ax.set_xticks(range(0, h.shape[0], step))
+        clients = picked[k].partition.get("client_names") or list(range(h.shape[0]))  # natural: the data's names
+        ax.set_xticks(range(0, h.shape[0], step), [str(c)[:10] for c in clients[::step]],
+                      rotation=90 if any(len(str(c)) > 3 for c in clients) else 0, fontsize=7)
         ax.set_yticks(range(h.shape[1]), names if len(names) == h.shape[1] else None, fontsize=7)
         alpha = k[1].split(":", 1)[1] if k[1].startswith("dirichlet:") else None
-        ax.set_title(f"{k[0]} — {'IID' if alpha is None else f'Dirichlet α = {alpha}'}", fontsize=10)
+        title = "IID" if k[1] == "iid" else f"Dirichlet α = {alpha}" if alpha is not None else k[1]
+        ax.set_title(f"{k[0]} — {title}", fontsize=10)
         fig.colorbar(im, ax=ax, label="examples", shrink=0.85)
     return _save(fig, out, "partition")
+
+
+def plot_client_eval(runs: Sequence[RunRecord], out: Path) -> list[Path]:
+    """Per run with ``federation.client_eval``: the primary metric of every client vs round, the
+    weighted mean in bold and the last round's worst client dashed (none: no files)."""
+    picked = [r for r in runs if evaluated_rounds(r)]
+    if not picked:
+        return []
+    ncols = min(3, len(picked))
+    fig, axes = _figure(-(-len(picked) // ncols), ncols, w=4.4, h=3.3)
+    for idx, ax in enumerate(axes.flat):
+        ax.set_visible(idx < len(picked))
+    for ax, r in zip(axes.flat, picked):
+        hist, p = evaluated_rounds(r), r.primary_metric
+        rounds = np.array([h["round"] for h in hist])
+        worst = hist[-1]["client_eval"]["worst_client"]
+        names = list(dict.fromkeys(c for h in hist for c in h["client_eval"]["clients"]))
+        for c in names:
+            ys = [h["client_eval"]["clients"].get(c, {}).get(p, np.nan) for h in hist]
+            ax.plot(rounds, ys, lw=1.6 if c == worst else 0.8, ls="--" if c == worst else "-",
+                    alpha=1.0 if c == worst else 0.55, label=f"{c} (worst)" if c == worst else (c if len(names) <= 8 else None))
+        ax.plot(rounds, [h.get(f"eval/client_mean_{p}", np.nan) for h in hist], color="black", lw=2.2, label="weighted mean")
+        ax.set_title(run_title(r), fontsize=8)
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel(f"{p} on each client's held-out share", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    return _save(fig, out, "client_eval")
 
 
 def plot_comm(runs: Sequence[RunRecord], out: Path, methods: Sequence[str]) -> list[Path]:
@@ -345,4 +380,5 @@ def plot_all(runs: Sequence[RunRecord], out: str | Path, comp: dict[str, Any]) -
     files += plot_partition(runs, out)
     files += plot_comm(runs, out, methods)
     files += plot_diagnostics(runs, out, methods)
+    files += plot_client_eval(runs, out)
     return files

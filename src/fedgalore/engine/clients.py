@@ -1,0 +1,140 @@
+"""The run's clients: which training examples each one trains on, holds out, and what it is called.
+
+:func:`split_clients` is the one place a config's data split is made — the round loop's
+:class:`~fedgalore.engine.runtime.Runtime` and ``fedgalore partition`` (which draws the split
+without training) both call it, so the preview is the run's split. In order:
+
+1. the *category* of every training example: the column ``federation.partition.by`` names
+   (:meth:`~fedgalore.tasks.base.Task.partition_values`), or the task's label / category;
+2. ``federation.validation_fraction``: a validation pool held out from every client, stratified
+   by category (:func:`~fedgalore.tasks.base.stratified_split`, seed
+   :func:`~fedgalore.federated.seeding.validation_seed`);
+3. the partition of the rest (:func:`~fedgalore.federated.partition.make_partition`) over the
+   categories — or, for ``natural``, over the client column;
+4. ``federation.client_eval``: each client's share split into its training part and a held-out
+   part of ``federation.client_test_fraction``, stratified by category within the client (seed
+   :func:`~fedgalore.federated.seeding.client_test_seed` and the client id).
+
+:func:`resolve_clients` fills ``federation.num_clients`` in when the partition infers it
+(``natural``) and checks the participation settings against the real count.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.federated.partition import make_partition
+from fedgalore.federated.seeding import client_test_seed, validation_seed
+from fedgalore.tasks.base import Task, TaskError, stratified_split
+
+__all__ = ["Clients", "split_clients", "resolve_clients"]
+
+
+@dataclass
+class Clients:
+    """The split of a task's training set (indices into ``task.train_set()``)."""
+
+    #: each client's training examples
+    parts: list[np.ndarray]
+    #: the examples held out from every client (``federation.validation_fraction``)
+    validation_idx: np.ndarray
+    #: one category per training example (``federation.partition.by``, else the label)
+    categories: np.ndarray
+    #: the clients' names when the data names them (``natural``: the column's values), else None
+    names: list[str] | None = None
+    #: each client's held-out examples (``federation.client_eval``), else None
+    test_parts: list[np.ndarray] | None = None
+
+    def name(self, client: int) -> str:
+        """Client ``client``'s name (its id as a string when the data names none)."""
+        return self.names[client] if self.names is not None else str(client)
+
+
+def _column(task: Task, column: str | None, n: int) -> np.ndarray:
+    values = np.asarray(task.partition_values(column))
+    if values.shape != (n,):
+        what = f"column {column!r}" if column is not None else "partition_labels()"
+        raise TaskError(f"task {task.name!r}: {what} has shape {values.shape}, expected one value per training "
+                        f"example ({n})")
+    return values
+
+
+def split_clients(cfg: FederatedConfig, task: Task, parts: Sequence[np.ndarray] | None = None) -> Clients:
+    """The clients of ``cfg`` on ``task`` (module doc). ``parts``: the server's training parts,
+    given to a worker process (Ray actor, Flower node), which then only recomputes the validation
+    pool (no partition, no held-out parts, no names)."""
+    fed, pcfg = cfg.federation, cfg.federation.partition
+    n = len(task.train_set())
+    cats = _column(task, pcfg.by, n)
+    pool, validation = np.arange(n), np.zeros(0, dtype=np.int64)
+    if fed.validation_fraction > 0:
+        rng = np.random.default_rng(validation_seed(cfg.seed))
+        pool, validation = stratified_split(cats, fed.validation_fraction, rng)
+    if parts is not None:
+        return Clients([np.asarray(p) for p in parts], validation, cats)
+    partitioner = pcfg.partitioner()
+    col = partitioner.column()
+    values = cats if col == pcfg.by else _column(task, col, n)
+    parts = [pool[p] for p in make_partition(values[pool], fed.num_clients, pcfg, cfg.seed)]
+    clients = Clients(parts, validation, cats, partitioner.names(values[pool]))
+    if fed.client_eval:
+        _hold_out(cfg, clients)
+    if pcfg.kind == "natural":
+        _check_batches(cfg, clients)
+    return clients
+
+
+def _hold_out(cfg: FederatedConfig, clients: Clients) -> None:
+    """Split each client's share into training and held-out parts (stratified by category)."""
+    f = cfg.federation.client_test_fraction
+    train, test = [], []
+    for j, part in enumerate(clients.parts):
+        rng = np.random.default_rng(client_test_seed(cfg.seed, j))
+        kept, held = stratified_split(clients.categories[part], f, rng)
+        if len(held) == 0 or len(kept) == 0:
+            which = "no example" if len(held) == 0 else "every example"
+            raise ConfigError(
+                f"federation.client_test_fraction={f:g} holds out {which} of client {clients.name(j)!r} "
+                f"({len(part)} examples); use a client_test_fraction that leaves both parts non-empty, or fewer, "
+                "larger clients"
+            )
+        train.append(part[kept])
+        test.append(part[held])
+    clients.parts, clients.test_parts = train, test
+
+
+def _check_batches(cfg: FederatedConfig, clients: Clients) -> None:
+    """A natural client must hold at least one batch: name the small ones and what to do."""
+    b = cfg.train.batch_size
+    small = [(clients.name(j), len(p)) for j, p in enumerate(clients.parts) if len(p) < b]
+    if small:
+        col = cfg.federation.partition.column
+        shown = ", ".join(f"{name!r} ({k})" for name, k in small[:3]) + (f" and {len(small) - 3} more" if len(small) > 3 else "")
+        smallest = min(k for _, k in small)
+        held = " after the client_test_fraction hold-out" if cfg.federation.client_eval else ""
+        raise ConfigError(
+            f"natural partition over {col!r}: client(s) {shown} hold fewer training examples{held} than one batch "
+            f"(train.batch_size={b}); set train.batch_size<={smallest}, or merge or drop those {col} values in the data"
+        )
+
+
+def resolve_clients(cfg: FederatedConfig, clients: Clients) -> FederatedConfig:
+    """``cfg`` with ``federation.num_clients`` set to the partition's client count when it was
+    left to the partition (``natural``; a copy — ``cfg`` is not changed), after checking
+    ``clients_per_round`` against that count."""
+    fed = cfg.federation
+    m = len(clients.parts)
+    if fed.num_clients is not None:
+        return cfg
+    if fed.clients_per_round is not None and fed.clients_per_round > m:
+        raise ConfigError(
+            f"federation.clients_per_round={fed.clients_per_round} exceeds the {m} clients of the natural partition "
+            f"over {fed.partition.column!r}; set federation.clients_per_round<={m}, or null for all of them"
+        )
+    out = copy.deepcopy(cfg)
+    out.federation.num_clients = m
+    return out.validate()
