@@ -51,6 +51,9 @@ __all__ = [
 class TaskConfig:
     name: str = "offline_text"
     options: dict[str, Any] = field(default_factory=dict)
+    #: "module:Class" of a task object passed to ``fedgalore.run(cfg, task=...)`` in code, as a run's
+    #: config.yaml records it (None: the registered task ``name``); such a config needs that object again
+    object: str | None = None
 
 
 @dataclass
