@@ -104,7 +104,8 @@ class Federation:
         self.cfg = cfg
         self.progress = progress or LogProgress()
         identity = run_identity(cfg, task=task, method=method)  # what shapes this run (fedgalore.engine.identity)
-        self.files = RunDirectory(choose_run_dir(cfg, run_dir, resume, self.progress.message, identity))  # before the slow model load
+        # the directory is chosen before the slow model load
+        self.files = RunDirectory(choose_run_dir(cfg, run_dir, resume, self.progress.message, identity))
         self.run_dir = self.files.path
         self.backend = backend if backend is not None else make_backend(cfg.backend.name, cfg.backend.options)
         self.runtime = Runtime(cfg, task=task, method=method)

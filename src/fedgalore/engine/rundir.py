@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
-from fedgalore.engine.identity import Difference, RunIdentity, compare_with_saved, run_identity, summarize, task_label, write_identity
+from fedgalore.engine.identity import (Difference, RunIdentity, compare_with_saved, run_identity, summarize, task_label,
+                                       write_identity)
 from fedgalore.engine.runtime import Runtime
 from fedgalore.federated.checkpoint import atomic_write_text
 from fedgalore.federated.partition import label_histograms
