@@ -172,7 +172,7 @@ def _sst2(folder: Path) -> None:
 
 @pytest.mark.slow
 def test_a_model_folder_changed_under_the_same_path_is_another_run(tmp_path, capsys) -> None:
-    model, data = tmp_path / "my-model", tmp_path / "my-data"
+    model, data = (tmp_path / "my-model").resolve(), (tmp_path / "my-data").resolve()  # messages name resolved paths
     _tiny_bert(model, seed=0)
     _sst2(data)
     path = str(tiny_config(tmp_path))
