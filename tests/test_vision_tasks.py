@@ -211,9 +211,9 @@ def test_domainnet_missing_root_is_a_clear_error(tmp_path):
 # ----------------------------------------------------------------------------- offline tasks
 def _fashion_available() -> bool:
     try:
-        from fedgalore.tasks.mnist import _fashion_mnist_dir
+        from fedgalore.tasks.mnist import fashion_mnist_dir
 
-        _fashion_mnist_dir(None)
+        fashion_mnist_dir(None)
         return True
     except Exception:
         return False

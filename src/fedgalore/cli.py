@@ -245,7 +245,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
             raise ConfigError(f"--shard I/N needs 0 <= I < N, got {args.shard!r}")
         shard = (i, n)
     run_grid(cfg, methods, settings, seeds, out, progress, method_options=options, on_cell=say, report=not args.no_report,
-             shard=shard)
+             shard=shard, rerun_changed=args.rerun_changed)
     if not quiet and not args.no_report and (out / "table.md").is_file():
         print((out / "table.md").read_text().split("### Runs")[0].rstrip())
     print(f"comparison dir: {out}")
@@ -453,12 +453,28 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 
 def cmd_tasks(args: argparse.Namespace) -> int:
-    from fedgalore.tasks import TASK_NEEDS, TASKS
+    """Each task with what it needs, its class and its options (type, default, one-line doc)."""
+    import dataclasses
+    from typing import get_type_hints
+
+    from fedgalore.tasks import TASK_NEEDS, TASKS, TaskError, task_class
 
     print(f"{'task':<21} {'needs':<88} class")
     for name in sorted(TASKS):
         print(f"{name:<21} {TASK_NEEDS.get(name, '?'):<88} {TASKS[name]}")
-    print("offline assets: installed by `make setup`; hub tasks also run offline from local paths (see their task.options)")
+        try:
+            opts = task_class(name).options_class
+        except TaskError as exc:  # a task whose package is not installed
+            print(f"    options: not shown ({_one_line(exc)})")
+            continue
+        hints = get_type_hints(opts) if opts is not None else {}
+        for f in dataclasses.fields(opts) if opts is not None else ():
+            kind = hints[f.name].__name__ if isinstance(hints[f.name], type) else str(hints[f.name]).replace("typing.", "")
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = _yaml_scalar(list(default) if isinstance(default, tuple) else default)
+            print(f"    {f.name:<22} {kind:<18} {default:<{max(18, len(default) + 1)}} {f.metadata.get('doc', '')}")
+    print("options go in task.options (YAML or task.options.<name>=<value>); offline assets: installed by `make setup`; "
+          "hub tasks also run offline from local paths")
     return 0
 
 
@@ -493,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--progress", choices=PROGRESS_MODES, help="display (default: output.progress, i.e. auto)")
     c.add_argument("--no-report", action="store_true", help="only run the cells (write the report later with fedgalore report DIR)")
     c.add_argument("--shard", metavar="I/N", help="run only cells I, I+N, ... (start N workers on one --out; the last writes the report)")
+    c.add_argument("--rerun-changed", action="store_true",
+                   help="re-run cells that ran with another config or inputs (their old runs move to <out>/.superseded/)")
     c.set_defaults(func=cmd_compare)
 
     pa = sub.add_parser("partition", parents=[common], help="the clients' data split of a config, drawn without training")

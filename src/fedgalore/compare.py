@@ -5,8 +5,13 @@ only the method, the partition setting and the seed per cell — rounds, local s
 clients, evaluation and everything else stay those of the base config, so every method gets the
 same training budget (docs/design.md §4). Cells run one after another; each cell's resolved config is
 saved before it runs, and a restart skips the finished cells (``summary.json`` says
-``status: complete``) and resumes an unfinished one from its last checkpoint. At the end the
-comparison table and plots are written (:func:`fedgalore.report.build_report`).
+``status: complete``) and resumes an unfinished one from its last checkpoint — only when the
+cell's run is this cell's: the same identity (:mod:`fedgalore.engine.identity`: the resolved
+config with every option's default filled in, and the model and data files it read). A cell that
+ran with another config or inputs is refused before any cell runs, naming what differs;
+``rerun_changed=True`` (``--rerun-changed``) re-runs it instead, after moving its old run
+directory to ``.superseded/<cell>-<n>`` (kept, never reported). At the end the comparison table
+and plots are written (:func:`fedgalore.report.build_report`).
 
 Method options. The base config's ``method.options`` is a pool: every cell's method takes the
 options it accepts (FedGaLore's GaLore/AJIVE knobs go to the fedgalore family, ``lora_alpha`` to
@@ -41,6 +46,7 @@ Layout of ``out_dir``::
     grid.json               the grid: methods, settings, seeds, options, base config, cells
     configs/<cell>.yaml     each cell's resolved config (what ran)
     runs/<cell>/            each cell's run directory (<label>-<setting>-s<seed>)
+    .superseded/<cell>-<n>/ old runs of cells re-run with another config or inputs (--rerun-changed)
     comparison.json, table.md, table.tex, plots/   the report
 """
 from __future__ import annotations
@@ -53,8 +59,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from fedgalore.engine.config import ConfigError, FederatedConfig, config_difference
+from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import ProgressSink
+from fedgalore.engine.identity import Difference, RunIdentity, compare_with_saved, run_identity, summarize
 from fedgalore.federated.partition import PartitionConfig, parse_setting
 from fedgalore.methods.base import MethodError, available_methods, parse_options, split_options
 
@@ -209,21 +216,52 @@ def cell_status(run_dir: Path) -> str:
 
 
 def _save_cell_config(cell: Cell, out: Path) -> None:
-    """Write ``configs/<cell>.yaml``; refuse to mix a cell with one configured differently."""
+    """Write ``configs/<cell>.yaml`` (the cell's config)."""
     from omegaconf import OmegaConf
 
     path = out / "configs" / f"{cell.name}.yaml"
-    new = cell.cfg.to_dict()
-    if path.is_file():
-        old = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-        diff = config_difference(old, new)
-        if diff and cell_status(out / "runs" / cell.name) != "new":
-            raise ConfigError(
-                f"cell {cell.name} in {out} already ran with a different config ({diff}); "
-                f"use another output directory (--out) or delete {out / 'runs' / cell.name}"
-            )
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(OmegaConf.to_yaml(OmegaConf.create(new)))
+    path.write_text(OmegaConf.to_yaml(OmegaConf.create(cell.cfg.to_dict())))
+
+
+def _changed(run_dir: Path, identity: RunIdentity) -> tuple[list[Difference], str | None]:
+    """How the run in a started cell's ``run_dir`` differs from the cell's ``identity`` ([] for a
+    new cell or the same run), and what was unknown about it (:func:`compare_with_saved`)."""
+    if cell_status(run_dir) == "new":
+        return [], None
+    return compare_with_saved(run_dir, identity)
+
+
+def _check_changed(cells: Sequence[Cell], identities: Mapping[str, RunIdentity], out: Path, rerun: bool,
+                   say: Callable[[str], None]) -> set[str]:
+    """The started cells that ran with another config or inputs: refused (unless ``rerun``) with
+    the cells and what differs; says once when cells were judged without recorded inputs."""
+    changed, unknown = {}, 0
+    for cell in cells:
+        diffs, note = _changed(out / "runs" / cell.name, identities[cell.name])
+        unknown += note is not None and not diffs
+        if diffs:
+            changed[cell.name] = f"{cell.name} ({summarize(diffs, 2)})"
+    if unknown:
+        say(f"note: {unknown} finished or started cell(s) in {out} were written before run identities (no identity.json): "
+            "they count as this grid's when their config.yaml matches with this version's defaults; the model and data "
+            "files they read were not recorded")
+    if changed and not rerun:
+        more = f"; and {len(changed) - 2} more cell(s)" if len(changed) > 2 else ""
+        raise ConfigError(f"{len(changed)} cell(s) in {out} already ran with a different config or inputs: "
+                          f"{'; '.join(list(changed.values())[:2])}{more}; re-run them with --rerun-changed (their old "
+                          f"runs move to {out / '.superseded'}), or use another output directory (--out)")
+    return set(changed)
+
+
+def _supersede(run_dir: Path, out: Path) -> Path:
+    """Move a cell's old run directory to ``<out>/.superseded/<cell>-<n>`` (the first free n)."""
+    n = 1
+    while (dest := out / ".superseded" / f"{run_dir.name}-{n}").exists():
+        n += 1
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    run_dir.rename(dest)
+    return dest
 
 
 def _write_grid(out: Path, base_cfg: FederatedConfig, labels: Sequence[str], cells: Sequence[Cell],
@@ -287,12 +325,16 @@ def run_grid(
     report: bool = True,
     on_cell: Callable[[str], None] | None = None,
     shard: tuple[int, int] | None = None,
+    rerun_changed: bool = False,
 ) -> Path:
     """Run every cell of the grid that has not finished yet; write the report; return ``out_dir``.
 
     ``progress`` is passed to each run; ``on_cell`` receives one line per cell (default: the
     ``fedgalore`` logger at INFO level). ``shard=(i, n)`` runs only cells ``i, i+n, i+2n, ...``
     (parallel workers on one ``out_dir``); the report is written once every cell is complete.
+    A started cell whose run has another identity than the cell (a changed option, model or data
+    file) is a :class:`ConfigError` naming it, before any cell runs; ``rerun_changed`` re-runs
+    such cells instead (module doc).
     """
     from fedgalore.engine.api import run as run_one
     from fedgalore.engine.resolve import check_device
@@ -305,12 +347,14 @@ def run_grid(
             raise ConfigError(f"shard must be (i, n) with 0 <= i < n, got {shard!r}")
     method_options = dict(method_options or {})
     cells = plan_grid(base_cfg, methods, settings, seeds, out, method_options)
-    for cell in cells:  # check every cell before running any (a config clash fails fast)
+    say = on_cell or log.info
+    identities = {c.name: run_identity(c.cfg) for c in cells}
+    stale = _check_changed(cells, identities, out, rerun_changed, say)  # every cell before running any: fails fast
+    for cell in cells:
         _save_cell_config(cell, out)
     _write_grid(out, base_cfg, methods, cells, method_options)
-    say = on_cell or log.info
     mine = [i for i in range(1, len(cells) + 1) if shard is None or (i - 1) % shard[1] == shard[0]]
-    todo = sum(1 for i in mine if cell_status(out / "runs" / cells[i - 1].name) != "complete")
+    todo = sum(1 for i in mine if cell_status(out / "runs" / cells[i - 1].name) != "complete" or cells[i - 1].name in stale)
     eta = _GridEta(todo)
     for i, cell in enumerate(cells, 1):
         run_dir = out / "runs" / cell.name
@@ -318,7 +362,7 @@ def run_grid(
         head = f"[cell {i}/{len(cells)}] {cell.label} {cell.setting} seed={cell.seed}"
         if i not in mine:
             continue
-        if status == "complete":
+        if status == "complete" and cell.name not in stale:
             say(f"{head}: complete, skipped ({run_dir})")
             continue
         claim = _claim(out, cell.name)
@@ -326,6 +370,10 @@ def run_grid(
             say(f"{head}: claimed by another worker, skipped")
             continue
         try:
+            diffs, _ = _changed(run_dir, identities[cell.name])  # checked again under the claim: another
+            if diffs:  # worker may have re-run it meanwhile
+                say(f"{head}: ran with another config or inputs ({summarize(diffs)}); old run moved to "
+                    f"{_supersede(run_dir, out)}")
             status = cell_status(run_dir)  # another worker may have finished it meanwhile
             if status == "complete":
                 say(f"{head}: complete, skipped ({run_dir})")

@@ -14,6 +14,8 @@
 * :mod:`~fedgalore.engine.validation` — server-side checks of client uploads;
 * :mod:`~fedgalore.engine.loop` — :class:`~fedgalore.engine.loop.Federation`, the round loop;
 * :mod:`~fedgalore.engine.rundir` — the run directory's files;
+* :mod:`~fedgalore.engine.identity` — a run's identity (resolved config, input fingerprints),
+  compared before a run directory is reused;
 * :mod:`~fedgalore.engine.api` — ``run`` and ``resume``;
 * :mod:`~fedgalore.engine.events` — progress events the loop emits.
 """

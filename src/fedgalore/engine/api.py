@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedgalore.engine.config import ConfigError, FederatedConfig, config_difference, load_config
-from fedgalore.engine.events import ProgressSink
+from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
+from fedgalore.engine.events import LogProgress, ProgressSink
+from fedgalore.engine.identity import compare_with_saved, run_identity, summarize
 from fedgalore.engine.loop import Federation, RunResult
 from fedgalore.engine.resolve import config_for_method
 from fedgalore.engine.rundir import extension_problem, saved_summary
@@ -28,9 +29,12 @@ def run(cfg: FederatedConfig, *, resume: str | Path | None = None, progress: Pro
     """Run (or, with ``resume=RUN_DIR``, continue) one federated run; returns its results.
 
     ``fedgalore.run(FederatedConfig(...))`` is the Python API behind ``fedgalore run``. With
-    ``resume``, ``cfg`` must be the run's saved config except ``federation.rounds``, which extends
-    (or shortens) the run as :func:`resume`'s ``rounds`` does; any other difference is a
-    :class:`ConfigError` naming it.
+    ``resume``, ``cfg`` (and ``task`` / ``method``) must be the saved run's — the same identity
+    (:mod:`fedgalore.engine.identity`: resolved config and the model and data files it read) —
+    except ``federation.rounds``, which extends (or shortens) the run as :func:`resume`'s
+    ``rounds`` does; any other difference is a :class:`ConfigError` naming it. A task object
+    passed in code is recorded as such (``task.object`` in ``config.yaml``); resuming its run
+    needs the object again (``task=``).
     """
     if resume is not None:
         return _resume(Path(resume), progress=progress, task=task, method=method, cfg=cfg)
@@ -39,6 +43,8 @@ def run(cfg: FederatedConfig, *, resume: str | Path | None = None, progress: Pro
 
 def resume(run_dir: str | Path, *, progress: ProgressSink | None = None, rounds: int | None = None) -> RunResult:
     """Continue a stopped run from its last complete round (a finished run is returned as is).
+    Refused (:class:`ConfigError` naming the differences) when the run's identity changed since
+    it started: a model or data file it reads, or a default of this version.
 
     ``rounds`` extends (or shortens) the run to that many rounds. It is allowed only when the
     result equals an uninterrupted run of ``rounds`` rounds, i.e. when the learning-rate schedule
@@ -54,8 +60,18 @@ def _resume(run_dir: Path, *, progress=None, task=None, method=None, cfg: Federa
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml); nothing to resume")
     saved = load_config(run_dir / "config.yaml")
-    if cfg is not None:
-        rounds = _rounds_of(cfg, saved, run_dir, own_options=method is None)
+    mine = saved
+    if cfg is not None:  # the caller's config, its method.options reduced to the method's own as config.yaml records them
+        mine = config_for_method(cfg.validate()) if method is None else FederatedConfig.from_dict(cfg.to_dict())
+        rounds, mine.federation.rounds = mine.federation.rounds, saved.federation.rounds
+    diffs, note = compare_with_saved(run_dir, run_identity(mine, task=task, method=method))
+    if diffs:
+        raise ConfigError(f"cannot resume {run_dir} with another config or inputs ({summarize(diffs)}); a resumed run "
+                          f"keeps its saved config.yaml and the model and data files it started with, and only "
+                          f"federation.rounds may change (to extend it); start a new run instead: fedgalore run --config "
+                          f"{run_dir / 'config.yaml'} output.run_name=<new name>")
+    if note:
+        (progress or LogProgress()).message(f"note: {note}")
     s = saved_summary(run_dir)
     if rounds is not None and int(rounds) != saved.federation.rounds:
         if int(rounds) < 1:
@@ -73,16 +89,3 @@ def _resume(run_dir: Path, *, progress=None, task=None, method=None, cfg: Federa
     elif s.get("status") == "complete":
         return RunResult(run_dir, s, read_jsonl(run_dir / "metrics.jsonl"))
     return Federation(saved, run_dir=run_dir, progress=progress, task=task, method=method, resume=True).run()
-
-
-def _rounds_of(cfg: FederatedConfig, saved: FederatedConfig, run_dir: Path, own_options: bool) -> int:
-    """``cfg.federation.rounds`` after checking that ``cfg`` is ``run_dir``'s saved config in all
-    else (its ``method.options`` reduced to the method's own, as the saved config records them)."""
-    mine = config_for_method(cfg.validate()) if own_options else FederatedConfig.from_dict(cfg.to_dict())
-    rounds = mine.federation.rounds
-    mine.federation.rounds = saved.federation.rounds
-    diff = config_difference(saved.to_dict(), mine.to_dict())
-    if diff is not None:
-        raise ConfigError(f"cannot resume {run_dir} with another config ({diff}); a resumed run keeps its saved "
-                          f"config.yaml and only federation.rounds may change (to extend it)")
-    return rounds

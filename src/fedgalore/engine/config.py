@@ -51,6 +51,9 @@ __all__ = [
 class TaskConfig:
     name: str = "offline_text"
     options: dict[str, Any] = field(default_factory=dict)
+    #: "module:Class" of a task object passed to ``fedgalore.run(cfg, task=...)`` in code, as a run's
+    #: config.yaml records it (None: the registered task ``name``); such a config needs that object again
+    object: str | None = None
 
 
 @dataclass
@@ -267,7 +270,9 @@ def config_difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     config-schema change between library versions: the missing side is read as the key's default
     (a new option's default is the old behaviour, e.g. ``train.prox_mu: 0``), so a run with the
     option set differs from an older run without it; keys that are not config fields (inside
-    option pools) present on one side only are ignored."""
+    option pools) present on one side only are ignored. Whether a run directory holds a given
+    run is decided by the run identity (:mod:`fedgalore.engine.identity`), which resolves those
+    pools against the task's and the method's options."""
     defaults = _comparable(FederatedConfig().to_dict())
     return _first_difference(_with_defaults(_comparable(old), defaults), _with_defaults(_comparable(new), defaults))
 

@@ -38,6 +38,7 @@ from fedgalore.engine.backends import Backend, make_backend
 from fedgalore.engine.client_eval import evaluate_clients, summarize_clients
 from fedgalore.engine.config import FederatedConfig
 from fedgalore.engine.events import LogProgress, ProgressSink
+from fedgalore.engine.identity import run_identity
 from fedgalore.engine.resolve import check_device, config_for_method
 from fedgalore.engine.rundir import RunDirectory, choose_run_dir, run_summary
 from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
@@ -104,13 +105,17 @@ class Federation:
         check_device(cfg.device)
         self.cfg = cfg
         self.progress = progress or LogProgress()
-        self.files = RunDirectory(choose_run_dir(cfg, run_dir, resume, self.progress.message))  # before the slow model load
+        identity = run_identity(cfg, task=task, method=method)  # what shapes this run (fedgalore.engine.identity)
+        # the directory is chosen before the slow model load
+        self.files = RunDirectory(choose_run_dir(cfg, run_dir, resume, self.progress.message, identity))
         self.run_dir = self.files.path
         self.backend = backend if backend is not None else make_backend(cfg.backend.name, cfg.backend.options)
         self.runtime = Runtime(cfg, task=task, method=method)
         cfg = self.cfg = self.runtime.cfg  # as it runs: a natural partition's federation.num_clients filled in
         self.task, self.method = self.runtime.task, self.runtime.method
         self._client_eval: dict[str, Any] | None = None  # the last evaluation's per-client record (client_eval)
+        #: recorded after the build, which may have made a default input (e.g. the pretrained tiny ViT)
+        self.identity = run_identity(cfg, task=task, method=method)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.backend.start(self.runtime)
         if self._downlink_mode() == "dense":
@@ -136,7 +141,7 @@ class Federation:
             self.upload_keys = info.get("loop", {}).get("upload_keys")
             self.history, self.ledger.records = self.files.restore(self.start_round)
             self.progress.message(f"resuming {self.run_dir} after round {self.start_round}")
-        self.files.write_static(cfg, self.runtime)
+        self.files.write_static(cfg, self.runtime, self.identity)
         self._first_round_here = len(self.history)  # checkpoint_every=auto counts this process's rounds
         self._writer: CheckpointWriter | None = None  # run() makes it; the round waits on its pending checkpoint
         self._pending_rec: dict[str, Any] | None = None  # the round record whose checkpoint is still being written
@@ -146,7 +151,7 @@ class Federation:
         cfg, fed = self.cfg, self.cfg.federation
         t_start = time.perf_counter()
         self.progress.start(fed.rounds, {"run_name": self.run_dir.name, "run_dir": str(self.run_dir), "method": cfg.method.name,
-                                         "task": cfg.task.name, "start_round": self.start_round})
+                                         "task": self.task.name, "start_round": self.start_round})
         self.files.write_summary(self._summary("running", self.wall_time_before))
         writer = self._writer = CheckpointWriter(self.run_dir, keep=cfg.output.keep_checkpoints)
         try:
@@ -215,7 +220,7 @@ class Federation:
             self.files.write_csv(self.history)
 
     def _summary(self, status: str, wall: float) -> dict[str, Any]:
-        return run_summary(self.cfg, self.task, self.history, self.ledger, status, wall)
+        return run_summary(self.cfg, self.task, self.history, self.ledger, status, wall, self.identity)
 
     # ------------------------------------------------------------------ one round
     def _round(self, k: int) -> None:

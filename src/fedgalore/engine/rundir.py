@@ -3,6 +3,7 @@
 ::
 
     <run>/config.yaml         the resolved config (what ran: the method's own options)
+          identity.json       what shaped the run (fedgalore.engine.identity): compared before reusing it
           partition.json      the split: per client its name, size and category histogram
           partition.png       the split drawn (fedgalore.engine.partition_files)
           task.json           the task's description (sizes, labels, model)
@@ -15,7 +16,8 @@
           summary.json        status, final / best metrics, traffic, wall time
           checkpoints/        fedgalore.federated.checkpoint
 
-:func:`choose_run_dir` picks the directory (and refuses one that already holds this run);
+:func:`choose_run_dir` picks the directory (and refuses one that already holds this run: the same
+identity, :mod:`fedgalore.engine.identity`);
 :class:`RunDirectory` writes the files; :func:`run_summary` is ``summary.json``;
 :func:`extension_problem` says whether a stopped run can be continued to more rounds exactly.
 """
@@ -30,7 +32,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fedgalore.engine.config import ConfigError, FederatedConfig, config_difference, load_config
+from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
+from fedgalore.engine.identity import (Difference, RunIdentity, compare_with_saved, run_identity, summarize, task_label,
+                                       write_identity)
 from fedgalore.engine.partition_files import partition_record, write_partition_files
 from fedgalore.engine.runtime import Runtime
 from fedgalore.federated.checkpoint import atomic_write_text
@@ -69,12 +73,19 @@ class RunDirectory:
                 ledger = recs
         return history, ledger
 
-    def write_static(self, cfg: FederatedConfig, runtime: Runtime) -> None:
-        """config.yaml, partition.json and partition.png, task.json and environment.json."""
+    def write_static(self, cfg: FederatedConfig, runtime: Runtime, identity: RunIdentity | None = None) -> None:
+        """config.yaml, identity.json, partition.json and partition.png, task.json and
+        environment.json. A task object passed in code is recorded in config.yaml as what it is
+        (``task.object``: its class; its name and the options it reports), not as the config's task."""
         from omegaconf import OmegaConf
 
         task, method = runtime.task, runtime.method
-        atomic_write_text(self.path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(cfg.to_dict())))
+        identity = identity or run_identity(cfg)
+        saved = cfg.to_dict()
+        if identity.task_object is not None:
+            saved["task"] = {k: identity.task_object[k] for k in ("name", "options", "object")}
+        atomic_write_text(self.path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(saved)))
+        write_identity(self.path, identity)
         write_partition_files(partition_record(cfg, task, runtime.clients), self.path)
         atomic_write_text(self.path / "task.json", json.dumps(task.describe(), default=str))
         env = {
@@ -132,8 +143,10 @@ class RunDirectory:
 
 
 def run_summary(cfg: FederatedConfig, task: Task, history: Sequence[dict[str, Any]], ledger: Ledger, status: str,
-                wall: float) -> dict[str, Any]:
-    """``summary.json``: the run's status, final and best evaluation, traffic and time."""
+                wall: float, identity: RunIdentity | None = None) -> dict[str, Any]:
+    """``summary.json``: the run's status, final and best evaluation, traffic and time. A task
+    object passed in code is labelled so (``task``: ``"<name> (<Class> object)"``) and recorded
+    (``task_object``: class, name, options, data fingerprints)."""
     evals = [h for h in history if any(k.startswith("eval/") for k in h)]
     final = {k[5:]: v for k, v in evals[-1].items() if k.startswith("eval/") and not k.startswith("eval/val_")} if evals else {}
     final_val = {k[9:]: v for k, v in evals[-1].items() if k.startswith("eval/val_")} if evals else {}
@@ -146,9 +159,11 @@ def run_summary(cfg: FederatedConfig, task: Task, history: Sequence[dict[str, An
     n_up = sum(1 for r in ledger.records if r["direction"] == "up")
     n_down = sum(1 for r in ledger.records if r["direction"] == "down")
     rounds_done = len(history)
+    obj = identity.task_object if identity is not None else None
     return {
         "name": cfg.name,
-        "task": cfg.task.name,
+        "task": task_label(cfg, identity),
+        **({"task_object": {k: obj[k] for k in ("object", "name", "options", "data")}} if obj else {}),
         "method": cfg.method.name,
         "setting": cfg.setting_label(),
         "seed": cfg.seed,
@@ -174,31 +189,41 @@ def run_summary(cfg: FederatedConfig, task: Task, history: Sequence[dict[str, An
 
 
 # ----------------------------------------------------------------------------- choosing the directory
-def choose_run_dir(cfg: FederatedConfig, run_dir: str | Path | None, resume: bool, say: Callable[[str], None]) -> Path:
+def choose_run_dir(cfg: FederatedConfig, run_dir: str | Path | None, resume: bool, say: Callable[[str], None],
+                   identity: RunIdentity | None = None) -> Path:
     """The run directory: ``run_dir``, else ``<output.dir>/<output.run_name>``, else the default
     name ``<name>-<method>-<setting>-s<seed>``. A directory that already holds this very run
-    (same config) is refused with what to do instead; under the default name, a directory
-    holding a run with another config (e.g. other rounds) is left alone and this run goes to
-    the first free ``<default name>-2``, ``-3``, ... (announced through ``say``, never silent)."""
+    (the same identity: :mod:`fedgalore.engine.identity`; ``identity`` defaults to
+    ``run_identity(cfg)``) is refused with what to do instead; under the default name, a
+    directory holding another run (another config, e.g. other rounds, or other model or data
+    files) is left alone and this run goes to the first free ``<default name>-2``, ``-3``, ...
+    (announced through ``say``, never silent)."""
     default = run_dir is None and cfg.output.run_name is None
     name = cfg.output.run_name or f"{cfg.name}-{cfg.method.name}-{cfg.setting_label().replace(':', '')}-s{cfg.seed}"
     base = Path(run_dir) if run_dir is not None else Path(cfg.output.dir) / name
     if resume:
         return base
+    identity = identity or run_identity(cfg)
     candidate, n, first = base, 1, None
     while (candidate / "summary.json").exists():
-        diff = _saved_config_difference(candidate, cfg)
-        if diff is None:
-            raise ConfigError(_holds_this_run(candidate))
+        diffs, note = compare_with_saved(candidate, identity)
+        if not diffs:
+            raise ConfigError(_holds_this_run(candidate) + (f" (note: {note})" if note else ""))
         if not default:
-            raise ConfigError(f"run directory {candidate} already holds another run ({diff}); choose another "
-                              f"output.run_name{_extend_hint(candidate, cfg)}")
-        first = first or diff
+            raise ConfigError(f"run directory {candidate} already holds another run ({summarize(diffs)}); choose another "
+                              f"output.run_name{_extend_hint(candidate, cfg, identity)}")
+        first = first or _another(diffs)
         n += 1
         candidate = base.with_name(f"{base.name}-{n}")
     if candidate != base:
-        say(f"{base} holds a run with another config ({first}); this run goes to {candidate}{_extend_hint(base, cfg)}")
+        say(f"{base} holds {first}; this run goes to {candidate}{_extend_hint(base, cfg, identity)}")
     return candidate
+
+
+def _another(diffs: Sequence[Difference]) -> str:
+    """'a run with another config (...)', or 'a run with other inputs (...)' when only model or
+    data files differ."""
+    return f"a run with {'other inputs' if all(d.inputs for d in diffs) else 'another config'} ({summarize(diffs)})"
 
 
 def saved_summary(run_dir: Path) -> dict[str, Any]:
@@ -228,17 +253,6 @@ def extension_problem(cfg: FederatedConfig, rounds: int, completed: int) -> str 
             f"differ from those of a {rounds}-round run")
 
 
-def _saved_config_difference(run_dir: Path, cfg: FederatedConfig) -> str | None:
-    """The first difference between ``run_dir``'s saved config and ``cfg`` (None: the same run)."""
-    from omegaconf import OmegaConf
-
-    try:
-        old = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True)
-    except Exception:  # noqa: BLE001 - no or unreadable config: not this run
-        return "no readable config.yaml"
-    return config_difference(old, cfg.to_dict())
-
-
 def _holds_this_run(run_dir: Path) -> str:
     s = saved_summary(run_dir)
     done, total = s.get("rounds_completed", "?"), s.get("rounds", "?")
@@ -250,9 +264,9 @@ def _holds_this_run(run_dir: Path) -> str:
             f"`fedgalore run --resume {run_dir}`, or set output.run_name=<new name> to start over")
 
 
-def _extend_hint(run_dir: Path, cfg: FederatedConfig) -> str:
-    """'; to extend that run instead: ...' when ``run_dir`` holds ``cfg`` with fewer rounds and
-    continuing it is exact (:func:`extension_problem`); else ''."""
+def _extend_hint(run_dir: Path, cfg: FederatedConfig, identity: RunIdentity) -> str:
+    """'; to extend that run instead: ...' when ``run_dir`` holds the run of ``identity`` with
+    fewer rounds and continuing it is exact (:func:`extension_problem`); else ''."""
     try:
         saved = load_config(run_dir / "config.yaml")
     except Exception:  # noqa: BLE001 - unreadable: no hint
@@ -261,8 +275,7 @@ def _extend_hint(run_dir: Path, cfg: FederatedConfig) -> str:
     done = int(saved_summary(run_dir).get("rounds_completed", 0) or 0)
     if saved.federation.rounds >= rounds or extension_problem(saved, rounds, done) is not None:
         return ""
-    saved.federation.rounds = rounds
-    if config_difference(saved.to_dict(), cfg.to_dict()) is not None:
+    if compare_with_saved(run_dir, identity, ignore=("federation.rounds",))[0]:
         return ""
     return f"; to extend that run instead: fedgalore run --resume {run_dir} federation.rounds={rounds}"
 

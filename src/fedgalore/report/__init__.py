@@ -163,7 +163,8 @@ def grid_method_order(root: Path) -> list[str]:
 
 
 def find_runs(root: str | Path, max_depth: int = 4) -> list[RunRecord]:
-    """Every run directory (a folder holding ``summary.json``) at or below ``root``."""
+    """Every run directory (a folder holding ``summary.json``) at or below ``root``, except those
+    inside ``checkpoints`` or a hidden folder (a comparison's ``.superseded`` old runs)."""
     root = Path(root)
     if not root.exists():
         raise FileNotFoundError(f"{root} does not exist; pass a run directory or a comparison directory")
@@ -173,7 +174,7 @@ def find_runs(root: str | Path, max_depth: int = 4) -> list[RunRecord]:
     runs = []
     for summary in sorted(root.rglob("summary.json")):
         rel = summary.parent.relative_to(root)
-        if len(rel.parts) > max_depth or "checkpoints" in rel.parts:
+        if len(rel.parts) > max_depth or "checkpoints" in rel.parts or any(p.startswith(".") for p in rel.parts):
             continue
         runs.append(load_run(summary.parent, labels.get(summary.parent.resolve())))
     if not runs:

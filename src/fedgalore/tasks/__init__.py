@@ -70,7 +70,7 @@ def parse_task_options(name: str, options: dict[str, Any] | None) -> TaskOptions
     """``task.options`` of task ``name`` as its typed :class:`TaskOptions` (``None`` for a task
     that declares none). An unknown option, or a value of the wrong type, is one
     :class:`TaskError` line naming the task and listing its options."""
-    cls = getattr(task_class(name), "options_class", None)  # a registered class outside Task: none
+    cls = getattr(task_class(name), "options_class", None)  # a registered class outside Task may declare none
     if cls is None:
         return None
     try:

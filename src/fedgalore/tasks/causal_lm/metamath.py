@@ -5,24 +5,51 @@ by greedy generation and exact match of the extracted final answer. Data from th
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 from torch import nn
 
-from fedgalore.tasks.base import TaskError
+from fedgalore.tasks.base import TaskError, TaskOptions, task_option
 from fedgalore.tasks.causal_lm.base import CausalLMTask, torch_dtype
 from fedgalore.tasks.causal_lm.data import PromptDataset, read_records
 from fedgalore.tasks.causal_lm.grading import extract_gsm8k_answer, last_boxed
 
-__all__ = ["MetaMathQATask", "ALPACA_PROMPT"]
+__all__ = ["MetaMathQATask", "MetaMathOptions", "ALPACA_PROMPT"]
 
 #: MetaMath's Alpaca-style prompt (Yu et al. 2023, used for training and evaluation)
 ALPACA_PROMPT = (
     "Below is an instruction that describes a task. Write a response that appropriately "
     "completes the request.\n\n### Instruction:\n{query}\n\n### Response:\n"
 )
+
+
+@dataclass(frozen=True)
+class MetaMathOptions(TaskOptions):
+    """Options of ``metamath`` (the paper's causal LM on MetaMathQA, evaluated on GSM8K and MATH)."""
+
+    model: str = task_option("meta-llama/Llama-2-7b-hf", "hub id or local folder of the causal LM")
+    data: str = task_option("meta-math/MetaMathQA", "hub id or local .json/.jsonl with query, response (and type) fields")
+    eval_sets: tuple[str, ...] = task_option(("gsm8k", "math"), "evaluation sets: a non-empty subset of [gsm8k, math]")
+    gsm8k_data: str = task_option("openai/gsm8k", "hub id (config main, split test) or local file with question/answer")
+    math_data: str = task_option("EleutherAI/hendrycks_math", "hub id (every subject) or local file with problem/solution")
+    n_train: int | None = task_option(None, "the first n_train training records; null: all")
+    n_eval: int | None = task_option(None, "the first n_eval problems of each evaluation set; null: all")
+    max_length: int = task_option(1024, "training tokens per example (prompt + response)")
+    max_new_tokens: int = task_option(512, "tokens generated per evaluation problem")
+    load_in_4bit: bool = task_option(False, "load the model quantised to 4-bit NF4 (bitsandbytes)")
+    dtype: str = task_option("bfloat16", "model dtype: float32, bfloat16 or float16 (fp32, bf16, fp16)")
+    gradient_checkpointing: bool = task_option(False, "recompute activations in the backward pass (less memory)")
+    tokenizer: str | None = task_option(None, "hub id or local folder of the tokenizer; null: the model's")
+    eval_loss: bool = task_option(False, "also report the mean loss on the evaluation solutions")
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.eval_sets) - {"gsm8k", "math"})
+        if bad or not self.eval_sets:
+            raise TaskError(f"task.options.eval_sets={list(self.eval_sets)} must be a non-empty subset of ['gsm8k', 'math']")
+        torch_dtype(self.dtype)
 
 
 class MetaMathQATask(CausalLMTask):
@@ -40,6 +67,7 @@ class MetaMathQATask(CausalLMTask):
     """
 
     name = "metamath"
+    options_class = MetaMathOptions
 
     MATH_SUBJECTS = ("algebra", "counting_and_probability", "geometry", "intermediate_algebra",
                      "number_theory", "prealgebra", "precalculus")
@@ -63,9 +91,6 @@ class MetaMathQATask(CausalLMTask):
     ) -> None:
         from transformers import AutoTokenizer
 
-        bad = sorted(set(eval_sets) - {"gsm8k", "math"})
-        if bad or not eval_sets:
-            raise TaskError(f"eval_sets={list(eval_sets)} must be a non-empty subset of ['gsm8k', 'math']")
         self.model_id, self.data_id = model, data
         self.max_length, self.max_new_tokens, self.eval_loss = int(max_length), int(max_new_tokens), bool(eval_loss)
         self.load_in_4bit, self.dtype, self.gradient_checkpointing = bool(load_in_4bit), torch_dtype(dtype), bool(gradient_checkpointing)

@@ -3,13 +3,15 @@ package ``r-cran-modeldata`` (read without R)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fedgalore.tasks.assets import debian_root, minilm_path, read_r_lazyload
-from fedgalore.tasks.base import TaskError
+from fedgalore.tasks.base import TaskError, TaskOptions
 from fedgalore.tasks.text_classification.base import TextClassificationTask, TextExamples, fingerprint_files, subset_indices
+from fedgalore.tasks.text_classification.bbc import OfflineTextOptions
 
 __all__ = ["OfflineAmazonReviewsTask", "load_amazon_reviews", "AMAZON_PACKAGE"]
 
@@ -17,10 +19,15 @@ __all__ = ["OfflineAmazonReviewsTask", "load_amazon_reviews", "AMAZON_PACKAGE"]
 AMAZON_PACKAGE = "r-cran-modeldata"
 
 
+def _data_dir() -> Path:
+    """The package's R data folder (``Rdata.rdb``/``.rdx``/``.rds``: the reviews' lazy-load database)."""
+    return debian_root(AMAZON_PACKAGE) / "usr/lib/R/site-library/modeldata/data"
+
+
 def load_amazon_reviews() -> tuple[Any, Any]:
     """The Amazon Fine Food reviews (``training_data``: 4,000, ``testing_data``: 1,000 rows;
     columns ``product``, ``review``, ``score`` ∈ {great, other}) as pandas DataFrames."""
-    db = debian_root(AMAZON_PACKAGE) / "usr/lib/R/site-library/modeldata/data/Rdata"
+    db = _data_dir() / "Rdata"
     return read_r_lazyload(db, "training_data"), read_r_lazyload(db, "testing_data")
 
 
@@ -34,6 +41,12 @@ class OfflineAmazonReviewsTask(TextClassificationTask):
     """
 
     name = "offline_text_amazon"
+    options_class = OfflineTextOptions
+
+    @classmethod
+    def input_paths(cls, options: TaskOptions | None) -> dict[str, Path]:
+        """The packaged MiniLM folder (unless ``model_path`` is given) and the reviews' R data folder."""
+        return {**OfflineTextOptions.minilm_unless(getattr(options, "model_path", None)), "data": _data_dir()}
 
     def __init__(
         self,
@@ -45,8 +58,7 @@ class OfflineAmazonReviewsTask(TextClassificationTask):
     ) -> None:
         self.limit = limit
         model = model_path or str(minilm_path())
-        root = debian_root(AMAZON_PACKAGE)
-        data_fp = fingerprint_files(sorted((root / "usr/lib/R/site-library/modeldata/data").glob("Rdata.*")))
+        data_fp = fingerprint_files(sorted(_data_dir().glob("Rdata.*")))
         names = ["great", "other"]
         key = json.dumps({"data": "amazon", "fp": data_fp, "seed": seed, "limit": limit})
 

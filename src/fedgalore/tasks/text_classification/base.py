@@ -23,10 +23,11 @@ import torch
 from torch import nn
 
 from fedgalore.tasks.assets import cache_dir
-from fedgalore.tasks.base import ArrayDataset, Task, TaskError, quiet_transformers
+from fedgalore.tasks.base import ArrayDataset, Task, TaskError, TaskOptions, quiet_transformers, task_option
+from fedgalore.tasks.fingerprint import fingerprint_files
 from fedgalore.tasks.metrics import accuracy, binary_f1, macro_f1, matthews_corrcoef, mse, pearson, spearman
 
-__all__ = ["TextExamples", "TokenizedDataset", "TextClassificationTask", "subset_indices", "fingerprint_files"]
+__all__ = ["TextExamples", "TokenizedDataset", "TextClassificationTask", "TextOptions", "subset_indices", "fingerprint_files"]
 
 _CACHE_FORMAT = 1  # bump when the cached tensor layout changes
 
@@ -70,6 +71,24 @@ class TokenizedDataset(ArrayDataset):
         return _trim(super().batch(indices))
 
 
+@dataclass(frozen=True)
+class TextOptions(TaskOptions):
+    """Options every text classification task of the package takes (each task adds its own)."""
+
+    max_length: int = task_option(128, "tokens per example (longer texts are truncated; >= 8)")
+    seed: int = task_option(0, "seed of the data split and subsets and of the head initialisation")
+    limit: int | None = task_option(None, "at most this many examples per split (a seeded subset); null: all")
+    dropout: float | None = task_option(None, "encoder dropout probability; null: the checkpoint's")
+
+    def __post_init__(self) -> None:
+        if self.max_length < 8:
+            raise TaskError(f"task.options.max_length={self.max_length} must be >= 8")
+        if self.limit is not None and self.limit < 1:
+            raise TaskError(f"task.options.limit={self.limit} must be a positive integer (or null for all examples)")
+        if self.dropout is not None and not 0 <= self.dropout < 1:
+            raise TaskError(f"task.options.dropout={self.dropout} must be in [0, 1) (or null for the checkpoint's)")
+
+
 def subset_indices(n: int, limit: int | None, seed: int) -> np.ndarray:
     """All of ``range(n)``, or ``limit`` of them drawn with a seeded permutation (kept in order)."""
     if limit is None or limit >= n:
@@ -79,12 +98,6 @@ def subset_indices(n: int, limit: int | None, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).permutation(n)[:limit])
 
 
-def fingerprint_files(paths: Sequence[Path]) -> str:
-    h = hashlib.sha256()
-    for p in paths:
-        st = p.stat()
-        h.update(f"{p.parent.name}/{p.name}:{st.st_size}:{int(st.st_mtime)};".encode())
-    return h.hexdigest()[:16]
 
 
 class TextClassificationTask(Task):

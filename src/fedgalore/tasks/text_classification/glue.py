@@ -9,10 +9,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedgalore.tasks.base import TaskError
-from fedgalore.tasks.text_classification.base import TextClassificationTask, TextExamples, fingerprint_files, subset_indices
+from fedgalore.tasks.base import TaskError, task_option
+from fedgalore.tasks.text_classification.base import TextClassificationTask, TextExamples, TextOptions, fingerprint_files, subset_indices
 
-__all__ = ["GlueTask", "GLUE_SUBTASKS"]
+__all__ = ["GlueTask", "GlueOptions", "GLUE_SUBTASKS"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,31 @@ GLUE_SUBTASKS: dict[str, _GlueSpec] = {
 _GLUE_ALIASES = {"sst-2": "sst2", "sts-b": "stsb", "mnli-m": "mnli", "mnli_matched": "mnli"}
 _STSB_BINS = (1.0, 2.0, 3.0, 4.0)  # scores in [0, 5] -> 5 partition bins
 _LOCAL_EXTS = ("parquet", "jsonl", "json", "csv", "tsv")
+
+
+def _subtask(name: str) -> str:
+    """The canonical GLUE subtask name of ``name`` (aliases such as ``sst-2``; TaskError if unknown)."""
+    sub = _GLUE_ALIASES.get(str(name).lower(), str(name).lower())
+    if sub not in GLUE_SUBTASKS:
+        raise TaskError(f"unknown GLUE subtask {name!r}; available: {', '.join(GLUE_SUBTASKS)}")
+    return sub
+
+
+@dataclass(frozen=True)
+class GlueOptions(TextOptions):
+    """Options of ``glue`` (a hub encoder on one GLUE subtask)."""
+
+    subtask: str = task_option("sst2", f"GLUE subtask: {', '.join(GLUE_SUBTASKS)} (or sst-2, sts-b, mnli-m)")
+    model: str = task_option("roberta-base", "hub id or local folder of the encoder checkpoint (with its tokenizer)")
+    data_dir: str | None = task_option(None, "local folder with train.* and validation.* (or dev.*) files; null: the hub")
+    primary_metric: str | None = task_option(None, "metric reported in tables (e.g. mcc for CoLA); null: the subtask's first")
+    cache: bool = task_option(True, "cache the tokenised tensors in the fedgalore cache folder")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        metrics = GLUE_SUBTASKS[_subtask(self.subtask)].metrics
+        if self.primary_metric is not None and self.primary_metric not in metrics:
+            raise TaskError(f"task.options.primary_metric={self.primary_metric!r} must be one of {list(metrics)} for GLUE/{self.subtask}")
 
 
 def _find_split_file(data_dir: Path, names: Sequence[str]) -> Path:
@@ -82,6 +107,7 @@ class GlueTask(TextClassificationTask):
     """
 
     name = "glue"
+    options_class = GlueOptions
 
     def __init__(
         self,
@@ -95,9 +121,7 @@ class GlueTask(TextClassificationTask):
         dropout: float | None = None,
         cache: bool = True,
     ) -> None:
-        sub = _GLUE_ALIASES.get(str(subtask).lower(), str(subtask).lower())
-        if sub not in GLUE_SUBTASKS:
-            raise TaskError(f"unknown GLUE subtask {subtask!r}; available: {', '.join(GLUE_SUBTASKS)}")
+        sub = _subtask(subtask)
         self.subtask, self.data_dir, self.limit = sub, data_dir, limit
         spec = GLUE_SUBTASKS[sub]
         regression = not spec.label_names
