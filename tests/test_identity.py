@@ -217,15 +217,16 @@ def test_compare_skips_only_cells_of_the_same_identity(tmp_path, capsys) -> None
     rc, _, err = cli(capsys, *argv, "method.options.moment_protocol=paper")  # a changed option: refused, nothing run
     assert rc == 2 and err.strip() == (
         f"fedgalore: error: 1 cell(s) in {out} already ran with a different config or inputs: fedgalore-iid-s0 "
-        f"(method.options.moment_protocol: 'aligned' -> 'paper'; method.options.view_basis: 'consensus' -> 'seeded'); "
-        f"re-run them with --rerun-changed (their old runs move to {out / '.superseded'}), or use another output "
+        f"(method.options.moment_protocol: 'aligned' -> 'paper'; method.options.moment_transfer: 'squared' -> 'linear'; "
+        f"and 1 more); re-run them with --rerun-changed (their old runs move to {out / '.superseded'}), or use another output "
         f"directory (--out)")
     assert json.loads((cell / "summary.json").read_text()) == first
 
     rc, text, _ = cli(capsys, *argv, "method.options.moment_protocol=paper", "--rerun-changed")
     assert rc == 0 and main(["report", str(out), "--no-plots"]) == 0
     assert (f"[cell 1/1] fedgalore iid seed=0: ran with another config or inputs (method.options.moment_protocol: "
-            f"'aligned' -> 'paper'; method.options.view_basis: 'consensus' -> 'seeded'); old run moved to "
+            f"'aligned' -> 'paper'; method.options.moment_transfer: 'squared' -> 'linear'; method.options.view_basis: "
+            f"'consensus' -> 'seeded'); old run moved to "
             f"{out / '.superseded' / 'fedgalore-iid-s0-1'}") in text
     assert "[cell 1/1] fedgalore iid seed=0: running ->" in text
     assert json.loads((out / ".superseded" / "fedgalore-iid-s0-1" / "summary.json").read_text()) == first  # kept
