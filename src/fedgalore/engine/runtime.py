@@ -78,6 +78,9 @@ class Runtime:
         #: training examples held out from every client for model selection (federation.validation_fraction)
         self.validation_idx, pool = np.zeros(0, dtype=np.int64), np.arange(len(labels))
         if cfg.federation.validation_fraction > 0:
+            if self.task.validation_set() is not None:
+                raise ConfigError("the task has its own validation split (task.options.data.validation); "
+                                  "leave federation.validation_fraction at 0")
             rng = np.random.default_rng(validation_seed(cfg.seed))
             pool, self.validation_idx = stratified_split(labels, cfg.federation.validation_fraction, rng)
         if parts is None:
@@ -98,7 +101,11 @@ class Runtime:
             )
 
     def validation_set(self):
-        """The held-out training examples (``None`` when ``federation.validation_fraction`` is 0)."""
+        """The task's own validation split, else the held-out training examples (``None`` when
+        ``federation.validation_fraction`` is 0)."""
+        own = self.task.validation_set()
+        if own is not None:
+            return own
         if len(self.validation_idx) == 0:
             return None
         return subset_examples(self.train_data, self.validation_idx)

@@ -11,13 +11,12 @@ biases), so :meth:`~TextClassificationTask.build_model` returns identical weight
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -25,6 +24,7 @@ from torch import nn
 
 from fedgalore.tasks.assets import cache_dir
 from fedgalore.tasks.base import ArrayDataset, Task, TaskError
+from fedgalore.tasks.generic.architectures import init_fresh_weights, quiet_transformers, require_tokenizer_files
 from fedgalore.tasks.metrics import accuracy, binary_f1, macro_f1, matthews_corrcoef, mse, pearson, spearman
 
 __all__ = ["TextExamples", "TokenizedDataset", "TextClassificationTask", "subset_indices", "fingerprint_files"]
@@ -80,22 +80,6 @@ def subset_indices(n: int, limit: int | None, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).permutation(n)[:limit])
 
 
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Silence the load report and progress bar (the new head is re-initialised on purpose)."""
-    from transformers.utils import logging as hf_logging
-
-    verbosity, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        if bar:
-            hf_logging.enable_progress_bar()
-
-
 def fingerprint_files(paths: Sequence[Path]) -> str:
     h = hashlib.sha256()
     for p in paths:
@@ -126,7 +110,9 @@ class TextClassificationTask(Task):
         dropout: override the encoder's dropout probabilities (None: keep the checkpoint's).
     """
 
-    name = "text_classification"
+    #: a base class, not registered: the registry's ``text_classification`` is
+    #: :class:`fedgalore.tasks.generic.text.GenericTextClassificationTask` (data from files)
+    name = "text_classification_base"
     target_modules = ("query", "value", "dense")
     head_modules = ("classifier",)
     peft_task_type = "SEQ_CLS"
@@ -174,8 +160,9 @@ class TextClassificationTask(Task):
         """The checkpoint's tokenizer (loaded on demand)."""
         from transformers import AutoTokenizer
 
+        require_tokenizer_files(self.model_id)
         try:
-            with _quiet_transformers():
+            with quiet_transformers():
                 return AutoTokenizer.from_pretrained(self.model_id)
         except (OSError, ValueError) as exc:
             raise TaskError(
@@ -277,7 +264,7 @@ class TextClassificationTask(Task):
         if self.dropout is not None:
             kwargs.update(hidden_dropout_prob=float(self.dropout), attention_probs_dropout_prob=float(self.dropout))
         try:
-            with _quiet_transformers():
+            with quiet_transformers():
                 model, info = AutoModelForSequenceClassification.from_pretrained(
                     self.model_id, output_loading_info=True, ignore_mismatched_sizes=True, dtype=torch.float32, **kwargs
                 )
@@ -293,19 +280,10 @@ class TextClassificationTask(Task):
         return model
 
     def _init_new_weights(self, model: nn.Module, missing: set[str]) -> None:
-        std = float(getattr(model.config, "initializer_range", 0.02))
-        g = torch.Generator().manual_seed(10_007 + self.seed)
+        """Seeded fresh weights (:func:`~fedgalore.tasks.generic.architectures.init_fresh_weights`)
+        for the ``missing`` parameters and the whole head."""
         heads = tuple(self.head_modules)
-        with torch.no_grad():
-            for name, p in model.named_parameters():  # fixed order → identical draws on every call
-                if not (name in missing or any(name == h or name.startswith(h + ".") for h in heads)):
-                    continue
-                if name.endswith("bias"):
-                    p.zero_()
-                elif "LayerNorm" in name or "layer_norm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        init_fresh_weights(model, lambda name: name in missing or any(name == h or name.startswith(h + ".") for h in heads), 10_007 + self.seed)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Cross-entropy (classification) or MSE (regression), as computed by the HF model."""
