@@ -16,6 +16,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+_REAL_CACHE = Path(os.environ.get("FEDGALORE_CACHE") or Path.home() / ".cache" / "fedgalore").expanduser()
 
 import numpy as np
 import pandas as pd
@@ -451,6 +452,7 @@ def bad_dir(tmp_path_factory):
      r"label 'weather' of test\.csv \(row 1, column 'topic'\) never occurs in the training data \(train\.csv: politics, sport, tech\)"),
     ({"train": "train.csv", "tst": "test.csv"}, {}, r"a mapping has the keys train \(required\), test, validation; got train, tst"),
     ("news.csv", {"test_fraction": 1.5}, r"task\.options\.test_fraction=1\.5 must be in \(0, 1\)"),
+    ("someorg/nodata", {}, r"data='someorg/nodata' is no local file or folder, and loading it from the Hugging Face hub failed"),
 ])
 def test_bad_data_is_one_line(bad_dir, bert_dir, data, kw, expected, monkeypatch):
     monkeypatch.chdir(bad_dir)
@@ -530,3 +532,58 @@ output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
     task_json = json.loads((run / "task.json").read_text())
     assert task_json["labels"] == TOPICS and task_json["data"] == {"test": "news.csv (held out)", "train": "news.csv"}
     assert json.loads((run / "environment.json").read_text())["target_modules"][0].endswith("attention.self.query")
+
+
+# ============================================================================ docs/data.md
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "data.md"
+
+
+def _blocks(lang: str) -> list[str]:
+    return [m.group(2) for m in re.finditer(r"```(\w*)\n(.*?)```", DOCS.read_text(), re.S) if m.group(1) == lang]
+
+
+def test_docs_yaml_examples_are_valid_and_short(tmp_path):
+    from fedgalore.engine.config import load_config
+
+    yamls = _blocks("yaml")
+    assert [re.search(r"name: (\w+)\n  options", y).group(1) for y in yamls] == ["text_classification", "causal_lm",
+                                                                                  "image_classification"]
+    for i, y in enumerate(yamls):
+        assert len(y.strip().splitlines()) <= 15, y
+        (tmp_path / f"{i}.yaml").write_text(y)
+        cfg = load_config(tmp_path / f"{i}.yaml")
+        assert cfg.federation.partition.kind == "dirichlet"
+        parse_task_options(cfg.task.name, cfg.task.options)
+    assert "## Partitions" in DOCS.read_text()
+
+
+@pytest.mark.assets
+def test_docs_examples_run_as_written(tmp_path, monkeypatch, bert_dir, llama_dir, vit_dir, capsys):
+    """docs/data.md's three examples: its Python writes the data (offline BBC News, Fashion-MNIST),
+    its YAML runs with `fedgalore run` — on the tiny checkpoints here and a tiny budget."""
+    from fedgalore.cli import main
+    from fedgalore.tasks.assets import AssetError, bbc_news_dir, cache_dir
+    from fedgalore.tasks.mnist import load_fashion_mnist
+
+    if (_REAL_CACHE / "debian").is_dir():  # Fashion-MNIST from the real cache; everything else in the test's
+        (cache_dir() / "debian").symlink_to(_REAL_CACHE / "debian")
+    try:
+        bbc_news_dir(), load_fashion_mnist("test")
+    except AssetError as exc:
+        pytest.skip(f"offline assets not installed: {exc}")
+    monkeypatch.chdir(tmp_path)
+    for code in _blocks("python")[:3]:
+        exec(compile(code, "docs/data.md", "exec"), {})
+    assert len(pd.read_csv("news.csv")) == 2225 and len(list(Path("clothes").rglob("*.png"))) == 600
+    tiny = ["federation.rounds=1", "federation.num_clients=2", "federation.clients_per_round=2", "train.local_steps=1",
+            "federation.partition.min_size=1", "method.rank=4", "output.progress=quiet", "task.options.limit=24"]
+    models = {"text_classification": [f"task.options.model={bert_dir}", "task.options.max_length=16"],
+              "causal_lm": [f"task.options.model={llama_dir}", "task.options.max_new_tokens=2", "task.options.max_length=48"],
+              "image_classification": [f"task.options.model={vit_dir}"]}
+    for y in _blocks("yaml"):
+        Path("run.yaml").write_text(y)
+        task = re.search(r"name: (\w+)\n  options", y).group(1)
+        assert main(["run", "--config", "run.yaml", *tiny, *models[task]]) == 0, capsys.readouterr().err
+    runs = sorted(p.name for p in Path("runs").iterdir())
+    assert runs == ["arith-fedgalore-dirichlet0.5-s0", "clothes-fedgalore-dirichlet0.5-s0", "news-fedgalore-dirichlet0.5-s0"]
+    assert all((Path("runs") / r / "metrics.jsonl").read_text().strip() for r in runs)

@@ -53,9 +53,9 @@ TASK_NEEDS: dict[str, str] = {
     "glue": "GPU; hub (roberta-base, GLUE) or task.options.model / data_dir",
     "domainnet": "GPU; hub ViT (or task.options.model) + DomainNet images on disk (task.options.root)",
     "metamath": "GPU (7B model); hub (Llama-2, MetaMathQA, GSM8K, MATH) or local paths in task.options",
-    "text_classification": "your files (task.options.data) + a local model folder or hub id (default: offline MiniLM)",
-    "causal_lm": "your files (task.options.data) + a local model folder or hub id (default: offline SmolLM2)",
-    "image_classification": "your image folder or files + a local model folder or hub id (default: offline tiny ViT)",
+    "text_classification": "your files + a model folder or hub id (default: offline MiniLM); docs/data.md",
+    "causal_lm": "your files + a model folder or hub id (default: offline SmolLM2); docs/data.md",
+    "image_classification": "your images + a model folder or hub id (default: offline tiny ViT); docs/data.md",
 }
 
 

@@ -66,7 +66,7 @@ class FileTask:
         stratified by the ``strata`` column), then ``limit`` applied per split."""
         raw = dict(raw)
         if "test" not in raw:
-            values = raw["train"].data[strata] if strata else None
+            values = raw["train"].column(strata, "columns") if strata else None
             raw["train"], raw["test"] = split_rows(raw["train"], opts.test_fraction, opts.seed, values)
         return {split: limit_rows(rows, opts.limit, opts.seed + i) for i, (split, rows) in enumerate(sorted(raw.items()))}
 
@@ -79,7 +79,7 @@ class FileTask:
         if column not in rows.columns:
             raise TaskError(f"task {self.name!r}: {rows.name} has no column {column!r} to partition by; "
                             f"its columns: {', '.join(rows.columns)}")
-        values = rows.data[column]
+        values = rows.column(column, "columns")
         check_filled(values, rows, column, "value")
         return np.asarray(values)
 

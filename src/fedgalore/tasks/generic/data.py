@@ -102,9 +102,9 @@ class Rows:
                             f"its columns: {', '.join(self.data.column_names)}")
 
     def column(self, name: str, option: str) -> list:
-        """The values of column ``name`` (:meth:`require` it first)."""
+        """The values of column ``name`` as a list (:meth:`require` it first)."""
         self.require(name, option)
-        return self.data[name]
+        return list(self.data[name])
 
     def select(self, idx: Sequence[int], name: str | None = None) -> "Rows":
         """The rows at ``idx`` (in that order), keeping their source row numbers."""
