@@ -233,6 +233,18 @@ def test_sentence_pairs(tmp_path, bert_dir):
     assert 1 in enc["token_type_ids"] and task.label_names() == ["no", "yes"]
 
 
+def test_decoder_checkpoint_classifies_from_the_last_token(tmp_path, llama_dir):
+    task = get_task("text_classification", model=str(llama_dir), data=str(write(news_rows(), tmp_path / "news.csv")),
+                    text_column="body", label_column="topic", max_length=64)
+    assert task.head_modules == ("score",) and task.target_modules[0] == "q_proj"
+    model = task.build_model()  # the tokenizer has no padding token: it pads with </s>
+    assert model.config.pad_token_id == task.tokenizer().eos_token_id
+    batch = task.test_set().batch([0, 1, 2])
+    assert batch["attention_mask"].sum(1).min() < batch["attention_mask"].shape[1]  # rows of different lengths
+    m = task.evaluate(model, task.test_set(), 4)
+    assert 0 <= m["accuracy"] <= 1 and math.isfinite(m["loss"])
+
+
 def test_validation_file_is_the_validation_set(tmp_path, bert_dir):
     df = news_rows(90)
     files = {s: str(write(df.iloc[i * 30:(i + 1) * 30], tmp_path / f"{s}.csv")) for i, s in enumerate(("train", "test", "validation"))}

@@ -88,7 +88,7 @@ class GenericTextClassificationTask(FileTask, TextClassificationTask):
         from fedgalore.tasks.assets import minilm_path
 
         self.options = opts = options if options is not None else TextClassificationOptions(**fields)
-        model = opts.model or str(minilm_path())
+        self.model_id = model = opts.model or str(minilm_path())
         config = load_config(model)
         require_tokenizer_files(model)
         text_option = "text_columns" if opts.text_columns else "text_column"

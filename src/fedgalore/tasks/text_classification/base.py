@@ -1,4 +1,5 @@
-"""The generic text classification task: a pretrained encoder + a sequence-classification head.
+"""Text classification machinery: a pretrained encoder + a sequence-classification head (the base
+of ``offline_text``, ``offline_text_amazon``, ``glue`` and the file-driven ``text_classification``).
 
 :class:`TextClassificationTask` takes any Hugging Face ``AutoModelForSequenceClassification``
 checkpoint (local folder or hub id) on single sentences or sentence pairs, classification
