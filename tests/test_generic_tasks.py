@@ -544,6 +544,10 @@ output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
     task_json = json.loads((run / "task.json").read_text())
     assert task_json["labels"] == TOPICS and task_json["data"] == {"test": "news.csv (held out)", "train": "news.csv"}
     assert json.loads((run / "environment.json").read_text())["target_modules"][0].endswith("attention.self.query")
+    capsys.readouterr()
+    assert main(["run", "--config", str(cfg), "task.options.text_column=text"]) == 2  # bad input: one line, exit 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == ["fedgalore: error: news.csv has no column 'text' (task.options.text_column); its columns: body, topic, site"]
 
 
 # ============================================================================ docs/data.md
