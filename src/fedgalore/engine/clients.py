@@ -72,6 +72,9 @@ def split_clients(cfg: FederatedConfig, task: Task, parts: Sequence[np.ndarray] 
     cats = _column(task, pcfg.by, n)
     pool, validation = np.arange(n), np.zeros(0, dtype=np.int64)
     if fed.validation_fraction > 0:
+        if task.validation_set() is not None:
+            raise ConfigError("the task has its own validation split (task.options.data.validation); "
+                              "leave federation.validation_fraction at 0")
         rng = np.random.default_rng(validation_seed(cfg.seed))
         pool, validation = stratified_split(cats, fed.validation_fraction, rng)
     if parts is not None:

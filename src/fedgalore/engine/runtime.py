@@ -96,7 +96,11 @@ class Runtime:
             )
 
     def validation_set(self):
-        """The held-out training examples (``None`` when ``federation.validation_fraction`` is 0)."""
+        """The task's own validation split, else the held-out training examples (``None`` when
+        ``federation.validation_fraction`` is 0)."""
+        own = self.task.validation_set()
+        if own is not None:
+            return own
         if len(self.validation_idx) == 0:
             return None
         return subset_examples(self.train_data, self.validation_idx)

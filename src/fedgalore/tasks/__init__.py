@@ -31,11 +31,16 @@ TASKS: dict[str, str] = {
     # causal LM for math (paper: Llama-2-7B x MetaMathQA -> GSM8K / MATH)
     "offline_math": "fedgalore.tasks.causal_lm.gsm_symbolic:OfflineGsmSymbolicTask",
     "metamath": "fedgalore.tasks.causal_lm.metamath:MetaMathQATask",
+    # generic tasks: your model and your files, configured by task.options (docs/data.md)
+    "text_classification": "fedgalore.tasks.generic.text:GenericTextClassificationTask",
+    "causal_lm": "fedgalore.tasks.generic.causal:GenericCausalLMTask",
+    "image_classification": "fedgalore.tasks.generic.image:GenericImageClassificationTask",
 }
 
 
 #: tasks that download their model or data from the Hugging Face hub unless given local paths
-HUB_TASKS = frozenset({"glue", "domainnet", "metamath"})
+#: (the generic tasks do when task.options.model or data is a hub id)
+HUB_TASKS = frozenset({"glue", "domainnet", "metamath", "text_classification", "causal_lm", "image_classification"})
 
 #: what each task needs to run (``fedgalore tasks``); "offline assets" = installed by ``make setup``
 TASK_NEEDS: dict[str, str] = {
@@ -48,6 +53,9 @@ TASK_NEEDS: dict[str, str] = {
     "glue": "GPU; hub (roberta-base, GLUE) or task.options.model / data_dir",
     "domainnet": "GPU; hub ViT (or task.options.model) + DomainNet images on disk (task.options.root)",
     "metamath": "GPU (7B model); hub (Llama-2, MetaMathQA, GSM8K, MATH) or local paths in task.options",
+    "text_classification": "your files + a model folder or hub id (default: offline MiniLM); docs/data.md",
+    "causal_lm": "your files + a model folder or hub id (default: offline SmolLM2); docs/data.md",
+    "image_classification": "your images + a model folder or hub id (default: offline tiny ViT); docs/data.md",
 }
 
 

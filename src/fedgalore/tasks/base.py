@@ -117,6 +117,12 @@ class Task(abc.ABC):
     def partition_labels(self) -> np.ndarray:
         """One categorical value per training example: the column the Dirichlet split runs over."""
 
+    def validation_set(self) -> Sequence[Any] | None:
+        """The task's own held-out examples for model selection (a generic task's ``validation``
+        file), or ``None``: then ``federation.validation_fraction`` of the training examples is
+        held out instead (:class:`fedgalore.engine.runtime.Runtime`)."""
+        return None
+
     def partition_values(self, column: str | None = None) -> np.ndarray:
         """One value per training example of the column a partition runs over: ``None`` is
         :meth:`partition_labels` (the task's category: the label, the paper's MetaMathQA type);

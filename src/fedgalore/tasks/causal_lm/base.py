@@ -99,29 +99,43 @@ class CausalLMTask(Task):
         (``exact_match``) and, if ``eval_loss``, the response-token loss (``loss``)."""
         was_training = model.training
         model.eval()
-        device = next(model.parameters()).device
         hits: dict[str, list[bool]] = {}
         for start in range(0, len(examples), batch_size):
             idx = range(start, min(start + batch_size, len(examples)))
             texts = self.generate(model, [examples.prompts[i] for i in idx])
             for i, text in zip(idx, texts):
                 kind = examples.kinds[i]
-                hits.setdefault(kind, []).append(answers_match(extract_answer(text, kind), examples.answers[i], kind))
+                hits.setdefault(kind, []).append(self.answers_match(self.extract_answer(text, kind), examples.answers[i], kind))
         metrics: dict[str, float] = {f"{k}_exact_match": float(np.mean(v)) for k, v in sorted(hits.items())}
         metrics["exact_match"] = float(np.mean([metrics[f"{k}_exact_match"] for k in hits])) if hits else 0.0
         if self.eval_loss:
-            total, count = 0.0, 0
-            for start in range(0, len(examples), batch_size):
-                batch = examples.batch(range(start, min(start + batch_size, len(examples))))
-                n_tok = int((batch["labels"][:, 1:] != -100).sum())
-                if n_tok == 0:
-                    continue
-                out = model(**{k: v.to(device) for k, v in batch.items()})
-                total += float(out.loss) * n_tok
-                count += n_tok
-            metrics["loss"] = total / max(count, 1)
+            metrics["loss"] = self.mean_loss(model, examples, batch_size)
         model.train(was_training)
         return metrics
+
+    def extract_answer(self, text: str, kind: str) -> str | None:
+        """The final answer in a generated ``text`` (:func:`~fedgalore.tasks.causal_lm.grading.extract_answer`)."""
+        return extract_answer(text, kind)
+
+    def answers_match(self, pred: str | None, gold: str, kind: str) -> bool:
+        """Whether an extracted answer is the gold one (:func:`~fedgalore.tasks.causal_lm.grading.answers_match`)."""
+        return answers_match(pred, gold, kind)
+
+    @torch.no_grad()
+    def mean_loss(self, model: nn.Module, examples: PromptDataset, batch_size: int) -> float:
+        """The response-token loss over all of ``examples``: each batch's mean weighted by its
+        predicted response tokens, ``Σ_b n_b L_b / Σ_b n_b`` (the token mean, not a batch mean)."""
+        device = next(model.parameters()).device
+        total, count = 0.0, 0
+        for start in range(0, len(examples), batch_size):
+            batch = examples.batch(range(start, min(start + batch_size, len(examples))))
+            n_tok = self.loss_items(batch)
+            if n_tok == 0:
+                continue
+            out = model(**{k: v.to(device) for k, v in batch.items()})
+            total += float(out.loss) * n_tok
+            count += n_tok
+        return total / max(count, 1)
 
 
 def torch_dtype(name: str) -> torch.dtype:

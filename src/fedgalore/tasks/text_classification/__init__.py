@@ -1,6 +1,7 @@
 """Text classification tasks (paper §6, NLU): a pretrained encoder + a sequence-classification head.
 
-* :class:`TextClassificationTask` — the generic task: any Hugging Face
+* :class:`TextClassificationTask` — the shared machinery (the registry's ``text_classification``,
+  which reads your files, is :mod:`fedgalore.tasks.generic.text` on top of it): any Hugging Face
   ``AutoModelForSequenceClassification`` checkpoint (local folder or hub id) on single sentences
   or sentence pairs, classification (cross-entropy) or regression (``num_labels=1``, MSE).
   Texts are tokenised ONCE at construction (fixed padding to ``max_length``, optionally cached

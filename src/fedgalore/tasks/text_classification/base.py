@@ -1,4 +1,5 @@
-"""The generic text classification task: a pretrained encoder + a sequence-classification head.
+"""Text classification machinery: a pretrained encoder + a sequence-classification head (the base
+of ``offline_text``, ``offline_text_amazon``, ``glue`` and the file-driven ``text_classification``).
 
 :class:`TextClassificationTask` takes any Hugging Face ``AutoModelForSequenceClassification``
 checkpoint (local folder or hub id) on single sentences or sentence pairs, classification
@@ -25,6 +26,7 @@ from torch import nn
 from fedgalore.tasks.assets import cache_dir
 from fedgalore.tasks.base import ArrayDataset, Task, TaskError, TaskOptions, quiet_transformers, task_option
 from fedgalore.tasks.fingerprint import fingerprint_files
+from fedgalore.tasks.generic.architectures import init_fresh_weights, require_tokenizer_files
 from fedgalore.tasks.metrics import accuracy, binary_f1, macro_f1, matthews_corrcoef, mse, pearson, spearman
 
 __all__ = ["TextExamples", "TokenizedDataset", "TextClassificationTask", "TextOptions", "subset_indices", "fingerprint_files"]
@@ -122,7 +124,9 @@ class TextClassificationTask(Task):
         dropout: override the encoder's dropout probabilities (None: keep the checkpoint's).
     """
 
-    name = "text_classification"
+    #: a base class, not registered: the registry's ``text_classification`` is
+    #: :class:`fedgalore.tasks.generic.text.GenericTextClassificationTask` (data from files)
+    name = "text_classification_base"
     target_modules = ("query", "value", "dense")
     head_modules = ("classifier",)
     peft_task_type = "SEQ_CLS"
@@ -174,6 +178,7 @@ class TextClassificationTask(Task):
         """The checkpoint's tokenizer (loaded on demand)."""
         from transformers import AutoTokenizer
 
+        require_tokenizer_files(self.model_id)
         try:
             with quiet_transformers():  # the new head is re-initialised on purpose
                 return AutoTokenizer.from_pretrained(self.model_id)
@@ -293,19 +298,10 @@ class TextClassificationTask(Task):
         return model
 
     def _init_new_weights(self, model: nn.Module, missing: set[str]) -> None:
-        std = float(getattr(model.config, "initializer_range", 0.02))
-        g = torch.Generator().manual_seed(10_007 + self.seed)
+        """Seeded fresh weights (:func:`~fedgalore.tasks.generic.architectures.init_fresh_weights`)
+        for the ``missing`` parameters and the whole head."""
         heads = tuple(self.head_modules)
-        with torch.no_grad():
-            for name, p in model.named_parameters():  # fixed order → identical draws on every call
-                if not (name in missing or any(name == h or name.startswith(h + ".") for h in heads)):
-                    continue
-                if name.endswith("bias"):
-                    p.zero_()
-                elif "LayerNorm" in name or "layer_norm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        init_fresh_weights(model, lambda name: name in missing or any(name == h or name.startswith(h + ".") for h in heads), 10_007 + self.seed)
 
     def loss(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Cross-entropy (classification) or MSE (regression), as computed by the HF model."""

@@ -1,0 +1,100 @@
+"""What the three generic tasks share: the options every one has (:class:`FileTaskOptions`) and
+the rows behind their examples (:class:`FileTask`: splits, ``partition_values``, the validation
+split, the data's part of ``describe``)."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from fedgalore.tasks.base import TaskError, TaskOptions, task_option
+from fedgalore.tasks.generic.data import Rows, check_filled, data_fingerprint, limit_rows, load_sources, split_rows
+
+__all__ = ["FileTaskOptions", "FileTask"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FileTaskOptions(TaskOptions):
+    """Options every generic task has (each task adds its own; docs/data.md lists them all)."""
+
+    model: str | None = task_option(None, "local model folder or hub id (null: the task's offline model)")
+    data: dict[str, str] | str | None = task_option(
+        None, "a file (.csv .tsv .json .jsonl .parquet), a `datasets` save_to_disk folder, an image folder or a hub id; "
+              "or {train: FILE, test: FILE, validation: FILE}")
+    data_config: str | None = task_option(None, "configuration (subset) of a hub data set")
+    test_fraction: float = task_option(0.2, "share of the rows held out as the test set when data has no test split")
+    seed: int = task_option(0, "seed of the train/test split, of the limit subsets and of a new head's weights")
+    limit: int | None = task_option(None, "at most this many rows of each split (a seeded subset; null: all)")
+    target_modules: tuple[str, ...] | None = task_option(
+        None, "linear layers every method adapts (names or regexes); null: chosen per architecture")
+
+    def __post_init__(self) -> None:
+        if self.data is None:
+            raise TaskError("task.options.data is required: a file, a folder, or {train: FILE, test: FILE}")
+        if not 0 < self.test_fraction < 1:
+            raise TaskError(f"task.options.test_fraction={self.test_fraction} must be in (0, 1)")
+        if self.limit is not None and self.limit < 1:
+            raise TaskError(f"task.options.limit={self.limit} must be >= 1 (or null for all rows)")
+        if self.target_modules is not None and not self.target_modules:
+            raise TaskError("task.options.target_modules must name at least one layer (or be null)")
+
+
+class FileTask:
+    """Mixin of the generic tasks: the rows behind each split's examples (``_rows``, in example
+    order) and what depends on them only."""
+
+    name: str
+    _rows: dict[str, Rows]
+
+    def _read_rows(self, opts: FileTaskOptions, required: Sequence[tuple[str, str, str]]) -> dict[str, Rows]:
+        """Every split's rows as read (:func:`~fedgalore.tasks.generic.data.load_sources`), the
+        ``required`` columns — ``(column, the option naming it, what it holds)`` — checked present
+        and filled in every split."""
+        raw = load_sources(opts.data, opts.data_config)
+        for rows in raw.values():
+            for column, option, what in required:
+                check_filled(rows.column(column, option), rows, column, what)
+        self._data_fingerprint = data_fingerprint(opts.data, opts.data_config)
+        return raw
+
+    def _split_rows(self, opts: FileTaskOptions, raw: dict[str, Rows], strata: str | None) -> dict[str, Rows]:
+        """The splits: a test split drawn from the training rows when there is none (seeded,
+        stratified by the ``strata`` column), then ``limit`` applied per split."""
+        raw = dict(raw)
+        if "test" not in raw:
+            values = raw["train"].column(strata, "columns") if strata else None
+            raw["train"], raw["test"] = split_rows(raw["train"], opts.test_fraction, opts.seed, values)
+        return {split: limit_rows(rows, opts.limit, opts.seed + i) for i, (split, rows) in enumerate(sorted(raw.items()))}
+
+    def partition_values(self, column: str | None = None) -> np.ndarray:
+        """The values of the training rows' ``column`` (a site, a user, a category), in example
+        order; ``None``: the task's category (:meth:`partition_labels`)."""
+        if column is None:
+            return np.asarray(self.partition_labels())  # type: ignore[attr-defined]
+        rows = self._rows["train"]
+        if column not in rows.columns:
+            raise TaskError(f"task {self.name!r}: {rows.name} has no column {column!r} to partition by; "
+                            f"its columns: {', '.join(rows.columns)}")
+        values = rows.column(column, "columns")
+        check_filled(values, rows, column, "value")
+        return np.asarray(values)
+
+    def data_description(self) -> dict[str, Any]:
+        """The data's part of ``describe()``: where each split came from, its size and columns."""
+        return {
+            "data": {split: rows.name for split, rows in sorted(self._rows.items())},
+            "data_fingerprint": self._data_fingerprint,
+            "columns": self._rows["train"].columns,
+            "n_validation": len(self._rows["validation"]) if "validation" in self._rows else 0,
+        }
+
+    def _say_once(self, key: str, message: str, *args: Any) -> None:
+        """Log ``message`` once per task object (``build_model`` runs more than once)."""
+        said = self.__dict__.setdefault("_said", set())
+        if key not in said:
+            said.add(key)
+            log.warning(message, *args)

@@ -1,0 +1,346 @@
+"""Data from files for the generic tasks, read through the ``datasets`` library (docs/data.md).
+
+``task.options.data`` is one source, or a mapping ``{train: SRC, test: SRC, validation: SRC}``
+(``train`` required) naming one source per split. A source is
+
+* a file: ``.csv``, ``.tsv`` (``datasets``' csv reader; only an empty cell is missing — ``NA`` or
+  ``None`` stay text), ``.json`` (an array of records, or JSON lines), ``.jsonl``, ``.parquet``;
+* a ``datasets`` ``save_to_disk`` folder: a ``Dataset``, or a ``DatasetDict`` whose ``train``,
+  ``test`` and ``validation`` splits are used by name;
+* an image folder: one sub-folder of images per class, or ``train/``, ``test/`` (and
+  ``validation/``) folders laid out so; read as the columns ``image`` (the file's path) and
+  ``label`` (its class folder's name);
+* a hub data set id (``org/name``; ``task.options.data_config`` picks its configuration), through
+  the same ``datasets.load_dataset`` call — not testable offline.
+
+Relative paths are relative to the working directory. Without a test split, the training rows
+are split by :func:`split_rows` (seeded, stratified where the task has a label). Rows keep their
+row number in their file, so every message names the file and the row (rows count from 1; a
+CSV's header is not a row).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+
+from fedgalore.tasks.base import TaskError, stratified_split
+
+__all__ = ["SPLITS", "FILE_EXTENSIONS", "IMAGE_EXTENSIONS", "Rows", "LabelSet", "load_sources", "data_fingerprint",
+           "split_rows", "limit_rows", "is_missing", "check_filled"]
+
+SPLITS = ("train", "test", "validation")
+#: file extension -> (datasets builder, its reader options)
+_READERS: dict[str, tuple[str, dict[str, Any]]] = {
+    ".csv": ("csv", {"keep_default_na": False, "na_values": [""]}),
+    ".tsv": ("csv", {"sep": "\t", "keep_default_na": False, "na_values": [""]}),
+    ".json": ("json", {}),
+    ".jsonl": ("json", {}),
+    ".parquet": ("parquet", {}),
+}
+FILE_EXTENSIONS = tuple(_READERS)
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp")
+_HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+_FIX_EXT = f"use one of {', '.join(FILE_EXTENSIONS)}, a `datasets` save_to_disk folder or an image folder"
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """No progress bars or info lines from ``datasets`` while reading."""
+    import datasets
+
+    level = datasets.logging.get_verbosity()
+    bars = datasets.utils.are_progress_bars_disabled()
+    datasets.logging.set_verbosity_error()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+        if not bars:
+            datasets.enable_progress_bars()
+
+
+@dataclass
+class Rows:
+    """One split's rows (a ``datasets.Dataset``), where they came from and their row numbers there.
+
+    ``name`` is what messages call the source (``train.csv``; ``train.csv (held out)`` for a
+    split drawn from it); ``folder`` is where relative paths in the rows point (a data file's
+    folder); ``index[i]`` is row ``i``'s 0-based number in its source."""
+
+    data: Any
+    name: str
+    folder: Path | None = None
+    index: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.index is None:
+            self.index = np.arange(len(self.data))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    @property
+    def columns(self) -> list[str]:
+        return list(self.data.column_names)
+
+    def row(self, i: int) -> int:
+        """The 1-based row number of row ``i`` in its source (for messages)."""
+        return int(self.index[i]) + 1
+
+    def require(self, name: str, option: str) -> None:
+        """A missing column ``name`` is one line naming ``task.options.<option>`` and listing the
+        columns the source has."""
+        if name not in self.data.column_names:
+            raise TaskError(f"{self.name} has no column {name!r} (task.options.{option}); "
+                            f"its columns: {', '.join(self.data.column_names)}")
+
+    def column(self, name: str, option: str) -> list:
+        """The values of column ``name`` as a list (:meth:`require` it first)."""
+        self.require(name, option)
+        return list(self.data[name])
+
+    def select(self, idx: Sequence[int], name: str | None = None) -> "Rows":
+        """The rows at ``idx`` (in that order), keeping their source row numbers."""
+        idx = np.asarray(idx, dtype=np.int64)
+        return Rows(self.data.select(idx.tolist()), name or self.name, self.folder, self.index[idx])
+
+
+def is_missing(value: Any) -> bool:
+    """An empty value: ``None``, a float NaN, or a string of only whitespace."""
+    if value is None:
+        return True
+    if isinstance(value, float) and math.isnan(value):
+        return True
+    return isinstance(value, str) and not value.strip()
+
+
+def check_filled(values: Sequence[Any], rows: Rows, column: str, what: str) -> None:
+    """One line naming the file, the column and the first row when any value is empty or NaN."""
+    bad = [i for i, v in enumerate(values) if is_missing(v)]
+    if bad:
+        many = f"{len(bad)} rows have" if len(bad) > 1 else "a row has"
+        raise TaskError(f"{rows.name}: {many} an empty or NaN {what} in column {column!r} (first: row {rows.row(bad[0])}); "
+                        "fill or drop those rows")
+
+
+# ============================================================================ reading
+def _read_file(path: Path) -> Any:
+    import datasets
+
+    from fedgalore.tasks.assets import cache_dir
+
+    builder, kwargs = _READERS[path.suffix.lower()]
+    try:
+        with _quiet_datasets():
+            return datasets.load_dataset(builder, data_files=str(path), split="train",
+                                         cache_dir=str(cache_dir() / "datasets"), **kwargs)
+    except Exception as exc:  # noqa: BLE001 - pyarrow / pandas parse errors of many types
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise TaskError(f"could not read {path.name} as {path.suffix.lower()} ({type(exc).__name__}: {line}); "
+                        "check the file's format") from None
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def _class_folders(path: Path) -> list[Path]:
+    """Sub-folders of ``path`` holding at least one image file (sorted by name)."""
+    return [d for d in sorted(path.iterdir()) if d.is_dir() and not d.name.startswith(".")
+            and any(f.suffix.lower() in IMAGE_EXTENSIONS for f in d.iterdir() if f.is_file())]
+
+
+def _read_image_folder(path: Path, name: str) -> Rows:
+    import datasets
+
+    classes = _class_folders(path)
+    if not classes:
+        raise TaskError(f"{name}: no sub-folder with images ({', '.join(IMAGE_EXTENSIONS)}); "
+                        "an image folder holds one sub-folder of images per class")
+    images, labels = [], []
+    for d in classes:
+        files = sorted(f for f in d.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+        images += [str(f.resolve()) for f in files]
+        labels += [d.name] * len(files)
+    return Rows(datasets.Dataset.from_dict({"image": images, "label": labels}), name)
+
+
+def _split_folders(path: Path) -> dict[str, Path]:
+    """``train/``, ``test/``, ``validation/`` sub-folders that are image folders themselves."""
+    subs = {d.name: d for d in path.iterdir() if d.is_dir()}
+    found = {s: subs[s] for s in SPLITS if s in subs and _class_folders(subs[s])}
+    return found if "train" in found else {}
+
+
+def _from_dataset_dict(dd: Any, name: str) -> dict[str, Rows]:
+    if "train" not in dd:
+        raise TaskError(f"{name} has splits {', '.join(dd)} but no 'train' split; "
+                        "name the files per split: task.options.data: {train: FILE, test: FILE}")
+    return {s: Rows(dd[s], f"{name}[{s}]") for s in SPLITS if s in dd}
+
+
+def _read_local(path: Path, given: str) -> dict[str, Rows]:
+    """Every split one local source holds (a file holds one: ``train``)."""
+    import datasets
+
+    if path.is_file():
+        if path.suffix.lower() not in _READERS:
+            raise TaskError(f"task.options.data: {given!r} has an unsupported extension {path.suffix!r}; {_FIX_EXT}")
+        rows = _read_file(path)
+        return {"train": Rows(rows, path.name, path.parent.resolve())}
+    if _is_saved_dataset(path):
+        with _quiet_datasets():
+            loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            return _from_dataset_dict(loaded, path.name)
+        return {"train": Rows(loaded, path.name, path.resolve())}
+    splits = _split_folders(path)
+    if splits:
+        return {s: _read_image_folder(p, f"{path.name}/{s}") for s, p in splits.items()}
+    if _class_folders(path):
+        return {"train": _read_image_folder(path, path.name)}
+    raise TaskError(f"task.options.data: folder {given!r} is neither a `datasets` save_to_disk folder nor an image folder "
+                    f"(one sub-folder of images per class); for files, {_FIX_EXT}")
+
+
+def _read_hub(source: str, config: str | None) -> dict[str, Rows]:
+    import datasets
+
+    try:
+        with _quiet_datasets():
+            dd = datasets.load_dataset(source, config) if config else datasets.load_dataset(source)
+    except Exception as exc:  # noqa: BLE001 - network / hub errors of many types
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise TaskError(f"task.options.data={source!r} is no local file or folder, and loading it from the Hugging Face hub "
+                        f"failed ({type(exc).__name__}: {line}); check the path (relative to the working directory)") from None
+    return _from_dataset_dict(dd, f"hub:{source}")
+
+
+def _read_source(source: str, config: str | None) -> dict[str, Rows]:
+    path = Path(source).expanduser()
+    if path.exists():
+        return _read_local(path, source)
+    suffix = path.suffix.lower()
+    if path.is_absolute() or source.startswith((".", "~")) or suffix in _READERS or (suffix and "/" not in source) \
+            or not _HUB_ID.fullmatch(source):
+        raise TaskError(f"task.options.data: no file or folder {source!r} (looked in {path.resolve().parent})")
+    return _read_hub(source, config)
+
+
+def load_sources(data: str | Mapping[str, str], data_config: str | None = None) -> dict[str, Rows]:
+    """The rows of each split that ``data`` names (module doc): always ``train``; ``test`` and
+    ``validation`` when a source has them. Every split has at least one row."""
+    if data is None or (isinstance(data, str) and not data.strip()):
+        raise TaskError("task.options.data is required: a file, a folder, or {train: FILE, test: FILE}")
+    if isinstance(data, Mapping):
+        unknown = sorted(set(data) - set(SPLITS))
+        if unknown or "train" not in data:
+            raise TaskError(f"task.options.data: a mapping has the keys train (required), test, validation; got {', '.join(map(str, data)) or 'none'}")
+        out: dict[str, Rows] = {}
+        for split, source in data.items():
+            held = _read_source(str(source), data_config)
+            if len(held) > 1 and split not in held:
+                raise TaskError(f"task.options.data.{split}: {source!r} holds the splits {', '.join(held)}, no {split!r}")
+            out[split] = held[split] if len(held) > 1 else next(iter(held.values()))
+    else:
+        out = _read_source(str(data), data_config)
+    for split, rows in out.items():
+        if len(rows) == 0:
+            raise TaskError(f"{rows.name} has no rows")
+    return out
+
+
+def data_fingerprint(data: str | Mapping[str, str], data_config: str | None = None) -> str:
+    """Identity of the data ``data`` names: names, sizes and modification times of every local file
+    (folders: all files below), or the hub id and configuration."""
+    from fedgalore.tasks.text_classification.base import fingerprint_files
+
+    sources = dict(data) if isinstance(data, Mapping) else {"data": data}
+    parts = []
+    for split, source in sorted(sources.items()):
+        path = Path(str(source)).expanduser()
+        if path.is_dir():
+            parts.append(f"{split}:{fingerprint_files(sorted(p for p in path.rglob('*') if p.is_file()))}")
+        elif path.is_file():
+            parts.append(f"{split}:{fingerprint_files([path])}")
+        else:
+            parts.append(f"{split}:hub:{source}:{data_config}")
+    return ";".join(parts)
+
+
+# ============================================================================ splits
+def split_rows(rows: Rows, test_fraction: float, seed: int, strata: Sequence[Any] | None = None) -> tuple[Rows, Rows]:
+    """``(train, test)``: ``round(test_fraction · n_c)`` rows of every stratum ``c`` held out, drawn
+    by :func:`fedgalore.tasks.base.stratified_split` from ``default_rng(seed)`` (one stratum when
+    ``strata`` is None: a seeded random split). Deterministic for a seed."""
+    keys = np.zeros(len(rows), dtype=np.int64) if strata is None else np.unique(np.asarray([str(s) for s in strata]), return_inverse=True)[1]
+    kept, held = stratified_split(keys, test_fraction, np.random.default_rng(seed))
+    if len(held) == 0 or len(kept) == 0:
+        raise TaskError(f"task.options.test_fraction={test_fraction} leaves {len(kept)} training and {len(held)} test rows of "
+                        f"the {len(rows)} in {rows.name}; give a test file (data: {{train: FILE, test: FILE}}) or change test_fraction")
+    return rows.select(kept), rows.select(held, f"{rows.name} (held out)")
+
+
+def limit_rows(rows: Rows, limit: int | None, seed: int) -> Rows:
+    """All rows, or ``limit`` of them drawn by a seeded permutation (kept in file order)."""
+    from fedgalore.tasks.text_classification.base import subset_indices
+
+    if limit is None or limit >= len(rows):
+        return rows
+    return rows.select(subset_indices(len(rows), limit, seed))
+
+
+# ============================================================================ labels
+def _key(value: Any) -> str:
+    """A label value as the string it is looked up by (``1``, ``1.0`` and ``"1"`` are one label)."""
+    if isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool) and float(value).is_integer():
+        return str(int(value))
+    return str(value)
+
+
+@dataclass(frozen=True)
+class LabelSet:
+    """The classes of a classifier, fixed by the training rows: ``names`` in id order.
+
+    ``kind`` says how: ``classlabel`` (a ``datasets`` ``ClassLabel`` column: its names in its
+    order), ``integer`` (the sorted distinct integers) or ``string`` (the sorted distinct strings)."""
+
+    names: tuple[str, ...]
+    kind: str
+
+    @classmethod
+    def from_rows(cls, rows: Rows, column: str, option: str = "label_column") -> "LabelSet":
+        values = rows.column(column, option)
+        feature = rows.data.features.get(column)
+        if type(feature).__name__ == "ClassLabel":
+            return cls(tuple(feature.names), "classlabel")
+        if all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) for v in values):
+            ints = sorted({int(float(v)) for v in values if float(v).is_integer()})
+            if len(ints) == len({_key(v) for v in values}):
+                return cls(tuple(str(i) for i in ints), "integer")
+        return cls(tuple(sorted({str(v) for v in values})), "string")
+
+    def encode(self, rows: Rows, column: str, train_name: str, option: str = "label_column") -> np.ndarray:
+        """Class ids of ``rows``' labels; a label the training rows do not have is one line
+        naming it, its file and row."""
+        values = rows.column(column, option)
+        feature = rows.data.features.get(column)
+        if type(feature).__name__ == "ClassLabel":
+            values = [feature.int2str(int(v)) for v in values]
+        lookup = {n: i for i, n in enumerate(self.names)}
+        out = np.empty(len(values), dtype=np.int64)
+        for i, v in enumerate(values):
+            k = _key(v)
+            if k not in lookup:
+                shown = ", ".join(self.names[:8]) + (", ..." if len(self.names) > 8 else "")
+                raise TaskError(f"label {k!r} of {rows.name} (row {rows.row(i)}, column {column!r}) never occurs in the training data "
+                                f"({train_name}: {shown}); fix that row or add training rows with it")
+            out[i] = lookup[k]
+        return out
