@@ -555,7 +555,11 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "data.md"
 
 
 def _blocks(lang: str) -> list[str]:
-    return [m.group(2) for m in re.finditer(r"```(\w*)\n(.*?)```", DOCS.read_text(), re.S) if m.group(1) == lang]
+    """The ``lang`` code blocks of docs/data.md's task sections (the Partitions section is tested by
+    tests/test_client_partitions.py)."""
+    text = DOCS.read_text()
+    text = text[:text.index("## Partitions")] + text[text.index("## From Python"):]
+    return [m.group(2) for m in re.finditer(r"```(\w*)\n(.*?)```", text, re.S) if m.group(1) == lang]
 
 
 def test_docs_yaml_examples_are_valid_and_short(tmp_path):
@@ -570,7 +574,7 @@ def test_docs_yaml_examples_are_valid_and_short(tmp_path):
         cfg = load_config(tmp_path / f"{i}.yaml")
         assert cfg.federation.partition.kind == "dirichlet"
         parse_task_options(cfg.task.name, cfg.task.options)
-    assert "## Partitions" in DOCS.read_text()
+    assert "## Partitions" in DOCS.read_text() and "### `natural`" in DOCS.read_text()
 
 
 @pytest.mark.assets
