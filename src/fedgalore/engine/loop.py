@@ -17,8 +17,9 @@ and S (``synchronize``); a backend decides where T runs; the run directory's fil
    the server parameters as a pseudo-gradient, and SCAFFOLD (``train.scaffold``,
    :mod:`fedgalore.federated.scaffold`) updates its control variates; diagnostics measure the
    two mismatches;
-5. the global model is evaluated every ``eval_every`` rounds and the state is checkpointed
-   (streamed to disk; the fsync, hash and rename overlap the next round).
+5. the global model is evaluated every ``eval_every`` rounds (and after each of the last
+   ``eval_last``) and the state is checkpointed (streamed to disk; the fsync, hash and rename
+   overlap the next round).
 
 Every random choice derives from (run seed, round, client) (:mod:`fedgalore.federated.seeding`),
 so a run resumed from any checkpoint ends with exactly the metrics of an uninterrupted one.
@@ -450,10 +451,10 @@ class Federation:
         return {**update_space_diagnostics(applied, self.method.rank), **drift_diagnostics(rnd.deltas, rnd.ctx.weights)}
 
     def _evaluate(self, k: int) -> tuple[dict[str, float], float]:
-        """The global model's test (and validation) metrics, every ``eval_every`` rounds and at
-        the end, and the seconds they took."""
+        """The global model's test (and validation) metrics, every ``eval_every`` rounds, after
+        each of the last ``eval_last`` rounds and at the end, and the seconds they took."""
         fed = self.cfg.federation
-        if not ((k + 1) % fed.eval_every == 0 or k + 1 == fed.rounds):
+        if not ((k + 1) % fed.eval_every == 0 or k + 1 == fed.rounds or k + 1 > fed.rounds - fed.eval_last):
             return {}, 0.0
         t0 = time.perf_counter()
         self.method.load_global(self.runtime.model, self.state)
