@@ -287,7 +287,9 @@ def cell_record(cell: CellSpec, run_dir: Path) -> dict:
         "bytes_up_per_client_round": summary["bytes_up_per_client_round"],
         "bytes_down_per_client_round": summary["bytes_down_per_client_round"],
         "wall_time_s": summary["wall_time"], "time_per_round_s": summary["time_per_round"],
-        "cpu_time_s": launched.get("cpu_s"),  # user + system seconds of the compare worker(s); None if run by hand
+        # user + system seconds of the compare workers the driver saw exit (a killed launch is not
+        # counted); None for a run the driver did not start
+        "cpu_time_s": launched.get("cpu_s"),
         "rounds": rounds,
     }
 
