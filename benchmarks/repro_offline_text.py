@@ -103,15 +103,27 @@ def _lr_label(method: str, lr: float) -> str:
     return f"{method}_{_lr_key(method).replace('_', '')}{lr:.0e}".replace("e-0", "e-")
 
 
-def _run_stage(out: Path, methods: list[str], settings: list[str], seeds: list[int], options: dict, workers: int,
-               overrides: tuple[str, ...] = (), study: Study = TEXT) -> None:
+def worker_env() -> dict[str, str]:
+    """The environment of a study's worker processes: single-threaded BLAS, offline hub."""
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def compare_argv(config: Path, methods: list[str], settings: list[str], seeds: list[int], out: Path, options: dict,
+                 overrides: tuple[str, ...] = ()) -> list[str]:
+    """The ``fedgalore compare`` command of one worker: the rows' options are written to
+    ``out/method_options.json`` (``--method-options``)."""
     out.mkdir(parents=True, exist_ok=True)
     opt_file = out / "method_options.json"
     opt_file.write_text(json.dumps(options, indent=1))
-    base = [sys.executable, "-m", "fedgalore", "compare", "--config", str(study.config), "--methods", ",".join(methods),
+    return [sys.executable, "-m", "fedgalore", "compare", "--config", str(config), "--methods", ",".join(methods),
             "--settings", ",".join(settings), "--seeds", ",".join(map(str, seeds)), "--out", str(out),
             "--method-options", str(opt_file), "--progress", "plain", *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+
+
+def _run_stage(out: Path, methods: list[str], settings: list[str], seeds: list[int], options: dict, workers: int,
+               overrides: tuple[str, ...] = (), study: Study = TEXT) -> None:
+    base = compare_argv(study.config, methods, settings, seeds, out, options, overrides)
+    env = worker_env()
     procs = []  # workers share the cells through run_grid's per-cell claims (no cell runs twice)
     for i in range(workers):
         log = open(out / f"worker{i}-{os.getpid()}.log", "a")

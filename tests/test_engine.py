@@ -364,3 +364,22 @@ def test_fedgalore_identity_no_sync_equals_fedavg_full(tmp_path):
         assert ha["train_loss"] == pytest.approx(hb["train_loss"], rel=1e-4)
         assert ha["eval/loss"] == pytest.approx(hb["eval/loss"], rel=1e-4)
         assert ha["eval/accuracy"] == hb["eval/accuracy"]
+
+
+def test_eval_last_adds_the_last_rounds_and_changes_nothing_else(tmp_path):
+    """``federation.eval_last = N`` evaluates after each of the last N rounds on top of every
+    ``eval_every``-th round and the last (test and validation alike); 0 (default) keeps the
+    old schedule; evaluation changes no training (same losses, bytes, final metrics); a negative
+    value is one clear line."""
+    fed = {"num_clients": 6, "clients_per_round": 3, "rounds": 6, "eval_every": 4, "validation_fraction": 0.25,
+           "partition": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5}}
+    runs = {n: fedgalore.run(tiny_cfg(tmp_path / str(n), federation={**fed, "eval_last": n})) for n in (0, 2)}
+    evaluated = {n: [h["round"] for h in r.history if "eval/accuracy" in h] for n, r in runs.items()}
+    assert evaluated == {0: [4, 6], 2: [4, 5, 6]}
+    assert all("eval/val_accuracy" in h for h in runs[2].history if "eval/accuracy" in h)
+    assert [h["train_loss"] for h in runs[0].history] == [h["train_loss"] for h in runs[2].history]
+    assert runs[0].summary["final"] == runs[2].summary["final"]
+    assert runs[0].summary["bytes_up_total"] == runs[2].summary["bytes_up_total"]
+    with pytest.raises(ConfigError, match="eval_last") as exc:
+        tiny_cfg(tmp_path, federation={**fed, "eval_last": -1})
+    assert "\n" not in str(exc.value)

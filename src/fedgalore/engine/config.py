@@ -78,6 +78,7 @@ class FederationConfig:
     clients_per_round: int | None = 5  # K (None: full participation)
     rounds: int = 20  # R
     eval_every: int = 1
+    eval_last: int = 0  # also evaluate after every one of the last this many rounds (0: only eval_every and the last)
     eval_batch_size: int = 64
     min_clients: int = 1  # fewer valid uploads than this → the round is retried with a new sample
     max_round_retries: int = 2
@@ -151,6 +152,7 @@ class FederatedConfig:
             )
         _check(f.rounds >= 1, "federation.rounds must be >= 1")
         _check(f.eval_every >= 1, "federation.eval_every must be >= 1")
+        _check(f.eval_last >= 0, "federation.eval_last must be >= 0 (e.g. 10: also evaluate every one of the last 10 rounds)")
         _check(f.min_clients >= 1, "federation.min_clients must be >= 1")
         _check(
             f.min_clients <= (f.clients_per_round or f.num_clients or f.min_clients),

@@ -17,9 +17,10 @@ and S (``synchronize``); a backend decides where T runs; the run directory's fil
    the server parameters as a pseudo-gradient, and SCAFFOLD (``train.scaffold``,
    :mod:`fedgalore.federated.scaffold`) updates its control variates; diagnostics measure the
    two mismatches;
-5. the global model is evaluated every ``eval_every`` rounds (with ``federation.client_eval``
-   also on each client's held-out share, :mod:`fedgalore.engine.client_eval`) and the state is
-   checkpointed (streamed to disk; the fsync, hash and rename overlap the next round).
+5. the global model is evaluated every ``eval_every`` rounds and after each of the last
+   ``eval_last`` (with ``federation.client_eval`` also on each client's held-out share,
+   :mod:`fedgalore.engine.client_eval`) and the state is checkpointed (streamed to disk; the
+   fsync, hash and rename overlap the next round).
 
 Every random choice derives from (run seed, round, client) (:mod:`fedgalore.federated.seeding`),
 so a run resumed from any checkpoint ends with exactly the metrics of an uninterrupted one.
@@ -464,9 +465,9 @@ class Federation:
 
     def _evaluate(self, k: int) -> tuple[dict[str, float], float]:
         """The global model's test (and validation, and per-client) metrics, every ``eval_every``
-        rounds and at the end, and the seconds they took."""
+        rounds, after each of the last ``eval_last`` rounds and at the end, and the seconds they took."""
         fed = self.cfg.federation
-        if not ((k + 1) % fed.eval_every == 0 or k + 1 == fed.rounds):
+        if not ((k + 1) % fed.eval_every == 0 or k + 1 == fed.rounds or k + 1 > fed.rounds - fed.eval_last):
             return {}, 0.0
         t0 = time.perf_counter()
         self.method.load_global(self.runtime.model, self.state)

@@ -1,0 +1,896 @@
+"""Issue 33 (B): FedGaLore against its ablation and the baselines at the paper's horizon, R = 50.
+
+Usage (from the repo root; every stage skips the cells whose result JSON is already there)::
+
+    python benchmarks/horizon.py horizon_probe    # seed 0: each row's rate grid per alpha (+ one widening), the IID reference
+    python benchmarks/horizon.py horizon_seeds    # seeds 1-4 at the rates chosen on seed 0's validation split
+    python benchmarks/horizon.py horizon_report   # results/horizon/horizon.{json,md} and the figures, from the cell JSONs
+    options: --rows fedgalore_minus,fedavg_full (default: the five must rows)   --alphas 0.1,0.3 (default)
+             --workers N (parallel single-threaded `fedgalore compare` processes, default 2)
+             --dry-run (list the cells a stage would run, run nothing)
+             --quick (a tiny budget on the tiny_text task into benchmarks/runs/horizon_quick: every stage in ~1 min)
+
+Budget: ``conf/repro/offline_text_50.yaml`` (MiniLM-L6 x BBC News, M = 50, K = 5, E = 2, rank 8,
+64 tokens) with the overrides :data:`HORIZON_OVERRIDES`: R = 50 rounds, evaluation every 2 rounds
+and after each of the last 10 (``federation.eval_last``), 10 % of the training pool held out for
+validation and the issue-17 partition draws (``min_size 1``, ``max_retries 1000``).
+
+Rows (:data:`ROWS`): must ``fedgalore`` (default options), ``fedgalore_paper`` (``moment_protocol:
+paper``), ``fedgalore_minus``, ``fedavg_full``, ``fedit_prox`` (FedIT + FedProx, mu 0.1); optional,
+in this order, ``fedavg_full_prox`` (mu 1), ``fedavg_full_scaffold``, ``fedit``.
+
+Rates. Each row's rate is chosen per alpha on seed 0 by the mean *validation* accuracy over the
+last 10 rounds (ties: the smaller rate) among :func:`probe_rates`: at alpha 0.1 a grid reaching
+10x below the row's 6-round choice (:data:`GRID_01`), widened once by one step (:data:`WIDEN_01`)
+when the best rate sits at its edge; at other alphas the 6-round choice and half of it. The
+held-out seeds 1-4 then run at the chosen rates; they share partitions and client samples across
+rows (the engine derives both from the seed alone; the report checks it per cell). One IID run
+of ``fedgalore_minus`` (seed 0, its 6-round rate) measures the IID level behind "rounds to 90 %".
+
+Resuming. Each finished cell becomes ``benchmarks/results/horizon/cells/<alpha>/<label>-s<seed>.json``
+(:data:`CELL_VERSION`): the resolved config that made it, per round the sampled clients, their
+local steps, the diagnostics and (when evaluated) test and validation metrics, bytes per
+client-round, wall time and the workers' CPU time. A stage skips a cell whose JSON has this version and the config the
+stage would run now (a changed config runs again); the runs themselves go to
+``benchmarks/runs/horizon/<alpha>/<label>-s<seed>/`` (ignored; a killed worker resumes there from its
+last checkpoint). So a fresh clone with the committed JSONs continues where the study stopped, and
+``horizon_report`` needs nothing but the JSONs. The driver never runs git.
+"""
+# fedgalore-bench: not-in-all (a long study with stages; run it by name)
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from repro_offline_text import ALIGN_OVERRIDES, CONFIG, ROOT, _alpha_dir, compare_argv, worker_env
+
+CELL_VERSION = 1
+# ------------------------------------------------------------------------------------- the rows
+ROWS: dict[str, dict] = {
+    "fedgalore": {"method": "fedgalore"},
+    "fedgalore_paper": {"method": "fedgalore", "moment_protocol": "paper"},
+    "fedgalore_minus": {"method": "fedgalore_minus"},
+    "fedavg_full": {"method": "fedavg_full"},
+    "fedit_prox": {"method": "fedit", "train": {"prox_mu": 0.1}},
+    "fedavg_full_prox": {"method": "fedavg_full", "train": {"prox_mu": 1.0}},
+    "fedavg_full_scaffold": {"method": "fedavg_full", "train": {"scaffold": True}},
+    "fedit": {"method": "fedit"},
+}
+MUST_ROWS = ["fedgalore", "fedgalore_paper", "fedgalore_minus", "fedavg_full", "fedit_prox"]
+# the 6-round rates chosen on validation (results/repro_text/alignment/alignment.json at alpha 0.3
+# and 0.5: fedgalore_aligned = today's default, fedgalore_minus, fedavg_full, fedit; the remedies
+# of results/repro_text/remedies/remedies.json train at their base's rate). fedgalore_paper's
+# 6-round choice (1e-3) was made with the old paper mode, so it starts from the GaLore rows' 1e-2.
+SIX_ROUND_RATE = {"fedgalore": 1e-2, "fedgalore_paper": 1e-2, "fedgalore_minus": 1e-2, "fedavg_full": 5e-4,
+                  "fedit_prox": 5e-3, "fedavg_full_prox": 5e-4, "fedavg_full_scaffold": 5e-4, "fedit": 5e-3}
+FAMILY = {"fedgalore": "galore", "fedgalore_paper": "galore", "fedgalore_minus": "galore", "fedavg_full": "dense",
+          "fedit_prox": "lora", "fedavg_full_prox": "dense", "fedavg_full_scaffold": "dense", "fedit": "lora"}
+# alpha 0.1: a grid from the 6-round choice to >= 10x below it; one step beyond either edge
+GRID_01 = {"galore": [1e-2, 3e-3, 1e-3, 3e-4], "dense": [5e-4, 2e-4, 1e-4, 5e-5], "lora": [5e-3, 2e-3, 1e-3, 5e-4]}
+WIDEN_01 = {"galore": (3e-2, 1e-4), "dense": (1e-3, 2e-5), "lora": (1e-2, 2e-4)}  # (up, down)
+ALPHA_01 = "dirichlet:0.1"
+IID = "iid"
+IID_ROW = "fedgalore_minus"  # the IID reference run: this row at its 6-round rate, seed 0
+# the paired differences the report gives (a - b), on every metric
+PAIRS = [("fedgalore", "fedgalore_minus"), ("fedgalore", "fedavg_full"), ("fedgalore_paper", "fedgalore_minus")]
+# drift diagnostics plotted when a cell has them (diagnostics.jsonl keys; part A adds update-ratio
+# quantiles: every key with "ratio_max", "ratio_p99" or "update_ratio" in its name is plotted too)
+DRIFT_KEYS = ("mismatch_before", "mismatch_after", "drift_mean", "client_update_norm_mean", "update_norm_vs_cold",
+              "v_warm_cold_ratio")
+DRIFT_PATTERNS = ("ratio_max", "ratio_p99", "update_ratio")
+GALORE_METHODS = ("fedgalore", "fedgalore_minus")
+
+
+def rate_tag(lr: float) -> str:
+    """``1e-2``, ``2.5e-4``, ``1.25e-4``: a rate as it appears in labels."""
+    mant, exp = f"{lr:.2e}".split("e")
+    return f"{mant.rstrip('0').rstrip('.')}e{int(exp)}"
+
+
+# ------------------------------------------------------------------------------------- budgets
+@dataclass(frozen=True)
+class Budget:
+    """One study's budget: base config and overrides, the metric windows, seeds and layout."""
+
+    name: str
+    extra: tuple[str, ...]  # overrides on top of the issue-17 ones and the round schedule
+    rounds: int
+    eval_every: int
+    last: int  # the last-rounds window: evaluated every round; the rate choice and "last 10" metric
+    stable_from: int  # stability metrics over evaluated rounds >= this
+    seeds: tuple[int, ...]  # held-out seeds
+    widen_at: tuple[str, ...]  # alphas whose grid is widened once at an edge
+    runs: Path
+    results: Path
+    probe_seed: int = 0
+    config: Path = CONFIG
+
+    @property
+    def overrides(self) -> tuple[str, ...]:
+        return (*ALIGN_OVERRIDES, f"federation.rounds={self.rounds}", f"federation.eval_every={self.eval_every}",
+                f"federation.eval_last={self.last}", *self.extra)
+
+
+FULL = Budget("offline_text_50_r50", (), 50, 2, 10, 10, (1, 2, 3, 4), (ALPHA_01,),
+              ROOT / "benchmarks" / "runs" / "horizon", ROOT / "benchmarks" / "results" / "horizon")
+#: the study's overrides of conf/repro/offline_text_50.yaml (issue 17's, then R = 50, eval every 2 and the last 10)
+HORIZON_OVERRIDES = FULL.overrides
+QUICK_ROWS = ["fedgalore_minus", "fedavg_full"]
+QUICK_ALPHAS = ["dirichlet:0.3"]
+# tiny_text (a random 2-layer BERT), 6 clients, 4 rounds: every stage end to end in about a minute;
+# the 2-rate grid at alpha 0.3 is widened there so the widening step runs too
+QUICK_EXTRA = ("task.name=tiny_text", "task.options={}", "task.options.n_train=240", "task.options.n_test=64",
+               "method.rank=4", "federation.num_clients=6", "federation.clients_per_round=3", "train.local_epochs=3",
+               "output.checkpoint_every=1")
+
+
+def quick_budget(root: Path) -> Budget:
+    """The ``--quick`` budget, writing runs and results under ``root``."""
+    return Budget("tiny_text_quick", QUICK_EXTRA, 4, 2, 2, 2, (1, 2), tuple(QUICK_ALPHAS), root / "runs", root / "results")
+
+
+# ------------------------------------------------------------------------------------- cells
+@dataclass(frozen=True)
+class CellSpec:
+    """One run of the study: a row at one rate, one partition setting, one seed."""
+
+    alpha: str  # "dirichlet:0.1" or "iid"
+    row: str
+    lr: float
+    seed: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.row}_lr{rate_tag(self.lr)}"
+
+    @property
+    def key(self) -> str:
+        return f"{_adir(self.alpha)}/{self.label}-s{self.seed}"
+
+    def options(self) -> dict:
+        """The compare row (``--method-options`` entry): the row's options at this rate."""
+        opts = json.loads(json.dumps(ROWS[self.row]))
+        opts["train"] = {**opts.get("train", {}), "lr": self.lr}
+        return opts
+
+
+def _adir(alpha: str) -> str:
+    return IID if alpha == IID else _alpha_dir(alpha)
+
+
+def cell_json(budget: Budget, cell: CellSpec) -> Path:
+    return budget.results / "cells" / f"{cell.key}.json"
+
+
+def cell_out(budget: Budget, cell: CellSpec) -> Path:
+    return budget.runs / cell.key
+
+
+@lru_cache(maxsize=8)
+def _base_config(budget: Budget):
+    from fedgalore.engine.config import load_config
+
+    return load_config(budget.config, budget.overrides)
+
+
+def portable(cfg: dict) -> dict:
+    """A resolved config without where it was written (``output.dir``, ``output.run_name``)."""
+    cfg = json.loads(json.dumps(cfg))
+    for k in ("dir", "run_name"):
+        cfg.get("output", {}).pop(k, None)
+    return cfg
+
+
+def planned_config(budget: Budget, cell: CellSpec) -> dict:
+    """The resolved config ``fedgalore compare`` would run for ``cell`` now (portable)."""
+    from fedgalore.compare import plan_grid
+
+    (c,) = plan_grid(_base_config(budget), [cell.label], [cell.alpha], [cell.seed], cell_out(budget, cell),
+                     {cell.label: cell.options()})
+    return portable(c.cfg.to_dict())
+
+
+def load_cell(budget: Budget, cell: CellSpec, check: bool = True) -> dict | None:
+    """The cell's result JSON if it has this version and (``check``) the config the stage would
+    run now; None otherwise (a stale one is reported and re-run)."""
+    from fedgalore.engine.config import config_difference
+
+    path = cell_json(budget, cell)
+    if not path.is_file():
+        return None
+    rec = json.loads(path.read_text())
+    if rec.get("version") != CELL_VERSION:
+        _say_once(f"{cell.key}: result version {rec.get('version')} != {CELL_VERSION}: runs again")
+        return None
+    if check:
+        diff = config_difference(rec["config"], planned_config(budget, cell))
+        if diff:
+            _say_once(f"{cell.key}: the config changed since its result ({diff}): runs again, and is not reported")
+            return None
+    return rec
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(text: str) -> None:
+    if text not in _SAID:
+        _SAID.add(text)
+        print(text, flush=True)
+
+
+def mechanism_digest() -> str:
+    """SHA-256 (first 16 hex digits) of the sources that define FedGaLore's mechanism (optim, sync,
+    protocol, methods/fedgalore.py): provenance, so cells made by different code can be told apart."""
+    import fedgalore
+
+    src = Path(fedgalore.__file__).resolve().parent
+    h = hashlib.sha256()
+    files = sorted([*src.glob("optim/*.py"), *src.glob("sync/*.py"), *src.glob("protocol/*.py"), src / "methods" / "fedgalore.py"])
+    for f in files:
+        h.update(f.relative_to(src).as_posix().encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _numeric(d: dict, drop: tuple[str, ...] = ()) -> dict:
+    return {k: v for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in drop}
+
+
+def cell_record(cell: CellSpec, run_dir: Path) -> dict:
+    """The result JSON of a finished run (see the module doc)."""
+    from omegaconf import OmegaConf
+
+    from fedgalore.jsonl import read_jsonl
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    cfg = portable(OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml"), resolve=True))
+    diags = {d["round"]: _numeric(d, ("round", "time_s")) for d in read_jsonl(run_dir / "diagnostics.jsonl")}
+    steps: dict[int, list[int]] = {}
+    for c in read_jsonl(run_dir / "clients.jsonl"):
+        if "error" not in c and "steps" in c:
+            steps.setdefault(c["round"], []).append(int(c["steps"]))
+    rounds = []
+    for m in read_jsonl(run_dir / "metrics.jsonl"):
+        r = {"round": m["round"], "clients": m["clients"], "dropped": m.get("dropped", []), "steps": steps.get(m["round"], []),
+             "train_loss": m.get("train_loss"), "diag": diags.get(m["round"], {})}
+        test = {k[5:]: v for k, v in m.items() if k.startswith("eval/") and not k.startswith("eval/val_")}
+        val = {k[9:]: v for k, v in m.items() if k.startswith("eval/val_")}
+        if test:
+            r["test"] = test
+        if val:
+            r["val"] = val
+        rounds.append(r)
+    partition = (run_dir / "partition.json").read_bytes()
+    # written by run_cells at each launch of the cell: the sources that ran it, the workers' CPU time
+    source = run_dir.parent.parent / "source.json"
+    launched = json.loads(source.read_text()) if source.is_file() else {}
+    digests = launched.get("mechanism_digests") or [mechanism_digest()]
+    import fedgalore
+
+    return {
+        "version": CELL_VERSION, "alpha": cell.alpha, "row": cell.row, "label": cell.label, "lr": cell.lr, "seed": cell.seed,
+        "status": summary["status"], "config": cfg,
+        "source": {"fedgalore": fedgalore.__version__, "mechanism_digest": "+".join(digests)},
+        "partition_digest": hashlib.sha256(partition).hexdigest()[:16],
+        "client_sizes": json.loads(partition)["sizes"],
+        "bytes_up_per_client_round": summary["bytes_up_per_client_round"],
+        "bytes_down_per_client_round": summary["bytes_down_per_client_round"],
+        "wall_time_s": summary["wall_time"], "time_per_round_s": summary["time_per_round"],
+        # user + system seconds of the compare workers the driver saw exit (a killed launch is not
+        # counted); None for a run the driver did not start
+        "cpu_time_s": launched.get("cpu_s"),
+        "rounds": rounds,
+    }
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    """Atomically (a killed driver leaves the old file or none, never half of one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def _run_dir(budget: Budget, cell: CellSpec) -> Path:
+    return cell_out(budget, cell) / "runs" / f"{cell.label}-{cell.alpha.replace(':', '')}-s{cell.seed}"
+
+
+def _harvest(budget: Budget, cell: CellSpec) -> bool:
+    """Write the cell's JSON from its run directory if that run is complete with today's config."""
+    from fedgalore.compare import cell_status
+    from fedgalore.engine.config import config_difference
+
+    run_dir = _run_dir(budget, cell)
+    if cell_status(run_dir) != "complete":
+        return False
+    rec = cell_record(cell, run_dir)
+    if config_difference(rec["config"], planned_config(budget, cell)):
+        return False
+    _write_json(cell_json(budget, cell), rec)
+    return True
+
+
+def _prepare(budget: Budget, cell: CellSpec) -> None:
+    """Remove the cell's run folder when it ran with another config (compare would refuse it)."""
+    from omegaconf import OmegaConf
+
+    from fedgalore.engine.config import config_difference
+
+    out = cell_out(budget, cell)
+    saved = out / "configs" / f"{_run_dir(budget, cell).name}.yaml"
+    if saved.is_file():
+        old = portable(OmegaConf.to_container(OmegaConf.load(saved), resolve=True))
+        diff = config_difference(old, planned_config(budget, cell))
+        if diff:
+            print(f"{cell.key}: its run folder ran another config ({diff}); removing {out}", flush=True)
+            shutil.rmtree(out)
+
+
+def _note_source(out: Path, cpu_s: float = 0.0) -> None:
+    """Add today's mechanism digest to the cell's ``source.json`` (one entry per distinct source
+    that ran a part of it: a cell resumed under other code lists both) and ``cpu_s`` seconds of a
+    finished worker to its CPU time."""
+    path = out / "source.json"
+    rec = json.loads(path.read_text()) if path.is_file() else {"mechanism_digests": [], "cpu_s": 0.0}
+    if mechanism_digest() not in rec["mechanism_digests"]:
+        rec["mechanism_digests"].append(mechanism_digest())
+    rec["cpu_s"] += cpu_s
+    _write_json(path, rec)
+
+
+def _reap(proc: subprocess.Popen) -> float | None:
+    """The CPU seconds (user + system) of a worker that has exited, None while it runs."""
+    pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+    if pid == 0:
+        return None
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_cells(budget: Budget, cells: list[CellSpec], workers: int, dry_run: bool = False,
+              followups=lambda: []) -> list[str]:
+    """Run every cell without a current result JSON, ``workers`` ``fedgalore compare`` processes
+    at a time (one cell each), writing each cell's JSON as soon as it finishes; ``followups()`` is
+    asked for more cells after each one (the probe's widening). Returns the keys of cells that did
+    not finish (a failed worker, or a cell another live process holds)."""
+    queue: list[CellSpec] = []
+    seen: set[CellSpec] = set()
+
+    def enqueue(new: list[CellSpec]) -> None:
+        for c in new:
+            if c in seen:
+                continue
+            seen.add(c)
+            if load_cell(budget, c) is not None or (not dry_run and _harvest(budget, c)):
+                continue
+            queue.append(c)
+
+    enqueue(cells)
+    if dry_run:
+        for c in queue:
+            print(f"would run {c.key}")
+        print(f"{len(queue)} cell(s) to run")
+        return []
+    env, failed, running = worker_env(), [], {}
+    t0 = time.time()
+    while queue or running:
+        while queue and len(running) < workers:
+            c = queue.pop(0)
+            _prepare(budget, c)
+            out = cell_out(budget, c)
+            argv = [*compare_argv(budget.config, [c.label], [c.alpha], [c.seed], out, {c.label: c.options()}, budget.overrides),
+                    "--no-report"]  # the study's report is horizon_report's
+            _note_source(out)
+            log = open(out / "worker.log", "a")
+            print(f"[{time.strftime('%H:%M:%S')}] start {c.key} ({len(queue)} queued)", flush=True)
+            running[c] = (subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT), log, time.time())
+        time.sleep(1.0)
+        for c, (proc, log, t1) in list(running.items()):
+            cpu = _reap(proc)
+            if cpu is None:
+                continue
+            _note_source(cell_out(budget, c), cpu)
+            log.close()
+            del running[c]
+            if proc.returncode == 0 and _harvest(budget, c):
+                print(f"[{time.strftime('%H:%M:%S')}] done {c.key} in {(time.time() - t1) / 60:.1f} min", flush=True)
+                enqueue(followups())
+            else:
+                failed.append(c.key)
+                print(f"{c.key}: did not finish (exit {proc.returncode}); see {cell_out(budget, c)}/worker.log", flush=True)
+    print(f"{len(seen) - len(failed)} of {len(seen)} cell(s) have results ({(time.time() - t0) / 60:.1f} min)", flush=True)
+    return failed
+
+
+# ------------------------------------------------------------------------------------- the rate choice
+def probe_rates(row: str, alpha: str) -> list[float]:
+    """The initial grid of ``row`` at ``alpha`` (largest first)."""
+    if alpha == ALPHA_01:
+        return list(GRID_01[FAMILY[row]])
+    c = SIX_ROUND_RATE[row]
+    return [c, c / 2]
+
+
+def widen_rate(budget: Budget, row: str, alpha: str, best: float) -> float | None:
+    """One step beyond the initial grid's edge where ``best`` sits there (alphas ``budget.widen_at``)."""
+    rates = probe_rates(row, alpha)
+    if alpha not in budget.widen_at or min(rates) < best < max(rates):
+        return None
+    up, down = WIDEN_01[FAMILY[row]] if alpha == ALPHA_01 else (2 * max(rates), min(rates) / 2)
+    return up if best == max(rates) else down
+
+
+def evaluated(rec: dict, split: str = "test", metric: str = "accuracy") -> dict[int, float]:
+    """round -> the split's metric, on the rounds the cell evaluated."""
+    return {r["round"]: r[split][metric] for r in rec["rounds"] if split in r and metric in r[split]}
+
+
+def last_mean(rec: dict, last: int, split: str = "test") -> float:
+    """Mean of the split's accuracy over the evaluated rounds among the last ``last``."""
+    acc = evaluated(rec, split)
+    rounds = max(r["round"] for r in rec["rounds"])
+    vals = [a for r, a in acc.items() if r > rounds - last]
+    return statistics.mean(vals) if vals else float("nan")
+
+
+def choose(scores: dict[float, float]) -> float:
+    """The rate with the best score; ties go to the smaller rate."""
+    return max(scores, key=lambda lr: (scores[lr], -lr))
+
+
+def probe_state(budget: Budget, row: str, alpha: str) -> dict:
+    """Seed-0 probe of ``row`` at ``alpha`` from the cell JSONs: its rates, their scores (mean
+    validation accuracy over the last rounds), the widening, the choice (None until complete)."""
+    grid = probe_rates(row, alpha)
+    recs = {lr: load_cell(budget, CellSpec(alpha, row, lr, budget.probe_seed)) for lr in grid}
+    state: dict = {"grid": grid, "scores": {}, "test": {}, "widened": None, "choice": None, "todo": []}
+    for lr, rec in recs.items():
+        if rec is None:
+            state["todo"].append(CellSpec(alpha, row, lr, budget.probe_seed))
+        else:
+            state["scores"][lr], state["test"][lr] = last_mean(rec, budget.last, "val"), last_mean(rec, budget.last)
+    if state["todo"]:
+        return state
+    extra = widen_rate(budget, row, alpha, choose(state["scores"]))
+    if extra is not None:
+        state["widened"] = extra
+        rec = load_cell(budget, CellSpec(alpha, row, extra, budget.probe_seed))
+        if rec is None:
+            state["todo"].append(CellSpec(alpha, row, extra, budget.probe_seed))
+            return state
+        state["scores"][extra], state["test"][extra] = last_mean(rec, budget.last, "val"), last_mean(rec, budget.last)
+    state["choice"] = choose(state["scores"])
+    return state
+
+
+# ------------------------------------------------------------------------------------- stages
+@dataclass
+class Plan:
+    budget: Budget
+    rows: list[str] = field(default_factory=lambda: list(MUST_ROWS))
+    alphas: list[str] = field(default_factory=lambda: [ALPHA_01, "dirichlet:0.3"])
+    workers: int = 2
+    dry_run: bool = False
+
+
+def iid_cell(budget: Budget) -> CellSpec:
+    return CellSpec(IID, IID_ROW, SIX_ROUND_RATE[IID_ROW], budget.probe_seed)
+
+
+def stage_probe(plan: Plan) -> list[str]:
+    """Seed 0: every row's initial grid at every alpha and the IID reference; each row's widening
+    is queued as soon as its grid has finished."""
+    b = plan.budget
+    cells = [CellSpec(a, row, lr, b.probe_seed) for row in plan.rows for a in plan.alphas for lr in probe_rates(row, a)]
+
+    def widenings() -> list[CellSpec]:
+        return [c for row in plan.rows for a in plan.alphas for c in probe_state(b, row, a)["todo"]]
+
+    # widenings() also holds the widening of a grid finished by an earlier, interrupted pass
+    failed = run_cells(b, [*cells, iid_cell(b), *widenings()], plan.workers, plan.dry_run, widenings)
+    if plan.dry_run:
+        open_ = sum(1 for row in plan.rows for a in plan.alphas
+                    if a in b.widen_at and probe_state(b, row, a)["widened"] is None and probe_state(b, row, a)["todo"])
+        print(f"plus up to {open_} widening cell(s): one per row and alpha {', '.join(b.widen_at)} whose best rate "
+              "sits at its grid's edge")
+    else:
+        for a in plan.alphas:
+            for row in plan.rows:
+                st = probe_state(b, row, a)
+                shown = ", ".join(f"{rate_tag(lr)}: {100 * v:.1f}" for lr, v in sorted(st["scores"].items()))
+                print(f"{_adir(a)} {row}: val last-{b.last} mean {shown} -> "
+                      f"{'chosen ' + rate_tag(st['choice']) if st['choice'] else 'incomplete'}", flush=True)
+    return failed
+
+
+def stage_seeds(plan: Plan) -> list[str]:
+    """The held-out seeds at each row's chosen rate, seed by seed (an interrupted stage leaves the
+    rows paired on the seeds it finished); rows whose probe is incomplete are named."""
+    b = plan.budget
+    chosen, missing = {}, []
+    for row in plan.rows:
+        for a in plan.alphas:
+            st = probe_state(b, row, a)
+            if st["choice"] is None:
+                missing.append(f"{_adir(a)}/{row}")
+            else:
+                chosen[a, row] = st["choice"]
+    cells = [CellSpec(a, row, lr, s) for s in b.seeds for (a, row), lr in chosen.items()]
+    failed = run_cells(b, cells, plan.workers, plan.dry_run)
+    return failed + [f"{m} (its probe: run horizon_probe first)" for m in missing]
+
+
+# ------------------------------------------------------------------------------------- metrics
+def iid_level(budget: Budget) -> float | None:
+    """The IID level: the IID reference run's mean test accuracy over the last rounds."""
+    rec = load_cell(budget, iid_cell(budget), check=False)
+    return None if rec is None else last_mean(rec, budget.last)
+
+
+def cell_metrics(rec: dict, budget: Budget, target: float | None) -> dict:
+    """One cell's metrics (accuracies as fractions): ``last`` (mean test accuracy over the last
+    rounds), ``val_pick`` (test accuracy at the evaluated round of best validation accuracy, the
+    earliest on ties), ``rounds_to_target`` (first evaluated round with test accuracy >= target;
+    not reached: R + 1), ``rounds_to_target_stay`` (first evaluated round from which it never falls
+    below again; R + 1 if none), ``std_after`` (population std of test accuracy over evaluated rounds
+    >= stable_from) and ``worst_after`` (its minimum over evaluated rounds > stable_from)."""
+    test, val = evaluated(rec), evaluated(rec, "val")
+    rounds = max(r["round"] for r in rec["rounds"])
+    out = {"last": last_mean(rec, budget.last)}
+    if val:
+        best = max(val.values())
+        out["val_pick_round"] = min(r for r, v in val.items() if v == best)
+        out["val_pick"] = test[out["val_pick_round"]]
+    window = [a for r, a in test.items() if r >= budget.stable_from]
+    out["std_after"] = statistics.pstdev(window) if window else float("nan")
+    after = [a for r, a in test.items() if r > budget.stable_from]
+    out["worst_after"] = min(after) if after else float("nan")
+    if target is not None:
+        hit = [r for r in sorted(test) if test[r] >= target]
+        out["rounds_to_target"] = hit[0] if hit else rounds + 1
+        stay = rounds + 1
+        for r in sorted(test, reverse=True):
+            if test[r] < target:
+                break
+            stay = r
+        out["rounds_to_target_stay"] = stay
+    return out
+
+
+METRICS = ("last", "val_pick", "rounds_to_target", "rounds_to_target_stay", "std_after", "worst_after")
+
+
+def _mean_std(xs: list[float]) -> dict:
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    return {"mean": statistics.mean(xs) if xs else None, "std": statistics.stdev(xs) if len(xs) > 1 else None, "n": len(xs)}
+
+
+def paired(a: dict[int, float], b: dict[int, float], resamples: int = 10000) -> dict | None:
+    """Paired difference a - b over the seeds both have: mean, std, 95 % interval by the paired t
+    (n - 1 degrees of freedom) and by a percentile bootstrap over seeds (``resamples`` draws,
+    numpy generator seed 0; with 4 seeds it has only 35 distinct resamples of the mean: coarse)."""
+    import numpy as np
+    from scipy import stats
+
+    seeds = sorted(set(a) & set(b))
+    d = [a[s] - b[s] for s in seeds]
+    if len(d) < 2:
+        return {"seeds": seeds, "diff": d, "mean": d[0] if d else None} if d else None
+    mean, sd = statistics.mean(d), statistics.stdev(d)
+    half = stats.t.ppf(0.975, len(d) - 1) * sd / math.sqrt(len(d))
+    arr = np.asarray(d)
+    boot = arr[np.random.default_rng(0).integers(0, len(d), (resamples, len(d)))].mean(axis=1)
+    return {"seeds": seeds, "diff": d, "mean": mean, "std": sd, "t95": [mean - half, mean + half],
+            "bootstrap95": [float(np.percentile(boot, 2.5)), float(np.percentile(boot, 97.5))]}
+
+
+def projector_schedule(recs: list[dict]) -> dict | None:
+    """Projector refreshes per client-round of GaLore cells, from the local step counts: a refresh
+    at local steps 0, tau, 2 tau, ... (``update_proj_gap`` = tau) is ceil(steps / tau) refreshes; with
+    ``*_then_random`` and ``adaptive_scope: round`` the first ``adaptive_proj_steps`` of a round are
+    data-driven and the rest use seeded random bases. None for other methods."""
+    recs = [r for r in recs if r["config"]["method"]["name"] in GALORE_METHODS]
+    if not recs:
+        return None
+    o = recs[0]["config"]["method"]["options"]
+    tau, s_data = int(o.get("update_proj_gap", 200)), int(o.get("adaptive_proj_steps", 1))
+    out = {"projector": o.get("projector"), "update_proj_gap": tau, "adaptive_proj_steps": s_data,
+           "adaptive_scope": o.get("adaptive_scope", "round")}
+    steps = [s for r in recs for rnd in r["rounds"] for s in rnd["steps"]]
+    refreshes = [-(-s // tau) for s in steps]
+    out.update(client_rounds=len(steps), steps_min=min(steps), steps_max=max(steps),
+               refreshes_min=min(refreshes), refreshes_max=max(refreshes), refreshes_mean=statistics.mean(refreshes))
+    if out["adaptive_scope"] == "round" and str(out["projector"]).endswith("_then_random"):
+        seeded = [max(0, q - s_data) for q in refreshes]
+        out.update(seeded_refreshes=sum(seeded), client_rounds_with_seeded_basis=sum(1 for x in seeded if x))
+    return out
+
+
+def pairing_check(cells: list[dict]) -> list[str]:
+    """Cells of one (alpha, seed) must share the partition and the clients of every round."""
+    problems, ref = [], {}
+    for rec in cells:
+        key = (rec["alpha"], rec["seed"])
+        sig = (rec["partition_digest"], [r["clients"] for r in rec["rounds"]])
+        if key not in ref:
+            ref[key] = (rec["label"], sig)
+        elif ref[key][1] != sig:
+            what = "partition" if ref[key][1][0] != sig[0] else "client samples"
+            problems.append(f"{_adir(rec['alpha'])} seed {rec['seed']}: {rec['label']} differs from {ref[key][0]} in its {what}")
+    return problems
+
+
+# ------------------------------------------------------------------------------------- the report
+def _drift_keys(recs: list[dict]) -> list[str]:
+    present = {k for r in recs for rnd in r["rounds"] for k in rnd["diag"]}
+    return [k for k in DRIFT_KEYS if k in present] + sorted(
+        k for k in present if k not in DRIFT_KEYS and any(p in k for p in DRIFT_PATTERNS))
+
+
+def _per_round_mean(recs: list[dict], get) -> tuple[list[int], list[float], list[float]]:
+    """Rounds where every cell has a value, the mean over cells and the (sample) std."""
+    rounds = sorted(set.intersection(*[{rnd["round"] for rnd in r["rounds"] if get(rnd) is not None} for r in recs]))
+    vals = [[next(get(x) for x in r["rounds"] if x["round"] == k) for r in recs] for k in rounds]
+    return rounds, [statistics.mean(v) for v in vals], [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
+
+
+def row_report(budget: Budget, recs: list[dict], target: float | None) -> dict:
+    """Metrics of one row at one alpha over its held-out seeds (``recs``)."""
+    per_seed = {r["seed"]: cell_metrics(r, budget, target) for r in recs}
+    rounds, mean, std = _per_round_mean(recs, lambda x: x.get("test", {}).get("accuracy"))
+    _, vmean, _ = _per_round_mean(recs, lambda x: x.get("val", {}).get("accuracy"))
+    out = {
+        "lr": recs[0]["lr"], "seeds": sorted(per_seed), "per_seed": per_seed,
+        "summary": {m: _mean_std([per_seed[s].get(m) for s in per_seed]) for m in METRICS},
+        "curve": {"round": rounds, "test_mean": mean, "test_std": std, "val_mean": vmean},
+        "bytes_up_per_client_round": statistics.mean(r["bytes_up_per_client_round"] for r in recs),
+        "bytes_down_per_client_round": statistics.mean(r["bytes_down_per_client_round"] for r in recs),
+        "wall_time_min": statistics.mean(r["wall_time_s"] for r in recs) / 60,
+        "cpu_time_min": (statistics.mean(r["cpu_time_s"] for r in recs) / 60
+                         if all(r.get("cpu_time_s") for r in recs) else None),
+        "projector": projector_schedule(recs),
+        "mechanism_digests": sorted({r["source"]["mechanism_digest"] for r in recs}),
+        "drift": {},
+    }
+    for key in _drift_keys(recs):
+        rounds_k, m, _ = _per_round_mean(recs, lambda x, key=key: x["diag"].get(key))
+        if rounds_k:
+            early = [v for k, v in zip(rounds_k, m) if k <= budget.last]
+            late = [v for k, v in zip(rounds_k, m) if k > budget.rounds - budget.last]
+            out["drift"][key] = {"round": rounds_k, "mean": m,
+                                 "first_rounds_mean": statistics.mean(early) if early else None,
+                                 "last_rounds_mean": statistics.mean(late) if late else None}
+    return out
+
+
+def _num(x) -> str:
+    return "—" if x is None else f"{x:.1f}"
+
+
+def _pct(x, digits: int = 1) -> str:
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{100 * x:.{digits}f}"
+
+
+def _fmt(metric: str, s: dict) -> str:
+    if s.get("mean") is None:
+        return "—"
+    scale = (lambda v: f"{v:.1f}") if metric.startswith("rounds") else (lambda v: _pct(v))
+    return scale(s["mean"]) + ("" if s.get("std") is None else f" ± {scale(s['std'])}")
+
+
+def report(plan: Plan) -> dict:
+    """``horizon.json``, ``horizon.md``, ``accuracy_<alpha>.png`` and ``drift_<alpha>.png`` in the
+    budget's results folder, from the cell JSONs alone (cells whose config is not the one the
+    stages would run now are left out and listed as missing)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    b = plan.budget
+    dest = b.results
+    level = iid_level(b)
+    target = None if level is None else 0.9 * level
+    result: dict = {"budget": {"name": b.name, "config": str(b.config.relative_to(ROOT)), "overrides": list(b.overrides),
+                               "rounds": b.rounds, "last_window": b.last, "stable_from": b.stable_from,
+                               "held_out_seeds": list(b.seeds), "probe_seed": b.probe_seed},
+                    "iid_reference": {"cell": iid_cell(b).key, "level": level, "target_90": target},
+                    "alphas": {}}
+    md = [f"# Issue 33 B: the study at the paper's horizon (R = {b.rounds})", "",
+          f"Budget `{b.name}`: `{result['budget']['config']}` with `{' '.join(b.overrides)}`. "
+          f"Accuracies in %, mean ± std over the held-out seeds {list(b.seeds)} (paired across rows); "
+          f"rates chosen on seed {b.probe_seed}'s validation split by the mean over the last {b.last} rounds.", "",
+          f"IID level (cell `{iid_cell(b).key}`, mean test accuracy over its last {b.last} rounds): {_pct(level)} %; "
+          f"90 % of it: {_pct(target)} %. \"Rounds to 90 %\": the first evaluated round at or above it; \"… and stays\": "
+          f"the first from which no later evaluated round falls below; not reached counts as {b.rounds + 1}.", ""]
+    every = []
+    for a in plan.alphas:
+        entry: dict = {"probe": {}, "rows": {}, "paired": {}, "missing": [], "not_run": []}
+        md += [f"## Dirichlet α = {a.split(':')[1]}", "", f"Probe (seed {b.probe_seed}; validation / test accuracy, "
+               f"mean over the last {b.last} rounds):", ""]
+        for row in plan.rows:
+            st = probe_state(b, row, a)
+            if not st["scores"]:
+                entry["not_run"].append(row)
+                continue
+            entry["missing"] += [c.key for c in st["todo"]]
+            entry["probe"][row] = {"grid": st["grid"], "widened": st["widened"], "choice": st["choice"],
+                                   "val_last": {rate_tag(k): v for k, v in sorted(st["scores"].items())},
+                                   "test_last": {rate_tag(k): v for k, v in sorted(st["test"].items())}}
+            cells = ", ".join(f"{rate_tag(lr)}: {_pct(st['scores'][lr])} / {_pct(st['test'][lr])}" for lr in sorted(st["scores"]))
+            note = f"; widened to {rate_tag(st['widened'])}" if st["widened"] else ""
+            md.append(f"- {row}: {cells or 'not run'}{note} → "
+                      f"{'**' + rate_tag(st['choice']) + '**' if st['choice'] else 'incomplete'}")
+            every += [r for lr in st["scores"] if (r := load_cell(b, CellSpec(a, row, lr, b.probe_seed), check=False))]
+            if st["choice"] is None:
+                continue
+            recs = []
+            for s in b.seeds:
+                c = CellSpec(a, row, st["choice"], s)
+                rec = load_cell(b, c)
+                (recs.append(rec) if rec else entry["missing"].append(c.key))
+            if recs:
+                entry["rows"][row] = row_report(b, recs, target)
+                every += recs
+        md += ["", f"| row | rate | seeds | last {b.last} | at val pick | rounds to 90 % | … and stays | std r ≥ "
+               f"{b.stable_from} | worst r > {b.stable_from} | up / down MiB per client-round | min per run (wall / CPU) |",
+               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for row, rr in entry["rows"].items():
+            s = rr["summary"]
+            md.append(f"| {row} | {rate_tag(rr['lr'])} | {len(rr['seeds'])} | " + " | ".join(_fmt(m, s[m]) for m in METRICS)
+                      + f" | {rr['bytes_up_per_client_round'] / 2**20:.2f} / {rr['bytes_down_per_client_round'] / 2**20:.2f}"
+                      f" | {rr['wall_time_min']:.1f} / {_num(rr['cpu_time_min'])} |")
+        md.append("")
+        for x, y in PAIRS:
+            if x in entry["rows"] and y in entry["rows"]:
+                px, py = entry["rows"][x]["per_seed"], entry["rows"][y]["per_seed"]
+                entry["paired"][f"{x}-{y}"] = {m: paired({s: v[m] for s, v in px.items() if m in v},
+                                                         {s: v[m] for s, v in py.items() if m in v}) for m in METRICS}
+        for name, by_metric in entry["paired"].items():
+            md.append(f"Paired {name.replace('-', ' − ')} (95 % intervals: paired t; bootstrap):")
+            md.append("")
+            for m, p in by_metric.items():
+                if p is None or p.get("std") is None:
+                    continue
+                pts = (lambda v: f"{v:+.1f}") if m.startswith("rounds") else (lambda v: f"{100 * v:+.1f}")
+                md.append(f"- {m}: {pts(p['mean'])} [{pts(p['t95'][0])}, {pts(p['t95'][1])}]; "
+                          f"[{pts(p['bootstrap95'][0])}, {pts(p['bootstrap95'][1])}] (seeds {p['seeds']}: "
+                          + ", ".join(pts(v) for v in p["diff"]) + ")")
+            md.append("")
+        for row, rr in entry["rows"].items():
+            drift = ", ".join(f"{k} {v['first_rounds_mean']:.3g} → {v['last_rounds_mean']:.3g}"
+                              for k, v in rr["drift"].items() if v["first_rounds_mean"] is not None and v["last_rounds_mean"] is not None)
+            if drift:
+                md.append(f"- drift, {row} (mean over seeds, rounds ≤ {b.last} → last {b.last}): {drift}")
+            pj = rr["projector"]
+            if pj:
+                seeded = ("" if "seeded_refreshes" not in pj else
+                          f"; seeded-basis refreshes: {pj['seeded_refreshes']} in {pj['client_rounds_with_seeded_basis']} client-rounds")
+                md.append(f"- projector, {row}: {pj['projector']}, τ = {pj['update_proj_gap']}, S = {pj['adaptive_proj_steps']} "
+                          f"({pj['adaptive_scope']}); local steps {pj['steps_min']}–{pj['steps_max']} over {pj['client_rounds']} "
+                          f"client-rounds → {pj['refreshes_min']}–{pj['refreshes_max']} refreshes per client-round{seeded}")
+            if len(rr["mechanism_digests"]) > 1:
+                md.append(f"- WARNING {row}: its seeds were made by different FedGaLore sources {rr['mechanism_digests']}")
+        if entry["missing"]:
+            md += ["", f"Missing cells ({len(entry['missing'])}): " + ", ".join(entry["missing"])]
+        md.append("")
+        result["alphas"][a] = entry
+        _figures(plt, dest, a, entry, target)
+    iid = load_cell(b, iid_cell(b), check=False)
+    problems = pairing_check(every + ([iid] if iid else []))
+    result["pairing"] = {"cells": len(every), "problems": problems}
+    md.append(f"Pairing: {len(every)} cells; " + ("every cell of an (α, seed) has the same partition and client samples"
+                                                   if not problems else "PROBLEMS: " + "; ".join(problems)))
+    _write_json(dest / "horizon.json", result)
+    (dest / "horizon.md").write_text("\n".join(md) + "\n")
+    return result
+
+
+def _figures(plt, dest: Path, alpha: str, entry: dict, target: float | None) -> None:
+    """Test accuracy per round (mean ± std band over seeds) and the drift diagnostics per round."""
+    rows = entry["rows"]
+    if not rows:
+        return
+    tag = _adir(alpha)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for i, (row, rr) in enumerate(rows.items()):
+        c = rr["curve"]
+        lo = [100 * (m - s) for m, s in zip(c["test_mean"], c["test_std"])]
+        hi = [100 * (m + s) for m, s in zip(c["test_mean"], c["test_std"])]
+        ax.plot(c["round"], [100 * m for m in c["test_mean"]], color=f"C{i}", label=f"{row} (lr {rate_tag(rr['lr'])})")
+        ax.fill_between(c["round"], lo, hi, color=f"C{i}", alpha=0.15)
+    if target is not None:
+        ax.axhline(100 * target, color="grey", ls="--", lw=0.8, label="90 % of the IID level")
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_title(f"Dirichlet α = {alpha.split(':')[1]}: mean ± std over held-out seeds")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    dest.mkdir(parents=True, exist_ok=True)
+    fig.savefig(dest / f"accuracy_{tag}.png", dpi=120)
+    plt.close(fig)
+    keys = list(dict.fromkeys(k for rr in rows.values() for k in rr["drift"]))
+    if not keys:
+        return
+    cols = min(3, len(keys))
+    fig, axes = plt.subplots(-(-len(keys) // cols), cols, figsize=(4.2 * cols, 3.2 * -(-len(keys) // cols)), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for i, (row, rr) in enumerate(rows.items()):
+            if key in rr["drift"]:
+                ax.plot(rr["drift"][key]["round"], rr["drift"][key]["mean"], color=f"C{i}", label=row)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("round")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=6)
+    fig.suptitle(f"Drift diagnostics, Dirichlet α = {alpha.split(':')[1]} (mean over held-out seeds)")
+    fig.tight_layout()
+    fig.savefig(dest / f"drift_{tag}.png", dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------- CLI
+def _alphas(text: str) -> list[str]:
+    out = []
+    for x in text.split(","):
+        try:
+            a = float(x)
+        except ValueError:
+            raise SystemExit(f"--alphas takes Dirichlet concentrations like 0.1,0.3; got {x!r}") from None
+        if not a > 0:
+            raise SystemExit(f"--alphas: {x} must be > 0")
+        out.append(f"dirichlet:{a:g}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=["horizon_probe", "horizon_seeds", "horizon_report"])
+    ap.add_argument("--rows", help=f"comma-separated rows (default: {','.join(MUST_ROWS)}; report: every row with results)")
+    ap.add_argument("--alphas", help="comma-separated Dirichlet alphas (default: 0.1,0.3)")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--dry-run", action="store_true", help="list the cells the stage would run, run nothing")
+    ap.add_argument("--quick", action="store_true", help="the tiny budget (tiny_text, 4 rounds, 2 rows, 1 alpha, 2 seeds)")
+    ap.add_argument("--root", type=Path, help="--quick only: write runs and results under this folder "
+                                               "(default benchmarks/runs/horizon_quick)")
+    a = ap.parse_args(argv)
+    if a.root is not None and not a.quick:
+        raise SystemExit("--root is for --quick runs only (the study writes to benchmarks/runs|results/horizon)")
+    budget = quick_budget((a.root or ROOT / "benchmarks" / "runs" / "horizon_quick").resolve()) if a.quick else FULL
+    if a.rows:
+        rows = a.rows.split(",")
+        bad = [r for r in rows if r not in ROWS]
+        if bad:
+            raise SystemExit(f"unknown row {bad[0]!r}; rows: {', '.join(ROWS)}")
+    else:
+        rows = list(QUICK_ROWS if a.quick else MUST_ROWS if a.stage != "horizon_report" else ROWS)
+    alphas = _alphas(a.alphas) if a.alphas else list(QUICK_ALPHAS if a.quick else [ALPHA_01, "dirichlet:0.3"])
+    if a.workers < 1:
+        raise SystemExit("--workers must be >= 1")
+    plan = Plan(budget, rows, alphas, a.workers, a.dry_run)
+    if a.stage == "horizon_report":
+        report(plan)
+        print(f"wrote {budget.results / 'horizon.md'}")
+        return 0
+    failed = (stage_probe if a.stage == "horizon_probe" else stage_seeds)(plan)
+    if failed:
+        print(f"not finished: {', '.join(failed)}; run the stage again to continue", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
