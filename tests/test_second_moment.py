@@ -9,6 +9,8 @@ from fedgalore.protocol import second_moment as sm
 from fedgalore.protocol.payload import MomentView
 from fedgalore.sync import synchronize_moments, synchronize_moments_many
 
+pytestmark = pytest.mark.isa  # numerically sensitive: make test runs it again with the CPU kernels forced down
+
 
 def _orth(n: int, r: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
