@@ -121,6 +121,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None
                               "the merged model, or --format peft --rank R to extract a rank-R LoRA adapter from W − W0")
     chosen = choose_round(run_dir, round, best)  # bad rounds fail before the model is built
     g = load_global_model(run_dir, round=chosen, task=task, method=method, device=device)
+    _require_transformers_model(g)
     if format == "hf" and getattr(getattr(g.model, "config", None), "quantization_config", None) is not None:
         raise ExportError("the run's model is quantised (task option load_in_4bit): merging adapters into it would "
                           "requantise them; export --format peft (the adapters on the quantised base) instead")
@@ -166,6 +167,18 @@ def _check_out(out: Path, force: bool, run_dir: Path) -> None:
         o, r = out.resolve(), run_dir.resolve()
         if o == r or o in r.parents:
             raise ExportError(f"--out {out} holds the run directory itself; --force would delete the run: choose another folder")
+
+
+def _require_transformers_model(g: GlobalModel) -> None:
+    """Export writes ``transformers`` models (``save_pretrained`` folders); a task of one's own with
+    another model class (docs/data.md, "A task of your own") is one line saying where its model is."""
+    from transformers import PreTrainedModel
+
+    inner = getattr(g.model, "get_base_model", lambda: g.model)()
+    if not isinstance(inner, PreTrainedModel):
+        raise ExportError(f"the run's model ({type(inner).__name__}) is not a transformers model, so there is no Hugging Face "
+                          f"folder to write; its global model: fedgalore.engine.global_model.load_global_model({str(g.run_dir)!r}, "
+                          "task=<the task object>).model")
 
 
 def _check(model: nn.Module, batch: dict[str, torch.Tensor], reference: torch.Tensor, strict: bool) -> float:
