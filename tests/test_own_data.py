@@ -177,6 +177,39 @@ output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
     same_metrics(run.task.evaluate(model, test, 64), run.summary["final"])
 
 
+def test_export_of_a_model_folder_converted_from_gguf(tmp_path, llama_dir):
+    """A folder converted from GGUF keeps GGUF's ``quantization_config`` in its config.json (the
+    offline SmolLM2's did) although its weights are dense fp32: the export is not refused as
+    quantised, and the exported config no longer claims GGUF."""
+    pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "converted"
+    shutil.copytree(llama_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"dequantize": False, "gguf_file": "model.Q4_1.gguf", "quant_method": "gguf"}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    write(pd.DataFrame(QA_ROWS), tmp_path / "qa.jsonl")
+    cfg = load_config_text(tmp_path, f"""\
+name: gguf
+task: {{name: causal_lm, options: {{model: {model_dir}, data: {tmp_path / 'qa.jsonl'}, prompt_column: q, response_column: a,
+        max_length: 32}}}}
+method: {{name: fedgalore, rank: 2}}
+federation: {{num_clients: 2, clients_per_round: 2, rounds: 1, partition: {{kind: iid}}}}
+train: {{lr: 1.0e-3, batch_size: 4, local_steps: 1}}
+output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
+""")
+    run = Run(cfg)
+    assert run.model.config.quantization_config is not None  # as the converted folder says
+    assert export_run(run.dir, tmp_path / "hf").check < 1e-5
+    assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+    torch.testing.assert_close(logits_of(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), run.batch), run.logits,
+                               atol=1e-5, rtol=0)
+
+
+QA_ROWS = [{"q": f"What is {a} plus {b}?", "a": f"{a + b}"} for a in range(4) for b in range(4)]
+
+
 def load_config_text(folder: Path, text: str):
     (folder / "run.yaml").write_text(text)
     return load_config(folder / "run.yaml")

@@ -122,7 +122,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None
     chosen = choose_round(run_dir, round, best)  # bad rounds fail before the model is built
     g = load_global_model(run_dir, round=chosen, task=task, method=method, device=device)
     _require_transformers_model(g)
-    if format == "hf" and getattr(getattr(g.model, "config", None), "quantization_config", None) is not None:
+    if format == "hf" and _quant_method(g.model) not in (None, "gguf"):
         raise ExportError("the run's model is quantised (task option load_in_4bit): merging adapters into it would "
                           "requantise them; export --format peft (the adapters on the quantised base) instead")
     batch = probe_batch(g.task, PROBE_EXAMPLES)
@@ -169,6 +169,17 @@ def _check_out(out: Path, force: bool, run_dir: Path) -> None:
             raise ExportError(f"--out {out} holds the run directory itself; --force would delete the run: choose another folder")
 
 
+def _quant_method(model: nn.Module) -> str | None:
+    """The ``quant_method`` of the model's ``config.quantization_config`` (None: none). ``gguf`` never
+    means quantised weights: transformers dequantises a GGUF file when it loads it, and the
+    ``quantization_config`` a converted folder keeps (the offline SmolLM2's) names the source file."""
+    q = getattr(getattr(model, "config", None), "quantization_config", None)
+    if q is None:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    return str(getattr(method, "value", method))
+
+
 def _require_transformers_model(g: GlobalModel) -> None:
     """Export writes ``transformers`` models (``save_pretrained`` folders); a task of one's own with
     another model class (docs/data.md, "A task of your own") is one line saying where its model is."""
@@ -209,6 +220,9 @@ def _write(g: GlobalModel, tmp: Path, out: Path, fmt: str, rank: int | None) -> 
 
     if fmt == "hf":
         model = merged_model(g.model)
+        if _quant_method(model) == "gguf":  # dense weights: a loader must not take the folder for a GGUF file
+            del model.config.quantization_config
+            model.hf_quantizer = None
         _set_labels(model, g.task)
         model.save_pretrained(str(tmp))
         return result(type(model).__name__)
