@@ -254,6 +254,7 @@ output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
     for fmt in ("hf", "peft"):
         res = export_run(run.dir, tmp_path / fmt, format=fmt)
         assert res.processor == "ViTImageProcessorPil" and res.check < 1e-5, fmt
+        assert 'images in mode "RGB" (3 channels)' in (tmp_path / fmt / "README.md").read_text()
         processor = AutoImageProcessor.from_pretrained(tmp_path / fmt)
         if fmt == "hf":
             model = AutoModelForImageClassification.from_pretrained(tmp_path / fmt)

@@ -116,6 +116,11 @@ def _load_snippet(g: GlobalModel, out: Path, fmt: str, model_class: str, process
         auto = ("AutoTokenizer" if "Tokenizer" in processor else
                 "AutoImageProcessor" if "ImageProcessor" in processor else "AutoProcessor")
         lines += [f"from transformers import {auto}", f'processor = {auto}.from_pretrained("{out}")  # {processor}']
+        channels = getattr(getattr(g.model, "config", None), "num_channels", None)
+        if auto == "AutoImageProcessor" and channels in (1, 3):  # the processor does not convert the mode itself
+            mode = "L" if channels == 1 else "RGB"
+            lines += [f'# images in mode "{mode}" ({channels} channel{"s" if channels > 1 else ""}), as the model was trained: '
+                      f'processor(PIL.Image.open(path).convert("{mode}"), return_tensors="pt")']
     return lines + ["```"]
 
 
