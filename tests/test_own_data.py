@@ -112,6 +112,7 @@ def test_text_export_loads_with_plain_transformers(site_run, tmp_path):
     out = tmp_path / "news-model"
     res = export_run(run.dir, out)
     assert res.processor == type(run.task.processor()).__name__ and res.check < 1e-5  # exported from another folder
+    assert json.loads((out / "fedgalore_identity.json").read_text()) == json.loads((run.dir / "identity.json").read_text())
     texts = [str(t) for t in run.task._rows["test"].data["body"]]
     gold = [str(t) for t in run.task._rows["test"].data["topic"]]
     logits, predicted = _plain_text_predictions(out, texts, max_length=16)  # raw text in: no fedgalore
@@ -125,9 +126,9 @@ def test_text_export_loads_with_plain_transformers(site_run, tmp_path):
 
 
 # ----------------------------------------------------------------------------- evaluate --data
-def test_evaluate_on_a_data_file(site_run, tmp_path, monkeypatch, capsys):
+def test_evaluate_on_a_data_file(site_run, tmp_path, capsys):
+    """From another working directory than the run's, whose config names news.csv relatively."""
     root, run = site_run
-    monkeypatch.chdir(root)  # the run's config names news.csv relative to where it ran
     out = tmp_path / "exported"
     export_run(run.dir, out)
     rows = news_rows(30, seed=7)

@@ -32,8 +32,9 @@ Every export is checked before it is put in place: the written folder is loaded 
 user loads it and its logits on a few test examples are compared with the run's global model
 (``hf`` and plain ``peft`` must agree to fp32 rounding; an extraction reports its difference).
 The folder also gets ``README.md`` (:mod:`~fedgalore.engine.model_card`), the run's config
-(``fedgalore_config.yaml``) and ``fedgalore_export.json``. It is written beside ``out`` and
-renamed into place: an export never leaves a half-written folder.
+(``fedgalore_config.yaml``), its identity (``fedgalore_identity.json``: the files it read) and
+``fedgalore_export.json``. It is written beside ``out`` and renamed into place: an export never
+leaves a half-written folder.
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ from fedgalore.engine.global_model import (
     run_config,
 )
 from fedgalore.engine.lora_extract import LoraFactors, lora_factors, total_error
-from fedgalore.engine.model_card import EXPORT_CONFIG, model_card
+from fedgalore.engine.identity import IDENTITY_FILE
+from fedgalore.engine.model_card import EXPORT_CONFIG, EXPORT_IDENTITY, model_card
 from fedgalore.methods.base import Method, available_methods, method_class
 from fedgalore.tasks.base import Task, quiet_transformers
 
@@ -142,6 +144,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None
             if reference is not None:
                 result.check = _check(load_exported(tmp, g.task), batch, reference, strict=rank is None)
         shutil.copyfile(run_dir / "config.yaml", tmp / EXPORT_CONFIG)
+        if (run_dir / IDENTITY_FILE).is_file():
+            shutil.copyfile(run_dir / IDENTITY_FILE, tmp / EXPORT_IDENTITY)
         _write_info(tmp, result)
         (tmp / "README.md").write_text(model_card(
             g, out, fmt=format, model_class=result.model_class, processor=result.processor, rank=rank,

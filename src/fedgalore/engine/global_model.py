@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
-from fedgalore.engine.identity import with_recorded_paths
+from fedgalore.engine.identity import IDENTITY_FILE, with_recorded_paths
 from fedgalore.engine.resolve import check_device, config_for_method
 from fedgalore.engine.rundir import saved_summary
 from fedgalore.engine.runtime import Runtime
@@ -132,7 +132,7 @@ def load_global_model(run_dir: str | Path, *, round: int | None = None, best: bo
     ``device``. ``task`` / ``method``: the objects the run was given instead of built from its
     config (``fedgalore.run(cfg, task=...)``), as for :func:`fedgalore.run`."""
     run_dir = Path(run_dir)
-    saved = with_recorded_paths(run_config(run_dir), run_dir)  # its data files, from any working directory
+    saved = with_recorded_paths(run_config(run_dir), run_dir / IDENTITY_FILE)  # its data files, from any working directory
     chosen = choose_round(run_dir, round, best)
     check_device(device)
     data = saved.to_dict()

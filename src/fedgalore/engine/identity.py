@@ -209,13 +209,14 @@ def write_identity(run_dir: Path, identity: RunIdentity) -> None:
     atomic_write_text(run_dir / IDENTITY_FILE, json.dumps(identity.to_json(), indent=1, sort_keys=True))
 
 
-def with_recorded_paths(cfg: FederatedConfig, run_dir: Path) -> FederatedConfig:
-    """``cfg`` (the saved config of the run in ``run_dir``) with every relative path among its task
-    options replaced by the absolute path the run read it from (``identity.json``'s ``inputs``), so
-    the run's task rebuilds from any working directory (``fedgalore export`` / ``evaluate`` of a
-    run started elsewhere). ``cfg`` itself when the run recorded no inputs."""
+def with_recorded_paths(cfg: FederatedConfig, identity_file: Path) -> FederatedConfig:
+    """``cfg`` (a run's saved config) with every relative path among its task options replaced by
+    the absolute path the run read it from (the ``inputs`` of its ``identity_file``: the run's
+    ``identity.json``, or the copy an export carries), so the run's task rebuilds from any working
+    directory (``fedgalore export`` / ``evaluate`` of a run started elsewhere). ``cfg`` itself when
+    the file is missing or recorded no inputs."""
     try:
-        inputs = json.loads((run_dir / IDENTITY_FILE).read_text()).get("inputs") or {}
+        inputs = json.loads(Path(identity_file).read_text()).get("inputs") or {}
     except (OSError, json.JSONDecodeError):
         return cfg
     out = FederatedConfig.from_dict(cfg.to_dict())

@@ -21,10 +21,12 @@ from fedgalore.engine.lora_extract import RANK_NOTES, LoraFactors
 from fedgalore.engine.rundir import saved_summary
 from fedgalore.tasks.base import TaskError
 
-__all__ = ["model_card", "recorded_inputs", "EXPORT_CONFIG"]
+__all__ = ["model_card", "recorded_inputs", "EXPORT_CONFIG", "EXPORT_IDENTITY"]
 
 #: the run's config.yaml, copied into an export (the card's reproduce command; ``fedgalore evaluate``)
 EXPORT_CONFIG = "fedgalore_config.yaml"
+#: the run's identity.json, copied into an export (where its data files are: ``fedgalore evaluate``)
+EXPORT_IDENTITY = "fedgalore_identity.json"
 
 
 def recorded_inputs(g: GlobalModel) -> tuple[list[dict[str, Any]], str]:
