@@ -71,6 +71,15 @@ def _one_line_error(capsys, argv: list[str]) -> str:
     return lines[0]
 
 
+QA_ROWS = [{"q": f"What is {a} plus {b}?", "a": f"{a + b}"} for a in range(4) for b in range(4)]
+
+
+def load_config_text(folder: Path, text: str):
+    """The config of the YAML ``text`` (saved in ``folder``, as a user writes it)."""
+    (folder / "run.yaml").write_text(text)
+    return load_config(folder / "run.yaml")
+
+
 @torch.no_grad()
 def _plain_text_predictions(folder: Path, texts: list[str], max_length: int) -> tuple[torch.Tensor, list[str]]:
     """Logits and predicted label names of ``texts`` by the folder alone, as a user runs it:
@@ -206,14 +215,6 @@ output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
     assert "quantization_config" not in json.loads((tmp_path / "hf" / "config.json").read_text())
     torch.testing.assert_close(logits_of(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), run.batch), run.logits,
                                atol=1e-5, rtol=0)
-
-
-QA_ROWS = [{"q": f"What is {a} plus {b}?", "a": f"{a + b}"} for a in range(4) for b in range(4)]
-
-
-def load_config_text(folder: Path, text: str):
-    (folder / "run.yaml").write_text(text)
-    return load_config(folder / "run.yaml")
 
 
 def _pets(root: Path, per_class: int = 8) -> Path:

@@ -213,8 +213,9 @@ def with_recorded_paths(cfg: FederatedConfig, identity_file: Path) -> FederatedC
     """``cfg`` (a run's saved config) with every relative path among its task options replaced by
     the absolute path the run read it from (the ``inputs`` of its ``identity_file``: the run's
     ``identity.json``, or the copy an export carries), so the run's task rebuilds from any working
-    directory (``fedgalore export`` / ``evaluate`` of a run started elsewhere). ``cfg`` itself when
-    the file is missing or recorded no inputs."""
+    directory (``fedgalore export`` / ``evaluate`` of a run started elsewhere); a recorded path that
+    no longer exists (a moved project) leaves the relative one. ``cfg`` itself when the file is
+    missing or recorded no inputs."""
     try:
         inputs = json.loads(Path(identity_file).read_text()).get("inputs") or {}
     except (OSError, json.JSONDecodeError):
@@ -232,7 +233,7 @@ def with_recorded_paths(cfg: FederatedConfig, identity_file: Path) -> FederatedC
             value = holder[last]
         except (KeyError, IndexError, TypeError, ValueError):
             continue
-        if isinstance(value, str) and not Path(value).expanduser().is_absolute():
+        if isinstance(value, str) and not Path(value).expanduser().is_absolute() and Path(fp["path"]).exists():
             holder[last] = fp["path"]
     return out
 
