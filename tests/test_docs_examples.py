@@ -57,6 +57,7 @@ def kind(cmd: str) -> str:
         (r"^pgrep -af flower-superlink$|^kill \$\(pgrep -f ", "flower"),
         (r"^python -m fedgalore\.flower \. myfed$|^flower-super(link|node) ", "deployment"),
         (r"^fedgalore (repro|bench) (?!--list)\S+", "long"),
+        (r"news\.yaml|runs/news-|exported/news", "own-data"),  # README "Your own data": test_readme_own_data_as_written
         (r"^fedgalore ", "cli"),
     ]
     for pattern, name in rules:
@@ -171,6 +172,64 @@ def test_readme_python_api_example(tmp_path, monkeypatch) -> None:
     exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the documentation's own example
     assert scope["result"].summary["rounds_completed"] == 2 and "accuracy" in scope["result"].summary["final"]
     assert set(scope["update"]) == {n for n, p in scope["model"].named_parameters() if p.ndim == 2}
+
+
+def _own_data_section() -> str:
+    text = (REPO / "README.md").read_text()
+    start = text.index("## Your own data")
+    return text[start:text.index("\n## ", start + 1)]
+
+
+def _bbc_news_csv(path: Path, per_topic: int = 12, sites: int = 3) -> None:
+    """``body, topic, site``: the first ``per_topic`` offline BBC News articles of each topic, one
+    site after another."""
+    import csv
+
+    from fedgalore.tasks.assets import bbc_news_dir
+
+    with open(path, "w", newline="") as fh:
+        out = csv.writer(fh)
+        out.writerow(["body", "topic", "site"])
+        for folder in sorted(p for p in bbc_news_dir().iterdir() if p.is_dir()):
+            for i, f in enumerate(sorted(folder.glob("*.txt"))[:per_topic]):
+                out.writerow([" ".join(f.read_text(errors="replace").split()), folder.name, f"site{i % sites}"])
+
+
+@pytest.mark.assets
+def test_readme_own_data_as_written(tmp_path, monkeypatch, capsys) -> None:
+    """README "Your own data": its YAML saved as news.yaml beside a 60-row news.csv (offline BBC
+    News, 3 sites), then its three commands as written: the run (clients = sites), the export and
+    the load with plain transformers in a fresh process."""
+    minilm_or_skip()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEDGALORE_CACHE", str(tmp_path / "cache"))  # the tokenised-set cache; MiniLM is a package
+    section = _own_data_section()
+    (yaml,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    assert len(yaml.strip().splitlines()) <= 15  # issue 31: the YAML a user copies
+    Path("news.yaml").write_text(yaml)
+    _bbc_news_csv(tmp_path / "news.csv")
+    cmds = [c for c in commands("README.md") if kind(c) == "own-data"]
+    assert len(cmds) == 3 and all(c in section for c in cmds)
+    for cmd in cmds:
+        argv = shlex.split(cmd)
+        if argv[0] == "fedgalore":
+            rc = main(argv[1:] + (["--progress", "quiet"] if argv[1] == "run" else []))
+            assert rc == 0, f"{cmd}\n{capsys.readouterr().err[-2000:]}"
+        else:
+            assert argv[:2] == ["python", "-c"], cmd
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # transformers alone, no fedgalore
+            done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, env=env, timeout=300)
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert done.stdout.strip().splitlines()[-1] == "{0: 'business', 1: 'entertainment', 2: 'politics', 3: 'sports', 4: 'tech'}"
+    run = tmp_path / "runs" / "news-fedgalore-naturalsite-s0"
+    import json
+
+    part = json.loads((run / "partition.json").read_text())
+    assert part["client_names"] == ["site0", "site1", "site2"] and sum(part["sizes"]) == 50  # round(0.2 · 12) = 2 per topic held out
+    rounds = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rounds] == [1, 2, 3]
+    exported = json.loads((tmp_path / "exported" / "news" / "fedgalore_export.json").read_text())
+    assert exported["round"] == 3 and exported["check_max_abs_logit_diff"] < 1e-4
 
 
 def test_cli_md_option_examples(tmp_path) -> None:

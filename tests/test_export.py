@@ -353,7 +353,9 @@ def test_glue_roberta_family(tmp_path):
     saved = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert saved("good film")["input_ids"] == tok("good film")["input_ids"]
     card = (tmp_path / "hf" / "README.md").read_text()
-    assert "| data_dir | sst2/ | " in card and "2 files; sha256 of the listing" in card and str(model_dir) in card
+    identity = json.loads((run.dir / "identity.json").read_text())["inputs"]  # the card's one source of the fingerprints
+    assert f"| task.options.data_dir | sst2/ | 2 files, {identity['task.options.data_dir']['bytes']:,} B | SHA-256 of the listing" in card
+    assert f"| task.options.model | roberta/ | " in card and identity["task.options.model"]["sha256"] in card and str(model_dir) in card
     assert f'AutoTokenizer.from_pretrained("{tmp_path / "hf"}")' in card
     export_run(run.dir, tmp_path / "ad", format="peft")
     peft_model = PeftModel.from_pretrained(run.task.build_model(), tmp_path / "ad")  # head: classifier.dense + out_proj
@@ -448,7 +450,8 @@ def test_metamath_causal_lm_family(tmp_path):
     card = (tmp_path / "hf" / "README.md").read_text()
     import hashlib
 
-    assert f"| data | mm.json | {(tmp_path / 'mm.json').stat().st_size:,} | sha256 `{hashlib.sha256((tmp_path / 'mm.json').read_bytes()).hexdigest()}` |" in card
+    digest = hashlib.sha256((tmp_path / "mm.json").read_bytes()).hexdigest()[:32]  # what `sha256sum mm.json` begins with
+    assert f"| task.options.data | mm.json | {(tmp_path / 'mm.json').stat().st_size:,} B | SHA-256 `{digest}` |" in card
     export_run(run.dir, tmp_path / "ad", format="peft")
     assert json.loads((tmp_path / "ad" / "adapter_config.json").read_text())["task_type"] == "CAUSAL_LM"
     peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama), tmp_path / "ad")

@@ -26,7 +26,8 @@ from torch import nn
 
 from fedgalore.engine.config import FederatedConfig, load_config
 from fedgalore.engine.global_model import ExportError, load_global_model
-from fedgalore.engine.model_card import EXPORT_CONFIG
+from fedgalore.engine.identity import with_recorded_paths
+from fedgalore.engine.model_card import EXPORT_CONFIG, EXPORT_IDENTITY
 from fedgalore.engine.resolve import check_device
 from fedgalore.tasks import get_task, task_class
 from fedgalore.tasks.base import Task, quiet_transformers
@@ -107,7 +108,8 @@ def evaluate(path: str | Path, cfg: FederatedConfig | None = None, *, data: str 
         g = load_global_model(path, device=device)
         model, source, own = g.model, f"run {path} round {g.round}", g.cfg
     else:
-        own = load_config(path / EXPORT_CONFIG) if (path / EXPORT_CONFIG).is_file() else None
+        own = with_recorded_paths(load_config(path / EXPORT_CONFIG), path / EXPORT_IDENTITY) \
+            if (path / EXPORT_CONFIG).is_file() else None
         model, source = None, f"folder {path}"
     cfg = cfg if cfg is not None else own
     if cfg is None:

@@ -32,8 +32,9 @@ Every export is checked before it is put in place: the written folder is loaded 
 user loads it and its logits on a few test examples are compared with the run's global model
 (``hf`` and plain ``peft`` must agree to fp32 rounding; an extraction reports its difference).
 The folder also gets ``README.md`` (:mod:`~fedgalore.engine.model_card`), the run's config
-(``fedgalore_config.yaml``) and ``fedgalore_export.json``. It is written beside ``out`` and
-renamed into place: an export never leaves a half-written folder.
+(``fedgalore_config.yaml``), its identity (``fedgalore_identity.json``: the files it read) and
+``fedgalore_export.json``. It is written beside ``out`` and renamed into place: an export never
+leaves a half-written folder.
 """
 from __future__ import annotations
 
@@ -59,7 +60,8 @@ from fedgalore.engine.global_model import (
     run_config,
 )
 from fedgalore.engine.lora_extract import LoraFactors, lora_factors, total_error
-from fedgalore.engine.model_card import EXPORT_CONFIG, model_card
+from fedgalore.engine.identity import IDENTITY_FILE
+from fedgalore.engine.model_card import EXPORT_CONFIG, EXPORT_IDENTITY, model_card
 from fedgalore.methods.base import Method, available_methods, method_class
 from fedgalore.tasks.base import Task, quiet_transformers
 
@@ -121,7 +123,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None
                               "the merged model, or --format peft --rank R to extract a rank-R LoRA adapter from W − W0")
     chosen = choose_round(run_dir, round, best)  # bad rounds fail before the model is built
     g = load_global_model(run_dir, round=chosen, task=task, method=method, device=device)
-    if format == "hf" and getattr(getattr(g.model, "config", None), "quantization_config", None) is not None:
+    _require_transformers_model(g)
+    if format == "hf" and _quant_method(g.model) not in (None, "gguf"):
         raise ExportError("the run's model is quantised (task option load_in_4bit): merging adapters into it would "
                           "requantise them; export --format peft (the adapters on the quantised base) instead")
     batch = probe_batch(g.task, PROBE_EXAMPLES)
@@ -141,6 +144,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None
             if reference is not None:
                 result.check = _check(load_exported(tmp, g.task), batch, reference, strict=rank is None)
         shutil.copyfile(run_dir / "config.yaml", tmp / EXPORT_CONFIG)
+        if (run_dir / IDENTITY_FILE).is_file():
+            shutil.copyfile(run_dir / IDENTITY_FILE, tmp / EXPORT_IDENTITY)
         _write_info(tmp, result)
         (tmp / "README.md").write_text(model_card(
             g, out, fmt=format, model_class=result.model_class, processor=result.processor, rank=rank,
@@ -166,6 +171,29 @@ def _check_out(out: Path, force: bool, run_dir: Path) -> None:
         o, r = out.resolve(), run_dir.resolve()
         if o == r or o in r.parents:
             raise ExportError(f"--out {out} holds the run directory itself; --force would delete the run: choose another folder")
+
+
+def _quant_method(model: nn.Module) -> str | None:
+    """The ``quant_method`` of the model's ``config.quantization_config`` (None: none). ``gguf`` never
+    means quantised weights: transformers dequantises a GGUF file when it loads it, and the
+    ``quantization_config`` a converted folder keeps (the offline SmolLM2's) names the source file."""
+    q = getattr(getattr(model, "config", None), "quantization_config", None)
+    if q is None:
+        return None
+    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    return str(getattr(method, "value", method))
+
+
+def _require_transformers_model(g: GlobalModel) -> None:
+    """Export writes ``transformers`` models (``save_pretrained`` folders); a task of one's own with
+    another model class (docs/data.md, "A task of your own") is one line saying where its model is."""
+    from transformers import PreTrainedModel
+
+    inner = getattr(g.model, "get_base_model", lambda: g.model)()
+    if not isinstance(inner, PreTrainedModel):
+        raise ExportError(f"the run's model ({type(inner).__name__}) is not a transformers model, so there is no Hugging Face "
+                          f"folder to write; its global model: fedgalore.engine.global_model.load_global_model({str(g.run_dir)!r}, "
+                          "task=<the task object>).model")
 
 
 def _check(model: nn.Module, batch: dict[str, torch.Tensor], reference: torch.Tensor, strict: bool) -> float:
@@ -196,6 +224,9 @@ def _write(g: GlobalModel, tmp: Path, out: Path, fmt: str, rank: int | None) -> 
 
     if fmt == "hf":
         model = merged_model(g.model)
+        if _quant_method(model) == "gguf":  # dense weights: a loader must not take the folder for a GGUF file
+            del model.config.quantization_config
+            model.hf_quantizer = None
         _set_labels(model, g.task)
         model.save_pretrained(str(tmp))
         return result(type(model).__name__)

@@ -2,7 +2,8 @@
 
 The round loop evaluates the global model as ``method.load_global(runtime.model, state)`` on the
 :class:`~fedgalore.engine.runtime.Runtime` its config builds (:meth:`Federation._evaluate`).
-:func:`load_global_model` does the same from a run directory: the saved ``config.yaml``, the
+:func:`load_global_model` does the same from a run directory: the saved ``config.yaml`` (its
+relative file paths read as the absolute ones its ``identity.json`` recorded), the
 checkpoint of the chosen round (:func:`choose_round`: a kept round, the newest, or the best
 validation round), the task and the method rebuilt from the config. It works on a finished, a
 stopped (checkpointed but not complete) and a resumed run alike: all three keep the same files.
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
+from fedgalore.engine.identity import IDENTITY_FILE, with_recorded_paths
 from fedgalore.engine.resolve import check_device, config_for_method
 from fedgalore.engine.rundir import saved_summary
 from fedgalore.engine.runtime import Runtime
@@ -130,7 +132,7 @@ def load_global_model(run_dir: str | Path, *, round: int | None = None, best: bo
     ``device``. ``task`` / ``method``: the objects the run was given instead of built from its
     config (``fedgalore.run(cfg, task=...)``), as for :func:`fedgalore.run`."""
     run_dir = Path(run_dir)
-    saved = run_config(run_dir)
+    saved = with_recorded_paths(run_config(run_dir), run_dir / IDENTITY_FILE)  # its data files, from any working directory
     chosen = choose_round(run_dir, round, best)
     check_device(device)
     data = saved.to_dict()

@@ -9,7 +9,8 @@ written to ``<run>/identity.json``, is
   method runs them: :func:`fedgalore.engine.resolve.method_options`) with its default filled in,
   so an option left out and the same option written with its default value are the same run, and
   anything else differs. ``output`` (where the run is written, the display, the checkpoint
-  cadence) does not count. A task object passed in code (``fedgalore.run(cfg, task=...)``) is
+  cadence) does not count, nor ``federation.num_clients`` of a ``natural`` partition (inferred
+  from the data, which counts). A task object passed in code (``fedgalore.run(cfg, task=...)``) is
   its class, name, the options it reports (:meth:`~fedgalore.tasks.Task.reported_options`), its
   ``describe()`` and fingerprints of its train, test and partition data
   (:func:`~fedgalore.tasks.fingerprint.data_fingerprint`); a method object, its class, name, rank
@@ -44,7 +45,7 @@ from fedgalore.tasks.fingerprint import data_fingerprint, fingerprint_path
 from fedgalore.typed import to_plain
 
 __all__ = ["CONFIG_SCHEMA", "IDENTITY_FILE", "RunIdentity", "Difference", "run_identity", "resolved_config", "saved_identity",
-           "compare_with_saved", "write_identity", "task_label", "summarize"]
+           "compare_with_saved", "write_identity", "with_recorded_paths", "task_label", "summarize"]
 
 #: the config schema version of this code (bump when a config value's meaning changes, its value not)
 CONFIG_SCHEMA = 1
@@ -146,6 +147,10 @@ def resolved_config(cfg: FederatedConfig, *, task: Task | None = None, method: M
     task / method object described as what it is, and ``output`` left out (module doc)."""
     d = cfg.to_dict()
     d.pop("output", None)
+    if cfg.federation.partition.kind == "natural":
+        # one client per value of the column: the count follows from the (fingerprinted) data, and a
+        # run records it filled in (config.yaml) while its config may leave it out or give it
+        d["federation"]["num_clients"] = None
     if task is not None:
         d["task"] = {
             "name": task.name,
@@ -202,6 +207,35 @@ def write_identity(run_dir: Path, identity: RunIdentity) -> None:
     from fedgalore.federated.checkpoint import atomic_write_text
 
     atomic_write_text(run_dir / IDENTITY_FILE, json.dumps(identity.to_json(), indent=1, sort_keys=True))
+
+
+def with_recorded_paths(cfg: FederatedConfig, identity_file: Path) -> FederatedConfig:
+    """``cfg`` (a run's saved config) with every relative path among its task options replaced by
+    the absolute path the run read it from (the ``inputs`` of its ``identity_file``: the run's
+    ``identity.json``, or the copy an export carries), so the run's task rebuilds from any working
+    directory (``fedgalore export`` / ``evaluate`` of a run started elsewhere); a recorded path that
+    no longer exists (a moved project) leaves the relative one. ``cfg`` itself when the file is
+    missing or recorded no inputs."""
+    try:
+        inputs = json.loads(Path(identity_file).read_text()).get("inputs") or {}
+    except (OSError, json.JSONDecodeError):
+        return cfg
+    out = FederatedConfig.from_dict(cfg.to_dict())
+    for label, fp in inputs.items():
+        keys = label.split(".")
+        if keys[:2] != ["task", "options"] or len(keys) < 3:
+            continue
+        try:
+            holder: Any = out.task.options
+            for k in keys[2:-1]:
+                holder = holder[int(k) if isinstance(holder, list) else k]
+            last: Any = int(keys[-1]) if isinstance(holder, list) else keys[-1]
+            value = holder[last]
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if isinstance(value, str) and not Path(value).expanduser().is_absolute() and Path(fp["path"]).exists():
+            holder[last] = fp["path"]
+    return out
 
 
 def task_label(cfg: FederatedConfig, identity: RunIdentity | None) -> str:

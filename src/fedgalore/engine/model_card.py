@@ -1,66 +1,69 @@
 """The ``README.md`` model card of an exported run (``fedgalore export``; docs/export.md).
 
-It states what the folder holds and how it was made: method, task, base model, the data files
-the task options name (file name, size and SHA-256 of the content — never the data), the
-partition, the rounds, the metrics at the exported round and at the run's end, the bytes sent up
-and down until that round (the run's ledger), how to load the folder, the low-rank extraction's
-error per matrix (``--rank``), and the command that reproduces the run from its saved config.
+It states what the folder holds and how it was made: method, task, base model, the model and
+data files the run read (name, size and the fingerprint its identity recorded when it started —
+never the data), the partition, the rounds, the metrics at the exported round and at the run's
+end, the bytes sent up and down until that round (the run's ledger), how to load the folder, the
+low-rank extraction's error per matrix (``--rank``), and the command that reproduces the run from
+its saved config.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import statistics
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from fedgalore.engine.config import ConfigError
 from fedgalore.engine.global_model import GlobalModel
+from fedgalore.engine.identity import IDENTITY_FILE, run_identity
 from fedgalore.engine.lora_extract import RANK_NOTES, LoraFactors
 from fedgalore.engine.rundir import saved_summary
+from fedgalore.tasks.base import TaskError
 
-__all__ = ["model_card", "input_files", "EXPORT_CONFIG"]
+__all__ = ["model_card", "recorded_inputs", "EXPORT_CONFIG", "EXPORT_IDENTITY"]
 
 #: the run's config.yaml, copied into an export (the card's reproduce command; ``fedgalore evaluate``)
 EXPORT_CONFIG = "fedgalore_config.yaml"
-
-#: task options that name the pretrained model rather than data (listed as the base model, not hashed)
-_MODEL_KEYS = ("model", "model_path", "checkpoint", "tokenizer")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+#: the run's identity.json, copied into an export (where its data files are: ``fedgalore evaluate``)
+EXPORT_IDENTITY = "fedgalore_identity.json"
 
 
-def input_files(options: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The data files and folders the task options name (string values that are existing paths,
-    at any depth; options naming the model are skipped): a file with its size and the SHA-256 of
-    its content; a folder with its file count, total size and the SHA-256 of its listing
-    (relative names and sizes — hashing every image of a data set would take minutes)."""
-    out: list[dict[str, Any]] = []
+def recorded_inputs(g: GlobalModel) -> tuple[list[dict[str, Any]], str]:
+    """The model and data files the run read, as its identity recorded them when it started
+    (``identity.json``'s ``inputs``: :func:`fedgalore.engine.identity.run_identity`, fingerprints
+    by :func:`fedgalore.tasks.fingerprint.fingerprint_path`) — one source of truth with the check
+    that refuses to mix runs on changed files; plus, for a task object passed in code, the digests
+    of its in-memory examples. Each entry: ``label`` and the fingerprint's fields (``path`` absent
+    for in-memory data). A run written before identities is fingerprinted now (``run_identity``
+    of its config), and the returned sentence says which."""
+    try:
+        saved = json.loads((g.run_dir / IDENTITY_FILE).read_text())
+        inputs, config, when = saved.get("inputs") or {}, saved.get("config") or {}, "when the run started"
+    except (OSError, json.JSONDecodeError):
+        try:
+            identity = run_identity(g.cfg)
+            inputs, config = identity.inputs or {}, identity.config
+        except (ConfigError, TaskError):
+            inputs, config = {}, {}
+        when = f"at export (the run has no {IDENTITY_FILE}: it predates run identities)"
+    out = [{"label": label, **fp} for label, fp in sorted(inputs.items())]
+    for split, digest in sorted(((config.get("task") or {}).get("data") or {}).items()):
+        out.append({"label": f"task.data.{split}", "kind": "examples", "sha256": digest})
+    return out, when
 
-    def walk(key: str, value: Any) -> None:
-        if isinstance(value, Mapping):
-            for k, v in value.items():
-                walk(f"{key}.{k}" if key else str(k), v)
-        elif isinstance(value, (list, tuple)):
-            for i, v in enumerate(value):
-                walk(f"{key}[{i}]", v)
-        elif isinstance(value, str) and value and key.split(".")[0] not in _MODEL_KEYS:
-            p = Path(value).expanduser()
-            if p.is_file():
-                out.append({"option": key, "name": p.name, "bytes": p.stat().st_size, "sha256": _sha256(p)})
-            elif p.is_dir():
-                files = sorted(f for f in p.rglob("*") if f.is_file())
-                listing = "".join(f"{f.relative_to(p)}\t{f.stat().st_size}\n" for f in files)
-                out.append({"option": key, "name": p.name + "/", "bytes": sum(f.stat().st_size for f in files),
-                            "files": len(files), "listing_sha256": hashlib.sha256(listing.encode()).hexdigest()})
 
-    walk("", dict(options))
-    return out
+def _input_row(f: Mapping[str, Any]) -> str:
+    """One table row of :func:`recorded_inputs`' entry ``f``."""
+    if f["kind"] == "examples":
+        return f"| {f['label']} | (in memory) | | digest of the examples `{f['sha256']}` |"
+    name = Path(f["path"]).name
+    if f["kind"] == "folder":
+        unhashed = f" ({f['unhashed']} of them by name and size only)" if f.get("unhashed") else ""
+        return (f"| {f['label']} | {name}/ | {f['files']:,} files, {f['bytes']:,} B | SHA-256 of the listing (names, sizes, "
+                f"hashes){unhashed} `{f['sha256']}` |")
+    how = "SHA-256" if f.get("hash") == "full" else "sampled SHA-256 (size, head and blocks)"
+    return f"| {f['label']} | {name} | {f['size']:,} B | {how} `{f['sha256']}` |"
 
 
 def _fmt(value: Any) -> str:
@@ -115,6 +118,11 @@ def _load_snippet(g: GlobalModel, out: Path, fmt: str, model_class: str, process
         auto = ("AutoTokenizer" if "Tokenizer" in processor else
                 "AutoImageProcessor" if "ImageProcessor" in processor else "AutoProcessor")
         lines += [f"from transformers import {auto}", f'processor = {auto}.from_pretrained("{out}")  # {processor}']
+        channels = getattr(getattr(g.model, "config", None), "num_channels", None)
+        if auto == "AutoImageProcessor" and channels in (1, 3):  # the processor does not convert the mode itself
+            mode = "L" if channels == 1 else "RGB"
+            lines += [f'# images in mode "{mode}" ({channels} channel{"s" if channels > 1 else ""}), as the model was trained: '
+                      f'processor(PIL.Image.open(path).convert("{mode}"), return_tensors="pt")']
     return lines + ["```"]
 
 
@@ -146,16 +154,14 @@ def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, process
              f"| rounds | {g.round} exported; {done} completed of {total_rounds} configured |"]
     if "cum_bytes_up" in record:
         lines.append(f"| communication to round {g.round} | up {record['cum_bytes_up']:,} B, down {record['cum_bytes_down']:,} B |")
-    lines += ["", "## Data", ""]
-    files = input_files(cfg.task.options)
+    lines += ["", "## Data and model files", ""]
+    files, when = recorded_inputs(g)
     if files:
-        lines += ["| task option | file | bytes | checksum |", "|---|---|---|---|"]
-        for f in files:
-            check_sum = (f"sha256 `{f['sha256']}`" if "sha256" in f
-                         else f"{f['files']} files; sha256 of the listing `{f['listing_sha256']}`")
-            lines.append(f"| {f['option']} | {f['name']} | {f['bytes']:,} | {check_sum} |")
+        lines += [f"What the run read, fingerprinted {when} (SHA-256 digests cut to 32 hex digits; no data is "
+                  "copied here):", "", "| input | name | size | fingerprint |", "|---|---|---|---|"]
+        lines += [_input_row(f) for f in files]
     else:
-        lines.append(f"The task's own data (no data file in its options): {desc.get('n_train', '?')} training and "
+        lines.append(f"The task's own data (no file recorded): {desc.get('n_train', '?')} training and "
                      f"{desc.get('n_test', '?')} test examples.")
     if desc.get("labels"):
         lines += ["", f"Labels: {', '.join(map(str, desc['labels']))}."]

@@ -200,6 +200,8 @@ def smollm2_path() -> Path:
     tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=SMOLLM2_GGUF)
     model = LlamaForCausalLM(src.config)
     model.load_state_dict(src.state_dict())
+    if hasattr(model.config, "quantization_config"):  # the GGUF source's, not these dense fp32 weights'
+        del model.config.quantization_config
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)

@@ -26,6 +26,7 @@ import math
 import re
 import string
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -119,10 +120,8 @@ class GenericCausalLMTask(FileTask, CausalLMTask):
     def __init__(self, options: CausalLMOptions | None = None, /, **fields: Any) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from fedgalore.tasks.assets import smollm2_path
-
         self.options = opts = options if options is not None else CausalLMOptions(**fields)
-        self.model_id = opts.model or str(smollm2_path())
+        self.model_id = opts.model or str(self.default_model())
         config = load_config(self.model_id)
         require_tokenizer_files(self.model_id)
         try:
@@ -156,6 +155,14 @@ class GenericCausalLMTask(FileTask, CausalLMTask):
 
         self.model_type = config.model_type
         self.target_modules = pick_target_modules(skeleton(AutoModelForCausalLM, config), config.model_type, opts.target_modules)
+
+    @staticmethod
+    def default_model() -> Path:
+        """The offline SmolLM2-135M-Instruct folder (:func:`fedgalore.tasks.assets.smollm2_path`;
+        converted from the packaged GGUF file on first use)."""
+        from fedgalore.tasks.assets import smollm2_path
+
+        return smollm2_path()
 
     # ------------------------------------------------------------------ data
     @staticmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -49,6 +50,18 @@ class FileTask:
 
     name: str
     _rows: dict[str, Rows]
+
+    @staticmethod
+    def default_model() -> Path:
+        """The task's offline model folder, read when ``task.options.model`` is null."""
+        raise NotImplementedError
+
+    @classmethod
+    def input_paths(cls, options: FileTaskOptions | None) -> dict[str, Path]:
+        """The default model folder (:meth:`default_model`) when ``task.options.model`` is null; the
+        model and data paths the options name are fingerprinted from the options themselves
+        (:mod:`fedgalore.engine.identity`)."""
+        return {} if getattr(options, "model", None) else {"model": cls.default_model()}
 
     def _read_rows(self, opts: FileTaskOptions, required: Sequence[tuple[str, str, str]]) -> dict[str, Rows]:
         """Every split's rows as read (:func:`~fedgalore.tasks.generic.data.load_sources`), the

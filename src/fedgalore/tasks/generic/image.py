@@ -120,7 +120,7 @@ class GenericImageClassificationTask(FileTask, ImageClassificationTask):
         from transformers import AutoModelForImageClassification
 
         self.options = opts = options if options is not None else ImageClassificationOptions(**fields)
-        self.model_id = opts.model or self._offline_vit()
+        self.model_id = opts.model or str(self.default_model())
         self.seed = opts.seed
         config = load_config(self.model_id)
         raw = self._read_rows(opts, [(opts.label_column, "label_column", "label")])
@@ -146,7 +146,9 @@ class GenericImageClassificationTask(FileTask, ImageClassificationTask):
         self.model_type = config.model_type
 
     @staticmethod
-    def _offline_vit() -> str:
+    def default_model() -> Path:
+        """The offline tiny ViT folder (:func:`fedgalore.tasks.pretrain_vit.pretrained_vit_dir`);
+        an :class:`~fedgalore.tasks.assets.AssetError` saying how to make it when it is absent."""
         from fedgalore.tasks.assets import AssetError
         from fedgalore.tasks.pretrain_vit import pretrained_vit_dir
 
@@ -154,7 +156,7 @@ class GenericImageClassificationTask(FileTask, ImageClassificationTask):
         if not (d / "model.safetensors").is_file():
             raise AssetError(f"the offline tiny ViT is not in {d}; run `python -m fedgalore.tasks.pretrain_vit` "
                              "(a few minutes on CPU), or set task.options.model")
-        return str(d)
+        return d
 
     def _processor(self, config: Any) -> Any:
         """The checkpoint's image processor; for a local folder without one, a ViT processor
@@ -179,6 +181,10 @@ class GenericImageClassificationTask(FileTask, ImageClassificationTask):
 
     def validation_set(self) -> ImageExamples | None:
         return self._sets.get("validation")
+
+    def processor(self) -> Any:
+        """The image processor the images are preprocessed with (saved with an export)."""
+        return self.image_processor
 
     def partition_labels(self) -> np.ndarray:
         return np.asarray(self._train.labels)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -85,10 +86,8 @@ class GenericTextClassificationTask(FileTask, TextClassificationTask):
     def __init__(self, options: TextClassificationOptions | None = None, /, **fields: Any) -> None:
         from transformers import AutoModelForSequenceClassification
 
-        from fedgalore.tasks.assets import minilm_path
-
         self.options = opts = options if options is not None else TextClassificationOptions(**fields)
-        self.model_id = model = opts.model or str(minilm_path())
+        self.model_id = model = opts.model or str(self.default_model())
         config = load_config(model)
         require_tokenizer_files(model)
         text_option = "text_columns" if opts.text_columns else "text_column"
@@ -132,6 +131,13 @@ class GenericTextClassificationTask(FileTask, TextClassificationTask):
                          metrics=("mse", "pearson", "spearman") if regression else ("accuracy", "macro_f1"),
                          partition_bins=edges, cache_key=key)
         self._validation: TokenizedDataset | None = None
+
+    @staticmethod
+    def default_model() -> Path:
+        """The offline MiniLM-L6 folder (:func:`fedgalore.tasks.assets.minilm_path`)."""
+        from fedgalore.tasks.assets import minilm_path
+
+        return minilm_path()
 
     # ------------------------------------------------------------------ data
     def _examples(self, split: str) -> TextExamples:
