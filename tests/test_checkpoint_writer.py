@@ -185,3 +185,26 @@ def test_checkpoint_settings_are_checked():
                      ({"checkpoint_budget": 0}, "checkpoint_budget")):
         with pytest.raises(ConfigError, match=msg):
             FederatedConfig.from_dict({"output": bad})
+
+
+def test_wait_survives_a_start_interrupted_before_the_thread_started(tmp_path, monkeypatch):
+    """A KeyboardInterrupt inside ``Thread.start()`` (seen under load: the run's Ctrl-C arrived
+    while the checkpoint thread was starting) left a thread object ``join`` refuses; ``wait``
+    must not turn that into a RuntimeError — a thread that starts late is joined, one that never
+    starts wrote nothing."""
+    import threading
+
+    from fedgalore.federated.checkpoint import CheckpointWriter
+
+    w = CheckpointWriter(tmp_path, keep=1)
+    monkeypatch.setattr(CheckpointWriter, "START_GRACE_S", 0.05)
+    w._thread = threading.Thread(target=lambda: None)  # created, never started
+    w.wait()
+    assert w._thread is None
+    ran = []
+    late = threading.Thread(target=lambda: ran.append(1))
+    w._thread = late
+    threading.Timer(0.01, late.start).start()  # starts while wait() is retrying
+    monkeypatch.setattr(CheckpointWriter, "START_GRACE_S", 5.0)
+    w.wait()
+    assert ran == [1]

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,9 @@ class CheckpointWriter:
     the background thread too (the round loop's choice: its thread then spends milliseconds per
     checkpoint, and waits, if at all, before the next aggregation changes the state)."""
 
+    #: seconds :meth:`wait` gives a thread whose ``start()`` was interrupted to report it started
+    START_GRACE_S = 5.0
+
     def __init__(self, run_dir: Path, keep: int = 2, background: bool = True) -> None:
         self.root = Path(run_dir) / "checkpoints"
         self.keep = int(keep)
@@ -114,9 +118,22 @@ class CheckpointWriter:
             write_safetensors(fh, tensors)
 
     def wait(self) -> None:
-        """Block until the pending checkpoint is durable; raise its error, if any."""
+        """Block until the pending checkpoint is durable; raise its error, if any.
+
+        A ``KeyboardInterrupt`` can arrive inside ``Thread.start()`` itself, before the new thread
+        says it started; ``join`` then refuses. The thread is given a few seconds to start (it
+        then finishes the checkpoint); one that never started wrote nothing, and the previous
+        checkpoint stays the newest."""
         if self._thread is not None:
-            self._thread.join()
+            deadline = time.monotonic() + self.START_GRACE_S
+            while True:
+                try:
+                    self._thread.join()
+                    break
+                except RuntimeError:  # "cannot join thread before it is started"
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.01)
             self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
