@@ -133,14 +133,20 @@ def test_run_and_resume_compare_identities(tmp_path, capsys) -> None:
                                           r"'aligned' -> 'paper'"):
         fedgalore.run(load_config(path, ["method.options.moment_protocol=paper"]), resume=base)
 
-    # a run directory from before identities: judged by its config.yaml with defaults filled in
+    # a run directory from before identities: judged by its config.yaml with defaults filled in —
+    # of a method whose rule did not change since (FedGaLore⁻; FedGaLore's did: issue 33, below)
+    minus = ["method.name=fedgalore_minus"]
+    assert cli(capsys, "run", "--config", path, *minus)[0] == 0
+    old = base.with_name(base.name.replace("fedgalore", "fedgalore_minus"))
+    (old / IDENTITY_FILE).unlink()
+    rc, _, err = cli(capsys, "run", "--config", path, *minus, "method.options.sync=ajive")  # minus pins none anyway
+    assert rc == 2 and f"{old} already holds this run" in err and "(note: " in err and "written before run identities" in err
+    rc, out, _ = cli(capsys, "run", "--resume", str(old))  # complete: returned as is, with the note
+    assert rc == 0 and "note: " in out and "written before run identities" in out and not (old / IDENTITY_FILE).exists()
+    # a FedGaLore run from before identities ran the rule before issue 33's fixes: not this version's run
     (base / IDENTITY_FILE).unlink()
-    rc, _, err = cli(capsys, "run", "--config", path, "method.options.sync=ajive")
-    assert rc == 2 and "already holds this run" in err and "(note: " in err and "written before run identities" in err
-    rc, _, err = cli(capsys, "run", "--config", path, "task.options.seed=9")  # another run than it: -2 holds this one
-    assert rc == 2 and f"{base}-2 already holds this run" in err
-    rc, out, _ = cli(capsys, "run", "--resume", str(base))  # complete: returned as is, with the note
-    assert rc == 0 and "note: " in out and "written before run identities" in out and not (base / IDENTITY_FILE).exists()
+    with pytest.raises(ConfigError, match=r"method\.behaviour: 1 -> 2"):
+        fedgalore.run(load_config(path), resume=base)
 
 
 def _tiny_bert(folder: Path, seed: int) -> None:
@@ -234,10 +240,10 @@ def test_compare_skips_only_cells_of_the_same_identity(tmp_path, capsys) -> None
     assert [r["run_dir"] for r in comp["runs"]] == ["runs/fedgalore-iid-s0"]  # the old run is never reported
     assert json.loads((cell / IDENTITY_FILE).read_text())["config"]["method"]["options"]["moment_protocol"] == "paper"
 
-    # a cell from before identities: skipped when its config.yaml matches, said once
+    # a FedGaLore cell from before identities ran the rule before issue 33's fixes: refused, naming it
     (cell / IDENTITY_FILE).unlink()
-    rc, text, _ = cli(capsys, *argv, "method.options.moment_protocol=paper")
-    assert rc == 0 and "complete, skipped" in text and "1 finished or started cell(s)" in text
+    rc, _, err = cli(capsys, *argv, "method.options.moment_protocol=paper")
+    assert rc == 2 and "fedgalore-iid-s0 (method.behaviour: 1 -> 2)" in err
 
 
 # ----------------------------------------------------------------------------- a task object in code
@@ -269,3 +275,22 @@ def test_a_task_object_is_recorded_as_what_it_is(tmp_path, capsys) -> None:
                         "which the config cannot rebuild") in err
     moved = fedgalore.run(cfg, task=other)
     assert moved.run_dir == run_dir.with_name(run_dir.name + "-2")
+
+
+def test_a_method_whose_rule_was_fixed_is_not_the_same_run(tmp_path) -> None:
+    """Issue 33 changed what FedGaLore computes for the same options (paper mode as written, the
+    cold cap, evidence pooling): a FedGaLore run saved without a behaviour version (every run made
+    before) differs from this version's (``method.behaviour: 1 -> 2``); FedGaLore⁻ and FedAvg-Full,
+    whose results did not change, do not."""
+    import yaml
+
+    from fedgalore.engine.identity import compare_with_saved, run_identity
+
+    for method, differs in (("fedgalore", True), ("fedgalore_minus", False), ("fedavg_full", False)):
+        cfg = load_config(tiny_config(tmp_path), [f"method.name={method}"])
+        old = tmp_path / f"old-{method}"
+        old.mkdir()
+        (old / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))  # a run directory from before identities
+        diffs, note = compare_with_saved(old, run_identity(cfg))
+        assert [str(d) for d in diffs] == (["method.behaviour: 1 -> 2"] if differs else []), method
+        assert note and "before run identities" in note

@@ -14,7 +14,10 @@ written to ``<run>/identity.json``, is
   its class, name, the options it reports (:meth:`~fedgalore.tasks.Task.reported_options`), its
   ``describe()`` and fingerprints of its train, test and partition data
   (:func:`~fedgalore.tasks.fingerprint.data_fingerprint`); a method object, its class, name, rank
-  and options;
+  and options. The method's behaviour version (:attr:`~fedgalore.methods.base.Method.behaviour`)
+  counts too, so a run of a method whose rule was fixed since (FedGaLore before issue 33's
+  second-moment fixes) is not taken for this version's; a saved run that did not record it ran
+  version 1;
 * ``inputs`` — fingerprints (:func:`~fedgalore.tasks.fingerprint.fingerprint_path`: names, sizes,
   content hashes, sampled for big files) of what the task reads: every task option (at any depth)
   whose value names an existing file or folder, and what the task reads when no option names it
@@ -39,7 +42,7 @@ import numpy as np
 
 from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
 from fedgalore.engine.resolve import method_options
-from fedgalore.methods.base import Method, available_methods
+from fedgalore.methods.base import Method, available_methods, method_class
 from fedgalore.tasks import Task, TaskError, parse_task_options, resolved_task_options, task_class
 from fedgalore.tasks.fingerprint import data_fingerprint, fingerprint_path
 from fedgalore.typed import to_plain
@@ -164,9 +167,10 @@ def resolved_config(cfg: FederatedConfig, *, task: Task | None = None, method: M
         d["task"]["options"] = resolved_task_options(cfg.task.name, cfg.task.options)
     if method is not None:
         d["method"] = {"name": method.name, "object": f"{type(method).__module__}:{type(method).__qualname__}",
-                       "rank": method.rank, "options": to_plain(method.options)}
+                       "rank": method.rank, "options": to_plain(method.options), "behaviour": type(method).behaviour}
     elif cfg.method.name in available_methods():
         d["method"]["options"] = to_plain(method_options(cfg))
+        d["method"]["behaviour"] = method_class(cfg.method.name).behaviour
     return json.loads(json.dumps(d, default=str))
 
 
@@ -179,6 +183,8 @@ def saved_identity(run_dir: Path) -> RunIdentity:
         now = resolved_config(cfg)
     except (ConfigError, TaskError) as exc:
         raise ConfigError(f"its config.yaml does not load with this version ({exc})") from None
+    if "behaviour" in now.get("method", {}):
+        now["method"]["behaviour"] = 1  # a run that did not record it ran a method's first version
     path = run_dir / IDENTITY_FILE
     if not path.is_file():
         note = (f"{run_dir} was written before run identities (no {IDENTITY_FILE}): its config.yaml is compared "

@@ -71,6 +71,10 @@ class Method(abc.ABC):
     summary: ClassVar[str] = ""
     #: the method's options (a :class:`MethodOptions` dataclass; the base has none)
     options_class: ClassVar[type[MethodOptions]] = MethodOptions
+    #: what the method computes, versioned: bumped when the same options give another result (a
+    #: fixed rule), so a run made before is not taken for this method's run
+    #: (:mod:`fedgalore.engine.identity`; a run recorded without it counts as version 1)
+    behaviour: ClassVar[int] = 1
 
     #: whether ``train.scaffold`` applies: the server parameters are exactly the dense tensors the
     #: clients train (:meth:`scaffold_params`), so a control variate per parameter makes sense

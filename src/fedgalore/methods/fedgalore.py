@@ -159,6 +159,9 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
     name = "fedgalore"
     summary = "GaLore-AdamW clients (seeded SVD→random projectors) + FedAvg + AJIVE sync of projected second moments"
     options_class = FedGaLoreOptions
+    #: 2: issue 33 — paper mode is Algorithm 1 as written, the aligned mode caps steps at the cold
+    #: start's, the server pools estimates by their evidence
+    behaviour = 2
     default_sync = "ajive"
     #: variants pin their sync mode; a ``sync`` option from a shared config does not override it
     fixed_sync: str | None = None
@@ -419,6 +422,7 @@ class FedGaLoreMinus(FedGaLore):
     name = "fedgalore_minus"
     summary = "FedGaLore without second-moment synchronisation (paper's FedGaLore⁻ ablation)"
     fixed_sync = "none"
+    behaviour = 1  # the second-moment fixes of issue 33 touch only the synchronised state: unchanged
 
 
 @register
