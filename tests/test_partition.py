@@ -200,7 +200,7 @@ def test_parse_setting():
 
 
 def test_partition_config_validation():
-    with pytest.raises(PartitionError, match="kind must be one of iid, dirichlet, natural, pathological, shards, quantity"):
+    with pytest.raises(PartitionError, match="kind must be one of iid, dirichlet, natural, files, pathological, shards, quantity, nodes"):
         PartitionConfig(kind="sharded")
     with pytest.raises(PartitionError, match="alpha"):
         PartitionConfig(kind="dirichlet", alpha=0)

@@ -37,10 +37,12 @@ __all__ = ["evaluate_clients", "summarize_clients"]
 def evaluate_clients(task: Task, model: nn.Module, train_data: Sequence[Any], clients: Clients,
                      batch_size: int) -> dict[str, dict[str, float]]:
     """``{client name: {"n": held-out examples, metric: value, ...}}`` of ``model`` on every
-    client's held-out part (``clients.test_parts``)."""
+    client's held-out part (``clients.test_parts``; with per-site data each site's own test
+    rows, ``clients.test_split``)."""
     out = {}
+    data = task.test_set() if clients.test_split else train_data
     for j, idx in enumerate(clients.test_parts or []):
-        metrics = task.evaluate(model, subset_examples(train_data, idx), batch_size)
+        metrics = task.evaluate(model, subset_examples(data, idx), batch_size)
         out[clients.name(j)] = {"n": int(len(idx)), **{k: float(v) for k, v in metrics.items()}}
     return out
 

@@ -13,7 +13,9 @@ without training) both call it, so the preview is the run's split. In order:
    categories — or, for ``natural``, over the client column;
 4. ``federation.client_eval``: each client's share split into its training part and a held-out
    part of ``federation.client_test_fraction``, stratified by category within the client (seed
-   :func:`~fedgalore.federated.seeding.client_test_seed` and the client id).
+   :func:`~fedgalore.federated.seeding.client_test_seed` and the client id). With per-site data
+   (``partition.kind: files``) nothing is held out: each site's own test rows are its evaluation
+   set (``test_split`` True), always — what a deployment's sites evaluate on.
 
 :func:`resolve_clients` fills ``federation.num_clients`` in when the partition infers it
 (``natural``) and checks the participation settings against the real count.
@@ -28,6 +30,8 @@ import numpy as np
 
 from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.federated.partition import make_partition
+from fedgalore.federated.partitioners import infers_clients
+from fedgalore.federated.partitioners.nodes import NODES_ONLY
 from fedgalore.federated.seeding import client_test_seed, validation_seed
 from fedgalore.tasks.base import Task, TaskError, stratified_split
 
@@ -48,6 +52,8 @@ class Clients:
     names: list[str] | None = None
     #: each client's held-out examples (``federation.client_eval``), else None
     test_parts: list[np.ndarray] | None = None
+    #: whether ``test_parts`` index the task's test set (per-site data) rather than its training set
+    test_split: bool = False
 
     def name(self, client: int) -> str:
         """Client ``client``'s name (its id as a string when the data names none)."""
@@ -69,6 +75,11 @@ def split_clients(cfg: FederatedConfig, task: Task, parts: Sequence[np.ndarray] 
     pool (no partition, no held-out parts, no names)."""
     fed, pcfg = cfg.federation, cfg.federation.partition
     n = len(task.train_set())
+    if parts is None and pcfg.partitioner().deployment_only:
+        raise ConfigError(NODES_ONLY)
+    if parts is None and n == 0:
+        raise ConfigError(f"task {task.name!r} has no training rows: set task.options.data (a file, or {{train: FILE, test: FILE}}); "
+                          "only the server of a Flower deployment with federation.partition.kind=nodes runs without them")
     cats = _column(task, pcfg.by, n)
     pool, validation = np.arange(n), np.zeros(0, dtype=np.int64)
     if fed.validation_fraction > 0:
@@ -80,13 +91,18 @@ def split_clients(cfg: FederatedConfig, task: Task, parts: Sequence[np.ndarray] 
     if parts is not None:
         return Clients([np.asarray(p) for p in parts], validation, cats)
     partitioner = pcfg.partitioner()
+    if pcfg.kind == "files" and not getattr(task, "sites", None):
+        raise ConfigError(f"federation.partition.kind=files needs per-site data, task.options.data: {{sites: {{NAME: FILE, ...}}}} "
+                          f"(task {task.name!r} has none); or partition by a column with kind natural")
     col = partitioner.column()
     values = cats if col == pcfg.by else _column(task, col, n)
     parts = [pool[p] for p in make_partition(values[pool], fed.num_clients, pcfg, cfg.seed)]
     clients = Clients(parts, validation, cats, partitioner.names(values[pool]))
-    if fed.client_eval:
+    if pcfg.kind == "files":
+        _site_tests(task, clients)
+    elif fed.client_eval:
         _hold_out(cfg, clients)
-    if pcfg.kind == "natural":
+    if infers_clients(pcfg.kind):
         _check_batches(cfg, clients)
     return clients
 
@@ -108,6 +124,17 @@ def _hold_out(cfg: FederatedConfig, clients: Clients) -> None:
         train.append(part[kept])
         test.append(part[held])
     clients.parts, clients.test_parts = train, test
+
+
+def _site_tests(task: Task, clients: Clients) -> None:
+    """Each site's evaluation set: its own rows of the task's test set (per-site data)."""
+    sites = np.asarray(task.partition_values("site", split="test"))
+    clients.test_parts = [np.flatnonzero(sites == name).astype(np.int64) for name in clients.names or []]
+    clients.test_split = True
+    empty = [n for n, p in zip(clients.names or [], clients.test_parts) if len(p) == 0]
+    if empty:
+        raise ConfigError(f"site(s) {', '.join(map(repr, empty))} have no test rows; give each site a test file or "
+                          "enough training rows for task.options.test_fraction")
 
 
 def _check_batches(cfg: FederatedConfig, clients: Clients) -> None:

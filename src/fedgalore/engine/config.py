@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from fedgalore.federated.partition import PartitionConfig
+from fedgalore.federated.partitioners import infers_clients
 from fedgalore.federated.server_opt import ServerOptimizerConfig
 from fedgalore.methods.base import MethodOptions, available_methods, method_class, parse_options, split_options
 from fedgalore.protocol.state import TrainConfig
@@ -140,10 +141,14 @@ class FederatedConfig:
     def validate(self) -> "FederatedConfig":
         f, t, p = self.federation, self.train, self.federation.partition
         _check(self.method.rank >= 1, "method.rank must be >= 1 (e.g. method.rank=8)")
-        _check(f.num_clients is not None or p.kind == "natural",
-               "federation.num_clients=null needs federation.partition.kind=natural (one client per value of a column); "
+        _check(f.num_clients is not None or infers_clients(p.kind),
+               "federation.num_clients=null needs federation.partition.kind=natural (one client per value of a column) "
+               "or files (one per site); "
                "set federation.num_clients")
         _check(f.num_clients is None or f.num_clients >= 1, "federation.num_clients must be >= 1")
+        _check(p.kind != "nodes" or f.validation_fraction == 0,
+               "federation.partition.kind=nodes: the server holds no training rows to draw a validation pool from; "
+               "set federation.validation_fraction=0 (give the server a test file in task.options.data: {test: FILE})")
         if f.clients_per_round is not None and f.num_clients is not None:
             _check(
                 1 <= f.clients_per_round <= f.num_clients,
@@ -220,10 +225,10 @@ class FederatedConfig:
 
 
 def _natural_num_clients(data: Any) -> Any:
-    """A natural partition infers ``federation.num_clients``: left out, it is null (not the default 20)."""
+    """A natural (or files) partition infers ``federation.num_clients``: left out, it is null (not the default 20)."""
     fed = data.get("federation") if isinstance(data, dict) else None
     part = fed.get("partition") if isinstance(fed, dict) else None
-    if isinstance(part, dict) and part.get("kind") == "natural" and "num_clients" not in fed:
+    if isinstance(part, dict) and infers_clients(str(part.get("kind"))) and "num_clients" not in fed:
         return {**data, "federation": {**fed, "num_clients": None}}
     return data
 
@@ -304,7 +309,7 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
 def _comparable(d: dict[str, Any]) -> dict[str, Any]:
     d = json.loads(json.dumps(d))
     fed = d.get("federation", {})
-    if isinstance(fed, dict) and (fed.get("partition") or {}).get("kind") == "natural":
+    if isinstance(fed, dict) and infers_clients(str((fed.get("partition") or {}).get("kind"))):
         fed.pop("num_clients", None)  # the data decides it (one client per value); a given one must agree
     for key in ("progress", "checkpoint_every", "checkpoint_budget", "keep_checkpoints"):  # display and checkpoint cadence:
         d.get("output", {}).pop(key, None)  # they do not change the run's result

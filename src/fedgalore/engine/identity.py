@@ -42,6 +42,7 @@ import numpy as np
 
 from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
 from fedgalore.engine.resolve import method_options
+from fedgalore.federated.partitioners import infers_clients
 from fedgalore.methods.base import Method, available_methods, method_class
 from fedgalore.tasks import Task, TaskError, parse_task_options, resolved_task_options, task_class
 from fedgalore.tasks.fingerprint import data_fingerprint, fingerprint_path
@@ -150,7 +151,7 @@ def resolved_config(cfg: FederatedConfig, *, task: Task | None = None, method: M
     task / method object described as what it is, and ``output`` left out (module doc)."""
     d = cfg.to_dict()
     d.pop("output", None)
-    if cfg.federation.partition.kind == "natural":
+    if infers_clients(cfg.federation.partition.kind):
         # one client per value of the column: the count follows from the (fingerprinted) data, and a
         # run records it filled in (config.yaml) while its config may leave it out or give it
         d["federation"]["num_clients"] = None

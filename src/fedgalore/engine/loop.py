@@ -37,13 +37,14 @@ import torch
 
 from fedgalore.engine.backends import Backend, make_backend
 from fedgalore.engine.client_eval import evaluate_clients, summarize_clients
-from fedgalore.engine.config import FederatedConfig
+from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import LogProgress, ProgressSink
 from fedgalore.engine.identity import run_identity
 from fedgalore.engine.resolve import check_device, config_for_method
 from fedgalore.engine.rundir import RunDirectory, choose_run_dir, run_summary
 from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
 from fedgalore.engine.validation import expected_keys, norm_problem, update_norm, validate_upload
+from fedgalore.federated.partitioners.nodes import NODES_ONLY
 from fedgalore.federated.checkpoint import CheckpointError, CheckpointWriter, load_latest_checkpoint
 from fedgalore.federated.diagnostics import drift_diagnostics, update_space_diagnostics
 from fedgalore.federated.scaffold import CORR, NEW_CI, correction, split_entries, update_controls
@@ -111,7 +112,12 @@ class Federation:
         self.files = RunDirectory(choose_run_dir(cfg, run_dir, resume, self.progress.message, identity))
         self.run_dir = self.files.path
         self.backend = backend if backend is not None else make_backend(cfg.backend.name, cfg.backend.options)
-        self.runtime = Runtime(cfg, task=task, method=method)
+        nodes = None
+        if cfg.federation.partition.kind == "nodes":  # each node brings its own data: ask them who they are
+            nodes = self.backend.node_clients(cfg)
+            if nodes is None:
+                raise ConfigError(NODES_ONLY)
+        self.runtime = Runtime(cfg, task=task, method=method, clients=nodes)
         cfg = self.cfg = self.runtime.cfg  # as it runs: a natural partition's federation.num_clients filled in
         self.task, self.method = self.runtime.task, self.runtime.method
         self._client_eval: dict[str, Any] | None = None  # the last evaluation's per-client record (client_eval)
@@ -143,6 +149,8 @@ class Federation:
             self.history, self.ledger.records = self.files.restore(self.start_round)
             self.progress.message(f"resuming {self.run_dir} after round {self.start_round}")
         self.files.write_static(cfg, self.runtime, self.identity)
+        if self.backend.startup_records:  # e.g. SuperNodes whose data did not fit the task (kind nodes)
+            self.files.append_round(0, self.backend.startup_records, Ledger())
         self._first_round_here = len(self.history)  # checkpoint_every=auto counts this process's rounds
         self._writer: CheckpointWriter | None = None  # run() makes it; the round waits on its pending checkpoint
         self._pending_rec: dict[str, Any] | None = None  # the round record whose checkpoint is still being written
@@ -261,6 +269,8 @@ class Federation:
         }
         if self._client_eval is not None:  # federation.client_eval: each client's metrics (fedgalore.engine.client_eval)
             rec["client_eval"], self._client_eval = self._client_eval, None
+        if self.backend.eval_bytes:  # a deployment's federated evaluation: the model sent to the nodes, their replies
+            rec["bytes_eval"], self.backend.eval_bytes = self.backend.eval_bytes, 0
         self.history.append(rec)
         self.files.append_round(k + 1, rnd.client_recs, self.ledger, diag, rec)
         self.files.write_csv(self.history)
@@ -471,13 +481,18 @@ class Federation:
             return {}, 0.0
         t0 = time.perf_counter()
         self.method.load_global(self.runtime.model, self.state)
-        evals = self.task.evaluate(self.runtime.model, self.task.test_set(), fed.eval_batch_size)
+        test = self.task.test_set()  # empty on a nodes deployment's server without a test file of its own
+        evals = self.task.evaluate(self.runtime.model, test, fed.eval_batch_size) if len(test) else {}
         if self._validation is not None:  # held-out training examples: for model selection
             val = self.task.evaluate(self.runtime.model, self._validation, fed.eval_batch_size)
             evals.update({f"val_{kk}": v for kk, v in val.items()})
+        per = None
         if self.runtime.clients.test_parts is not None:  # each client's held-out share (federation.client_eval)
             per = evaluate_clients(self.task, self.runtime.model, self.runtime.train_data, self.runtime.clients,
                                    fed.eval_batch_size)
+        else:  # a deployment whose nodes evaluate on their own test data (kind nodes)
+            per = self.backend.evaluate_clients(self.runtime, fed.eval_batch_size)
+        if per:
             summary, worst = summarize_clients(per, self.task.primary_metric, self.task.higher_is_better)
             evals.update(summary)
             self._client_eval = {"worst_client": worst, "clients": per}

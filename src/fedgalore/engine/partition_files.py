@@ -127,7 +127,8 @@ def format_partition(rec: dict[str, Any], limit: int = 30) -> str:
     width = max(6, *(len(str(c["name"])) for c in rec["clients"][:limit]))
     lines = [f"partition {rec['setting']}: {len(rec['clients'])} clients, {sum(rec['sizes'])} training examples"
              + (f", {rec['validation_size']} held out for validation" if rec["validation_size"] else "")
-             + (f", {sum(test)} held out for per-client evaluation" if test else ""),
+             + ((f", {sum(test)} test rows of the sites' own" if rec.get("kind") == "files" else
+                 f", {sum(test)} held out for per-client evaluation") if test else ""),
              f"{'client':<{width}} {'train':>6}" + (f" {'test':>5}" if test else "") + f"  {rec['by'] or 'label'} (largest)"]
     for c in rec["clients"][:limit]:
         top = sorted(c["histogram"].items(), key=lambda kv: -kv[1])[:3]

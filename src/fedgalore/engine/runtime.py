@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from fedgalore.engine.clients import resolve_clients, split_clients
+from fedgalore.engine.clients import Clients, resolve_clients, split_clients
 from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.engine.resolve import method_options, resolve_method
 from fedgalore.federated.client import ClientError
@@ -61,10 +61,12 @@ class ClientResult:
 class Runtime:
     """Task + prepared model + method + partition, built deterministically from a config."""
 
-    def __init__(self, cfg: FederatedConfig, parts: Sequence[np.ndarray] | None = None, task: Task | None = None, method: Method | None = None):
+    def __init__(self, cfg: FederatedConfig, parts: Sequence[np.ndarray] | None = None, task: Task | None = None, method: Method | None = None,
+                 clients: Clients | None = None):
         self.task = task if task is not None else get_task(cfg.task.name, **cfg.task.options)
-        #: the clients' training parts (and held-out parts, names), the validation pool (fedgalore.engine.clients)
-        self.clients = split_clients(cfg, self.task, parts)
+        #: the clients' training parts (and held-out parts, names), the validation pool (fedgalore.engine.clients);
+        #: ``clients`` given: a nodes deployment's server, whose parts are stand-ins of the nodes' sizes
+        self.clients = clients if clients is not None else split_clients(cfg, self.task, parts)
         #: the config as it runs (a natural partition's client count filled in)
         self.cfg = cfg = resolve_clients(cfg, self.clients)
         self.method = (resolve_method(method, cfg) if method is not None

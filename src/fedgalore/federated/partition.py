@@ -41,7 +41,7 @@ from fedgalore.federated.partitioners import (
     iid_partition,
     partitioner_class,
 )
-from fedgalore.federated.partitioners.base import as_values, categories, check_int, check_positive
+from fedgalore.federated.partitioners.base import as_values, categories, check_int, check_positive, infers_clients
 
 __all__ = [
     "PartitionError",
@@ -84,7 +84,7 @@ class PartitionConfig:
     others, which keep their defaults.
     """
 
-    #: iid | dirichlet | natural | pathological | shards | quantity (docs/data.md, "Partitions")
+    #: iid | dirichlet | natural | files | pathological | shards | quantity | nodes (docs/data.md, "Partitions")
     kind: str = "iid"
     #: dirichlet: label concentration (smaller = more skewed); quantity: size concentration
     alpha: float = 0.5
@@ -159,8 +159,8 @@ def make_partition(
     by kinds that can (``natural``).
     """
     arr = as_values(labels)
-    if num_clients is None and cfg.kind != "natural":
-        raise PartitionError(f"kind {cfg.kind} needs federation.num_clients (only kind natural infers it)")
+    if num_clients is None and not infers_clients(cfg.kind):
+        raise PartitionError(f"kind {cfg.kind} needs federation.num_clients (only kinds natural and files infer it)")
     return cfg.partitioner().split(arr, num_clients, seed)
 
 
@@ -170,7 +170,7 @@ _DIRICHLET = re.compile(r"^(?:dirichlet|dir)\s*[:=]?\s*(.+)$")
 def parse_setting(s: str) -> PartitionConfig:
     """Parse a setting string (case-insensitive kind): ``iid``, ``dirichlet:0.5`` (or ``dir0.5``,
     ``dirichlet=0.5``), ``natural:COL``, ``pathological:C``, ``shards:S``, ``quantity:ALPHA``,
-    ``quantity:powerP``, each optionally ``@COL`` (``by: COL``). Other fields keep their
+    ``quantity:powerP``, ``files``, ``nodes``, each optionally ``@COL`` (``by: COL``). Other fields keep their
     :class:`PartitionConfig` defaults; :meth:`PartitionConfig.setting_fields` is what it set."""
     if not isinstance(s, str):
         raise PartitionError(f"partition setting must be a string, got {s!r}")
@@ -178,7 +178,7 @@ def parse_setting(s: str) -> PartitionConfig:
     kind, sep, param = text.strip().partition(":")
     kind = kind.strip().lower()
     fields_: dict[str, Any] | None = None
-    if kind in available_partitioners() and (sep or kind == "iid"):
+    if kind in available_partitioners() and (sep or not partitioner_class(kind).fields):
         fields_ = partitioner_class(kind).parse_setting(param.strip())
     else:
         match = _DIRICHLET.match(text.strip().lower())
@@ -191,7 +191,7 @@ def parse_setting(s: str) -> PartitionConfig:
         raise PartitionError(
             f"unknown partition setting {s!r}; expected 'iid', 'dirichlet:<alpha>' or 'dir<alpha>' (e.g. "
             "'dirichlet:0.5', 'dir0.1'), 'natural:<column>', 'pathological:<classes>', 'shards:<per client>', "
-            "'quantity:<alpha>' or 'quantity:power<p>', optionally followed by '@<column>' (split by that column)"
+            "'quantity:<alpha>' or 'quantity:power<p>', 'files', 'nodes', optionally followed by '@<column>' (split by that column)"
         )
     if by.strip():
         fields_["by"] = by.strip()

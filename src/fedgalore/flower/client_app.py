@@ -9,6 +9,18 @@ and Ray backends run — and replies with the serialised upload.
 The Runtime (task, frozen base model, method, partition) is built once per process from the
 resolved config the server sends, and cached under a hash of that config and partition.
 
+**Site-local data** (``federation.partition.kind: nodes``): the node is started with its own files,
+``--node-config "data='site3/train.csv' test-data='site3/test.csv' site='site3'"`` (``test-data``
+optional: then the site's test rows are drawn from its own data with ``task.options.
+test_fraction``; ``site`` defaults to the data file's name without its extension). The server
+sends the task config (model, columns, labels, lengths) and never a row: the node reads its data as
+the site ``site`` of per-site data (``task.options.data: {sites: {site: {train: data, test:
+test-data}}}``, fedgalore.tasks.generic.data), exactly as ``fedgalore run`` with ``partition.kind:
+files`` reads that site — so a deployment and its simulation see the same examples. It reports its
+site, example counts and label counts (:func:`whoami`; a file that does not fit the task is one
+line, in the node's log and the server's clients.jsonl), trains as its client, and evaluates the
+global model on its own test rows (:func:`evaluate`).
+
 A method with a factored downlink (FedGaLore, FLoRA, FR-LoRA by default; fedgalore.methods.
 downlink_mixin): the node keeps its copy of the adapted matrices and their model version in its
 ``Context.state`` between rounds (records ``fedgalore.downlink`` and ``fedgalore.downlink.meta``,
@@ -24,6 +36,8 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
+
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
@@ -31,36 +45,81 @@ from flwr.clientapp import ClientApp  # noqa: E402
 
 from fedgalore.flower.codec import blob_to_record, record_to_blob  # noqa: E402
 
-__all__ = ["app", "train", "whoami"]
+__all__ = ["app", "train", "whoami", "evaluate", "site_options"]
 
 app = ClientApp()
-_RUNTIMES: dict[str, object] = {}
-_BASES: dict[str, dict | None] = {}  # W_0 of the chained matrices per runtime (factored downlink)
+#: runtimes of the current run, per node data (one entry per process on a SuperNode; the in-process
+#: test grid holds several nodes). ``downlink_base``: W_0 of the chained matrices (factored downlink)
+_RUNTIMES: dict[tuple[str, str], object] = {}
 _STATE, _STATE_META = "fedgalore.downlink", "fedgalore.downlink.meta"
 
 
-def _runtime(job: ConfigRecord):
-    key = str(job["key"])
+_SITE_TASKS: dict[str, object] = {}  # kind nodes: this node's task per server config (read once)
+
+
+def site_options(node_config, task_options: dict) -> tuple[str, dict]:
+    """``(site, task options)``: the server's task options with ``data`` replaced by this node's
+    own files (node config ``data``, ``test-data``, ``site``; module doc)."""
+    from pathlib import Path
+
+    data = str(node_config.get("data", "") or "").strip()
+    if not data:
+        raise ValueError("this SuperNode has no data: start it with --node-config \"data='FILE' site='NAME'\" "
+                         "(and test-data='FILE' for its own test rows)")
+    test = str(node_config.get("test-data", "") or "").strip()
+    site = str(node_config.get("site", "") or "").strip() or Path(data).stem
+    one = {"train": data, "test": test} if test else data
+    return site, {**task_options, "data": {"sites": {site: one}}}
+
+
+def _site_task(node_config, cfg):
+    """This node's task: the server's task on the node's own data (cached per config)."""
+    from fedgalore.tasks import get_task
+
+    site, options = site_options(node_config, dict(cfg.task.options))
+    key = json.dumps([cfg.task.name, options], sort_keys=True, default=str)
+    if key not in _SITE_TASKS:
+        _SITE_TASKS[key] = (site, get_task(cfg.task.name, **options))
+    return _SITE_TASKS[key]
+
+
+def _runtime(job: ConfigRecord, node_config=None):
+    run = str(job["key"])
+    mine = "" if "partition" in job else json.dumps([str((node_config or {}).get(k, "")) for k in ("data", "test-data", "site")])
+    key = (run, mine)
     if key not in _RUNTIMES:
+        import numpy as np
+
         from fedgalore.engine.config import FederatedConfig
         from fedgalore.engine.runtime import Runtime
         from fedgalore.federated.partition import decode_partition
 
         cfg = FederatedConfig.from_dict(json.loads(str(job["config"])))
-        _RUNTIMES.clear()  # one run at a time per process
-        _BASES.clear()
-        rt = Runtime(cfg, parts=decode_partition(bytes(job["partition"])))
-        _RUNTIMES[key] = rt
+        for old in [k for k in _RUNTIMES if k[0] != run]:  # one run at a time per process
+            del _RUNTIMES[old]
+        if "partition" in job:
+            rt = Runtime(cfg, parts=decode_partition(bytes(job["partition"])))
+        else:  # kind nodes: this node's own rows are its client's part; the others' are stand-ins of their sizes
+            site, task = _site_task(node_config, cfg)
+            sizes = json.loads(str(job["sizes"]))
+            me, n = int(job["client"]), len(task.train_set())
+            if sizes[me] != n:
+                raise ValueError(f"the server counted {sizes[me]} training rows for this site, the node holds {n}; "
+                                 "restart the run (the data changed since the node joined)")
+            parts = [np.arange(n) if j == me else np.arange(s) for j, s in enumerate(sizes)]
+            rt = Runtime(cfg, parts=parts, task=task)
+            rt.site = site
         base = getattr(rt.method, "downlink_base", None)
-        _BASES[key] = base(rt.model) if base is not None and getattr(rt.method, "per_client_downlink", False) else None
+        rt.downlink_w0 = base(rt.model) if base is not None and getattr(rt.method, "per_client_downlink", False) else None
+        _RUNTIMES[key] = rt
     return _RUNTIMES[key]
 
 
-def _load_store(context: Context, key: str) -> dict | None:
+def _load_store(context: Context, key: str, rt) -> dict | None:
     """This node's downlink store: its kept copy (if it belongs to this run), else W_0."""
     from fedgalore.protocol.downlink import ClientCache
 
-    base = _BASES.get(key)
+    base = rt.downlink_w0
     if base is None:
         return None
     state = context.state
@@ -86,9 +145,68 @@ def _save_store(context: Context, key: str, store: dict | None) -> int:
 
 @app.query()
 def whoami(msg: Message, context: Context) -> Message:
-    """Tell the server which federated client this node is."""
+    """Tell the server which federated client this node is: its ``partition-id``, or — asked with
+    the task config (kind nodes) — its site and what its own data holds (training and test rows,
+    training rows per class), having read and checked that data against the task."""
+    q = msg.content["q"] if "q" in msg.content else ConfigRecord()
+    if str(q.get("ask", "")) == "site":
+        from fedgalore.engine.config import FederatedConfig
+
+        site = ""
+        try:
+            cfg = FederatedConfig.from_dict(json.loads(str(q["config"])))
+            site = site_options(context.node_config, {})[0]
+            _, task = _site_task(context.node_config, cfg)
+            labels = np.asarray(task.partition_labels(), dtype=np.int64)
+            counts = np.bincount(labels, minlength=len(task.label_names())) if labels.size else np.zeros(0, dtype=np.int64)
+            who = {"site": site, "n": int(len(task.train_set())), "n_test": int(len(task.test_set())),
+                   "label_counts": json.dumps([int(c) for c in counts])}
+            if who["n"] == 0:
+                who = {"site": site, "error": f"site {site}: no training rows"}
+        except Exception as exc:  # noqa: BLE001 - the node's data does not fit the task: one line, here and on the server
+            line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(f"fedgalore: error: site {site or '?'}: {line}", flush=True)
+            who = {"site": site, "error": line}
+        return Message(RecordDict({"whoami": ConfigRecord(who)}), reply_to=msg)
     pid = int(context.node_config["partition-id"])
     return Message(RecordDict({"whoami": ConfigRecord({"partition-id": pid})}), reply_to=msg)
+
+
+@app.evaluate()
+def evaluate(msg: Message, context: Context) -> Message:
+    """Federated evaluation (kind nodes): the global model the server sends, on this node's own
+    test rows; replies the site, its number of test rows and the task's metrics. The runtime's
+    model is restored afterwards (training starts from the broadcast and the node's store)."""
+    import torch
+
+    from fedgalore.flower.codec import record_to_tensors
+
+    job = msg.content["job"]
+    site = ""
+    try:
+        rt = _runtime(job, context.node_config)
+        site = getattr(rt, "site", "")
+        sent = record_to_tensors(msg.content["model"])
+        params = dict(rt.model.named_parameters())
+        unknown = sorted(set(sent) - set(params))
+        if unknown:
+            raise ValueError(f"the server sent parameters this node's model lacks: {unknown[:3]}")
+        kept = {n: params[n].detach().clone() for n in sent}
+        try:
+            with torch.no_grad():
+                for n, t in sent.items():
+                    params[n].copy_(t)
+            test = rt.task.test_set()
+            values = rt.task.evaluate(rt.model, test, int(job["eval_batch_size"])) if len(test) else {}
+        finally:
+            with torch.no_grad():
+                for n, t in kept.items():
+                    params[n].copy_(t)
+        res = {"site": site, "n": int(len(test)), "values": json.dumps({k: float(v) for k, v in values.items()}), "error": ""}
+    except Exception as exc:  # noqa: BLE001 - reported to the server, which logs it and goes on
+        line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        res = {"site": site, "n": 0, "values": "{}", "error": line}
+    return Message(RecordDict({"metrics": ConfigRecord(res)}), reply_to=msg)
 
 
 @app.train()
@@ -102,9 +220,9 @@ def train(msg: Message, context: Context) -> Message:
     if pid is not None and int(pid) != client:
         result = {"client": client, "error": f"node holds partition {pid}, asked to train client {client}", "time": 0.0, "stats": "{}"}
     else:
-        rt = _runtime(job)
+        rt = _runtime(job, context.node_config)
         key = str(job["key"])
-        store = _load_store(context, key)
+        store = _load_store(context, key, rt)
         res = rt.execute(
             ClientJob(int(job["round"]), int(job["total_rounds"]), client, int(str(job["round_seed"]))),
             record_to_blob(msg.content["broadcast"]),

@@ -28,17 +28,19 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedgalore.engine.backends.base import Backend
-from fedgalore.engine.config import FederatedConfig
+from fedgalore.engine.clients import Clients
+from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import ProgressSink
 from fedgalore.engine.loop import Federation, RunResult
 from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
 from fedgalore.federated.partition import encode_partition
-from fedgalore.flower.codec import blob_to_record, record_to_blob
+from fedgalore.flower.codec import blob_to_record, record_to_blob, tensors_to_record
 
 __all__ = ["FedGaLoreStrategy", "GridBackend", "client_results"]
 
@@ -63,15 +65,82 @@ class GridBackend(Backend):
         self.held: dict[int, int | None] = {}
         self.job: dict[str, str | bytes] = {}
         self.last_round_bytes: dict[str, int] = {}
+        #: kind nodes: the nodes left out at the start (bad data), for the run's clients.jsonl
+        self.startup_records: list[dict] = []
+        #: kind nodes: what each client's node reported (site, n, n_test, label_counts)
+        self.sites: dict[int, dict] = {}
 
     def start(self, runtime: Runtime) -> None:
         """Find the SuperNode of every client; the jobs carry the resolved config and partition
-        (nodes build their runtime from them, once, cached under ``key``)."""
+        (nodes build their runtime from them, once, cached under ``key``). With site-local data
+        (``partition.kind: nodes``) the nodes were found by :meth:`node_clients` and the jobs carry
+        the clients' sizes instead of a partition."""
         self.runtime = runtime
         cfg_json = json.dumps({**runtime.cfg.to_dict(), "backend": {"name": "flower", "options": {}}}, sort_keys=True)
+        if runtime.cfg.federation.partition.kind == "nodes":
+            sizes = json.dumps([int(len(p)) for p in runtime.parts])
+            self.job = {"config": cfg_json, "sizes": sizes, "key": hashlib.sha256((cfg_json + sizes).encode()).hexdigest()[:16]}
+            return
         parts = encode_partition(runtime.parts)
         self.job = {"config": cfg_json, "partition": parts, "key": hashlib.sha256(cfg_json.encode() + parts).hexdigest()[:16]}
         self.node_of = self.strategy.discover_nodes(self.grid, runtime.cfg.federation.num_clients)
+
+    # ------------------------------------------------------------------ site-local data (kind nodes)
+    def node_clients(self, cfg: FederatedConfig) -> Clients:
+        """Ask every SuperNode which site it is and what it holds (its own data, read and checked
+        against the task on the node: fedgalore.flower.client_app.whoami); client ``j`` = the
+        ``j``-th site in sorted name order. A node whose data does not fit the task is left out
+        with its one-line reason (:attr:`startup_records`, the run's clients.jsonl, and the log)."""
+        reports, self.startup_records = self.strategy.discover_sites(self.grid, cfg)
+        for r in self.startup_records:
+            log.warning("flower: node %s (site %s) left out: %s", r["node"], r["site"], r["error"])
+            print(f"fedgalore: node {r['node']} (site {r['site']}) left out: {r['error']}", flush=True)
+        if len(reports) < 2:
+            raise ConfigError(f"federation.partition.kind=nodes: {len(reports)} SuperNode(s) with usable data joined "
+                              f"({len(self.startup_records)} left out); a federation needs at least 2 — start more "
+                              "SuperNodes with --node-config \"data='...' site='...'\" or fix their data")
+        names = sorted(reports)
+        self.node_of = {j: int(reports[s]["node"]) for j, s in enumerate(names)}
+        parts, cats, start = [], [], 0
+        for s in names:
+            counts = [int(c) for c in reports[s]["label_counts"]]
+            n = int(reports[s]["n"])
+            parts.append(np.arange(start, start + n))  # stand-ins of the node's size: the server holds no rows
+            cats.append(np.repeat(np.arange(len(counts)), counts) if sum(counts) == n else np.zeros(n, dtype=np.int64))
+            start += n
+        self.sites = {j: reports[s] for j, s in enumerate(names)}
+        return Clients(parts, np.zeros(0, dtype=np.int64), np.concatenate(cats).astype(np.int64), names)
+
+    def evaluate_clients(self, runtime: Runtime, batch_size: int) -> dict[str, dict[str, float]] | None:
+        """Federated evaluation (kind nodes): every node evaluates the global model on its own test
+        data. The model goes out dense — the adapted matrices, the adapters and the head (what the
+        methods' ``load_global`` writes) — once per node; counted in :attr:`eval_bytes`."""
+        if runtime.cfg.federation.partition.kind != "nodes":
+            return None
+        model = runtime.model
+        targets = tuple(f"{m}." for m in runtime.target_modules)
+        heads = set(runtime.head_params)
+        sent = {n: p.detach() for n, p in model.named_parameters()
+                if p.requires_grad or n in heads or any(t in n or n.startswith(t) for t in targets)}
+        arrays = tensors_to_record(sent)
+        size = sum(len(a.data) for a in arrays.values())
+        msgs = [Message(content=RecordDict({"model": arrays, "job": ConfigRecord({**self.job, "client": int(c),
+                                                                                  "eval_batch_size": int(batch_size)})}),
+                        dst_node_id=int(node), message_type=MessageType.EVALUATE)
+                for c, node in self.node_of.items()]
+        out: dict[str, dict[str, float]] = {}
+        for rep in self.grid.send_and_receive(msgs, timeout=self.strategy.timeout):
+            if rep.has_error() or "metrics" not in rep.content:
+                log.warning("flower: node %s did not evaluate (%s)", rep.metadata.src_node_id,
+                            rep.error.reason if rep.has_error() else "no metrics")
+                continue
+            res = rep.content["metrics"]
+            if str(res.get("error", "")):
+                log.warning("flower: site %s could not evaluate: %s", res["site"], res["error"])
+                continue
+            out[str(res["site"])] = {"n": int(res["n"]), **json.loads(str(res["values"]))}
+        self.eval_bytes = size * len(msgs)
+        return {s: out[s] for s in sorted(out)} or None
 
     def client_versions(self, method, clients: list[int]) -> dict[int, int | None]:
         """What each node holds: the version it last reported, W_0 (0) for a node that has not
@@ -135,6 +204,9 @@ class FedGaLoreStrategy(Strategy):
         self.run_dir = run_dir
         self.timeout = float(timeout)
         self.progress = progress
+        #: kind nodes: how long to wait for SuperNodes to join, and how long no new one must join
+        #: before the run starts when federation.num_clients is not given
+        self.nodes_wait, self.settle_s = 120.0, 5.0
 
     # ------------------------------------------------------------------ Flower steps
     def configure_train(self, server_round: int, arrays: ArrayRecord | dict[int, ArrayRecord], config: ConfigRecord,
@@ -167,6 +239,51 @@ class FedGaLoreStrategy(Strategy):
                  self.cfg.federation.num_clients, self.cfg.federation.rounds)
 
     # ------------------------------------------------------------------ the run
+    def discover_sites(self, grid: Grid, cfg: FederatedConfig, wait_s: float | None = None) -> tuple[dict[str, dict], list[dict]]:
+        """Kind nodes: wait for the SuperNodes (``federation.num_clients`` of them when given, else
+        until no new node has joined for ``settle_s``), send each the task config and collect what
+        it holds: ``({site: report}, [records of nodes left out])``. A report is ``{"node", "n",
+        "n_test", "label_counts"}``; two nodes naming the same site is an error."""
+        wait_s = self.nodes_wait if wait_s is None else wait_s
+        want = cfg.federation.num_clients
+        deadline = time.monotonic() + wait_s
+        nodes: list[int] = []
+        last_change = time.monotonic()
+        while time.monotonic() < deadline:
+            now = sorted(int(n) for n in grid.get_node_ids())
+            if now != nodes:
+                nodes, last_change = now, time.monotonic()
+            if want is not None and len(nodes) >= want:
+                break
+            if want is None and len(nodes) >= 2 and time.monotonic() - last_change >= self.settle_s:
+                break
+            time.sleep(0.5)
+        cfg_json = json.dumps({**cfg.to_dict(), "backend": {"name": "flower", "options": {}}}, sort_keys=True)
+        msgs = [Message(content=RecordDict({"q": ConfigRecord({"ask": "site", "config": cfg_json})}), dst_node_id=n,
+                        message_type=MessageType.QUERY) for n in nodes]
+        reports: dict[str, dict] = {}
+        failed: list[dict] = []
+        for rep in grid.send_and_receive(msgs, timeout=self.timeout):
+            node = int(rep.metadata.src_node_id)
+            if rep.has_error():
+                failed.append({"round": 0, "node": node, "site": None, "error": f"node error: {rep.error.reason}"})
+                continue
+            who = rep.content["whoami"]
+            site = str(who.get("site", "")) or None
+            if str(who.get("error", "")):
+                failed.append({"round": 0, "node": node, "site": site, "error": str(who["error"])})
+                continue
+            if site is None:
+                failed.append({"round": 0, "node": node, "site": None,
+                               "error": "the node has no site data (start it with --node-config \"data='...' site='...'\")"})
+                continue
+            if site in reports:
+                raise ConfigError(f"two SuperNodes ({reports[site]['node']} and {node}) report site {site!r}; give each node "
+                                  "its own site='...' in --node-config")
+            reports[site] = {"node": node, "n": int(who["n"]), "n_test": int(who["n_test"]),
+                             "label_counts": json.loads(str(who["label_counts"]))}
+        return reports, failed
+
     def discover_nodes(self, grid: Grid, num_clients: int, wait_s: float = 120.0) -> dict[int, int]:
         """Ask every SuperNode for its ``partition-id``; returns client id → node id."""
         m = num_clients

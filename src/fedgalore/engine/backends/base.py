@@ -44,6 +44,24 @@ class Backend(abc.ABC):
     #: keep their model.
     simulated: bool = True
 
+    def node_clients(self, cfg) -> "Clients | None":  # noqa: F821
+        """The clients of a deployment whose nodes bring their own data (``federation.partition.
+        kind: nodes``): names and example counts as the nodes report them
+        (:class:`~fedgalore.engine.clients.Clients` whose parts are stand-ins of those sizes), asked
+        before the runtime is built. None (the default): this backend has no such nodes."""
+        return None
+
+    def evaluate_clients(self, runtime: Runtime, batch_size: int) -> dict[str, dict[str, float]] | None:
+        """Federated evaluation: each client's metrics of the global model (``runtime.model``,
+        loaded) on the test data it holds, ``{name: {"n": examples, metric: value}}``; None (the
+        default) when the server evaluates every client itself."""
+        return None
+
+    #: bytes the last :meth:`evaluate_clients` sent and received (the round record's ``bytes_eval``)
+    eval_bytes: int = 0
+    #: records for the run's clients.jsonl from before the first round (round 0: nodes left out, and why)
+    startup_records: list = []
+
     def client_versions(self, method, clients: list[int]) -> dict[int, int | None]:
         """The model version each client's own store holds (``method.held_version``), for a
         per-client downlink on a backend that :attr:`keeps_client_state`. Default: ``None`` (dense)."""

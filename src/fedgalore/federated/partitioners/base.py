@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-__all__ = ["PartitionError", "Partitioner", "register", "partitioner_class", "available_partitioners"]
+__all__ = ["PartitionError", "Partitioner", "register", "partitioner_class", "available_partitioners", "infers_clients"]
 
 
 class PartitionError(ValueError):
@@ -36,6 +36,10 @@ class Partitioner(abc.ABC):
     seeded: ClassVar[bool] = True
     #: a setting string of this kind (shown when one lacks its parameter)
     example: ClassVar[str] = ""
+    #: whether the data decides the number of clients (``natural``, ``files``: one per value)
+    infers_clients: ClassVar[bool] = False
+    #: whether the kind only describes a deployment whose nodes hold the data (``nodes``: no split here)
+    deployment_only: ClassVar[bool] = False
 
     def __init__(self, cfg: Any) -> None:
         #: the :class:`~fedgalore.federated.partition.PartitionConfig` (it imports this package,
@@ -89,6 +93,13 @@ def register(cls: type[Partitioner]) -> type[Partitioner]:
 def available_partitioners() -> list[str]:
     """The registered kinds, in registration order (iid, dirichlet, natural, ...)."""
     return list(_REGISTRY)
+
+
+def infers_clients(kind: str) -> bool:
+    """Whether partition kind ``kind`` takes its number of clients from the data (``federation.
+    num_clients`` left out); False for an unknown kind (its own check reports it)."""
+    cls = _REGISTRY.get(kind)
+    return bool(cls is not None and cls.infers_clients)
 
 
 def partitioner_class(kind: str) -> type[Partitioner]:

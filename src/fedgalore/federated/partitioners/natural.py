@@ -60,6 +60,7 @@ class NaturalPartitioner(Partitioner):
     fields = ("column",)
     seeded = False
     example = "natural:site"
+    infers_clients = True
 
     def column(self) -> str | None:
         return self.cfg.column

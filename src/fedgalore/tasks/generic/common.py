@@ -6,12 +6,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from fedgalore.tasks.base import TaskError, TaskOptions, task_option
-from fedgalore.tasks.generic.data import Rows, check_filled, data_fingerprint, limit_rows, load_sources, split_rows
+from fedgalore.tasks.generic.data import (SITE_COLUMN, Rows, check_filled, concat_rows, data_fingerprint, limit_rows,
+                                          load_sources, site_sources, split_rows)
 
 __all__ = ["FileTaskOptions", "FileTask"]
 
@@ -34,8 +35,6 @@ class FileTaskOptions(TaskOptions):
         None, "linear layers every method adapts (names or regexes); null: chosen per architecture")
 
     def __post_init__(self) -> None:
-        if self.data is None:
-            raise TaskError("task.options.data is required: a file, a folder, or {train: FILE, test: FILE}")
         if not 0 < self.test_fraction < 1:
             raise TaskError(f"task.options.test_fraction={self.test_fraction} must be in (0, 1)")
         if self.limit is not None and self.limit < 1:
@@ -50,6 +49,11 @@ class FileTask:
 
     name: str
     _rows: dict[str, Rows]
+    #: the site names of per-site data (``task.options.data: {sites: ...}``) in the order given, else None
+    sites: list[str] | None = None
+    #: True when the task reads no training rows (``data`` null or only a test file: a Flower server
+    #: whose nodes hold the data, ``federation.partition.kind: nodes``)
+    no_train: bool = False
 
     @staticmethod
     def default_model() -> Path:
@@ -66,29 +70,76 @@ class FileTask:
     def _read_rows(self, opts: FileTaskOptions, required: Sequence[tuple[str, str, str]]) -> dict[str, Rows]:
         """Every split's rows as read (:func:`~fedgalore.tasks.generic.data.load_sources`), the
         ``required`` columns — ``(column, the option naming it, what it holds)`` — checked present
-        and filled in every split."""
-        raw = load_sources(opts.data, opts.data_config)
+        and filled in every split. Per-site data: each site read and checked on its own, then the
+        sites' splits concatenated (:func:`~fedgalore.tasks.generic.data.concat_rows`)."""
+        if opts.data is None or (isinstance(opts.data, Mapping) and "sites" not in opts.data and "train" not in opts.data
+                                 and set(opts.data) <= {"test", "validation"}):
+            return self._read_no_train(opts, required)
+        self._data_fingerprint = data_fingerprint(opts.data, opts.data_config)
+        sites = site_sources(opts.data)
+        if sites is None:
+            raw = load_sources(opts.data, opts.data_config)
+            self._check_required(raw, required)
+            return raw
+        per: dict[str, dict[str, Rows]] = {}
+        for name, one in sites.items():
+            per[name] = load_sources(one, opts.data_config)
+            self._check_required(per[name], required)
+        with_validation = [n for n in per if "validation" in per[n]]
+        if with_validation and len(with_validation) < len(per):
+            raise TaskError(f"task.options.data.sites: sites {', '.join(with_validation)} have a validation split and the "
+                            "others none; give every site one, or none")
+        self.sites, self._site_raw = list(per), per
+        return {split: concat_rows([(n, per[n][split]) for n in per if split in per[n]], f"{split} rows of {len(per)} sites")
+                for split in ("train", "test", "validation") if any(split in per[n] for n in per)}
+
+    def _read_no_train(self, opts: FileTaskOptions, required: Sequence[tuple[str, str, str]]) -> dict[str, Rows]:
+        """No training rows: the server of a Flower deployment whose nodes bring the data
+        (``federation.partition.kind: nodes``) reads at most a test (and validation) file of its
+        own, ``data: {test: FILE}``, or nothing (``data`` null). The training split is empty, with
+        the ``required`` columns; the engine refuses to *train* on such a task anywhere else."""
+        import datasets
+
+        raw = {} if opts.data is None else load_sources(opts.data, opts.data_config, need_train=False)
+        self._check_required(raw, required)
+        self._data_fingerprint = "none" if opts.data is None else data_fingerprint(opts.data, opts.data_config)
+        columns = sorted({c for c, _, _ in required} | set(next(iter(raw.values())).columns if raw else ()))
+        raw["train"] = Rows(datasets.Dataset.from_dict({c: [] for c in columns}), "no training rows (data stays on the nodes)")
+        self.no_train = True
+        return raw
+
+    @staticmethod
+    def _check_required(raw: dict[str, Rows], required: Sequence[tuple[str, str, str]]) -> None:
         for rows in raw.values():
             for column, option, what in required:
                 check_filled(rows.column(column, option), rows, column, what)
-        self._data_fingerprint = data_fingerprint(opts.data, opts.data_config)
-        return raw
 
     def _split_rows(self, opts: FileTaskOptions, raw: dict[str, Rows], strata: str | None) -> dict[str, Rows]:
         """The splits: a test split drawn from the training rows when there is none (seeded,
-        stratified by the ``strata`` column), then ``limit`` applied per split."""
+        stratified by the ``strata`` column), then ``limit`` applied per split. Per-site data: each
+        site's splits drawn and limited as if it were the only data, then concatenated."""
+        if self.sites is None:
+            return self._split_one(opts, raw, strata)
+        per = {n: self._split_one(opts, self._site_raw[n], strata) for n in self.sites}
+        return {split: concat_rows([(n, per[n][split]) for n in self.sites], f"{split} rows of {len(self.sites)} sites")
+                for split in per[self.sites[0]]}
+
+    @staticmethod
+    def _split_one(opts: FileTaskOptions, raw: dict[str, Rows], strata: str | None) -> dict[str, Rows]:
         raw = dict(raw)
+        if "test" not in raw and len(raw["train"]) == 0:  # no rows at all (a nodes deployment's server)
+            raw["test"] = raw["train"].select([], "no test rows")
         if "test" not in raw:
             values = raw["train"].column(strata, "columns") if strata else None
             raw["train"], raw["test"] = split_rows(raw["train"], opts.test_fraction, opts.seed, values)
         return {split: limit_rows(rows, opts.limit, opts.seed + i) for i, (split, rows) in enumerate(sorted(raw.items()))}
 
-    def partition_values(self, column: str | None = None) -> np.ndarray:
-        """The values of the training rows' ``column`` (a site, a user, a category), in example
-        order; ``None``: the task's category (:meth:`partition_labels`)."""
+    def partition_values(self, column: str | None = None, split: str = "train") -> np.ndarray:
+        """The values of the ``split`` rows' ``column`` (a site, a user, a category), in example
+        order; ``None``: the task's category (:meth:`partition_labels`, training rows only)."""
         if column is None:
             return np.asarray(self.partition_labels())  # type: ignore[attr-defined]
-        rows = self._rows["train"]
+        rows = self._rows[split]
         if column not in rows.columns:
             raise TaskError(f"task {self.name!r}: {rows.name} has no column {column!r} to partition by; "
                             f"its columns: {', '.join(rows.columns)}")
@@ -103,6 +154,8 @@ class FileTask:
             "data_fingerprint": self._data_fingerprint,
             "columns": self._rows["train"].columns,
             "n_validation": len(self._rows["validation"]) if "validation" in self._rows else 0,
+            **({"sites": {n: int(np.sum(np.asarray(self._rows["train"].column(SITE_COLUMN, "columns")) == n))
+                          for n in self.sites}} if self.sites is not None else {}),
         }
 
     def _say_once(self, key: str, message: str, *args: Any) -> None:

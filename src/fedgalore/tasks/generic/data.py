@@ -13,6 +13,15 @@
 * a hub data set id (``org/name``; ``task.options.data_config`` picks its configuration), through
   the same ``datasets.load_dataset`` call — not testable offline.
 
+**Sites.** ``{sites: {NAME: DATA, ...}}`` names one site's data per entry, each ``DATA`` in either
+form above (a source, or ``{train, test, validation}``): the data of a federation whose members
+each hold their own files (docs/data.md, "Per-site files"). Every site is read, checked, split
+(its own test split drawn from its own training rows when it has none) and limited on its own,
+exactly as if it were the only data, and the sites' splits are then concatenated in the order
+given, with a column ``site`` (:data:`SITE_COLUMN`) holding each row's site. So a site's rows are
+the same whether one process reads all sites (``federation.partition.kind: files``) or the site
+reads its own (a Flower SuperNode with ``data=...``, examples/flower/README.md).
+
 Relative paths are relative to the working directory. Without a test split, the training rows
 are split by :func:`split_rows` (seeded, stratified where the task has a label). Rows keep their
 row number in their file, so every message names the file and the row (rows count from 1; a
@@ -31,10 +40,12 @@ import numpy as np
 
 from fedgalore.tasks.base import TaskError, stratified_split
 
-__all__ = ["SPLITS", "FILE_EXTENSIONS", "IMAGE_EXTENSIONS", "Rows", "LabelSet", "load_sources", "data_fingerprint",
+__all__ = ["SPLITS", "SITE_COLUMN", "site_sources", "concat_rows", "FILE_EXTENSIONS", "IMAGE_EXTENSIONS", "Rows", "LabelSet", "load_sources", "data_fingerprint",
            "split_rows", "limit_rows", "is_missing", "check_filled"]
 
 SPLITS = ("train", "test", "validation")
+#: the column per-site data (``{sites: ...}``) adds: each row's site name
+SITE_COLUMN = "site"
 #: file extension -> (datasets builder, its reader options)
 _READERS: dict[str, tuple[str, dict[str, Any]]] = {
     ".csv": ("csv", {"keep_default_na": False, "na_values": [""]}),
@@ -72,16 +83,28 @@ class Rows:
 
     ``name`` is what messages call the source (``train.csv``; ``train.csv (held out)`` for a
     split drawn from it); ``folder`` is where relative paths in the rows point (a data file's
-    folder); ``index[i]`` is row ``i``'s 0-based number in its source."""
+    folder); ``index[i]`` is row ``i``'s 0-based number in its source. Rows concatenated from
+    several sources (:func:`concat_rows`, per-site data) have ``origins``: per source, the
+    position its rows start at, its name, its rows' numbers there and its folder."""
 
     data: Any
     name: str
     folder: Path | None = None
     index: np.ndarray | None = None
+    origins: tuple[tuple[int, str, np.ndarray, Path | None], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.index is None:
             self.index = np.arange(len(self.data))
+
+    def _origin(self, i: int) -> tuple[int, tuple[int, str, np.ndarray, Path | None]]:
+        pos = int(self.index[i])
+        starts = [o[0] for o in self.origins or ()]
+        return pos, self.origins[int(np.searchsorted(starts, pos, side="right")) - 1]
+
+    def folder_of(self, i: int) -> Path | None:
+        """The folder relative paths in row ``i`` point to (its source's)."""
+        return self.folder if self.origins is None else self._origin(i)[1][3]
 
     def __len__(self) -> int:
         return len(self.data)
@@ -90,9 +113,13 @@ class Rows:
     def columns(self) -> list[str]:
         return list(self.data.column_names)
 
-    def row(self, i: int) -> int:
-        """The 1-based row number of row ``i`` in its source (for messages)."""
-        return int(self.index[i]) + 1
+    def row(self, i: int) -> int | str:
+        """The 1-based row number of row ``i`` in its source (for messages); for concatenated rows
+        ``"N of SOURCE"``."""
+        if self.origins is None:
+            return int(self.index[i]) + 1
+        pos, (start, name, index, _) = self._origin(i)
+        return f"{int(index[pos - start]) + 1} of {name}"
 
     def require(self, name: str, option: str) -> None:
         """A missing column ``name`` is one line naming ``task.options.<option>`` and listing the
@@ -109,7 +136,33 @@ class Rows:
     def select(self, idx: Sequence[int], name: str | None = None) -> "Rows":
         """The rows at ``idx`` (in that order), keeping their source row numbers."""
         idx = np.asarray(idx, dtype=np.int64)
-        return Rows(self.data.select(idx.tolist()), name or self.name, self.folder, self.index[idx])
+        return Rows(self.data.select(idx.tolist()), name or self.name, self.folder, self.index[idx], self.origins)
+
+
+def concat_rows(parts: Sequence[tuple[str, Rows]], name: str) -> Rows:
+    """The rows of ``parts`` — ``(site, rows)`` pairs — one after the other, with a column
+    :data:`SITE_COLUMN` holding each row's site; messages still name each row's own source."""
+    data: list = []
+    origins: list = []
+    with _quiet_datasets():
+        joined = _concat(parts, data, origins)
+    return Rows(joined, name, None, np.arange(sum(len(r) for _, r in parts)), tuple(origins))
+
+
+def _concat(parts: Sequence[tuple[str, Rows]], data: list, origins: list) -> Any:
+    import datasets
+
+    start = 0
+    for site, rows in parts:
+        if SITE_COLUMN in rows.columns:
+            raise TaskError(f"{rows.name} (site {site!r}) has a column {SITE_COLUMN!r}, which per-site data adds; "
+                            "rename or drop that column")
+        data.append(rows.data.add_column(SITE_COLUMN, [site] * len(rows)))
+        if rows.origins is not None:
+            raise TaskError("per-site data cannot nest sites")
+        origins.append((start, rows.name, np.asarray(rows.index), rows.folder))
+        start += len(rows)
+    return datasets.concatenate_datasets(data) if len(data) > 1 else data[0]
 
 
 def is_missing(value: Any) -> bool:
@@ -234,14 +287,17 @@ def _read_source(source: str, config: str | None) -> dict[str, Rows]:
     return _read_hub(source, config)
 
 
-def load_sources(data: str | Mapping[str, str], data_config: str | None = None) -> dict[str, Rows]:
-    """The rows of each split that ``data`` names (module doc): always ``train``; ``test`` and
+def load_sources(data: str | Mapping[str, str], data_config: str | None = None, need_train: bool = True) -> dict[str, Rows]:
+    """The rows of each split that ``data`` names (module doc): always ``train`` (unless
+    ``need_train`` is False: a mapping of ``test`` / ``validation`` only); ``test`` and
     ``validation`` when a source has them. Every split has at least one row."""
     if data is None or (isinstance(data, str) and not data.strip()):
         raise TaskError("task.options.data is required: a file, a folder, or {train: FILE, test: FILE}")
+    if isinstance(data, Mapping) and "sites" in data:
+        raise TaskError("task.options.data: {sites: ...} is read site by site (site_sources)")
     if isinstance(data, Mapping):
         unknown = sorted(set(data) - set(SPLITS))
-        if unknown or "train" not in data:
+        if unknown or ("train" not in data and need_train):
             raise TaskError(f"task.options.data: a mapping has the keys train (required), test, validation; got {', '.join(map(str, data)) or 'none'}")
         out: dict[str, Rows] = {}
         for split, source in data.items():
@@ -257,11 +313,33 @@ def load_sources(data: str | Mapping[str, str], data_config: str | None = None) 
     return out
 
 
+def site_sources(data: Any) -> dict[str, Any] | None:
+    """The sites of per-site data (``{sites: {NAME: DATA}}``, module doc), in the order given, or
+    None for data that is not per site. A malformed ``sites`` mapping is one line."""
+    if not (isinstance(data, Mapping) and "sites" in data):
+        return None
+    sites = data["sites"]
+    if set(data) != {"sites"}:
+        raise TaskError("task.options.data: {sites: {NAME: FILE, ...}} takes no other keys; give each site's test or "
+                        "validation file inside its entry, {sites: {NAME: {train: FILE, test: FILE}}}")
+    if not isinstance(sites, Mapping) or len(sites) == 0:
+        raise TaskError("task.options.data.sites must map site names to their data, e.g. {sites: {site1: a.csv, site2: b.csv}}")
+    for name, one in sites.items():
+        if not str(name).strip():
+            raise TaskError("task.options.data.sites: a site needs a non-empty name")
+        if one is None or (isinstance(one, Mapping) and "sites" in one):
+            raise TaskError(f"task.options.data.sites.{name}: give the site's data: a file, a folder or {{train: FILE, test: FILE}}")
+    return {str(k): v for k, v in sites.items()}
+
+
 def data_fingerprint(data: str | Mapping[str, str], data_config: str | None = None) -> str:
     """Identity of the data ``data`` names: names, sizes and modification times of every local file
-    (folders: all files below), or the hub id and configuration."""
+    (folders: all files below), or the hub id and configuration; per site for per-site data."""
     from fedgalore.tasks.text_classification.base import fingerprint_files
 
+    sites = site_sources(data)
+    if sites is not None:
+        return "|".join(f"{name}={data_fingerprint(one, data_config)}" for name, one in sites.items())
     sources = dict(data) if isinstance(data, Mapping) else {"data": data}
     parts = []
     for split, source in sorted(sources.items()):
@@ -310,10 +388,20 @@ class LabelSet:
     """The classes of a classifier, fixed by the training rows: ``names`` in id order.
 
     ``kind`` says how: ``classlabel`` (a ``datasets`` ``ClassLabel`` column: its names in its
-    order), ``integer`` (the sorted distinct integers) or ``string`` (the sorted distinct strings)."""
+    order), ``integer`` (the sorted distinct integers), ``string`` (the sorted distinct strings)
+    or ``given`` (``task.options.labels``, in that order: a federation whose server never sees a
+    row, or whose sites may each lack some classes)."""
 
     names: tuple[str, ...]
     kind: str
+
+    @classmethod
+    def given(cls, labels: Sequence[Any]) -> "LabelSet":
+        """The classes ``labels`` names, in that order (``task.options.labels``)."""
+        names = tuple(_key(v) for v in labels)
+        if len(set(names)) != len(names) or len(names) < 2:
+            raise TaskError(f"task.options.labels={list(labels)!r} must name at least 2 distinct classes")
+        return cls(names, "given")
 
     @classmethod
     def from_rows(cls, rows: Rows, column: str, option: str = "label_column") -> "LabelSet":
@@ -340,6 +428,9 @@ class LabelSet:
             k = _key(v)
             if k not in lookup:
                 shown = ", ".join(self.names[:8]) + (", ..." if len(self.names) > 8 else "")
+                if self.kind == "given":
+                    raise TaskError(f"label {k!r} of {rows.name} (row {rows.row(i)}, column {column!r}) is not one of "
+                                    f"task.options.labels ({shown}); fix that row or add the label there")
                 raise TaskError(f"label {k!r} of {rows.name} (row {rows.row(i)}, column {column!r}) never occurs in the training data "
                                 f"({train_name}: {shown}); fix that row or add training rows with it")
             out[i] = lookup[k]

@@ -39,6 +39,9 @@ class ImageClassificationOptions(FileTaskOptions):
                                           "null: the offline tiny ViT (python -m fedgalore.tasks.pretrain_vit)")
     image_column: str = task_option("image", "column holding the image (a file path or a `datasets` Image); an image folder's is 'image'")
     label_column: str = task_option("label", "column holding the class (strings or integers); an image folder's is 'label'")
+    labels: tuple[str, ...] | None = task_option(
+        None, "the classes in id order (null: the training rows' distinct labels, sorted); needed when the server "
+              "never sees a row (Flower with site-local data) or a site may lack a class")
     new_head: bool | None = task_option(
         None, "null: create a head when the checkpoint has none, keep one whose labels are the data's; "
               "true: a fresh seeded head; false: keep the checkpoint's head of the right size")
@@ -98,8 +101,8 @@ def _image_sources(rows: Rows, column: str) -> list:
         if not isinstance(v, str):
             raise TaskError(f"{rows.name}: column {column!r} must hold image file paths or images, row {rows.row(i)} holds {v!r}")
         path = Path(v).expanduser()
-        if not path.is_absolute() and rows.folder is not None:
-            path = rows.folder / path
+        if not path.is_absolute() and rows.folder_of(i) is not None:
+            path = rows.folder_of(i) / path
         if not path.is_file():
             raise TaskError(f"{rows.name}: the image of row {rows.row(i)} ({v!r}) is not a file "
                             "(relative paths are relative to the data file's folder)")
@@ -126,9 +129,11 @@ class GenericImageClassificationTask(FileTask, ImageClassificationTask):
         raw = self._read_rows(opts, [(opts.label_column, "label_column", "label")])
         for rows in raw.values():
             rows.require(opts.image_column, "image_column")
+        if self.no_train and not opts.labels:
+            raise TaskError("task.options.labels is required when the task reads no training rows (the server of a Flower deployment whose nodes bring the data): list the classes in id order")
         self._rows = self._split_rows(opts, raw, opts.label_column)
         train = self._rows["train"]
-        self.label_set = LabelSet.from_rows(train, opts.label_column)
+        self.label_set = LabelSet.given(opts.labels) if opts.labels else LabelSet.from_rows(train, opts.label_column)
         self.classes = list(self.label_set.names)
         if len(self.classes) < 2:
             raise TaskError(f"{train.name}: column {opts.label_column!r} holds one class ({self.classes[0]!r}); a classifier needs at least 2")

@@ -37,6 +37,9 @@ class TextClassificationOptions(FileTaskOptions):
     text_column: str = task_option("text", "column holding the text")
     text_columns: tuple[str, ...] | None = task_option(None, "two columns of a sentence pair, [first, second] (instead of text_column)")
     label_column: str = task_option("label", "column holding the label: strings or integers (classes), floats (regression)")
+    labels: tuple[str, ...] | None = task_option(
+        None, "the classes in id order (null: the training rows' distinct labels, sorted); needed when the server "
+              "never sees a row (Flower with site-local data) or a site may lack a class")
     max_length: int = task_option(128, "tokens per example (longer texts are truncated)")
     regression: bool | None = task_option(None, "null: a float label column is regression (MSE); true / false: say so")
     new_head: bool | None = task_option(
@@ -96,6 +99,9 @@ class GenericTextClassificationTask(FileTask, TextClassificationTask):
         required = [(c, text_option, "text") for c in self.text_columns] + [(label, "label_column", "label")]
         raw = self._read_rows(opts, required)
         regression = opts.regression if opts.regression is not None else _is_float_column(raw["train"], label)
+        if self.no_train and (regression or not opts.labels):
+            raise TaskError("regression needs training rows on the server (a nodes deployment supports classes only)"
+                            if regression else "task.options.labels is required when the task reads no training rows (the server of a Flower deployment whose nodes bring the data): list the classes in id order")
         self._rows = self._split_rows(opts, raw, None if regression else label)
         train = self._rows["train"]
         if regression:
@@ -105,7 +111,7 @@ class GenericTextClassificationTask(FileTask, TextClassificationTask):
             names = [f"[{lo:.4g},{hi:.4g})" for lo, hi in zip(bounds[:-1], bounds[1:])]
             self.label_set = None
         else:
-            self.label_set = LabelSet.from_rows(train, label)
+            self.label_set = LabelSet.given(opts.labels) if opts.labels else LabelSet.from_rows(train, label)
             if len(self.label_set.names) < 2:
                 raise TaskError(f"{train.name}: column {label!r} holds one label ({self.label_set.names[0]!r}); "
                                 "a classifier needs at least 2 (or set task.options.regression: true)")
@@ -124,7 +130,7 @@ class GenericTextClassificationTask(FileTask, TextClassificationTask):
         key = None
         if opts.cache:
             key = json.dumps({"data": self._data_fingerprint, "splits": {s: r.name for s, r in sorted(self._rows.items())},
-                              "text": list(self.text_columns), "label": label, "test_fraction": opts.test_fraction,
+                              "text": list(self.text_columns), "label": label, "labels": opts.labels, "test_fraction": opts.test_fraction,
                               "seed": opts.seed, "limit": opts.limit, "data_config": opts.data_config})
         super().__init__(model, lambda: (self._examples("train"), self._examples("test")), names, max_length=opts.max_length,
                          seed=opts.seed, regression=regression,
