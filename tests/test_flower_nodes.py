@@ -191,8 +191,10 @@ def test_nodes_kind_outside_flower_and_without_labels_is_one_line(tmp_path, bert
     from fedgalore.flower.client_app import site_options
     from fedgalore.tasks import get_task
 
-    with pytest.raises(Exception, match="task.options.labels is required when the task reads no training rows"):
+    with pytest.raises(Exception, match=r"data is required: .*kind=nodes .*task\.options\.labels lists the classes"):
         get_task("text_classification", **d["task"]["options"])
+    with pytest.raises(Exception, match="task.options.labels is required when the task reads no training rows"):
+        get_task("text_classification", **{**d["task"]["options"], "data": {"test": site_files(tmp_path)["s0"]["test"]}})
     site, opts = site_options({"data": "x/site7.csv"}, {"model": "m"})
     assert site == "site7" and opts == {"model": "m", "data": {"sites": {"site7": "x/site7.csv"}}}
     with pytest.raises(ValueError, match="this SuperNode has no data"):

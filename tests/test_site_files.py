@@ -154,3 +154,15 @@ def test_mistakes_are_one_line_naming_the_site_file(tmp_path, bert_dir, monkeypa
     assert "federation.partition.kind=files needs per-site data" in _one_line(capsys, ["partition", "--config", str(cfg)])
     valid = dict(data, s0={**data["s0"], "validation": data["s0"]["test"]})
     assert "sites s0 have a validation split and the others none" in error(valid)
+
+
+def test_participation_and_batch_mistakes_name_the_sites(tmp_path, bert_dir, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(CONFIG.format(model=bert_dir, sites=json.dumps(site_files(tmp_path))))
+    line = _one_line(capsys, ["partition", "--config", str(cfg), "federation.clients_per_round=5"])
+    assert "clients_per_round=5 exceeds the 3 clients of the files partition (one client per site)" in line
+    big = 64  # larger than every site's training rows
+    line = _one_line(capsys, ["partition", "--config", str(cfg), f"train.batch_size={big}"])
+    assert "The files partition (one client per site): client(s) 's0' (" in line and f"train.batch_size={big}" in line
+    assert "merge or drop those sites in the data" in line

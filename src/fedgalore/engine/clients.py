@@ -137,18 +137,27 @@ def _site_tests(task: Task, clients: Clients) -> None:
                           "enough training rows for task.options.test_fraction")
 
 
+def _partition_words(pcfg) -> tuple[str, str]:
+    """How messages name a partition that infers its clients, and its clients' units."""
+    if pcfg.kind == "files":
+        return "the files partition (one client per site)", "sites"
+    if pcfg.kind == "nodes":
+        return "the SuperNodes that joined", "nodes"
+    return f"the natural partition over {pcfg.column!r}", f"{pcfg.column} values"
+
+
 def _check_batches(cfg: FederatedConfig, clients: Clients) -> None:
-    """A natural client must hold at least one batch: name the small ones and what to do."""
+    """A natural (or per-site) client must hold at least one batch: name the small ones and what to do."""
     b = cfg.train.batch_size
     small = [(clients.name(j), len(p)) for j, p in enumerate(clients.parts) if len(p) < b]
     if small:
-        col = cfg.federation.partition.column
+        what, units = _partition_words(cfg.federation.partition)
         shown = ", ".join(f"{name!r} ({k})" for name, k in small[:3]) + (f" and {len(small) - 3} more" if len(small) > 3 else "")
         smallest = min(k for _, k in small)
-        held = " after the client_test_fraction hold-out" if cfg.federation.client_eval else ""
+        held = " after the client_test_fraction hold-out" if cfg.federation.client_eval and not clients.test_split else ""
         raise ConfigError(
-            f"natural partition over {col!r}: client(s) {shown} hold fewer training examples{held} than one batch "
-            f"(train.batch_size={b}); set train.batch_size<={smallest}, or merge or drop those {col} values in the data"
+            f"{what[0].upper()}{what[1:]}: client(s) {shown} hold fewer training examples{held} than one batch "
+            f"(train.batch_size={b}); set train.batch_size<={smallest}, or merge or drop those {units} in the data"
         )
 
 
@@ -162,8 +171,8 @@ def resolve_clients(cfg: FederatedConfig, clients: Clients) -> FederatedConfig:
         return cfg
     if fed.clients_per_round is not None and fed.clients_per_round > m:
         raise ConfigError(
-            f"federation.clients_per_round={fed.clients_per_round} exceeds the {m} clients of the natural partition "
-            f"over {fed.partition.column!r}; set federation.clients_per_round<={m}, or null for all of them"
+            f"federation.clients_per_round={fed.clients_per_round} exceeds the {m} clients of "
+            f"{_partition_words(fed.partition)[0]}; set federation.clients_per_round<={m}, or null for all of them"
         )
     out = copy.deepcopy(cfg)
     out.federation.num_clients = m

@@ -108,6 +108,19 @@ class FileTask:
         self.no_train = True
         return raw
 
+    def _require_labels_without_rows(self, opts: FileTaskOptions) -> None:
+        """A task that reads no training rows (:meth:`_read_no_train`) cannot learn its classes from
+        them: ``task.options.labels`` must name them. Without ``data`` at all the likelier mistake
+        is a forgotten ``data``, so that is what the one line says first."""
+        if not self.no_train or getattr(opts, "labels", None):
+            return
+        if opts.data is None:
+            raise TaskError("task.options.data is required: a file, a folder, or {train: FILE, test: FILE}; only the server "
+                            "of a Flower deployment with federation.partition.kind=nodes (the nodes hold the data) leaves it "
+                            "out, and then task.options.labels lists the classes in id order")
+        raise TaskError("task.options.labels is required when the task reads no training rows (the server of a Flower "
+                        "deployment whose nodes bring the data): list the classes in id order")
+
     @staticmethod
     def _check_required(raw: dict[str, Rows], required: Sequence[tuple[str, str, str]]) -> None:
         for rows in raw.values():

@@ -129,8 +129,7 @@ class GenericImageClassificationTask(FileTask, ImageClassificationTask):
         raw = self._read_rows(opts, [(opts.label_column, "label_column", "label")])
         for rows in raw.values():
             rows.require(opts.image_column, "image_column")
-        if self.no_train and not opts.labels:
-            raise TaskError("task.options.labels is required when the task reads no training rows (the server of a Flower deployment whose nodes bring the data): list the classes in id order")
+        self._require_labels_without_rows(opts)
         self._rows = self._split_rows(opts, raw, opts.label_column)
         train = self._rows["train"]
         self.label_set = LabelSet.given(opts.labels) if opts.labels else LabelSet.from_rows(train, opts.label_column)

@@ -99,9 +99,9 @@ class GenericTextClassificationTask(FileTask, TextClassificationTask):
         required = [(c, text_option, "text") for c in self.text_columns] + [(label, "label_column", "label")]
         raw = self._read_rows(opts, required)
         regression = opts.regression if opts.regression is not None else _is_float_column(raw["train"], label)
-        if self.no_train and (regression or not opts.labels):
-            raise TaskError("regression needs training rows on the server (a nodes deployment supports classes only)"
-                            if regression else "task.options.labels is required when the task reads no training rows (the server of a Flower deployment whose nodes bring the data): list the classes in id order")
+        if self.no_train and regression:
+            raise TaskError("regression needs training rows on the server (a nodes deployment supports classes only)")
+        self._require_labels_without_rows(opts)
         self._rows = self._split_rows(opts, raw, None if regression else label)
         train = self._rows["train"]
         if regression:
