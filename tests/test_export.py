@@ -179,7 +179,7 @@ def test_model_card_and_evaluate(runs, tmp_path, capsys):
                  "| rounds | 2 exported; 2 completed of 2 configured |",
                  f"up {rec['cum_bytes_up']:,} B, down {rec['cum_bytes_down']:,} B",
                  f"| test | {rec['eval/accuracy']:.4f} |", f"| validation | {rec['eval/val_accuracy']:.4f} |",
-                 "BertForSequenceClassification.from_pretrained", "fedgalore run --config fedgalore_config.yaml",
+                 "BertForSequenceClassification.from_pretrained", f"fedgalore run --config {out.resolve()}/fedgalore_config.yaml output.dir=reproduced",
                  "The task's own data", "differ from the run's global model by at most"):
         assert text in card, text
     assert (out / "fedgalore_config.yaml").read_text() == (run.dir / "config.yaml").read_text()

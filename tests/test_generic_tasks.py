@@ -315,6 +315,24 @@ def test_image_folder_and_image_column(tmp_path, vit_dir):
     assert len(t.train_set()) == 12 and len(t.test_set()) == 6 and t.describe()["data"] == {"train": "split/train", "test": "split/test"}
 
 
+def test_a_broken_image_is_one_line_before_training(tmp_path, vit_dir):
+    root = _images(tmp_path / "pets")
+    (root / "dog" / "broken.png").write_bytes(b"not an image at all")
+    with pytest.raises(TaskError) as err:
+        get_task("image_classification", model=str(vit_dir), data=str(root), test_fraction=0.5, new_head=True)
+    msg = _one_line(err)
+    assert "broken.png" in msg and "cannot be read (UnidentifiedImageError" in msg and "replace or remove it" in msg
+    # a truncated PNG (its header intact) is caught too: verify checks the chunks
+    good = (root / "cat" / "cat0.png").read_bytes()
+    (root / "dog" / "broken.png").write_bytes(good[: len(good) // 2])
+    with pytest.raises(TaskError, match="broken.png.*cannot be read"):
+        get_task("image_classification", model=str(vit_dir), data=str(root), test_fraction=0.5, new_head=True)
+    # the check can be skipped (the run then finds it when a client opens it)
+    task = get_task("image_classification", model=str(vit_dir), data=str(root), test_fraction=0.5, new_head=True,
+                    verify_images=False)
+    assert len(task.train_set()) + len(task.test_set()) == 19
+
+
 # ============================================================================ 7. bad input: one line each
 def _one_line(exc_info) -> str:
     msg = str(exc_info.value)
@@ -399,7 +417,9 @@ def test_bad_model_and_options_are_one_line(tmp_path, bert_dir, vit_dir, llama_d
     assert "leave out prompt_column, response_column" in _one_line(exc)
     with pytest.raises(TaskError) as exc:
         causal_task(llama_dir, path, prompt_column=None)
-    assert "needs prompt_column + response_column, or template + response_column, or messages_column" in _one_line(exc)
+    line = _one_line(exc)
+    assert "task 'causal_lm': task.options needs prompt_column + response_column, or template + response_column, or messages_column" in line
+    assert line.count("causal_lm") == 1
     with pytest.raises(TaskError) as exc:
         causal_task(llama_dir, write(pd.DataFrame(QA), tmp_path / "qa.csv"), answer_pattern=r"#### (\d+)")
     assert re.search(r"qa\.csv \(held out\) row \d+: task\.options\.answer_pattern='#### \(\\\\d\+\)' finds no answer", _one_line(exc))

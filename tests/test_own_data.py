@@ -132,6 +132,8 @@ def test_text_export_loads_with_plain_transformers(site_run, tmp_path):
     assert f"| task.options.data | news.csv | {(root / 'news.csv').stat().st_size:,} B | SHA-256 `{inputs['task.options.data']['sha256']}` |" in card
     assert f"| task.options.model | {Path(inputs['task.options.model']['path']).name}/ |" in card
     assert "Labels: politics, sport, tech." in card and "natural:site over 4 clients" in card
+    # the reproduce command runs the saved config (data: news.csv) from the folder the run started in
+    assert f"cd {root.resolve()} && fedgalore run --config {out.resolve()}/fedgalore_config.yaml output.dir=reproduced" in card
 
 
 # ----------------------------------------------------------------------------- evaluate --data

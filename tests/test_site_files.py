@@ -71,7 +71,7 @@ def test_each_site_reads_what_it_would_read_alone(tmp_path, bert_dir):
     # s2 had no test file: its test rows were drawn from its own rows (25 %, stratified), not from the pool
     test = both._rows["test"]
     s2_rows = [test.row(i) for i in np.flatnonzero(both.partition_values("site", split="test") == "s2")]
-    assert s2_rows and all(r.endswith(" of s2_all.csv (held out)") for r in s2_rows), s2_rows
+    assert s2_rows and all(r.endswith(" of site 's2' s2_all.csv (held out)") for r in s2_rows), s2_rows
     assert both.describe()["sites"] == {"s1": 17, "s0": 17, "s2": 16}
 
 
@@ -84,7 +84,7 @@ def test_labels_option_fixes_the_classes_and_their_order(tmp_path, bert_dir):
     assert order[y] == texts_label(t, 0)
     only_two = task_of(bert_dir, {"sites": {"s0": data["s0"]}}, labels=order)  # a site may lack classes, ids stay
     assert only_two.label_names() == order
-    with pytest.raises(Exception, match=r"label 'sport' of .* is not one of task\.options\.labels \(tech, politics\)"):
+    with pytest.raises(Exception, match=r"label 'sport' of .*row \d+ of site 's\d' s\d_\w+\.csv.* is not one of task\.options\.labels \(tech, politics\)"):
         task_of(bert_dir, {"sites": data}, labels=["tech", "politics"])
 
 
@@ -166,3 +166,37 @@ def test_participation_and_batch_mistakes_name_the_sites(tmp_path, bert_dir, mon
     line = _one_line(capsys, ["partition", "--config", str(cfg), f"train.batch_size={big}"])
     assert "The files partition (one client per site): client(s) 's0' (" in line and f"train.batch_size={big}" in line
     assert "merge or drop those sites in the data" in line
+
+
+def test_evaluate_on_one_sites_test_file_gives_that_sites_metrics(tmp_path, bert_dir, monkeypatch, capsys):
+    """``fedgalore evaluate --data FILE`` on a per-site run or its export: the test file alone with
+    the run's classes; on a site's own test file it gives that site's last client_eval metrics."""
+    from fedgalore.engine.evaluate import evaluate
+    from fedgalore.engine.export import export_run
+
+    monkeypatch.chdir(tmp_path)
+    data = site_files(tmp_path)
+    (tmp_path / "run.yaml").write_text(CONFIG.format(model=bert_dir, sites=json.dumps(data)))
+    run = Path(fedgalore.run(load_config(tmp_path / "run.yaml")).run_dir)
+    site = [r for r in read_jsonl(run / "metrics.jsonl") if "client_eval" in r][-1]["client_eval"]["clients"]["s0"]
+    out = export_run(run, tmp_path / "exported")
+    assert json.loads((tmp_path / "exported" / "fedgalore_export.json").read_text())["labels"] == sorted(TOPICS)
+    for where in (run, out.out):
+        ev = evaluate(where, data=data["s0"]["test"])
+        assert ev.examples == site["n"] == 6
+        assert ev.metrics["accuracy"] == pytest.approx(site["accuracy"], abs=1e-9)
+        assert ev.metrics["loss"] == pytest.approx(site["loss"], abs=1e-5)
+    assert main(["evaluate", str(tmp_path / "exported"), "--data", data["s1"]["test"]]) == 0
+    assert "on text_classification (6 test examples): accuracy=" in capsys.readouterr().out
+
+
+def test_site_count_mistakes_say_sites(tmp_path, bert_dir, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    data = site_files(tmp_path)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(CONFIG.format(model=bert_dir, sites=json.dumps(data)))
+    line = _one_line(capsys, ["partition", "--config", str(cfg), "federation.num_clients=4"])
+    assert "federation.num_clients=4, but task.options.data.sites names 3 sites (s0, s1, s2): kind files has one client per site" in line
+    cfg.write_text(CONFIG.format(model=bert_dir, sites=json.dumps({"s0": data["s0"]})))
+    line = _one_line(capsys, ["partition", "--config", str(cfg)])
+    assert "task.options.data.sites names one site with training rows ('s0'); a federation needs at least 2" in line

@@ -71,11 +71,14 @@ def load_exported(path: str | Path, task: Task) -> nn.Module:
     return model.eval()
 
 
-def with_test_data(cfg: FederatedConfig, data: str | Path) -> FederatedConfig:
+def with_test_data(cfg: FederatedConfig, data: str | Path, labels: list[str] | None = None) -> FederatedConfig:
     """``cfg`` with its task's test split read from the file ``data``: the task option ``data``
     becomes ``{train: <its training data>, test: data}`` (a mapping keeps its other splits; a
-    single file loses its ``test_fraction``, since the file is now all training data). A task
-    without a ``data`` option reads no files: :class:`ExportError`."""
+    single file loses its ``test_fraction``, since the file is now all training data). Per-site
+    data (``{sites: ...}``) has no one training source: the task reads the test file alone
+    (``{test: data}``, the no-training-rows path) with the run's classes ``labels`` in id order
+    (:func:`~fedgalore.engine.export.class_names`); a per-site regression cannot. A task without a
+    ``data`` option reads no files: :class:`ExportError`."""
     cls = task_class(cfg.task.name).options_class
     names = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
     if "data" not in names:
@@ -84,7 +87,15 @@ def with_test_data(cfg: FederatedConfig, data: str | Path) -> FederatedConfig:
                           "causal_lm, image_classification)")
     options = dict(cfg.task.options)
     current = options.get("data")
-    if isinstance(current, dict):
+    if isinstance(current, dict) and "sites" in current:
+        if "labels" in names and not labels:
+            raise ExportError(f"--data on a per-site run needs the run's classes, and this {cfg.task.name} run has none "
+                              "recorded (a regression, or an export written before they were recorded): evaluate the "
+                              "run directory itself, or export it again")
+        options["data"] = {"test": str(data)}
+        if "labels" in names:
+            options["labels"] = list(labels)
+    elif isinstance(current, dict):
         options["data"] = {**current, "test": str(data)}
     else:
         options["data"] = {"train": current, "test": str(data)}
@@ -115,7 +126,7 @@ def evaluate(path: str | Path, cfg: FederatedConfig | None = None, *, data: str 
     if cfg is None:
         raise ExportError(f"{path} carries no {EXPORT_CONFIG}: pass --config CONFIG naming the task to evaluate on")
     if data is not None:
-        cfg = with_test_data(cfg, data)
+        cfg = with_test_data(cfg, data, _recorded_classes(path, g.task if is_run else None))
     task = g.task if is_run and cfg is own else get_task(cfg.task.name, **cfg.task.options)
     if model is None:
         model = load_exported(path, task).to(device)
@@ -123,6 +134,26 @@ def evaluate(path: str | Path, cfg: FederatedConfig | None = None, *, data: str 
     examples = task.test_set()
     metrics = task.evaluate(model, examples, int(batch_size or cfg.federation.eval_batch_size))
     return Evaluation(metrics, source, cfg.task.name, len(examples))
+
+
+def _recorded_classes(path: Path, task: Task | None) -> list[str] | None:
+    """The classes of the run (``task``) or export (``path``) in id order: the run's task, else the
+    export's ``fedgalore_export.json``, else its ``config.json`` ``id2label``; None when unknown."""
+    import json
+
+    from fedgalore.engine.export import class_names
+
+    if task is not None:
+        return class_names(task)
+    info = path / "fedgalore_export.json"
+    if info.is_file() and json.loads(info.read_text()).get("labels"):
+        return [str(n) for n in json.loads(info.read_text())["labels"]]
+    config = path / "config.json"
+    if config.is_file():
+        c = json.loads(config.read_text())
+        if c.get("id2label") and c.get("problem_type") != "regression":
+            return [str(c["id2label"][k]) for k in sorted(c["id2label"], key=int)]
+    return None
 
 
 def _check_labels(model: nn.Module, task: Task) -> None:

@@ -94,6 +94,8 @@ class ExportResult:
     total_error: float | None = None
     #: ``peft``: the tensors carried whole (head, other trained tensors)
     dense: list[str] = field(default_factory=list)
+    #: the task's classes in id order (:func:`class_names`; None: no classes — regression, a language model)
+    labels: list[str] | None = None
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None, best: bool = False,  # noqa: A002
@@ -146,6 +148,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None
         shutil.copyfile(run_dir / "config.yaml", tmp / EXPORT_CONFIG)
         if (run_dir / IDENTITY_FILE).is_file():
             shutil.copyfile(run_dir / IDENTITY_FILE, tmp / EXPORT_IDENTITY)
+        result.labels = class_names(g.task)
         _write_info(tmp, result)
         (tmp / "README.md").write_text(model_card(
             g, out, fmt=format, model_class=result.model_class, processor=result.processor, rank=rank,
@@ -262,6 +265,17 @@ def _write(g: GlobalModel, tmp: Path, out: Path, fmt: str, rank: int | None) -> 
     return result(type(pre).__name__, matrices=extracted, total_error=total_error([f for _, f in extracted]), dense=dense)
 
 
+def class_names(task: Task) -> list[str] | None:
+    """The classes of a task that names them in a ``labels`` option (text and image
+    classification), in id order; None for a regression or a task without classes. Recorded in
+    ``fedgalore_export.json`` so that ``fedgalore evaluate --data`` builds the task on a test file
+    alone with the model's own label ids (:func:`fedgalore.engine.evaluate.with_test_data`)."""
+    options = getattr(task, "options", None)
+    if options is None or not hasattr(options, "labels") or getattr(task, "regression", False):
+        return None
+    return [str(n) for n in task.label_names()]
+
+
 def _set_labels(model: nn.Module, task: Task) -> None:
     """``config.id2label``/``label2id`` from the task's label names when the config has only
     transformers' defaults (``LABEL_0``, …) and the counts agree (classifiers only)."""
@@ -339,5 +353,6 @@ def _write_info(tmp: Path, result: ExportResult) -> None:
         "matrices": [{"name": n, "shape": [f.b.shape[0], f.a.shape[1]], "numerical_rank": f.numerical_rank,
                       "relative_error": f.rel_error} for n, f in result.matrices],
         "carried_whole": result.dense,
+        "labels": result.labels,
     }
     (tmp / "fedgalore_export.json").write_text(json.dumps(info, indent=1))

@@ -126,6 +126,47 @@ def _load_snippet(g: GlobalModel, out: Path, fmt: str, model_class: str, process
     return lines + ["```"]
 
 
+def start_folder(g: GlobalModel) -> Path | None:
+    """The working directory the run was started in, as its relative task paths tell it: a
+    relative ``task.options`` path ``V`` that the run's identity recorded as the absolute ``P``
+    gives ``P`` minus ``V``. None when the config names no relative path (or the run recorded no
+    inputs)."""
+    from fedgalore.engine.config import load_config
+
+    try:
+        inputs = json.loads((g.run_dir / IDENTITY_FILE).read_text()).get("inputs") or {}
+        options = load_config(g.run_dir / "config.yaml").task.options  # as saved (g.cfg has the recorded paths)
+    except (OSError, json.JSONDecodeError, ConfigError):
+        return None
+    for label, fp in inputs.items():
+        keys = label.split(".")
+        if keys[:2] != ["task", "options"] or "path" not in fp:
+            continue
+        value: Any = options
+        try:
+            for k in keys[2:]:
+                value = value[int(k) if isinstance(value, list) else k]
+        except (KeyError, IndexError, TypeError, ValueError):
+            continue
+        if isinstance(value, str) and not Path(value).expanduser().is_absolute():
+            recorded, rel = Path(fp["path"]), Path(value)
+            if recorded.parts[-len(rel.parts):] == rel.parts:
+                return Path(*recorded.parts[: len(recorded.parts) - len(rel.parts)])
+    return None
+
+
+def _reproduce(g: GlobalModel, out: Path) -> list[str]:
+    """The card's reproduce command: the saved config, run from the folder its relative paths
+    are relative to, into a fresh output folder (the original run directory may still be there)."""
+    config = Path(out).resolve() / EXPORT_CONFIG
+    where = start_folder(g)
+    run = f"fedgalore run --config {config} output.dir=reproduced"
+    if where is None:
+        return [f"`{EXPORT_CONFIG}` is the run's saved config:", "", "```bash", run, "```"]
+    return [f"`{EXPORT_CONFIG}` is the run's saved config; its relative data paths are relative to the folder the run "
+            f"was started in, `{where}`:", "", "```bash", f"cd {where} && {run}", "```"]
+
+
 def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, processor: str | None, rank: int | None = None,
                matrices: Sequence[tuple[str, LoraFactors]] = (), total: float | None = None,
                check: float | None = None, dense: Sequence[str] = (), num_labels: int | None = None,
@@ -188,8 +229,7 @@ def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, process
             lines.append(f"| {name} | {f.b.shape[0]}×{f.a.shape[1]} | {f.numerical_rank} | {f.rel_error:.4g} |")
     if dense:
         lines += ["", "Tensors carried whole: " + ", ".join(f"`{n}`" for n in dense) + "."]
-    lines += ["", "## Reproduce", "", f"`{EXPORT_CONFIG}` is the run's saved config:", "", "```bash",
-              f"fedgalore run --config {EXPORT_CONFIG}", "```"]
+    lines += ["", "## Reproduce", ""] + _reproduce(g, out)
     if g.round != total_rounds:
         lines += ["", f"(This export is round {g.round} of that run; checkpoints of other rounds are kept by "
                   "output.keep_checkpoints.)"]

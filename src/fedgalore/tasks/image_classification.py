@@ -249,8 +249,8 @@ class _OfflineVitTask(ImageClassificationTask):
         d = pretrained_vit_dir()
         if not (d / "model.safetensors").is_file():
             if not self.auto_pretrain:
-                raise AssetError(f"the pretrained tiny ViT is not cached in {d}; run `python -m fedgalore.tasks.pretrain_vit` (a few minutes on CPU)")
-            log.warning("pretrained tiny ViT not cached in %s: pretraining it now (once, a few minutes on CPU; `python -m fedgalore.tasks.pretrain_vit` does this ahead)", d)
+                raise AssetError(f"the pretrained tiny ViT is not cached in {d}; run `python -m fedgalore.tasks.pretrain_vit` (about a minute on CPU)")
+            log.warning("pretrained tiny ViT not cached in %s: pretraining it now (once, about a minute on CPU; `python -m fedgalore.tasks.pretrain_vit` does this ahead)", d)
             pretrain_tiny_vit(out=d)
         return d
 

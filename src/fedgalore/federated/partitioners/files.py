@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from fedgalore.federated.partitioners.base import register
-from fedgalore.federated.partitioners.natural import NaturalPartitioner
+from fedgalore.federated.partitioners.base import PartitionError, as_values, categories, register
+from fedgalore.federated.partitioners.natural import NaturalPartitioner, natural_partition
 
 __all__ = ["FilesPartitioner", "SITE_COLUMN"]
 
@@ -42,4 +42,14 @@ class FilesPartitioner(NaturalPartitioner):
         return ""
 
     def split(self, values: np.ndarray, num_partitions: int | None, seed: int) -> list[np.ndarray]:
-        return super().split(values, num_partitions, seed)
+        """One part per site (sorted by name); the count checks say "sites", not "column values"."""
+        sites = categories(as_values(values))[0].tolist()
+        if len(sites) < 2:
+            raise PartitionError(f"task.options.data.sites names one site with training rows ({', '.join(map(repr, sites))}); "
+                                 "a federation needs at least 2: add sites, or split one data set with kind iid / dirichlet")
+        if num_partitions is not None and num_partitions != len(sites):
+            shown = ", ".join(map(str, sites[:5])) + (", ..." if len(sites) > 5 else "")
+            raise PartitionError(f"federation.num_clients={num_partitions}, but task.options.data.sites names {len(sites)} "
+                                 f"sites ({shown}): kind files has one client per site; leave federation.num_clients out "
+                                 f"(or null), or set it to {len(sites)}")
+        return natural_partition(values, SITE_COLUMN)[0]

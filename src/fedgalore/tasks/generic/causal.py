@@ -71,8 +71,8 @@ class CausalLMOptions(FileTaskOptions):
             if extra:
                 raise TaskError(f"task.options.messages_column holds prompt and response: leave out {', '.join(extra)}")
         elif self.response_column is None or (self.prompt_column is None) == (self.template is None):
-            raise TaskError("task 'causal_lm' needs prompt_column + response_column, or template + response_column, "
-                            "or messages_column (in task.options)")
+            raise TaskError("task.options needs prompt_column + response_column, or template + response_column, "
+                            "or messages_column")
         if self.template is not None:
             template_fields(self.template)
         if self.answer_pattern is not None:

@@ -160,7 +160,8 @@ def _concat(parts: Sequence[tuple[str, Rows]], data: list, origins: list) -> Any
         data.append(rows.data.add_column(SITE_COLUMN, [site] * len(rows)))
         if rows.origins is not None:
             raise TaskError("per-site data cannot nest sites")
-        origins.append((start, rows.name, np.asarray(rows.index), rows.folder))
+        # two sites' files are often both train.csv: messages name the site too ("row 5 of site 'b' train.csv")
+        origins.append((start, f"site {site!r} {rows.name}", np.asarray(rows.index), rows.folder))
         start += len(rows)
     return datasets.concatenate_datasets(data) if len(data) > 1 else data[0]
 

@@ -45,6 +45,8 @@ class ImageClassificationOptions(FileTaskOptions):
     new_head: bool | None = task_option(
         None, "null: create a head when the checkpoint has none, keep one whose labels are the data's; "
               "true: a fresh seeded head; false: keep the checkpoint's head of the right size")
+    verify_images: bool = task_option(
+        True, "open every image once at start (PIL verify), so a broken file is one error line before training")
 
 
 @dataclass
@@ -80,9 +82,27 @@ class ImageExamples:
         return {k: v[0] for k, v in self.batch([i]).items()}
 
 
-def _image_sources(rows: Rows, column: str) -> list:
+def _check_image(src: Any, rows: Rows, i: int, shown: Any) -> None:
+    """Open ``src`` (a path or a ``{"bytes", "path"}`` record) far enough to know it is an image
+    PIL can decode (its header and, for PNG, its checksums: ``Image.verify``) — so a broken file is
+    one line before any training, not a client failing every round."""
+    from PIL import Image
+
+    try:
+        if isinstance(src, dict):
+            src = io.BytesIO(src["bytes"]) if src.get("bytes") is not None else src["path"]
+        with Image.open(src) as im:
+            im.verify()
+    except Exception as exc:  # noqa: BLE001 - PIL raises many kinds; each is the same user error
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}" if str(exc).strip() else type(exc).__name__
+        raise TaskError(f"{rows.name}: the image of row {rows.row(i)} ({shown!r}) cannot be read ({why}); replace or "
+                        "remove it (task.options.verify_images: false skips this check at start)") from None
+
+
+def _image_sources(rows: Rows, column: str, verify: bool = True) -> list:
     """The column's images without decoding them: paths (resolved against the data file's folder,
-    checked to exist) or ``{"bytes", "path"}`` records of a ``datasets`` ``Image`` column."""
+    checked to exist) or ``{"bytes", "path"}`` records of a ``datasets`` ``Image`` column; with
+    ``verify`` each one is checked to be a readable image (:func:`_check_image`)."""
     import datasets
 
     rows.require(column, "image_column")
@@ -96,6 +116,8 @@ def _image_sources(rows: Rows, column: str) -> list:
         if is_missing(v) or (isinstance(v, dict) and v.get("bytes") is None and not v.get("path")):
             raise TaskError(f"{rows.name}: row {rows.row(i)} has no image in column {column!r}; fill or drop it")
         if isinstance(v, dict):
+            if verify:
+                _check_image(v, rows, i, v.get("path") or "an image in the data set")
             out.append(v)
             continue
         if not isinstance(v, str):
@@ -106,6 +128,8 @@ def _image_sources(rows: Rows, column: str) -> list:
         if not path.is_file():
             raise TaskError(f"{rows.name}: the image of row {rows.row(i)} ({v!r}) is not a file "
                             "(relative paths are relative to the data file's folder)")
+        if verify:
+            _check_image(str(path), rows, i, v)
         out.append(str(path))
     return out
 
@@ -138,7 +162,7 @@ class GenericImageClassificationTask(FileTask, ImageClassificationTask):
             raise TaskError(f"{train.name}: column {opts.label_column!r} holds one class ({self.classes[0]!r}); a classifier needs at least 2")
         self.image_processor = self._processor(config)
         mode = "L" if int(getattr(config, "num_channels", 3)) == 1 else "RGB"
-        self._sets = {split: ImageExamples(_image_sources(rows, opts.image_column),
+        self._sets = {split: ImageExamples(_image_sources(rows, opts.image_column, opts.verify_images),
                                            self.label_set.encode(rows, opts.label_column, train.name), self.image_processor, mode)
                       for split, rows in self._rows.items()}
         self._train, self._test = self._sets["train"], self._sets["test"]
@@ -151,15 +175,20 @@ class GenericImageClassificationTask(FileTask, ImageClassificationTask):
 
     @staticmethod
     def default_model() -> Path:
-        """The offline tiny ViT folder (:func:`fedgalore.tasks.pretrain_vit.pretrained_vit_dir`);
-        an :class:`~fedgalore.tasks.assets.AssetError` saying how to make it when it is absent."""
-        from fedgalore.tasks.assets import AssetError
-        from fedgalore.tasks.pretrain_vit import pretrained_vit_dir
+        """The offline tiny ViT folder (:func:`fedgalore.tasks.pretrain_vit.pretrained_vit_dir`),
+        pretrained on first use as ``offline_vision`` does (once, about a minute on one CPU core,
+        from the offline Fashion-MNIST; said in the log); an
+        :class:`~fedgalore.tasks.assets.AssetError` when the data to make it is not installed."""
+        import logging
+
+        from fedgalore.tasks.pretrain_vit import pretrain_tiny_vit, pretrained_vit_dir
 
         d = pretrained_vit_dir()
         if not (d / "model.safetensors").is_file():
-            raise AssetError(f"the offline tiny ViT is not in {d}; run `python -m fedgalore.tasks.pretrain_vit` "
-                             "(a few minutes on CPU), or set task.options.model")
+            logging.getLogger(__name__).warning(
+                "image_classification: the offline tiny ViT is not in %s: pretraining it now (once, about a minute on "
+                "CPU; `python -m fedgalore.tasks.pretrain_vit` does this ahead; task.options.model picks another)", d)
+            pretrain_tiny_vit(out=d)
         return d
 
     def _processor(self, config: Any) -> Any:

@@ -99,6 +99,9 @@ class GenericTextClassificationTask(FileTask, TextClassificationTask):
         required = [(c, text_option, "text") for c in self.text_columns] + [(label, "label_column", "label")]
         raw = self._read_rows(opts, required)
         regression = opts.regression if opts.regression is not None else _is_float_column(raw["train"], label)
+        if regression and opts.regression is None:
+            self._say_once("regression", "text_classification: column %r holds numbers with fractions: regression (MSE; "
+                           "metrics Pearson / Spearman); set task.options.regression: false to treat them as classes", label)
         if self.no_train and regression:
             raise TaskError("regression needs training rows on the server (a nodes deployment supports classes only)")
         self._require_labels_without_rows(opts)
