@@ -151,6 +151,17 @@ def test_config_errors_are_one_clear_line(patch, msg):
     assert msg in str(exc.value) and "\n" not in str(exc.value)
 
 
+def test_invalid_yaml_is_one_line_with_its_place(tmp_path):
+    from fedgalore.engine.config import load_config
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("method:\n  name: fedgalore\n rank: 8\n")  # rank indented one space less than name
+    with pytest.raises(ConfigError) as exc:
+        load_config(bad)
+    msg = str(exc.value)
+    assert "\n" not in msg and msg.startswith(f"config file {bad} is not valid YAML: ") and "at line 3, column 2" in msg
+
+
 def test_rank_larger_than_matrix_is_a_config_error(tmp_path):
     cfg = tiny_cfg(tmp_path)
     cfg.method.rank = 1000

@@ -359,6 +359,9 @@ def bad_dir(tmp_path_factory):
     write(nanlabel, d / "nan_label.parquet")
     write(df.iloc[:40], d / "train.csv")
     write(df.iloc[40:].assign(topic=["weather"] + list(df.iloc[41:]["topic"])), d / "test.csv")
+    lines = (d / "nan_text.jsonl").read_text().splitlines()
+    lines[4] = lines[4][:-3]  # a record cut short
+    (d / "broken.jsonl").write_text("\n".join(lines) + "\n")
     return d
 
 
@@ -376,6 +379,7 @@ def bad_dir(tmp_path_factory):
     ({"train": "train.csv", "tst": "test.csv"}, {}, r"a mapping has the keys train \(required\), test, validation; got train, tst"),
     ("news.csv", {"test_fraction": 1.5}, r"task\.options\.test_fraction=1\.5 must be in \(0, 1\)"),
     ("someorg/nodata", {}, r"data='someorg/nodata' is no local file or folder, and loading it from the Hugging Face hub failed"),
+    ("broken.jsonl", {}, r"^could not read broken\.jsonl: line 5 is not a JSON record \(.* at column \d+\); fix or drop that line"),
 ])
 def test_bad_data_is_one_line(bad_dir, bert_dir, data, kw, expected, monkeypatch):
     monkeypatch.chdir(bad_dir)

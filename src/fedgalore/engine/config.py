@@ -224,6 +224,15 @@ class FederatedConfig:
         return self.federation.partition.label()
 
 
+def _yaml_problem(exc: Exception) -> str:
+    """A YAML error in one line with where it is: PyYAML's ``problem`` and its mark (1-based line
+    and column), else the error's first line."""
+    mark, problem = getattr(exc, "problem_mark", None), getattr(exc, "problem", None)
+    if mark is not None and problem:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    return str(exc).splitlines()[0] if str(exc).strip() else type(exc).__name__
+
+
 def _natural_num_clients(data: Any) -> Any:
     """A natural (or files) partition infers ``federation.num_clients``: left out, it is null (not the default 20)."""
     fed = data.get("federation") if isinstance(data, dict) else None
@@ -251,7 +260,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         try:
             base = OmegaConf.load(p)
         except Exception as exc:  # yaml errors
-            raise ConfigError(f"config file {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+            raise ConfigError(f"config file {p} is not valid YAML: {_yaml_problem(exc)}") from None
     for ov in overrides:
         if "=" not in ov:
             raise ConfigError(f"override {ov!r} must look like key=value (e.g. federation.rounds=5)")

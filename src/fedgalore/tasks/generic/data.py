@@ -67,7 +67,8 @@ def _quiet_datasets() -> Iterator[None]:
 
     level = datasets.logging.get_verbosity()
     bars = datasets.utils.are_progress_bars_disabled()
-    datasets.logging.set_verbosity_error()
+    # CRITICAL: a file it cannot parse is our one error line, not its logged traceback line first
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     datasets.disable_progress_bars()
     try:
         yield
@@ -196,9 +197,38 @@ def _read_file(path: Path) -> Any:
             return datasets.load_dataset(builder, data_files=str(path), split="train",
                                          cache_dir=str(cache_dir() / "datasets"), **kwargs)
     except Exception as exc:  # noqa: BLE001 - pyarrow / pandas parse errors of many types
+        bad = _bad_json_line(path) if path.suffix.lower() in (".json", ".jsonl") else None
+        if bad is not None:
+            raise TaskError(f"could not read {path.name}: line {bad[0]} is not a JSON record ({bad[1]}); fix or drop that "
+                            "line (.jsonl: one JSON object per line)") from None
         line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
         raise TaskError(f"could not read {path.name} as {path.suffix.lower()} ({type(exc).__name__}: {line}); "
                         "check the file's format") from None
+
+
+def _bad_json_line(path: Path) -> tuple[int, str] | None:
+    """The first line of a JSON-lines file that is not a JSON object (1-based, the parser's
+    reason), to name it when ``datasets`` could not read the file; None when every line is one
+    (or the file is one JSON document, an array of records, whose error is the reader's)."""
+    import json
+
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        first = fh.read(1)
+        while first and first.isspace():
+            first = fh.read(1)
+        if first == "[":
+            return None
+        fh.seek(0)
+        for k, text in enumerate(fh, start=1):
+            if not text.strip():
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as exc:
+                return k, f"{exc.msg} at column {exc.colno}"
+            if not isinstance(record, dict):
+                return k, f"a {type(record).__name__}, not an object"
+    return None
 
 
 def _is_saved_dataset(path: Path) -> bool:
