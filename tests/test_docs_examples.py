@@ -56,6 +56,9 @@ def kind(cmd: str) -> str:
         (r"(^|&& )python -m fedgalore\.flower \. local ", "flower"),
         (r"^pgrep -af flower-superlink$|^kill \$\(pgrep -f ", "flower"),
         (r"^python -m fedgalore\.flower \. myfed$|^flower-super(link|node) ", "deployment"),
+        # examples/flower/README.md, the three-site federation: run as written by tests/test_flower_deploy.py
+        (r"^python make_sites\.py |^python -m fedgalore\.flower\.certs |^flwr config ls$|^printf .*config\.toml\"$"
+         r"|^flwr supernode register |^python -m fedgalore\.flower \. (sites|myfed) --run-config |^kill \$\(jobs -p\)$", "deploy"),
         (r"^fedgalore (repro|bench) (?!--list)\S+", "long"),
         (r"news\.yaml|runs/news-|exported/news", "own-data"),  # README "Your own data": test_readme_own_data_as_written
         (r"^fedgalore ", "cli"),

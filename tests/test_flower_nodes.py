@@ -26,7 +26,7 @@ from flwr.app import Context, Message, MessageType, RecordDict  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 
 import fedgalore  # noqa: E402
-from fedgalore.engine.config import FederatedConfig  # noqa: E402
+from fedgalore.engine.config import ConfigError, FederatedConfig  # noqa: E402
 from fedgalore.jsonl import read_jsonl  # noqa: E402
 from tiny_assets import TOPICS, news_rows, write  # noqa: E402
 
@@ -68,6 +68,8 @@ class LocalGrid(Grid):
         out = []
         for m in messages:
             node = int(m.metadata.dst_node_id)
+            if node not in self.contexts:  # a node that is gone never replies
+                continue
             rep = handlers[m.metadata.message_type](m, self.contexts[node])
             out.append(rep)
         return out
@@ -199,3 +201,109 @@ def test_nodes_kind_outside_flower_and_without_labels_is_one_line(tmp_path, bert
     assert site == "site7" and opts == {"model": "m", "data": {"sites": {"site7": "x/site7.csv"}}}
     with pytest.raises(ValueError, match="this SuperNode has no data"):
         site_options({}, {})
+
+
+class RestartingGrid(LocalGrid):
+    """After the first evaluation, the SuperNode ``old`` is gone and comes back as node ``new``
+    with the node config ``node_config`` (default: its own) and an empty state, as a restarted
+    SuperNode does (a new node id, nothing kept)."""
+
+    def __init__(self, node_configs: dict[int, dict], old: int, new: int, node_config: dict | None = None) -> None:
+        super().__init__(node_configs)
+        self.old, self.new, self.node_config, self.restarted = old, new, node_config, False
+        self.sent_to: list[tuple[str, int]] = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        self.sent_to += [(str(m.metadata.message_type), int(m.metadata.dst_node_id)) for m in messages]
+        out = super().send_and_receive(messages, timeout=timeout)
+        if not self.restarted and messages and messages[0].metadata.message_type == MessageType.EVALUATE:
+            old = self.contexts.pop(self.old)
+            self.contexts[self.new] = Context(run_id=1, node_id=self.new, node_config=self.node_config or old.node_config,
+                                              state=RecordDict(), run_config={})
+            self.restarted = True
+        return out
+
+
+def test_a_restarted_node_takes_its_site_back(tmp_path, bert_dir, capsys):
+    """A SuperNode restarted between rounds comes back under a new node id with nothing kept: the
+    server finds it before the next round, asks it who it is, moves its site to it and sends it
+    the model from W_0 (which a new node holds) — and the run's numbers are the uninterrupted simulation's."""
+    data = site_files(tmp_path)
+    sim = fedgalore.run(config(tmp_path / "sim", bert_dir, "fedgalore", "files", {"sites": data}))
+    grid = RestartingGrid(node_configs(data), old=13, new=5150)  # node 13 holds s0 (client 0)
+    dep, _ = run_nodes(tmp_path, bert_dir, "fedgalore", data, grid)
+    assert dep.summary["status"] == "complete"
+    assert "client 0 (site s0) is now on node 5150 (was 13)" in capsys.readouterr().out
+    assert (str(MessageType.TRAIN), 5150) in grid.sent_to and grid.sent_to.count((str(MessageType.QUERY), 5150)) == 1
+    for a, b in zip(sim.history, read_jsonl(Path(dep.run_dir) / "metrics.jsonl")):
+        assert b["dropped"] == [] and b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-5)
+        for s, m in a["client_eval"]["clients"].items():
+            assert b["client_eval"]["clients"][s]["loss"] == pytest.approx(m["loss"], abs=1e-5)
+    wire = read_jsonl(Path(dep.run_dir) / "flower_messages.jsonl")
+    r2 = {w["client"]: w for w in wire if w["type"] == "train" and w["round"] == 2}
+    assert r2[0]["node"] == 5150 and r2[0]["upload"] > 0
+    # the downlink was built for what each node holds: W_0 (what a node new to the run builds) — the
+    # restarted node included, although its predecessor had received W_0 too
+    assert [r2[c]["held"] for c in range(3)] == [0, 0, 0]
+
+
+def test_a_node_that_rejoins_with_other_data_is_left_out(tmp_path, bert_dir, capsys):
+    data = site_files(tmp_path)
+    other = tmp_path / "other.csv"
+    write(news_rows(40).drop(columns=["site"]), other)
+    grid = RestartingGrid(node_configs(data), old=13, new=5150, node_config={"data": str(other), "site": "s0"})
+    dep, _ = run_nodes(tmp_path, bert_dir, "fedit", data, grid)
+    assert dep.summary["status"] == "complete"
+    out = capsys.readouterr().out
+    assert "node 5150 (site s0) rejoined with other data (31 training rows, the run started with 17); left out" in out
+    assert [m["dropped"] for m in read_jsonl(Path(dep.run_dir) / "metrics.jsonl")] == [[], [0]]
+
+
+class DyingGrid(LocalGrid):
+    """The ServerApp dies (an exception out of the Grid) when round ``die_in`` is sent."""
+
+    def __init__(self, node_configs: dict[int, dict], die_in: int) -> None:
+        super().__init__(node_configs)
+        self.die_in = die_in
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        if messages and messages[0].metadata.message_type == MessageType.TRAIN and messages[0].metadata.group_id == str(self.die_in):
+            raise SystemExit("the ServerApp process was killed")
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def test_resume_continues_a_killed_server_app_with_the_same_metrics(tmp_path, bert_dir, caplog):
+    """resume=true (FedGaLoreStrategy(resume=True)): the run continues from its last checkpoint —
+    the nodes of the new Flower run hold nothing, so they get the chain since W_0 or dense — and
+    ends with the metrics of an uninterrupted run; resuming a complete run returns it."""
+    from fedgalore.flower.strategy import FedGaLoreStrategy
+
+    data = site_files(tmp_path)
+    cfg = config(tmp_path / "nodes", bert_dir, "fedgalore", "nodes")
+    cfg.federation.rounds = 3
+    run_dir = tmp_path / "nodes" / "run"
+    with pytest.raises(SystemExit):
+        s = FedGaLoreStrategy(cfg, run_dir=run_dir)
+        s.settle_s = 0.0
+        s.start(DyingGrid(node_configs(data), die_in=2))
+    assert len(read_jsonl(run_dir / "metrics.jsonl")) == 1
+    s = FedGaLoreStrategy(cfg, run_dir=run_dir, resume=True)
+    s.settle_s = 0.0
+    res = s.start(LocalGrid(node_configs(data)))  # a fresh set of node contexts: a new Flower run
+    assert res.summary["status"] == "complete" and f"resuming {run_dir} after round 1" in caplog.text
+    uninterrupted = FedGaLoreStrategy(cfg, run_dir=tmp_path / "whole")
+    uninterrupted.settle_s = 0.0
+    whole = uninterrupted.start(LocalGrid(node_configs(data)))
+    got = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["round"] for m in got] == [1, 2, 3]
+    for a, b in zip(whole.history, got):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-5)
+        for site, m in a["client_eval"]["clients"].items():
+            assert b["client_eval"]["clients"][site]["loss"] == pytest.approx(m["loss"], abs=1e-5)
+    again = FedGaLoreStrategy(cfg, run_dir=run_dir, resume=True).start(LocalGrid(node_configs(data)))
+    assert again.summary["status"] == "complete" and len(again.history) == 3
+    other = config(tmp_path / "nodes", bert_dir, "fedgalore", "nodes")  # 2 rounds: another run
+    with pytest.raises(ConfigError, match=r"resume=true: .* holds another run \(federation.rounds: 3 -> 2"):
+        FedGaLoreStrategy(other, run_dir=run_dir, resume=True).start(LocalGrid(node_configs(data)))

@@ -453,7 +453,8 @@ class Federation:
                     deltas.append(delta)
                     kept_w.append(w)
                     kept_c.append(res.client)
-                    rec.update({kk: v for kk, v in up.meta.items() if isinstance(v, (int, float)) and kk != "client"})
+                    # the upload's numeric stats; its own "round"/"client" (0-based job fields) never replace the record's
+                    rec.update({kk: v for kk, v in up.meta.items() if isinstance(v, (int, float)) and kk not in rec})
                 else:
                     res.error = f"rejected: {reason}"
                     for r in reversed(self.ledger.records):

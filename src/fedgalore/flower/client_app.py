@@ -143,6 +143,12 @@ def _save_store(context: Context, key: str, store: dict | None) -> int:
     return int(cache.version)
 
 
+def _received(msg: Message, key: str) -> int:
+    """Bytes of the payload arrays this node received under ``key`` (reported back: the server
+    checks its ledger against them, fedgalore.flower.strategy.MESSAGES_FILE)."""
+    return int(sum(len(a.data) for a in msg.content[key].values())) if key in msg.content else -1
+
+
 @app.query()
 def whoami(msg: Message, context: Context) -> Message:
     """Tell the server which federated client this node is: its ``partition-id``, or — asked with
@@ -206,11 +212,14 @@ def evaluate(msg: Message, context: Context) -> Message:
     except Exception as exc:  # noqa: BLE001 - reported to the server, which logs it and goes on
         line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         res = {"site": site, "n": 0, "values": "{}", "error": line}
+    res["received"] = _received(msg, "model")
     return Message(RecordDict({"metrics": ConfigRecord(res)}), reply_to=msg)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    """Run T for the job's client on the broadcast (this node's downlink store applied first) and
+    reply the upload, the version now held and the bytes received."""
     from fedgalore.engine.runtime import ClientJob
 
     job = msg.content["job"]
@@ -232,6 +241,6 @@ def train(msg: Message, context: Context) -> Message:
         if res.upload is not None:
             content["upload"] = blob_to_record(res.upload)
         result = {"client": client, "error": res.error or "", "time": float(res.time), "stats": json.dumps(res.stats, default=float),
-                  "held_version": held}
+                  "held_version": held, "received": _received(msg, "broadcast")}
     content["result"] = ConfigRecord(result)
     return Message(content, reply_to=msg)

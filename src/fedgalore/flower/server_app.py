@@ -7,7 +7,11 @@ Run config keys (``[tool.flwr.app.config]`` in the Flower project's pyproject.to
   :func:`make_server_app`, then to the current directory);
 * ``overrides`` — space-separated ``key=value`` overrides (``"federation.rounds=2 seed=1"``);
 * ``run-dir`` — where the run directory goes (default: ``output.dir`` of the config);
-* ``timeout`` — seconds to wait for a round's replies (default 3600).
+* ``timeout`` — seconds to wait for the replies of a round (and of a query or evaluation);
+  a SuperNode that has not answered by then is dropped from that round (default 3600);
+* ``resume`` — ``true``: continue the run in ``run-dir`` (or the config's default run directory)
+  from its last checkpoint, as ``fedgalore run --resume`` does; the metrics equal those of an
+  uninterrupted run (default ``false``; :meth:`FedGaLoreStrategy.start`).
 
 The app shows the run as ``fedgalore run`` does: the progress display of ``output.progress``
 (``auto`` is one line per round here, Flower's log is not a terminal), then the final metrics and
@@ -29,7 +33,7 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from fedgalore.flower.strategy import FedGaLoreStrategy  # noqa: E402
 
-__all__ = ["app", "make_server_app", "config_from_run_config", "FlowerRunError"]
+__all__ = ["app", "make_server_app", "config_from_run_config", "run_config_flag", "FlowerRunError"]
 
 
 class FlowerRunError(RuntimeError):
@@ -37,6 +41,7 @@ class FlowerRunError(RuntimeError):
 
 
 def config_from_run_config(run_config, app_dir: str | Path | None = None) -> "FederatedConfig":  # noqa: F821
+    """The pipeline the run config names (``config``, relative to ``app_dir`` first) with its ``overrides``."""
     from fedgalore.engine.config import ConfigError, load_config
 
     path = str(run_config.get("config", ""))
@@ -46,6 +51,21 @@ def config_from_run_config(run_config, app_dir: str | Path | None = None) -> "Fe
     if not p.is_absolute() and app_dir is not None and (Path(app_dir) / p).is_file():
         p = Path(app_dir) / p
     return load_config(p, shlex.split(str(run_config.get("overrides", ""))))
+
+
+def run_config_flag(run_config, key: str) -> bool:
+    """A boolean run-config value: TOML ``true``/``false``, or the strings true/false/1/0/yes/no."""
+    from fedgalore.engine.config import ConfigError
+
+    v = run_config.get(key, False)
+    if isinstance(v, bool):
+        return v
+    text = str(v).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no", ""):
+        return False
+    raise ConfigError(f"run config {key}={v!r}: expected true or false")
 
 
 def make_server_app(cfg=None, *, app_dir: str | Path | None = None, run_dir=None, progress=None,
@@ -65,7 +85,8 @@ def make_server_app(cfg=None, *, app_dir: str | Path | None = None, run_dir=None
             c = cfg if cfg is not None else config_from_run_config(rc, app_dir)
             rd = run_dir if run_dir is not None else (rc.get("run-dir") or None)
             sink = progress if progress is not None else make_progress(c.output.progress)
-            strategy = FedGaLoreStrategy(c, run_dir=rd, timeout=float(rc.get("timeout", 3600)), progress=sink)
+            strategy = FedGaLoreStrategy(c, run_dir=rd, timeout=float(rc.get("timeout", 3600)), progress=sink,
+                                         resume=run_config_flag(rc, "resume"))
             res = strategy.start(grid)
         except _user_errors() as exc:
             line = f"fedgalore: error: {_one_line(exc)}"

@@ -18,6 +18,16 @@ A = ``method.aggregate``, S = ``method.synchronize``, evaluation, checkpoints) w
 is therefore the same code as with the sequential and Ray backends, and same seed → same
 results. Flower's built-in FedAvg is not used: it averages ArrayRecords and cannot carry moment
 views or seeded factors.
+
+Nodes come and go: before each round and each federated evaluation the backend looks for
+SuperNodes it has not seen (a restarted SuperNode comes back under a new node id, or — with
+SuperNode authentication — under its registered one, holding nothing of the run) and moves a
+client to the node that reports its site or ``partition-id`` (:meth:`GridBackend.refresh_nodes`).
+A node that does not answer within ``timeout`` seconds is dropped from that round. ``resume``
+continues a run from its run directory's last checkpoint (:meth:`FedGaLoreStrategy.start`).
+Every message's payload size is written to ``<run dir>/flower_messages.jsonl`` (what was put into
+each message, what the node says it received, what came back), so the ledger can be checked
+against the wire.
 """
 from __future__ import annotations
 
@@ -41,10 +51,28 @@ from fedgalore.engine.loop import Federation, RunResult
 from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
 from fedgalore.federated.partition import encode_partition
 from fedgalore.flower.codec import blob_to_record, record_to_blob, tensors_to_record
+from fedgalore.jsonl import append_jsonl, read_jsonl
 
-__all__ = ["FedGaLoreStrategy", "GridBackend", "client_results"]
+__all__ = ["FedGaLoreStrategy", "GridBackend", "client_results", "MESSAGES_FILE"]
 
 log = logging.getLogger("fedgalore")
+
+#: per message, the payload bytes sent, received by the node and uploaded (GridBackend)
+MESSAGES_FILE = "flower_messages.jsonl"
+
+
+def _array_bytes(record: ArrayRecord) -> int:
+    """The bytes of an ArrayRecord's arrays (what a payload occupies in a message)."""
+    return sum(len(a.data) for a in record.values())
+
+
+def _who(rec: dict) -> str:
+    return f"{rec['node']} (site {rec['site']})" if rec.get("site") else f"{rec['node']}"
+
+
+def _say(line: str) -> None:
+    """One line in the run's log (the ServerApp's output, which ``flwr run --stream`` shows)."""
+    print(f"fedgalore: {line}", flush=True)
 
 
 class GridBackend(Backend):
@@ -69,6 +97,12 @@ class GridBackend(Backend):
         self.startup_records: list[dict] = []
         #: kind nodes: what each client's node reported (site, n, n_test, label_counts)
         self.sites: dict[int, dict] = {}
+        #: nodes already asked who they are (each node is asked once)
+        self.asked: set[int] = set()
+        #: where each message's payload sizes are appended (set by FedGaLoreStrategy.start)
+        self.log_path: Path | None = None
+        self._round = 0  # the 1-based round of the last train wave (for the evaluation's records)
+        self._versions: dict[int, int | None] = {}  # what client_versions told the round loop this round
 
     def start(self, runtime: Runtime) -> None:
         """Find the SuperNode of every client; the jobs carry the resolved config and partition
@@ -83,7 +117,56 @@ class GridBackend(Backend):
             return
         parts = encode_partition(runtime.parts)
         self.job = {"config": cfg_json, "partition": parts, "key": hashlib.sha256(cfg_json.encode() + parts).hexdigest()[:16]}
-        self.node_of = self.strategy.discover_nodes(self.grid, runtime.cfg.federation.num_clients)
+        self.node_of, asked = self.strategy.discover_nodes(self.grid, runtime.cfg.federation.num_clients, with_asked=True)
+        self.asked.update(asked)
+
+    # ------------------------------------------------------------------ nodes that come and go
+    def refresh_nodes(self) -> None:
+        """Map clients to SuperNodes that joined since the last look. A restarted SuperNode comes
+        back under a new node id (with SuperNode authentication: under its registered id); each
+        node not seen before is asked once who it is (its site and data, or its ``partition-id``),
+        and the client it names moves to it. The moved client's node holds nothing of this run but
+        ``W_0``, which every node builds, so it is sent the chain since ``W_0`` (or the dense matrix
+        where the server no longer keeps that chain). A node naming a site this run does not have, or
+        other data than its site had when the run started, is left out with one line."""
+        try:
+            ids = sorted(int(n) for n in self.grid.get_node_ids())
+        except Exception as exc:  # noqa: BLE001 - the SuperLink did not answer: go on with the nodes known
+            log.warning("flower: could not list the SuperNodes (%s)", exc)
+            return
+        mapped = set(self.node_of.values())
+        new = [n for n in ids if n not in mapped and n not in self.asked]
+        if not new:
+            return
+        self.asked.update(new)
+        cfg = self.runtime.cfg
+        if cfg.federation.partition.kind == "nodes":
+            names = {self.sites[j]["site"]: j for j in self.sites}
+            reports, failed = self.strategy.ask_sites(self.grid, cfg, new)
+            for r in failed:
+                _say(f"node {_who(r)} joined and was left out: {r['error']}")
+            for site, rep in sorted(reports.items()):
+                j = names.get(site)
+                if j is None:
+                    _say(f"node {rep['node']} (site {site}) joined a running federation of sites {', '.join(sorted(names))}; "
+                         "it is not one of them and is left out (start a new run to add a site)")
+                elif int(rep["n"]) != int(self.sites[j]["n"]) or rep["label_counts"] != self.sites[j]["label_counts"]:
+                    _say(f"node {rep['node']} (site {site}) rejoined with other data ({rep['n']} training rows, the run "
+                         f"started with {self.sites[j]['n']}); left out — restart it with the site's original files")
+                else:
+                    self._move(j, int(rep["node"]), f"site {site}")
+        else:
+            for pid, node in sorted(self.strategy.ask_partition_ids(self.grid, new).items()):
+                if 0 <= pid < len(self.runtime.parts):
+                    self._move(pid, node, f"partition-id {pid}")
+
+    def _move(self, client: int, node: int, what: str) -> None:
+        old = self.node_of.get(client)
+        self.node_of[client] = node
+        if old is not None:
+            self.asked.add(int(old))  # the old node (dead, or replaced) is not asked who it is
+        self.held[client] = 0  # a node new to this run holds W_0 (its runtime builds it): the chain since W_0, or dense
+        _say(f"client {client} ({what}) is now on node {node} (was {old})")
 
     # ------------------------------------------------------------------ site-local data (kind nodes)
     def node_clients(self, cfg: FederatedConfig) -> Clients:
@@ -92,9 +175,10 @@ class GridBackend(Backend):
         ``j``-th site in sorted name order. A node whose data does not fit the task is left out
         with its one-line reason (:attr:`startup_records`, the run's clients.jsonl, and the log)."""
         reports, self.startup_records = self.strategy.discover_sites(self.grid, cfg)
+        self.asked.update(int(r["node"]) for r in reports.values())
+        self.asked.update(int(r["node"]) for r in self.startup_records)
         for r in self.startup_records:
-            log.warning("flower: node %s (site %s) left out: %s", r["node"], r["site"], r["error"])
-            print(f"fedgalore: node {r['node']} (site {r['site']}) left out: {r['error']}", flush=True)
+            _say(f"node {_who(r)} left out: {r['error']}")
         if len(reports) < 2:
             raise ConfigError(f"federation.partition.kind=nodes: {len(reports)} SuperNode(s) with usable data joined "
                               f"({len(self.startup_records)} left out); a federation needs at least 2 — start more "
@@ -108,7 +192,7 @@ class GridBackend(Backend):
             parts.append(np.arange(start, start + n))  # stand-ins of the node's size: the server holds no rows
             cats.append(np.repeat(np.arange(len(counts)), counts) if sum(counts) == n else np.zeros(n, dtype=np.int64))
             start += n
-        self.sites = {j: reports[s] for j, s in enumerate(names)}
+        self.sites = {j: {"site": s, **reports[s]} for j, s in enumerate(names)}
         return Clients(parts, np.zeros(0, dtype=np.int64), np.concatenate(cats).astype(np.int64), names)
 
     def evaluate_clients(self, runtime: Runtime, batch_size: int) -> dict[str, dict[str, float]] | None:
@@ -117,6 +201,7 @@ class GridBackend(Backend):
         methods' ``load_global`` writes) — once per node; counted in :attr:`eval_bytes`."""
         if runtime.cfg.federation.partition.kind != "nodes":
             return None
+        self.refresh_nodes()
         model = runtime.model
         targets = tuple(f"{m}." for m in runtime.target_modules)
         heads = set(runtime.head_params)
@@ -129,27 +214,43 @@ class GridBackend(Backend):
                         dst_node_id=int(node), message_type=MessageType.EVALUATE)
                 for c, node in self.node_of.items()]
         out: dict[str, dict[str, float]] = {}
-        for rep in self.grid.send_and_receive(msgs, timeout=self.strategy.timeout):
+        got: dict[int, int] = {}
+        replies = list(self.grid.send_and_receive(msgs, timeout=self.strategy.timeout))
+        sent_to = _sent_to(msgs)
+        for rep in replies:
             if rep.has_error() or "metrics" not in rep.content:
-                log.warning("flower: node %s did not evaluate (%s)", rep.metadata.src_node_id,
+                log.warning("flower: node %s did not evaluate (%s)", _from_node(rep, sent_to),
                             rep.error.reason if rep.has_error() else "no metrics")
                 continue
             res = rep.content["metrics"]
+            got[_from_node(rep, sent_to)] = int(res.get("received", -1))
             if str(res.get("error", "")):
                 log.warning("flower: site %s could not evaluate: %s", res["site"], res["error"])
                 continue
             out[str(res["site"])] = {"n": int(res["n"]), **json.loads(str(res["values"]))}
         self.eval_bytes = size * len(msgs)
+        for c, node in self.node_of.items():
+            self._log({"round": self._round, "type": "evaluate", "client": int(c), "node": int(node),
+                       "sent": _array_bytes(arrays), "node_received": got.get(int(node))})
         return {s: out[s] for s in sorted(out)} or None
+
+    def _log(self, rec: dict) -> None:
+        if self.log_path is not None:
+            append_jsonl(self.log_path, rec)
 
     def client_versions(self, method, clients: list[int]) -> dict[int, int | None]:
         """What each node holds: the version it last reported, W_0 (0) for a node that has not
         trained in this run, None (dense) after a missing reply or a node that kept nothing."""
         if not getattr(method, "per_client_downlink", False):
             return {c: None for c in clients}
-        return {c: self.held.get(c, 0) for c in clients}
+        self.refresh_nodes()  # before the messages are built for what each client's node holds
+        self._versions = {c: self.held.get(c, 0) for c in clients}
+        return dict(self._versions)
 
     def run_clients(self, broadcast: bytes | dict[int, bytes], jobs: list[ClientJob], progress: ProgressSink | None = None) -> list[ClientResult]:
+        """Send each job's client its broadcast (see the class doc) and read the uploads back; a
+        client whose node does not reply within ``timeout`` is dropped with an error."""
+        self.refresh_nodes()
         for j in jobs:
             if progress is not None:
                 progress.client_start(j.round, j.client, self.runtime.batches(j.client, j.round)[1])
@@ -162,14 +263,25 @@ class GridBackend(Backend):
         arrays = {c: blob_to_record(b) for c, b in broadcast.items()} if isinstance(broadcast, dict) else blob_to_record(broadcast)
         messages = list(self.strategy.configure_train(server_round, arrays, config, self.grid))
         replies = list(self.grid.send_and_receive(messages, timeout=self.strategy.timeout))
-        results = client_results([j.client for j in jobs], replies)
+        client_of = {m.metadata.message_id: int(m.content["job"]["client"]) for m in messages if m.metadata.message_id}
+        results = client_results([j.client for j in jobs], replies, client_of)
         for j in jobs:
             self.held[j.client] = None  # no reply: unknown
+        wire = {int(m.content["job"]["client"]): {"node": int(m.metadata.dst_node_id), "sent": _array_bytes(m.content["broadcast"]),
+                                                  "node_received": None, "upload": None} for m in messages}
         for msg in replies:
             if not msg.has_error() and "result" in msg.content:
                 res = msg.content["result"]
                 held = int(res["held_version"]) if "held_version" in res else -1
                 self.held[int(res["client"])] = held if held >= 0 else None
+                w = wire.get(int(res["client"]))
+                if w is not None:
+                    w["node_received"] = int(res["received"]) if "received" in res else None
+                    w["upload"] = _array_bytes(msg.content["upload"]) if "upload" in msg.content else None
+        self._round = server_round
+        versions, self._versions = self._versions, {}
+        for c, w in wire.items():  # held: the model version the message was built for (None: dense)
+            self._log({"round": server_round, "type": "train", "client": c, "held": versions.get(c), **w})
         for r, j in zip(results, jobs):
             if progress is not None:
                 progress.client_end(j.round, j.client, {"time": r.time, "error": r.error, **r.stats})
@@ -182,16 +294,38 @@ class GridBackend(Backend):
 def _reply_result(msg: Message) -> ClientResult | None:
     """The client's result carried by a ``train`` reply (None for a node-level error)."""
     if msg.has_error():
-        log.warning("flower: node %s replied with error %s", msg.metadata.src_node_id, msg.error.reason)
         return None
     res = msg.content["result"]
     upload = record_to_blob(msg.content["upload"]) if "upload" in msg.content else None
     return ClientResult(int(res["client"]), upload, str(res["error"]) or None, float(res["time"]), json.loads(str(res["stats"])))
 
 
-def client_results(clients: Sequence[int], replies: Iterable[Message]) -> list[ClientResult]:
-    """One result per client, in ``clients`` order; a client without a reply is dropped with an error."""
-    by_client = {r.client: r for r in map(_reply_result, replies) if r is not None}
+def _sent_to(messages: Iterable[Message]) -> dict[str, int]:
+    """Message id → destination node of messages the Grid has sent (it sets their ids)."""
+    return {m.metadata.message_id: int(m.metadata.dst_node_id) for m in messages if m.metadata.message_id}
+
+
+def _from_node(reply: Message, sent_to: dict[str, int]) -> int:
+    """The node a reply is about: an error the SuperLink makes up for a node (e.g. "Node
+    Unavailable") comes from the SuperLink itself, so it is found by the message it answers."""
+    return sent_to.get(reply.metadata.reply_to_message_id, int(reply.metadata.src_node_id))
+
+
+def client_results(clients: Sequence[int], replies: Iterable[Message], client_of: dict[str, int] | None = None) -> list[ClientResult]:
+    """One result per client, in ``clients`` order; a client without a reply is dropped with an error
+    (the SuperLink's reason, e.g. "Node Unavailable", when ``client_of`` — message id → client —
+    finds the message an error reply answers)."""
+    by_client: dict[int, ClientResult] = {}
+    for rep in replies:
+        r = _reply_result(rep)
+        if r is not None:
+            by_client[r.client] = r
+            continue
+        c = (client_of or {}).get(rep.metadata.reply_to_message_id)
+        reason = rep.error.reason.strip().splitlines()[0] if rep.error.reason else f"error code {rep.error.code}"
+        log.warning("flower: client %s: the SuperNode replied with an error: %s", c, reason)
+        if c is not None:
+            by_client[c] = ClientResult(c, None, f"SuperNode error: {reason}")
     return [by_client.get(c) or ClientResult(c, None, "no reply from the SuperNode (timeout or node error)") for c in clients]
 
 
@@ -199,11 +333,13 @@ class FedGaLoreStrategy(Strategy):
     """fedgalore's method (T, A, S) as a Flower strategy; see the module docstring."""
 
     def __init__(self, cfg: FederatedConfig, *, run_dir: str | Path | None = None, timeout: float = 3600.0,
-                 progress: ProgressSink | None = None) -> None:
+                 progress: ProgressSink | None = None, resume: bool = False) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.timeout = float(timeout)
         self.progress = progress
+        #: continue the run in ``run_dir`` from its last checkpoint (:meth:`start`)
+        self.resume = bool(resume)
         #: kind nodes: how long to wait for SuperNodes to join, and how long no new one must join
         #: before the run starts when federation.num_clients is not given
         self.nodes_wait, self.settle_s = 120.0, 5.0
@@ -241,9 +377,8 @@ class FedGaLoreStrategy(Strategy):
     # ------------------------------------------------------------------ the run
     def discover_sites(self, grid: Grid, cfg: FederatedConfig, wait_s: float | None = None) -> tuple[dict[str, dict], list[dict]]:
         """Kind nodes: wait for the SuperNodes (``federation.num_clients`` of them when given, else
-        until no new node has joined for ``settle_s``), send each the task config and collect what
-        it holds: ``({site: report}, [records of nodes left out])``. A report is ``{"node", "n",
-        "n_test", "label_counts"}``; two nodes naming the same site is an error."""
+        until no new node has joined for ``settle_s``), then :meth:`ask_sites` every one of them:
+        ``({site: report}, [records of nodes left out])``. Two nodes naming the same site is an error."""
         wait_s = self.nodes_wait if wait_s is None else wait_s
         want = cfg.federation.num_clients
         deadline = time.monotonic() + wait_s
@@ -258,13 +393,24 @@ class FedGaLoreStrategy(Strategy):
             if want is None and len(nodes) >= 2 and time.monotonic() - last_change >= self.settle_s:
                 break
             time.sleep(0.5)
+        return self.ask_sites(grid, cfg, nodes, unique=True)
+
+    def ask_sites(self, grid: Grid, cfg: FederatedConfig, nodes: Sequence[int], unique: bool = False) -> tuple[dict[str, dict], list[dict]]:
+        """Send ``nodes`` the task config and collect what each holds (fedgalore.flower.client_app.
+        whoami): ``({site: {"node", "n", "n_test", "label_counts"}}, [records of nodes left out,
+        with the one-line reason])``. A node that does not answer within ``timeout`` is left out.
+        Two nodes naming the same site: an error with ``unique``, else the later node id wins."""
         cfg_json = json.dumps({**cfg.to_dict(), "backend": {"name": "flower", "options": {}}}, sort_keys=True)
-        msgs = [Message(content=RecordDict({"q": ConfigRecord({"ask": "site", "config": cfg_json})}), dst_node_id=n,
+        msgs = [Message(content=RecordDict({"q": ConfigRecord({"ask": "site", "config": cfg_json})}), dst_node_id=int(n),
                         message_type=MessageType.QUERY) for n in nodes]
         reports: dict[str, dict] = {}
         failed: list[dict] = []
-        for rep in grid.send_and_receive(msgs, timeout=self.timeout):
-            node = int(rep.metadata.src_node_id)
+        answered: set[int] = set()
+        replies = list(grid.send_and_receive(msgs, timeout=self.timeout)) if msgs else []
+        sent_to = _sent_to(msgs)
+        for rep in replies:
+            node = _from_node(rep, sent_to)
+            answered.add(node)
             if rep.has_error():
                 failed.append({"round": 0, "node": node, "site": None, "error": f"node error: {rep.error.reason}"})
                 continue
@@ -277,25 +423,34 @@ class FedGaLoreStrategy(Strategy):
                 failed.append({"round": 0, "node": node, "site": None,
                                "error": "the node has no site data (start it with --node-config \"data='...' site='...'\")"})
                 continue
-            if site in reports:
+            if site in reports and unique:
                 raise ConfigError(f"two SuperNodes ({reports[site]['node']} and {node}) report site {site!r}; give each node "
                                   "its own site='...' in --node-config")
             reports[site] = {"node": node, "n": int(who["n"]), "n_test": int(who["n_test"]),
                              "label_counts": json.loads(str(who["label_counts"]))}
+        for n in nodes:
+            if int(n) not in answered:
+                failed.append({"round": 0, "node": int(n), "site": None, "error": f"no answer within timeout={self.timeout:g}s"})
         return reports, failed
 
-    def discover_nodes(self, grid: Grid, num_clients: int, wait_s: float = 120.0) -> dict[int, int]:
-        """Ask every SuperNode for its ``partition-id``; returns client id → node id."""
+    def ask_partition_ids(self, grid: Grid, nodes: Sequence[int]) -> dict[int, int]:
+        """``{partition-id: node}`` of the ``nodes`` that answered within ``timeout``."""
+        msgs = [Message(content=RecordDict({"q": ConfigRecord({"ask": "partition-id"})}), dst_node_id=int(n),
+                        message_type=MessageType.QUERY) for n in nodes]
+        out: dict[int, int] = {}
+        for rep in grid.send_and_receive(msgs, timeout=self.timeout) if msgs else []:
+            if not rep.has_error() and "whoami" in rep.content:
+                out[int(rep.content["whoami"]["partition-id"])] = int(rep.metadata.src_node_id)
+        return out
+
+    def discover_nodes(self, grid: Grid, num_clients: int, wait_s: float = 120.0, with_asked: bool = False):
+        """Ask every SuperNode for its ``partition-id``; returns client id → node id (and, with
+        ``with_asked``, also the node ids that were asked)."""
         m = num_clients
         deadline = time.monotonic() + wait_s
         while len(nodes := list(grid.get_node_ids())) < m and time.monotonic() < deadline:
             time.sleep(1.0)
-        msgs = [Message(content=RecordDict({"q": ConfigRecord({"ask": "partition-id"})}), dst_node_id=n,
-                        message_type=MessageType.QUERY) for n in nodes]
-        node_of: dict[int, int] = {}
-        for rep in grid.send_and_receive(msgs, timeout=self.timeout):
-            if not rep.has_error():
-                node_of[int(rep.content["whoami"]["partition-id"])] = int(rep.metadata.src_node_id)
+        node_of = self.ask_partition_ids(grid, nodes)
         missing = [c for c in range(m) if c not in node_of]
         if missing:
             raise RuntimeError(
@@ -303,16 +458,57 @@ class FedGaLoreStrategy(Strategy):
                 f"SuperNode per client with --node-config 'partition-id=<i> num-partitions={m}' "
                 f"(simulation: options.num-supernodes >= {m})"
             )
-        return node_of
+        return (node_of, [int(n) for n in nodes]) if with_asked else node_of
 
     def start(self, grid: Grid, initial_arrays: ArrayRecord | None = None, num_rounds: int | None = None,
               timeout: float | None = None, **_ignored) -> RunResult:
-        """Run the whole federation on ``grid``; returns fedgalore's RunResult."""
+        """Run the whole federation on ``grid``; returns fedgalore's RunResult.
+
+        With ``resume`` (the run config's ``resume=true``) the run continues from the last
+        checkpoint in its run directory (``run_dir``, else ``output.dir``/run name, as for a new
+        run), exactly as ``fedgalore run --resume`` does: the directory must hold this very run
+        (same config and inputs; else one line naming the difference), its logs are cut back to the
+        checkpointed rounds, and the rounds after it are run again — with the same metrics as an
+        uninterrupted run. The SuperNodes of the resumed run hold nothing of it (a new Flower run),
+        so each is sent the chain since W_0 or the dense model. A run that already completed is
+        returned as it is."""
         if timeout is not None:
             self.timeout = float(timeout)
         data = {**self.cfg.to_dict(), "backend": {"name": "flower", "options": {}}}
         if num_rounds is not None:
             data["federation"]["rounds"] = int(num_rounds)
         cfg = FederatedConfig.from_dict(data)
-        # the Federation refuses a taken run directory before the model loads and the nodes are asked
-        return Federation(cfg, run_dir=self.run_dir, progress=self.progress, backend=GridBackend(self, grid)).run()
+        backend = GridBackend(self, grid)
+        if self.resume:
+            fed = self._resumed(cfg, backend)
+            if isinstance(fed, RunResult):
+                return fed
+        else:
+            # the Federation refuses a taken run directory before the model loads and the nodes are asked
+            fed = Federation(cfg, run_dir=self.run_dir, progress=self.progress, backend=backend)
+        backend.log_path = Path(fed.run_dir) / MESSAGES_FILE
+        if fed.start_round == 0:
+            backend.log_path.unlink(missing_ok=True)
+        elif backend.log_path.exists():  # as the run's other logs: only the checkpointed rounds' records stay
+            kept = [r for r in read_jsonl(backend.log_path) if int(r.get("round", 0)) <= fed.start_round]
+            backend.log_path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+        return fed.run()
+
+    def _resumed(self, cfg: FederatedConfig, backend: GridBackend) -> "Federation | RunResult":
+        from fedgalore.engine.identity import compare_with_saved, run_identity, summarize
+        from fedgalore.engine.rundir import choose_run_dir, saved_summary
+
+        run_dir = Path(choose_run_dir(cfg, self.run_dir, True, lambda _m: None))
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"resume=true: {run_dir} holds no run (no config.yaml) — nothing to resume; start the run "
+                              "without resume, or give run-dir=\"<the run directory>\"")
+        diffs, _note = compare_with_saved(run_dir, run_identity(cfg))
+        if diffs:
+            raise ConfigError(f"resume=true: {run_dir} holds another run ({summarize(diffs)}); resume it with the config "
+                              "it started with, or start a new run without resume")
+        s = saved_summary(run_dir)
+        if s.get("status") == "complete":
+            if self.progress is not None:
+                self.progress.message(f"{run_dir} is complete ({s.get('rounds_completed')}/{s.get('rounds')} rounds); nothing to resume")
+            return RunResult(run_dir, s, read_jsonl(run_dir / "metrics.jsonl"))
+        return Federation(cfg, run_dir=run_dir, progress=self.progress, backend=backend, resume=True)
