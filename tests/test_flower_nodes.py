@@ -154,6 +154,12 @@ def test_nodes_deployment_equals_files_simulation(tmp_path, bert_dir, method):
             assert b["eval/client_mean_loss"] == pytest.approx(a["eval/client_mean_loss"], abs=1e-5)
             assert b["client_eval"]["worst_client"] == a["client_eval"]["worst_client"]
             assert b["bytes_eval"] > 0 and "eval/accuracy" not in b  # no server-side test file: no pooled metric
+    # the report's final metric of a run without a pooled test set: the sites' weighted mean
+    from fedgalore.report import load_run
+
+    last = read_jsonl(Path(dep.run_dir) / "metrics.jsonl")[-1]
+    assert load_run(dep.run_dir).metric() == pytest.approx(last["eval/client_mean_accuracy"], abs=1e-12)
+    assert load_run(sim.run_dir).metric() == pytest.approx(read_jsonl(Path(sim.run_dir) / "metrics.jsonl")[-1]["eval/accuracy"])
     part = json.loads((Path(dep.run_dir) / "partition.json").read_text())
     sim_part = json.loads((Path(sim.run_dir) / "partition.json").read_text())
     assert part["client_names"] == sorted(SITES) and part["sizes"] == sim_part["sizes"]

@@ -88,13 +88,19 @@ class RunRecord:
 
     def metric(self, name: str | None = None, which: str = "final") -> float | None:
         """``summary[which][name]`` (``which``: final | best), falling back to the last history
-        record that holds ``eval/<name>``."""
+        record that holds ``eval/<name>``. A run without a pooled test set — a Flower deployment
+        whose sites hold all the data (``partition.kind: nodes``) — gives the sites' example-weighted
+        mean, ``client_mean_<name>``, instead."""
         name = name or self.primary_metric
         table = self.summary.get(which) or {}
-        for key in (name, f"eval/{name}"):
-            if isinstance(table.get(key), (int, float)):
-                return float(table[key])
-        values = [r[f"eval/{name}"] for r in self.history if isinstance(r.get(f"eval/{name}"), (int, float))]
+        names = (name,) if name.startswith("client_") else (name, f"client_mean_{name}")
+        for n in names:
+            for key in (n, f"eval/{n}"):
+                if isinstance(table.get(key), (int, float)):
+                    return float(table[key])
+            values = [r[f"eval/{n}"] for r in self.history if isinstance(r.get(f"eval/{n}"), (int, float))]
+            if values:
+                break
         if not values:
             return None
         if which == "best":
