@@ -128,11 +128,12 @@ def node_configs(data: dict) -> dict[int, dict]:
     return out
 
 
-def run_nodes(tmp_path, bert_dir, method, data, grid=None):
+def run_nodes(tmp_path, bert_dir, method, data, grid=None, server_data=None):
     from fedgalore.flower.strategy import FedGaLoreStrategy
 
     grid = grid or LocalGrid(node_configs(data))
-    strategy = FedGaLoreStrategy(config(tmp_path / "nodes", bert_dir, method, "nodes"), run_dir=tmp_path / "nodes" / "run")
+    strategy = FedGaLoreStrategy(config(tmp_path / "nodes", bert_dir, method, "nodes", server_data),
+                                 run_dir=tmp_path / "nodes" / "run")
     strategy.settle_s = 0.0
     return strategy.start(grid), grid
 
@@ -167,6 +168,26 @@ def test_nodes_deployment_equals_files_simulation(tmp_path, bert_dir, method):
     # uploads weighted by the example counts the nodes reported
     recs = [r for r in read_jsonl(Path(dep.run_dir) / "clients.jsonl") if r.get("round") == 1]
     assert {r["client_name"]: r["num_examples"] for r in recs} == dict(zip(sorted(SITES), sim_part["sizes"]))
+
+
+def test_a_server_side_test_file_still_gives_the_pooled_metrics(tmp_path, bert_dir):
+    """A nodes server may hold a test file of its own (``data: {test: FILE}``): the pooled
+    ``eval/*`` metrics on it, beside the sites' own. With the union of the sites' test files as
+    that file, the pooled accuracy is the sites' example-weighted mean."""
+    import pandas as pd
+
+    data = site_files(tmp_path)
+    s2 = pd.read_csv(data["s2"])  # every site with a test file here: the server's file is their union
+    data["s2"] = {"train": str(write(s2.iloc[:-6], tmp_path / "s2_train.csv")), "test": str(write(s2.iloc[-6:], tmp_path / "s2_test.csv"))}
+    pooled = write(pd.concat([pd.read_csv(data[s]["test"]) for s in SITES], ignore_index=True), tmp_path / "server_test.csv")
+    res, _ = run_nodes(tmp_path, bert_dir, "fedgalore", data, server_data={"test": str(pooled)})
+    assert res.summary["status"] == "complete"
+    for rec in read_jsonl(Path(res.run_dir) / "metrics.jsonl"):
+        if "client_eval" in rec:
+            per = rec["client_eval"]["clients"]
+            assert set(per) == set(SITES) and sum(m["n"] for m in per.values()) == 18
+            assert rec["eval/accuracy"] == pytest.approx(rec["eval/client_mean_accuracy"], abs=1e-9)
+            assert rec["eval/loss"] == pytest.approx(rec["eval/client_mean_loss"], abs=1e-5)
 
 
 def test_a_node_whose_data_does_not_fit_is_left_out_with_one_line(tmp_path, bert_dir, capsys):
