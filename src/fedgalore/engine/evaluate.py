@@ -32,7 +32,7 @@ from fedgalore.engine.resolve import check_device
 from fedgalore.tasks import get_task, task_class
 from fedgalore.tasks.base import Task, quiet_transformers
 
-__all__ = ["evaluate", "Evaluation", "load_exported", "with_test_data"]
+__all__ = ["evaluate", "Evaluation", "load_exported", "with_test_data", "class_names"]
 
 
 @dataclass
@@ -77,7 +77,7 @@ def with_test_data(cfg: FederatedConfig, data: str | Path, labels: list[str] | N
     single file loses its ``test_fraction``, since the file is now all training data). Per-site
     data (``{sites: ...}``) has no one training source: the task reads the test file alone
     (``{test: data}``, the no-training-rows path) with the run's classes ``labels`` in id order
-    (:func:`~fedgalore.engine.export.class_names`); a per-site regression cannot. A task without a
+    (:func:`class_names`); a per-site regression cannot. A task without a
     ``data`` option reads no files: :class:`ExportError`."""
     cls = task_class(cfg.task.name).options_class
     names = {f.name for f in dataclasses.fields(cls)} if cls is not None else set()
@@ -136,12 +136,21 @@ def evaluate(path: str | Path, cfg: FederatedConfig | None = None, *, data: str 
     return Evaluation(metrics, source, cfg.task.name, len(examples))
 
 
+def class_names(task: Task) -> list[str] | None:
+    """The classes of a task that names them in a ``labels`` option (text and image
+    classification), in id order; None for a regression or a task without classes. Recorded in
+    ``fedgalore_export.json`` so that ``fedgalore evaluate --data`` builds the task on a test file
+    alone with the model's own label ids (:func:`with_test_data`)."""
+    options = getattr(task, "options", None)
+    if options is None or not hasattr(options, "labels") or getattr(task, "regression", False):
+        return None
+    return [str(n) for n in task.label_names()]
+
+
 def _recorded_classes(path: Path, task: Task | None) -> list[str] | None:
     """The classes of the run (``task``) or export (``path``) in id order: the run's task, else the
     export's ``fedgalore_export.json``, else its ``config.json`` ``id2label``; None when unknown."""
     import json
-
-    from fedgalore.engine.export import class_names
 
     if task is not None:
         return class_names(task)

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedgalore.engine.evaluate import load_exported
+from fedgalore.engine.evaluate import class_names, load_exported
 from fedgalore.engine.global_model import (
     ExportError,
     GlobalModel,
@@ -263,17 +263,6 @@ def _write(g: GlobalModel, tmp: Path, out: Path, fmt: str, rank: int | None) -> 
     factors = {t: (f.b, f.a) for t, f in extracted}
     dense = _write_peft(g, tmp, pre, factors, rank, float(rank), others, biases, 0.0)
     return result(type(pre).__name__, matrices=extracted, total_error=total_error([f for _, f in extracted]), dense=dense)
-
-
-def class_names(task: Task) -> list[str] | None:
-    """The classes of a task that names them in a ``labels`` option (text and image
-    classification), in id order; None for a regression or a task without classes. Recorded in
-    ``fedgalore_export.json`` so that ``fedgalore evaluate --data`` builds the task on a test file
-    alone with the model's own label ids (:func:`fedgalore.engine.evaluate.with_test_data`)."""
-    options = getattr(task, "options", None)
-    if options is None or not hasattr(options, "labels") or getattr(task, "regression", False):
-        return None
-    return [str(n) for n in task.label_names()]
 
 
 def _set_labels(model: nn.Module, task: Task) -> None:
