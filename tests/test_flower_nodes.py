@@ -16,19 +16,18 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytest.importorskip("flwr")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-from flwr.app import Context, Message, MessageType, RecordDict  # noqa: E402
+from flwr.app import Context, MessageType, RecordDict  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 
 import fedgalore  # noqa: E402
 from fedgalore.engine.config import ConfigError, FederatedConfig  # noqa: E402
 from fedgalore.jsonl import read_jsonl  # noqa: E402
-from tiny_assets import TOPICS, news_rows, write  # noqa: E402
+from tiny_assets import TOPICS, news_rows, news_site_files, write  # noqa: E402
 
 SITES = ["s1", "s0", "s2"]
 
@@ -92,17 +91,8 @@ class LocalGrid(Grid):
         raise NotImplementedError
 
 
-def site_files(root: Path, bad: str | None = None) -> dict:
-    df = news_rows(90)
-    data = {}
-    for s in SITES:
-        d = df[df.site == s].drop(columns=["site"]).reset_index(drop=True)
-        if s == "s2":
-            data[s] = str(write(d, root / f"{s}_all.csv"))
-        else:
-            data[s] = {"train": str(write(d.iloc[:-6], root / f"{s}_train.csv")),
-                       "test": str(write(d.iloc[-6:], root / f"{s}_test.csv"))}
-    return data
+def site_files(root: Path) -> dict:
+    return news_site_files(root, SITES)
 
 
 def config(out: Path, bert_dir, method: str, kind: str, data=None, **fed) -> FederatedConfig:

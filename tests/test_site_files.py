@@ -22,7 +22,7 @@ from fedgalore.cli import main
 from fedgalore.engine.config import load_config
 from fedgalore.jsonl import read_jsonl
 from fedgalore.tasks import get_task
-from tiny_assets import TOPICS, news_rows, write
+from tiny_assets import TOPICS, news_rows, news_site_files, write
 
 SITES = ["s1", "s0", "s2"]  # given out of sorted order on purpose
 
@@ -34,16 +34,7 @@ def _tmp_cache(tmp_path, monkeypatch):
 
 def site_files(root: Path, n: int = 90, fmt: str = ".csv") -> dict:
     """Per-site files of ``news_rows`` (no site column): s0 and s1 with a test file, s2 one file."""
-    df = news_rows(n)
-    data = {}
-    for s in SITES:
-        d = df[df.site == s].drop(columns=["site"]).reset_index(drop=True)
-        if s == "s2":
-            data[s] = str(write(d, root / f"{s}_all{fmt}"))
-        else:
-            data[s] = {"train": str(write(d.iloc[:-6], root / f"{s}_train{fmt}")),
-                       "test": str(write(d.iloc[-6:], root / f"{s}_test{fmt}"))}
-    return data
+    return news_site_files(root, SITES, n, fmt)
 
 
 def task_of(bert_dir, data, **kw):

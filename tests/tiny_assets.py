@@ -113,3 +113,19 @@ def write(df: pd.DataFrame, path: Path) -> Path:
 
         datasets.Dataset.from_pandas(df, preserve_index=False).save_to_disk(str(path))
     return path
+
+
+def news_site_files(root: Path, sites=("s1", "s0", "s2"), n: int = 90, fmt: str = ".csv", whole=("s2",)) -> dict:
+    """Per-site files of :func:`news_rows` (the site column dropped: per-site data adds its own):
+    each site's last 6 rows are its test file, except the ``whole`` sites, which hold one file
+    (their test rows are drawn from it). ``{site: {"train": path, "test": path}}`` or ``{site: path}``."""
+    df = news_rows(n)
+    data: dict = {}
+    for s in sites:
+        d = df[df.site == s].drop(columns=["site"]).reset_index(drop=True)
+        if s in whole:
+            data[s] = str(write(d, root / f"{s}_all{fmt}"))
+        else:
+            data[s] = {"train": str(write(d.iloc[:-6], root / f"{s}_train{fmt}")),
+                       "test": str(write(d.iloc[-6:], root / f"{s}_test{fmt}"))}
+    return data
