@@ -8,6 +8,7 @@ broadcast. Only serialised payloads cross a backend boundary.
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 
 from fedgalore.engine.events import ProgressSink
 from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
@@ -59,8 +60,9 @@ class Backend(abc.ABC):
 
     #: bytes the last :meth:`evaluate_clients` sent and received (the round record's ``bytes_eval``)
     eval_bytes: int = 0
-    #: records for the run's clients.jsonl from before the first round (round 0: nodes left out, and why)
-    startup_records: list = []
+    #: records for the run's clients.jsonl from before the first round (round 0: nodes left out, and
+    #: why); a backend that has some sets its own list (a tuple here: never shared and mutated)
+    startup_records: Sequence[dict] = ()
 
     def client_versions(self, method, clients: list[int]) -> dict[int, int | None]:
         """The model version each client's own store holds (``method.held_version``), for a
