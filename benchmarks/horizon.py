@@ -618,11 +618,14 @@ def projector_schedule(recs: list[dict]) -> dict | None:
 
 
 def pairing_check(cells: list[dict]) -> list[str]:
-    """Cells of one (alpha, seed) must share the partition and the clients of every round."""
+    """Cells of one (alpha, seed) must share the partition and the clients of every round. The
+    partition is compared by its client sizes (the seeded draw decides them; recorded in every
+    cell), not by ``partition_digest``, a hash of partition.json's bytes, which a change of that
+    file's format alone would break."""
     problems, ref = [], {}
     for rec in cells:
         key = (rec["alpha"], rec["seed"])
-        sig = (rec["partition_digest"], [r["clients"] for r in rec["rounds"]])
+        sig = (rec.get("client_sizes"), [r["clients"] for r in rec["rounds"]])
         if key not in ref:
             ref[key] = (rec["label"], sig)
         elif ref[key][1] != sig:
