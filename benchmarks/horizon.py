@@ -625,7 +625,7 @@ def pairing_check(cells: list[dict]) -> list[str]:
     problems, ref = [], {}
     for rec in cells:
         key = (rec["alpha"], rec["seed"])
-        sig = (rec.get("client_sizes"), [r["clients"] for r in rec["rounds"]])
+        sig = (rec["client_sizes"], [r["clients"] for r in rec["rounds"]])
         if key not in ref:
             ref[key] = (rec["label"], sig)
         elif ref[key][1] != sig:
