@@ -7,6 +7,9 @@ Usage (from the repo root; every stage skips the cells whose result JSON is alre
     python benchmarks/horizon.py horizon_report   # results/horizon/horizon.{json,md} and the figures, from the cell JSONs
     options: --rows fedgalore_minus,fedavg_full (default: the five must rows)   --alphas 0.1,0.3 (default)
              --workers N (parallel single-threaded `fedgalore compare` processes, default 2)
+             --seeds 4,3 (horizon_seeds: these held-out seeds only, in this order: split them between machines)
+             --device cuda (run the workers there; a cell is the same cell on any device -- :func:`same_run` --
+             and the report names the GPU cells and times the CPU cells alone)
              --dry-run (list the cells a stage would run, run nothing)
              --quick (a tiny budget on the tiny_text task into benchmarks/runs/horizon_quick: every stage in ~1 min)
 
@@ -192,6 +195,16 @@ def portable(cfg: dict) -> dict:
     return cfg
 
 
+def same_run(old: dict, new: dict) -> str | None:
+    """The first difference between two portable configs that makes them different runs of the
+    study (``config_difference``), the ``device`` aside: a cell run on a GPU (``--device cuda``)
+    is the same cell as on the CPU -- same partition, client samples and schedule; only its
+    floating-point arithmetic differs. Its device stays in its ``config`` and the report names it."""
+    from fedgalore.engine.config import config_difference
+
+    return config_difference({**old, "device": "cpu"}, {**new, "device": "cpu"})
+
+
 def planned_config(budget: Budget, cell: CellSpec) -> dict:
     """The resolved config ``fedgalore compare`` would run for ``cell`` now (portable)."""
     from fedgalore.compare import plan_grid
@@ -204,8 +217,6 @@ def planned_config(budget: Budget, cell: CellSpec) -> dict:
 def load_cell(budget: Budget, cell: CellSpec, check: bool = True) -> dict | None:
     """The cell's result JSON if it has this version and (``check``) the config the stage would
     run now; None otherwise (a stale one is reported and re-run)."""
-    from fedgalore.engine.config import config_difference
-
     path = cell_json(budget, cell)
     if not path.is_file():
         return None
@@ -214,7 +225,7 @@ def load_cell(budget: Budget, cell: CellSpec, check: bool = True) -> dict | None
         _say_once(f"{cell.key}: result version {rec.get('version')} != {CELL_VERSION}: runs again")
         return None
     if check:
-        diff = config_difference(rec["config"], planned_config(budget, cell))
+        diff = same_run(rec["config"], planned_config(budget, cell))
         if diff:
             _say_once(f"{cell.key}: the config changed since its result ({diff}): runs again, and is not reported")
             return None
@@ -309,13 +320,12 @@ def _run_dir(budget: Budget, cell: CellSpec) -> Path:
 def _harvest(budget: Budget, cell: CellSpec) -> bool:
     """Write the cell's JSON from its run directory if that run is complete with today's config."""
     from fedgalore.compare import cell_status
-    from fedgalore.engine.config import config_difference
 
     run_dir = _run_dir(budget, cell)
     if cell_status(run_dir) != "complete":
         return False
     rec = cell_record(cell, run_dir)
-    if config_difference(rec["config"], planned_config(budget, cell)):
+    if same_run(rec["config"], planned_config(budget, cell)):
         return False
     _write_json(cell_json(budget, cell), rec)
     return True
@@ -325,13 +335,11 @@ def _prepare(budget: Budget, cell: CellSpec) -> None:
     """Remove the cell's run folder when it ran with another config (compare would refuse it)."""
     from omegaconf import OmegaConf
 
-    from fedgalore.engine.config import config_difference
-
     out = cell_out(budget, cell)
     saved = out / "configs" / f"{_run_dir(budget, cell).name}.yaml"
     if saved.is_file():
         old = portable(OmegaConf.to_container(OmegaConf.load(saved), resolve=True))
-        diff = config_difference(old, planned_config(budget, cell))
+        diff = same_run(old, planned_config(budget, cell))
         if diff:
             print(f"{cell.key}: its run folder ran another config ({diff}); removing {out}", flush=True)
             shutil.rmtree(out)
@@ -358,12 +366,21 @@ def _reap(proc: subprocess.Popen) -> float | None:
     return usage.ru_utime + usage.ru_stime
 
 
+def worker_argv(budget: Budget, cell: CellSpec, device: str | None = None) -> list[str]:
+    """The ``fedgalore compare`` command of the worker that runs ``cell`` (on ``device`` when given)."""
+    overrides = (*budget.overrides, *([f"device={device}"] if device else []))
+    return [*compare_argv(budget.config, [cell.label], [cell.alpha], [cell.seed], cell_out(budget, cell),
+                          {cell.label: cell.options()}, overrides),
+            "--no-report"]  # the study's report is horizon_report's
+
+
 def run_cells(budget: Budget, cells: list[CellSpec], workers: int, dry_run: bool = False,
-              followups=lambda: []) -> list[str]:
+              followups=lambda: [], device: str | None = None) -> list[str]:
     """Run every cell without a current result JSON, ``workers`` ``fedgalore compare`` processes
     at a time (one cell each), writing each cell's JSON as soon as it finishes; ``followups()`` is
     asked for more cells after each one (the probe's widening). Returns the keys of cells that did
-    not finish (a failed worker, or a cell another live process holds)."""
+    not finish (a failed worker, or a cell another live process holds). ``device`` (e.g. ``cuda``)
+    runs the workers there (override ``device=...``); the cells stay the same cells (:func:`same_run`)."""
     queue: list[CellSpec] = []
     seen: set[CellSpec] = set()
 
@@ -389,8 +406,7 @@ def run_cells(budget: Budget, cells: list[CellSpec], workers: int, dry_run: bool
             c = queue.pop(0)
             _prepare(budget, c)
             out = cell_out(budget, c)
-            argv = [*compare_argv(budget.config, [c.label], [c.alpha], [c.seed], out, {c.label: c.options()}, budget.overrides),
-                    "--no-report"]  # the study's report is horizon_report's
+            argv = worker_argv(budget, c, device)
             _note_source(out)
             log = open(out / "worker.log", "a")
             print(f"[{time.strftime('%H:%M:%S')}] start {c.key} ({len(queue)} queued)", flush=True)
@@ -482,6 +498,8 @@ class Plan:
     alphas: list[str] = field(default_factory=lambda: [ALPHA_01, "dirichlet:0.3"])
     workers: int = 2
     dry_run: bool = False
+    seeds: tuple[int, ...] | None = None  # horizon_seeds: these held-out seeds only (default: the budget's)
+    device: str | None = None  # run the workers on this device (default: the config's, cpu)
 
 
 def iid_cell(budget: Budget) -> CellSpec:
@@ -498,7 +516,7 @@ def stage_probe(plan: Plan) -> list[str]:
         return [c for row in plan.rows for a in plan.alphas for c in probe_state(b, row, a)["todo"]]
 
     # widenings() also holds the widening of a grid finished by an earlier, interrupted pass
-    failed = run_cells(b, [*cells, iid_cell(b), *widenings()], plan.workers, plan.dry_run, widenings)
+    failed = run_cells(b, [*cells, iid_cell(b), *widenings()], plan.workers, plan.dry_run, widenings, plan.device)
     if plan.dry_run:
         open_ = sum(1 for row in plan.rows for a in plan.alphas
                     if a in b.widen_at and probe_state(b, row, a)["widened"] is None and probe_state(b, row, a)["todo"])
@@ -526,8 +544,8 @@ def stage_seeds(plan: Plan) -> list[str]:
                 missing.append(f"{_adir(a)}/{row}")
             else:
                 chosen[a, row] = st["choice"]
-    cells = [CellSpec(a, row, lr, s) for s in b.seeds for (a, row), lr in chosen.items()]
-    failed = run_cells(b, cells, plan.workers, plan.dry_run)
+    cells = [CellSpec(a, row, lr, s) for s in (plan.seeds or b.seeds) for (a, row), lr in chosen.items()]
+    failed = run_cells(b, cells, plan.workers, plan.dry_run, device=plan.device)
     return failed + [f"{m} (its probe: run horizon_probe first)" for m in missing]
 
 
@@ -651,6 +669,7 @@ def _per_round_mean(recs: list[dict], get) -> tuple[list[int], list[float], list
 def row_report(budget: Budget, recs: list[dict], target: float | None) -> dict:
     """Metrics of one row at one alpha over its held-out seeds (``recs``)."""
     per_seed = {r["seed"]: cell_metrics(r, budget, target) for r in recs}
+    on_cpu = [r for r in recs if cell_device(r) == "cpu"]  # run times: CPU cells only (a GPU's are another scale)
     rounds, mean, std = _per_round_mean(recs, lambda x: x.get("test", {}).get("accuracy"))
     _, vmean, _ = _per_round_mean(recs, lambda x: x.get("val", {}).get("accuracy"))
     out = {
@@ -659,9 +678,10 @@ def row_report(budget: Budget, recs: list[dict], target: float | None) -> dict:
         "curve": {"round": rounds, "test_mean": mean, "test_std": std, "val_mean": vmean},
         "bytes_up_per_client_round": statistics.mean(r["bytes_up_per_client_round"] for r in recs),
         "bytes_down_per_client_round": statistics.mean(r["bytes_down_per_client_round"] for r in recs),
-        "wall_time_min": statistics.mean(r["wall_time_s"] for r in recs) / 60,
-        "cpu_time_min": (statistics.mean(r["cpu_time_s"] for r in recs) / 60
-                         if all(r.get("cpu_time_s") for r in recs) else None),
+        "devices": {r["seed"]: cell_device(r) for r in recs},
+        "wall_time_min": statistics.mean(r["wall_time_s"] for r in on_cpu) / 60 if on_cpu else None,
+        "cpu_time_min": (statistics.mean(r["cpu_time_s"] for r in on_cpu) / 60
+                         if on_cpu and all(r.get("cpu_time_s") for r in on_cpu) else None),
         "projector": projector_schedule(recs),
         "mechanism_digests": sorted({r["source"]["mechanism_digest"] for r in recs}),
         "drift": {},
@@ -675,6 +695,11 @@ def row_report(budget: Budget, recs: list[dict], target: float | None) -> dict:
                                  "first_rounds_mean": statistics.mean(early) if early else None,
                                  "last_rounds_mean": statistics.mean(late) if late else None}
     return out
+
+
+def cell_device(rec: dict) -> str:
+    """The device a cell ran on (its config's ``device``; cpu for cells that predate the option)."""
+    return rec["config"].get("device", "cpu")
 
 
 def _num(x) -> str:
@@ -747,14 +772,19 @@ def report(plan: Plan) -> dict:
                 entry["rows"][row] = row_report(b, recs, target)
                 every += recs
         md += ["", f"| row | rate | seeds | last {b.last} | at val pick | rounds to 90 % | … and stays | std r ≥ "
-               f"{b.stable_from} | worst r > {b.stable_from} | up / down MiB per client-round | min per run (wall / CPU) |",
+               f"{b.stable_from} | worst r > {b.stable_from} | up / down MiB per client-round | min per CPU run (wall / CPU) |",
                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for row, rr in entry["rows"].items():
             s = rr["summary"]
             md.append(f"| {row} | {rate_tag(rr['lr'])} | {len(rr['seeds'])} | " + " | ".join(_fmt(m, s[m]) for m in METRICS)
                       + f" | {rr['bytes_up_per_client_round'] / 2**20:.2f} / {rr['bytes_down_per_client_round'] / 2**20:.2f}"
-                      f" | {rr['wall_time_min']:.1f} / {_num(rr['cpu_time_min'])} |")
+                      f" | {_num(rr['wall_time_min'])} / {_num(rr['cpu_time_min'])} |")
         md.append("")
+        gpu = [f"{row} s{s} ({d})" for row, rr in entry["rows"].items() for s, d in rr["devices"].items() if d != "cpu"]
+        if gpu:
+            md += [f"Cells run on a GPU ({len(gpu)}; same partition, client samples and schedule as on the CPU, "
+                   f"other floating-point arithmetic and dropout draws; run times above are the CPU cells'): "
+                   + ", ".join(gpu), ""]
         for x, y in PAIRS:
             if x in entry["rows"] and y in entry["rows"]:
                 px, py = entry["rows"][x]["per_seed"], entry["rows"][y]["per_seed"]
@@ -865,6 +895,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", help=f"comma-separated rows (default: {','.join(MUST_ROWS)}; report: every row with results)")
     ap.add_argument("--alphas", help="comma-separated Dirichlet alphas (default: 0.1,0.3)")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--seeds", help="horizon_seeds: comma-separated held-out seeds to run, in this order "
+                                     "(default: 1,2,3,4), e.g. to split them between machines")
+    ap.add_argument("--device", help="run the workers on this device, e.g. cuda (default: the config's, cpu); "
+                                      "a cell is the same cell on any device, and the report names each cell's")
     ap.add_argument("--dry-run", action="store_true", help="list the cells the stage would run, run nothing")
     ap.add_argument("--quick", action="store_true", help="the tiny budget (tiny_text, 4 rounds, 2 rows, 1 alpha, 2 seeds)")
     ap.add_argument("--root", type=Path, help="--quick only: write runs and results under this folder "
@@ -883,7 +917,18 @@ def main(argv: list[str] | None = None) -> int:
     alphas = _alphas(a.alphas) if a.alphas else list(QUICK_ALPHAS if a.quick else [ALPHA_01, "dirichlet:0.3"])
     if a.workers < 1:
         raise SystemExit("--workers must be >= 1")
-    plan = Plan(budget, rows, alphas, a.workers, a.dry_run)
+    seeds = None
+    if a.seeds:
+        try:
+            seeds = tuple(int(x) for x in a.seeds.split(","))
+        except ValueError:
+            raise SystemExit(f"--seeds takes integers like 3,4; got {a.seeds!r}") from None
+        bad = [x for x in seeds if x not in budget.seeds]
+        if bad:
+            raise SystemExit(f"--seeds: {bad[0]} is not a held-out seed of this budget ({','.join(map(str, budget.seeds))})")
+    if a.device and not (a.device == "cpu" or a.device.startswith("cuda") or a.device == "mps"):
+        raise SystemExit(f"--device {a.device!r}: use cpu, cuda[:N] or mps")
+    plan = Plan(budget, rows, alphas, a.workers, a.dry_run, seeds, a.device)
     if a.stage == "horizon_report":
         report(plan)
         print(f"wrote {budget.results / 'horizon.md'}")

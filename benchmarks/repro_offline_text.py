@@ -599,7 +599,7 @@ def alignment_recheck_report(dest: Path = RESULTS / "alignment_recheck") -> dict
         minus_seeds["0"] = old["sweep"]["fedgalore_minus"][f"{lr_minus:g}"]["test"]
         md += [f"## Dirichlet α = {setting.split(':')[1]}", "",
                "| row | rate | seeds 0-2 before (mean ± std) | seeds 0-2 after (mean ± std) | after − FedGaLore⁻ (paired, mean ± std) "
-               "| update norm / FedGaLore⁻'s, rounds 2-6 (after) | max \|U\|/\|U_cold\| over rounds 2-6 (after) |",
+               "| update norm / FedGaLore⁻'s, rounds 2-6 (after) | max \\|U\\|/\\|U_cold\\| over rounds 2-6 (after) |",
                "|---|---:|---:|---:|---:|---:|---:|"]
         for label in RECHECK_ROWS:
             lr = choice.get(setting) if label == "fedgalore_paper" else 1.0e-2

@@ -236,3 +236,47 @@ def test_quick_runs_every_stage_end_to_end_and_resumes(hz, tmp_path, capsys) -> 
     assert hz.main(["horizon_probe", *root]) == 0 and hz.main(["horizon_seeds", *root]) == 0
     out = capsys.readouterr().out
     assert " start " not in out and lost.read_text() == kept
+
+
+def test_a_cell_run_on_a_gpu_is_the_same_cell_and_the_report_names_its_device(hz, tmp_path, capsys) -> None:
+    """``--device cuda`` changes where a cell runs, not which cell it is: its JSON (config.device
+    cuda) is accepted as the cell, any other change still runs it again, the workers get the
+    override, and the report lists the GPU cells and times the CPU cells alone."""
+    b = _budget(hz, tmp_path)
+    cell = hz.CellSpec("dirichlet:0.3", "fedavg_full", 5e-4, 1)
+    rec = _fake(hz, b, cell, {50: 0.9})
+    rec["config"]["device"] = "cuda"
+    hz._write_json(hz.cell_json(b, cell), rec)
+    assert hz.load_cell(b, cell) == rec and hz.cell_device(rec) == "cuda"
+    assert hz.same_run(rec["config"], hz.planned_config(b, cell)) is None
+    other = json.loads(json.dumps(rec))
+    other["config"]["train"]["lr"] = 1e-3
+    assert "train.lr" in hz.same_run(other["config"], hz.planned_config(b, cell))
+    argv = hz.worker_argv(b, cell, "cuda")
+    assert argv[-2:] == ["device=cuda", "--no-report"] and "device=cuda" not in hz.worker_argv(b, cell)
+    cpu = _fake(hz, b, replace(cell, seed=2), {50: 0.8}, wall_time_s=600.0, cpu_time_s=700.0)
+    rr = hz.row_report(b, [rec, cpu], None)
+    assert rr["devices"] == {1: "cuda", 2: "cpu"}
+    assert rr["wall_time_min"] == pytest.approx(10.0) and rr["cpu_time_min"] == pytest.approx(700 / 60)
+
+
+def test_seeds_and_device_options_select_and_refuse_with_one_line(hz, monkeypatch) -> None:
+    for argv, msg in ((["horizon_seeds", "--seeds", "7"], "--seeds: 7 is not a held-out seed"),
+                      (["horizon_seeds", "--seeds", "a"], "--seeds takes integers"),
+                      (["horizon_seeds", "--device", "tpu"], "--device 'tpu': use cpu, cuda[:N] or mps")):
+        with pytest.raises(SystemExit, match=msg.replace("[", r"\[").replace("]", r"\]")):
+            hz.main([*argv, "--dry-run"])
+    seen = {}
+
+    def fake_run(budget, cells, workers, dry_run=False, followups=lambda: [], device=None):
+        seen.update(cells=cells, device=device, workers=workers)
+        return []
+
+    monkeypatch.setattr(hz, "run_cells", fake_run)
+    monkeypatch.setattr(hz, "probe_state", lambda b, row, a: {"choice": 1e-3})
+    assert hz.main(["horizon_seeds", "--seeds", "4,3", "--rows", "fedavg_full", "--device", "cuda", "--workers", "15"]) == 0
+    assert [c.seed for c in seen["cells"]] == [4, 4, 3, 3]  # in the order asked, both alphas of each
+    assert {c.alpha for c in seen["cells"]} == {hz.ALPHA_01, "dirichlet:0.3"} and {c.row for c in seen["cells"]} == {"fedavg_full"}
+    assert seen["device"] == "cuda" and seen["workers"] == 15
+    assert hz.main(["horizon_seeds", "--rows", "fedavg_full"]) == 0
+    assert [c.seed for c in seen["cells"]] == [1, 1, 2, 2, 3, 3, 4, 4] and seen["device"] is None
