@@ -4,6 +4,7 @@ Usage (from the repo root; every stage skips the cells whose result JSON is alre
 
     python benchmarks/horizon.py horizon_probe    # seed 0: each row's rate grid per alpha (+ one widening), the IID reference
     python benchmarks/horizon.py horizon_seeds    # seeds 1-4 at the rates chosen on seed 0's validation split
+    python benchmarks/horizon.py horizon_tolerance  # seeds 1-4 at each row's 6-round rate (default: the GaLore rows, alpha 0.1)
     python benchmarks/horizon.py horizon_report   # results/horizon/horizon.{json,md} and the figures, from the cell JSONs
     options: --rows fedgalore_minus,fedavg_full (default: the five must rows)   --alphas 0.1,0.3 (default)
              --workers N (parallel single-threaded `fedgalore compare` processes, default 2)
@@ -29,6 +30,9 @@ when the best rate sits at its edge; at other alphas the 6-round choice and half
 held-out seeds 1-4 then run at the chosen rates; they share partitions and client samples across
 rows (the engine derives both from the seed alone; the report checks it per cell). One IID run
 of ``fedgalore_minus`` (seed 0, its 6-round rate) measures the IID level behind "rounds to 90 %".
+``horizon_tolerance`` runs rows at their 6-round rate on the held-out seeds (by default the GaLore
+rows at alpha 0.1, where seed 0 saw the default keep 94.9 % validation at 1e-2 and FedGaLore- 66.9 %):
+robustness to a rate tuned on a short horizon; the report gives it its own table and pairs.
 
 Resuming. Each finished cell becomes ``benchmarks/results/horizon/cells/<alpha>/<label>-s<seed>.json``
 (:data:`CELL_VERSION`): the resolved config that made it, per round the sampled clients, their
@@ -93,6 +97,10 @@ DRIFT_KEYS = ("mismatch_before", "mismatch_after", "drift_mean", "client_update_
               "v_warm_cold_ratio")
 DRIFT_PATTERNS = ("ratio_max", "ratio_p99", "update_ratio")
 GALORE_METHODS = ("fedgalore", "fedgalore_minus")
+# horizon_tolerance: the rows at their 6-round rate on the held-out seeds (by default the GaLore rows
+# at alpha 0.1, where seed 0's probe saw the default keep 94.9 % validation at 1e-2 and FedGaLore- 66.9 %)
+TOLERANCE_ROWS = ["fedgalore", "fedgalore_minus", "fedgalore_paper"]
+TOLERANCE_PAIRS = [("fedgalore", "fedgalore_minus"), ("fedgalore_paper", "fedgalore_minus"), ("fedgalore", "fedgalore_paper")]
 
 
 def rate_tag(lr: float) -> str:
@@ -549,6 +557,19 @@ def stage_seeds(plan: Plan) -> list[str]:
     return failed + [f"{m} (its probe: run horizon_probe first)" for m in missing]
 
 
+def tolerance_cells(plan: Plan) -> list[CellSpec]:
+    """``horizon_tolerance``: each row at its 6-round rate (:data:`SIX_ROUND_RATE`, the rate a
+    short-horizon tuner picked) on the held-out seeds: does a row stay robust when its rate was
+    chosen on 6 rounds? Where that rate is the chosen one these are the ``horizon_seeds`` cells."""
+    return [CellSpec(a, row, SIX_ROUND_RATE[row], s) for s in (plan.seeds or plan.budget.seeds)
+            for a in plan.alphas for row in plan.rows]
+
+
+def stage_tolerance(plan: Plan) -> list[str]:
+    """Run :func:`tolerance_cells` (the report's "at the 6-round rate" section)."""
+    return run_cells(plan.budget, tolerance_cells(plan), plan.workers, plan.dry_run, device=plan.device)
+
+
 # ------------------------------------------------------------------------------------- metrics
 def iid_level(budget: Budget) -> float | None:
     """The IID level: the IID reference run's mean test accuracy over the last rounds."""
@@ -771,36 +792,9 @@ def report(plan: Plan) -> dict:
             if recs:
                 entry["rows"][row] = row_report(b, recs, target)
                 every += recs
-        md += ["", f"| row | rate | seeds | last {b.last} | at val pick | rounds to 90 % | … and stays | std r ≥ "
-               f"{b.stable_from} | worst r > {b.stable_from} | up / down MiB per client-round | min per CPU run (wall / CPU) |",
-               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for row, rr in entry["rows"].items():
-            s = rr["summary"]
-            md.append(f"| {row} | {rate_tag(rr['lr'])} | {len(rr['seeds'])} | " + " | ".join(_fmt(m, s[m]) for m in METRICS)
-                      + f" | {rr['bytes_up_per_client_round'] / 2**20:.2f} / {rr['bytes_down_per_client_round'] / 2**20:.2f}"
-                      f" | {_num(rr['wall_time_min'])} / {_num(rr['cpu_time_min'])} |")
-        md.append("")
-        gpu = [f"{row} s{s} ({d})" for row, rr in entry["rows"].items() for s, d in rr["devices"].items() if d != "cpu"]
-        if gpu:
-            md += [f"Cells run on a GPU ({len(gpu)}; same partition, client samples and schedule as on the CPU, "
-                   f"other floating-point arithmetic and dropout draws; run times above are the CPU cells'): "
-                   + ", ".join(gpu), ""]
-        for x, y in PAIRS:
-            if x in entry["rows"] and y in entry["rows"]:
-                px, py = entry["rows"][x]["per_seed"], entry["rows"][y]["per_seed"]
-                entry["paired"][f"{x}-{y}"] = {m: paired({s: v[m] for s, v in px.items() if m in v},
-                                                         {s: v[m] for s, v in py.items() if m in v}) for m in METRICS}
-        for name, by_metric in entry["paired"].items():
-            md.append(f"Paired {name.replace('-', ' − ')} (95 % intervals: paired t; bootstrap):")
-            md.append("")
-            for m, p in by_metric.items():
-                if p is None or p.get("std") is None:
-                    continue
-                pts = (lambda v: f"{v:+.1f}") if m.startswith("rounds") else (lambda v: f"{100 * v:+.1f}")
-                md.append(f"- {m}: {pts(p['mean'])} [{pts(p['t95'][0])}, {pts(p['t95'][1])}]; "
-                          f"[{pts(p['bootstrap95'][0])}, {pts(p['bootstrap95'][1])}] (seeds {p['seeds']}: "
-                          + ", ".join(pts(v) for v in p["diff"]) + ")")
-            md.append("")
+        md += _rows_table(b, entry["rows"])
+        entry["paired"] = _paired_rows(entry["rows"], PAIRS)
+        md += _paired_md(entry["paired"])
         for row, rr in entry["rows"].items():
             drift = ", ".join(f"{k} {v['first_rounds_mean']:.3g} → {v['last_rounds_mean']:.3g}"
                               for k, v in rr["drift"].items() if v["first_rounds_mean"] is not None and v["last_rounds_mean"] is not None)
@@ -818,6 +812,17 @@ def report(plan: Plan) -> dict:
         if entry["missing"]:
             md += ["", f"Missing cells ({len(entry['missing'])}): " + ", ".join(entry["missing"])]
         md.append("")
+        tol = {}
+        for row in plan.rows:
+            recs = [r for s in b.seeds if (r := load_cell(b, CellSpec(a, row, SIX_ROUND_RATE[row], s)))]
+            if recs:
+                tol[row] = row_report(b, recs, target)
+                every += [r for r in recs if r not in every]
+        # a section only when it is not the main table again (some row's 6-round rate is not its choice)
+        if any(SIX_ROUND_RATE[row] != entry["probe"].get(row, {}).get("choice") for row in tol):
+            entry["tolerance"] = {"rows": tol, "paired": _paired_rows(tol, TOLERANCE_PAIRS)}
+            md += [f"### At the 6-round rate (`horizon_tolerance`: each row at the rate chosen on 6 rounds, held-out seeds)", ""]
+            md += _rows_table(b, tol) + _paired_md(entry["tolerance"]["paired"])
         result["alphas"][a] = entry
         _figures(plt, dest, a, entry, target)
     iid = load_cell(b, iid_cell(b), check=False)
@@ -828,6 +833,52 @@ def report(plan: Plan) -> dict:
     _write_json(dest / "horizon.json", result)
     (dest / "horizon.md").write_text("\n".join(md) + "\n")
     return result
+
+
+def _rows_table(b: Budget, rows: dict) -> list[str]:
+    """The markdown table of :func:`row_report` entries (mean ± std over seeds per metric), and the
+    list of cells that ran on a GPU."""
+    md = ["", f"| row | rate | seeds | last {b.last} | at val pick | rounds to 90 % | … and stays | std r ≥ "
+          f"{b.stable_from} | worst r > {b.stable_from} | up / down MiB per client-round | min per CPU run (wall / CPU) |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row, rr in rows.items():
+        s = rr["summary"]
+        md.append(f"| {row} | {rate_tag(rr['lr'])} | {len(rr['seeds'])} | " + " | ".join(_fmt(m, s[m]) for m in METRICS)
+                  + f" | {rr['bytes_up_per_client_round'] / 2**20:.2f} / {rr['bytes_down_per_client_round'] / 2**20:.2f}"
+                  f" | {_num(rr['wall_time_min'])} / {_num(rr['cpu_time_min'])} |")
+    md.append("")
+    gpu = [f"{row} s{s} ({d})" for row, rr in rows.items() for s, d in rr["devices"].items() if d != "cpu"]
+    if gpu:
+        md += [f"Cells run on a GPU ({len(gpu)}; same partition, client samples and schedule as on the CPU, "
+               f"other floating-point arithmetic and dropout draws; run times above are the CPU cells'): "
+               + ", ".join(gpu), ""]
+    return md
+
+
+def _paired_rows(rows: dict, pairs: list[tuple[str, str]]) -> dict:
+    """``{"a-b": {metric: paired(...)}}`` for each pair whose rows are both in ``rows``."""
+    out = {}
+    for x, y in pairs:
+        if x in rows and y in rows:
+            px, py = rows[x]["per_seed"], rows[y]["per_seed"]
+            out[f"{x}-{y}"] = {m: paired({s: v[m] for s, v in px.items() if m in v},
+                                         {s: v[m] for s, v in py.items() if m in v}) for m in METRICS}
+    return out
+
+
+def _paired_md(pairs: dict) -> list[str]:
+    md = []
+    for name, by_metric in pairs.items():
+        md += [f"Paired {name.replace('-', ' − ')} (95 % intervals: paired t; bootstrap):", ""]
+        for m, p in by_metric.items():
+            if p is None or p.get("std") is None:
+                continue
+            pts = (lambda v: f"{v:+.1f}") if m.startswith("rounds") else (lambda v: f"{100 * v:+.1f}")
+            md.append(f"- {m}: {pts(p['mean'])} [{pts(p['t95'][0])}, {pts(p['t95'][1])}]; "
+                      f"[{pts(p['bootstrap95'][0])}, {pts(p['bootstrap95'][1])}] (seeds {p['seeds']}: "
+                      + ", ".join(pts(v) for v in p["diff"]) + ")")
+        md.append("")
+    return md
 
 
 def _figures(plt, dest: Path, alpha: str, entry: dict, target: float | None) -> None:
@@ -891,11 +942,11 @@ def _alphas(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["horizon_probe", "horizon_seeds", "horizon_report"])
+    ap.add_argument("stage", choices=["horizon_probe", "horizon_seeds", "horizon_tolerance", "horizon_report"])
     ap.add_argument("--rows", help=f"comma-separated rows (default: {','.join(MUST_ROWS)}; report: every row with results)")
     ap.add_argument("--alphas", help="comma-separated Dirichlet alphas (default: 0.1,0.3)")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--seeds", help="horizon_seeds: comma-separated held-out seeds to run, in this order "
+    ap.add_argument("--seeds", help="horizon_seeds, horizon_tolerance: comma-separated held-out seeds to run, in this order "
                                      "(default: 1,2,3,4), e.g. to split them between machines")
     ap.add_argument("--device", help="run the workers on this device, e.g. cuda (default: the config's, cpu); "
                                       "a cell is the same cell on any device, and the report names each cell's")
@@ -913,8 +964,10 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             raise SystemExit(f"unknown row {bad[0]!r}; rows: {', '.join(ROWS)}")
     else:
-        rows = list(QUICK_ROWS if a.quick else MUST_ROWS if a.stage != "horizon_report" else ROWS)
-    alphas = _alphas(a.alphas) if a.alphas else list(QUICK_ALPHAS if a.quick else [ALPHA_01, "dirichlet:0.3"])
+        rows = list(QUICK_ROWS if a.quick else TOLERANCE_ROWS if a.stage == "horizon_tolerance"
+                    else MUST_ROWS if a.stage != "horizon_report" else ROWS)
+    alphas = _alphas(a.alphas) if a.alphas else list(QUICK_ALPHAS if a.quick else [ALPHA_01] if a.stage == "horizon_tolerance"
+                                                     else [ALPHA_01, "dirichlet:0.3"])
     if a.workers < 1:
         raise SystemExit("--workers must be >= 1")
     seeds = None
@@ -933,7 +986,7 @@ def main(argv: list[str] | None = None) -> int:
         report(plan)
         print(f"wrote {budget.results / 'horizon.md'}")
         return 0
-    failed = (stage_probe if a.stage == "horizon_probe" else stage_seeds)(plan)
+    failed = {"horizon_probe": stage_probe, "horizon_seeds": stage_seeds, "horizon_tolerance": stage_tolerance}[a.stage](plan)
     if failed:
         print(f"not finished: {', '.join(failed)}; run the stage again to continue", flush=True)
         return 1

@@ -280,3 +280,35 @@ def test_seeds_and_device_options_select_and_refuse_with_one_line(hz, monkeypatc
     assert seen["device"] == "cuda" and seen["workers"] == 15
     assert hz.main(["horizon_seeds", "--rows", "fedavg_full"]) == 0
     assert [c.seed for c in seen["cells"]] == [1, 1, 2, 2, 3, 3, 4, 4] and seen["device"] is None
+
+
+def test_tolerance_stage_runs_the_six_round_rates_and_the_report_pairs_them(hz, tmp_path, capsys) -> None:
+    """``horizon_tolerance``: the rows at their 6-round rate on the held-out seeds (the GaLore rows
+    at alpha 0.1 by default); the report gives them their own table and paired differences, and
+    only when some row's 6-round rate is not its chosen one."""
+    b = _budget(hz, tmp_path)
+    a = hz.ALPHA_01
+    plan = hz.Plan(b, hz.TOLERANCE_ROWS, [a], seeds=(2, 1))
+    cells = hz.tolerance_cells(plan)
+    assert [(c.row, c.lr, c.seed) for c in cells[:3]] == [(r, 1e-2, 2) for r in hz.TOLERANCE_ROWS]
+    assert len(cells) == 6 and {c.alpha for c in cells} == {a}
+    assert hz.stage_tolerance(replace(plan, dry_run=True)) == []
+    assert "6 cell(s) to run" in capsys.readouterr().out
+    ev = _evaluated_rounds(b)
+    _fake(hz, b, hz.iid_cell(b), {k: 0.9 for k in ev})
+    for row, low in (("fedgalore", 0.9), ("fedgalore_minus", 0.5)):  # seed 0 chooses 3e-3 for both
+        for lr in hz.probe_rates(row, a):
+            _fake(hz, b, hz.CellSpec(a, row, lr, 0), {k: 0.95 if lr == 3e-3 else 0.6 for k in ev})
+        _fake(hz, b, hz.CellSpec(a, row, 1e-4, 0), {k: 0.5 for k in ev})  # the widening below 3e-4 does not win
+        for s in b.seeds:
+            _fake(hz, b, hz.CellSpec(a, row, 3e-3, s), {k: 0.95 for k in ev})
+            _fake(hz, b, hz.CellSpec(a, row, 1e-2, s), {k: low + 0.01 * s for k in ev})
+    res = hz.report(hz.Plan(b, ["fedgalore", "fedgalore_minus"], [a]))
+    entry = res["alphas"][a]
+    assert entry["probe"]["fedgalore"]["choice"] == 3e-3 and entry["rows"]["fedgalore"]["lr"] == 3e-3
+    tol = entry["tolerance"]
+    assert tol["rows"]["fedgalore"]["lr"] == 1e-2 and tol["rows"]["fedgalore"]["seeds"] == [1, 2, 3, 4]
+    assert tol["paired"]["fedgalore-fedgalore_minus"]["last"]["mean"] == pytest.approx(0.4)
+    assert "fedgalore-fedgalore_minus" in entry["paired"] and entry["paired"]["fedgalore-fedgalore_minus"]["last"]["mean"] == pytest.approx(0.0)
+    md = (b.results / "horizon.md").read_text()
+    assert "### At the 6-round rate" in md and "| fedgalore | 1e-2 | 4 | 92.5 ± 1.3 |" in md
