@@ -803,7 +803,9 @@ def report(plan: Plan) -> dict:
             pj = rr["projector"]
             if pj:
                 seeded = ("" if "seeded_refreshes" not in pj else
-                          f"; seeded-basis refreshes: {pj['seeded_refreshes']} in {pj['client_rounds_with_seeded_basis']} client-rounds")
+                          f"; seeded-basis refreshes: {pj['seeded_refreshes']} in {pj['client_rounds_with_seeded_basis']} client-rounds"
+                          + (" (the seeded phase is never reached: τ exceeds every client-round's local steps, so each "
+                             "client-round keeps its first, data-driven basis)" if pj["seeded_refreshes"] == 0 else ""))
                 md.append(f"- projector, {row}: {pj['projector']}, τ = {pj['update_proj_gap']}, S = {pj['adaptive_proj_steps']} "
                           f"({pj['adaptive_scope']}); local steps {pj['steps_min']}–{pj['steps_max']} over {pj['client_rounds']} "
                           f"client-rounds → {pj['refreshes_min']}–{pj['refreshes_max']} refreshes per client-round{seeded}")
@@ -869,10 +871,13 @@ def _paired_rows(rows: dict, pairs: list[tuple[str, str]]) -> dict:
 def _paired_md(pairs: dict) -> list[str]:
     md = []
     for name, by_metric in pairs.items():
+        shown = {m: p for m, p in by_metric.items() if p is not None and p.get("std") is not None}
+        if not shown:  # fewer than 2 seeds in common: no interval to give
+            n = max((len(p["seeds"]) for p in by_metric.values() if p), default=0)
+            md += [f"Paired {name.replace('-', ' − ')}: {n} seed(s) in common so far, no interval yet.", ""]
+            continue
         md += [f"Paired {name.replace('-', ' − ')} (95 % intervals: paired t; bootstrap):", ""]
-        for m, p in by_metric.items():
-            if p is None or p.get("std") is None:
-                continue
+        for m, p in shown.items():
             pts = (lambda v: f"{v:+.1f}") if m.startswith("rounds") else (lambda v: f"{100 * v:+.1f}")
             md.append(f"- {m}: {pts(p['mean'])} [{pts(p['t95'][0])}, {pts(p['t95'][1])}]; "
                       f"[{pts(p['bootstrap95'][0])}, {pts(p['bootstrap95'][1])}] (seeds {p['seeds']}: "
@@ -911,17 +916,23 @@ def _figures(plt, dest: Path, alpha: str, entry: dict, target: float | None) -> 
     cols = min(3, len(keys))
     fig, axes = plt.subplots(-(-len(keys) // cols), cols, figsize=(4.2 * cols, 3.2 * -(-len(keys) // cols)), squeeze=False)
     for ax, key in zip(axes.flat, keys):
-        for i, (row, rr) in enumerate(rows.items()):
+        values = []
+        for i, (row, rr) in enumerate(rows.items()):  # colours as in the accuracy figure
             if key in rr["drift"]:
                 ax.plot(rr["drift"][key]["round"], rr["drift"][key]["mean"], color=f"C{i}", label=row)
+                values += [v for v in rr["drift"][key]["mean"] if v is not None and v > 0]
+        if values and max(values) / min(values) > 100:  # e.g. v_warm_cold_ratio spans decades
+            ax.set_yscale("log")
+            key += " (log scale)"
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=6)
+    handles = {h.get_label(): h for ax in axes.flat for h in ax.get_lines()}
+    fig.legend(list(handles.values()), list(handles), loc="lower center", fontsize=8, ncol=len(handles))
     fig.suptitle(f"Drift diagnostics, Dirichlet α = {alpha.split(':')[1]} (mean over held-out seeds)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(dest / f"drift_{tag}.png", dpi=120)
     plt.close(fig)
 
