@@ -819,7 +819,8 @@ def report(plan: Plan) -> dict:
             recs = [r for s in b.seeds if (r := load_cell(b, CellSpec(a, row, SIX_ROUND_RATE[row], s)))]
             if recs:
                 tol[row] = row_report(b, recs, target)
-                every += [r for r in recs if r not in every]
+                seen = {_cell_id(e) for e in every}
+                every += [r for r in recs if _cell_id(r) not in seen]
         # a section only when it is not the main table again (some row's 6-round rate is not its choice)
         if any(SIX_ROUND_RATE[row] != entry["probe"].get(row, {}).get("choice") for row in tol):
             entry["tolerance"] = {"rows": tol, "paired": _paired_rows(tol, TOLERANCE_PAIRS)}
@@ -835,6 +836,11 @@ def report(plan: Plan) -> dict:
     _write_json(dest / "horizon.json", result)
     (dest / "horizon.md").write_text("\n".join(md) + "\n")
     return result
+
+
+def _cell_id(rec: dict) -> tuple:
+    """A cell's identity in the report: (alpha, label, seed)."""
+    return rec["alpha"], rec["label"], rec["seed"]
 
 
 def _rows_table(b: Budget, rows: dict) -> list[str]:
@@ -990,8 +996,10 @@ def main(argv: list[str] | None = None) -> int:
         bad = [x for x in seeds if x not in budget.seeds]
         if bad:
             raise SystemExit(f"--seeds: {bad[0]} is not a held-out seed of this budget ({','.join(map(str, budget.seeds))})")
-    if a.device and not (a.device == "cpu" or a.device.startswith("cuda") or a.device == "mps"):
-        raise SystemExit(f"--device {a.device!r}: use cpu, cuda[:N] or mps")
+    from fedgalore.engine.config import device_error
+
+    if a.device and (why := device_error(a.device)):
+        raise SystemExit(f"--device {a.device!r} {why}")
     plan = Plan(budget, rows, alphas, a.workers, a.dry_run, seeds, a.device)
     if a.stage == "horizon_report":
         report(plan)

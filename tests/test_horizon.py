@@ -263,7 +263,7 @@ def test_a_cell_run_on_a_gpu_is_the_same_cell_and_the_report_names_its_device(hz
 def test_seeds_and_device_options_select_and_refuse_with_one_line(hz, monkeypatch) -> None:
     for argv, msg in ((["horizon_seeds", "--seeds", "7"], "--seeds: 7 is not a held-out seed"),
                       (["horizon_seeds", "--seeds", "a"], "--seeds takes integers"),
-                      (["horizon_seeds", "--device", "tpu"], "--device 'tpu': use cpu, cuda[:N] or mps")):
+                      (["horizon_seeds", "--device", "tpu"], "--device 'tpu' must be cpu, cuda[:N] or mps")):
         with pytest.raises(SystemExit, match=msg.replace("[", r"\[").replace("]", r"\]")):
             hz.main([*argv, "--dry-run"])
     seen = {}
@@ -312,3 +312,18 @@ def test_tolerance_stage_runs_the_six_round_rates_and_the_report_pairs_them(hz, 
     assert "fedgalore-fedgalore_minus" in entry["paired"] and entry["paired"]["fedgalore-fedgalore_minus"]["last"]["mean"] == pytest.approx(0.0)
     md = (b.results / "horizon.md").read_text()
     assert "### At the 6-round rate" in md and "| fedgalore | 1e-2 | 4 | 92.5 ± 1.3 |" in md
+
+
+def test_driver_and_config_share_one_device_rule(hz) -> None:
+    """``--device`` is checked by the config's own rule (engine/config.py ``device_error``), so the driver
+    cannot accept a device that every worker would then refuse, nor refuse one they accept."""
+    from fedgalore.engine.config import ConfigError, device_error, load_config
+
+    for ok in ("cpu", "mps", "cuda", "cuda:3"):
+        assert device_error(ok) is None and load_config(None, [f"device={ok}"]).device == ok
+    assert device_error("cuda:") and device_error("cuda:x")
+    for bad in ("cudax", "tpu", "gpu"):
+        with pytest.raises(ConfigError, match=f"device='{bad}' must be cpu"):
+            load_config(None, [f"device={bad}"])
+        with pytest.raises(SystemExit, match=f"--device '{bad}' must be cpu"):
+            hz.main(["horizon_seeds", "--device", bad, "--dry-run"])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
@@ -204,7 +205,7 @@ class FederatedConfig:
                "checkpoint_every=auto may spend checkpointing, e.g. 0.02)")
         _check(self.output.keep_checkpoints >= 1, "output.keep_checkpoints must be >= 1")
         _check(self.output.progress in ("auto", "rich", "plain", "quiet"), "output.progress must be auto, rich, plain or quiet")
-        _check(self.device == "cpu" or self.device.startswith("cuda") or self.device == "mps", f"device={self.device!r} must be cpu, cuda[:N] or mps")
+        _check(device_error(self.device) is None, f"device={self.device!r} {device_error(self.device)}")
         _check(math.isfinite(t.prox_mu) and t.prox_mu >= 0,
                f"train.prox_mu={t.prox_mu} must be >= 0 (FedProx's μ; 0 = off, e.g. train.prox_mu=0.01)")
         f.server_optimizer.check()
@@ -240,6 +241,13 @@ def _natural_num_clients(data: Any) -> Any:
     if isinstance(part, dict) and infers_clients(str(part.get("kind"))) and "num_clients" not in fed:
         return {**data, "federation": {**fed, "num_clients": None}}
     return data
+
+
+def device_error(device: str) -> str | None:
+    """Why ``device`` is not a device a run can use (``None`` when it is: cpu, cuda, cuda:N or mps)."""
+    if device in ("cpu", "mps") or re.fullmatch(r"cuda(:\d+)?", device):
+        return None
+    return "must be cpu, cuda[:N] or mps"
 
 
 def _check(ok: bool, message: str) -> None:
