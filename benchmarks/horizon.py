@@ -739,8 +739,8 @@ def _fmt(metric: str, s: dict) -> str:
 
 
 def report(plan: Plan) -> dict:
-    """``horizon.json``, ``horizon.md``, ``accuracy_<alpha>.png`` and ``drift_<alpha>.png`` in the
-    budget's results folder, from the cell JSONs alone (cells whose config is not the one the
+    """``horizon.json``, ``horizon.md``, ``accuracy_<alpha>.png`` (and ``accuracy_tolerance_<alpha>.png``)
+    and ``drift_<alpha>.png`` in the budget's results folder, from the cell JSONs alone (cells whose config is not the one the
     stages would run now are left out and listed as missing)."""
     import matplotlib
 
@@ -892,12 +892,8 @@ def _paired_md(pairs: dict) -> list[str]:
     return md
 
 
-def _figures(plt, dest: Path, alpha: str, entry: dict, target: float | None) -> None:
-    """Test accuracy per round (mean ± std band over seeds) and the drift diagnostics per round."""
-    rows = entry["rows"]
-    if not rows:
-        return
-    tag = _adir(alpha)
+def _accuracy_figure(plt, path: Path, rows: dict, title: str, target: float | None) -> None:
+    """Test accuracy per round of each row: mean line, ± std band over its seeds."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for i, (row, rr) in enumerate(rows.items()):
         c = rr["curve"]
@@ -909,13 +905,26 @@ def _figures(plt, dest: Path, alpha: str, entry: dict, target: float | None) -> 
         ax.axhline(100 * target, color="grey", ls="--", lw=0.8, label="90 % of the IID level")
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title(f"Dirichlet α = {alpha.split(':')[1]}: mean ± std over held-out seeds")
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    dest.mkdir(parents=True, exist_ok=True)
-    fig.savefig(dest / f"accuracy_{tag}.png", dpi=120)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _figures(plt, dest: Path, alpha: str, entry: dict, target: float | None) -> None:
+    """Test accuracy per round (mean ± std band over seeds; the tolerance stage's rows in their own
+    figure, ``accuracy_tolerance_<alpha>.png``) and the drift diagnostics per round."""
+    rows = entry["rows"]
+    if not rows:
+        return
+    tag, a = _adir(alpha), alpha.split(':')[1]
+    _accuracy_figure(plt, dest / f"accuracy_{tag}.png", rows, f"Dirichlet α = {a}: mean ± std over held-out seeds", target)
+    if entry.get("tolerance"):
+        _accuracy_figure(plt, dest / f"accuracy_tolerance_{tag}.png", entry["tolerance"]["rows"],
+                         f"Dirichlet α = {a}, each row at its 6-round rate: mean ± std over held-out seeds", target)
     keys = list(dict.fromkeys(k for rr in rows.values() for k in rr["drift"]))
     if not keys:
         return

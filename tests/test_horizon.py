@@ -312,6 +312,9 @@ def test_tolerance_stage_runs_the_six_round_rates_and_the_report_pairs_them(hz, 
     assert "fedgalore-fedgalore_minus" in entry["paired"] and entry["paired"]["fedgalore-fedgalore_minus"]["last"]["mean"] == pytest.approx(0.0)
     md = (b.results / "horizon.md").read_text()
     assert "### At the 6-round rate" in md and "| fedgalore | 1e-2 | 4 | 92.5 ± 1.3 |" in md
+    assert (b.results / "accuracy_tolerance_a0.1.png").stat().st_size > 0
+    # each cell counted once, whichever sections show it (probe grid, held-out, tolerance)
+    assert res["pairing"]["cells"] == sum(len(hz.probe_rates(r, a)) + 2 * len(b.seeds) for r in ("fedgalore", "fedgalore_minus"))
 
 
 def test_driver_and_config_share_one_device_rule(hz) -> None:
