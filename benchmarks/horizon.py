@@ -824,7 +824,12 @@ def report(plan: Plan) -> dict:
         # a section only when it is not the main table again (some row's 6-round rate is not its choice)
         if any(SIX_ROUND_RATE[row] != entry["probe"].get(row, {}).get("choice") for row in tol):
             entry["tolerance"] = {"rows": tol, "paired": _paired_rows(tol, TOLERANCE_PAIRS)}
-            md += [f"### At the 6-round rate (`horizon_tolerance`: each row at the rate chosen on 6 rounds, held-out seeds)", ""]
+            same = [row for row in tol if SIX_ROUND_RATE[row] == entry["probe"].get(row, {}).get("choice")]
+            md += ["### At the 6-round rate (`horizon_tolerance`: each row at the rate chosen on 6 rounds, held-out seeds)", "",
+                   "Does a row stay robust when its rate was tuned on 6 rounds? The rates: "
+                   + ", ".join(f"{row} {rate_tag(SIX_ROUND_RATE[row])}" for row in tol) + "."
+                   + (f" For {', '.join(same)} that is also the 50-round choice, so its row repeats the table above."
+                      if same else "")]
             md += _rows_table(b, tol) + _paired_md(entry["tolerance"]["paired"])
         result["alphas"][a] = entry
         _figures(plt, dest, a, entry, target)
@@ -892,10 +897,16 @@ def _paired_md(pairs: dict) -> list[str]:
     return md
 
 
+def _colour(row: str) -> int:
+    """A row's matplotlib colour index, the same in every figure (its place in :data:`ROWS`)."""
+    return list(ROWS).index(row) % 10 if row in ROWS else 9
+
+
 def _accuracy_figure(plt, path: Path, rows: dict, title: str, target: float | None) -> None:
     """Test accuracy per round of each row: mean line, ± std band over its seeds."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, (row, rr) in enumerate(rows.items()):
+    for row, rr in rows.items():
+        i = _colour(row)
         c = rr["curve"]
         lo = [100 * (m - s) for m, s in zip(c["test_mean"], c["test_std"])]
         hi = [100 * (m + s) for m, s in zip(c["test_mean"], c["test_std"])]
@@ -924,7 +935,7 @@ def _figures(plt, dest: Path, alpha: str, entry: dict, target: float | None) -> 
     _accuracy_figure(plt, dest / f"accuracy_{tag}.png", rows, f"Dirichlet α = {a}: mean ± std over held-out seeds", target)
     if entry.get("tolerance"):
         _accuracy_figure(plt, dest / f"accuracy_tolerance_{tag}.png", entry["tolerance"]["rows"],
-                         f"Dirichlet α = {a}, each row at its 6-round rate: mean ± std over held-out seeds", target)
+                         f"α = {a}, each row at its 6-round rate: mean ± std over held-out seeds", target)
     keys = list(dict.fromkeys(k for rr in rows.values() for k in rr["drift"]))
     if not keys:
         return
@@ -932,7 +943,8 @@ def _figures(plt, dest: Path, alpha: str, entry: dict, target: float | None) -> 
     fig, axes = plt.subplots(-(-len(keys) // cols), cols, figsize=(4.2 * cols, 3.2 * -(-len(keys) // cols)), squeeze=False)
     for ax, key in zip(axes.flat, keys):
         values = []
-        for i, (row, rr) in enumerate(rows.items()):  # colours as in the accuracy figure
+        for row, rr in rows.items():
+            i = _colour(row)  # one colour per row in every figure
             if key in rr["drift"]:
                 ax.plot(rr["drift"][key]["round"], rr["drift"][key]["mean"], color=f"C{i}", label=row)
                 values += [v for v in rr["drift"][key]["mean"] if v is not None and v > 0]
