@@ -874,8 +874,13 @@ def _paired_rows(rows: dict, pairs: list[tuple[str, str]]) -> dict:
     for x, y in pairs:
         if x in rows and y in rows:
             px, py = rows[x]["per_seed"], rows[y]["per_seed"]
+            dx, dy = rows[x].get("devices", {}), rows[y].get("devices", {})
+            cross = sorted(s for s in set(dx) & set(dy) if dx[s] != dy[s])
             out[f"{x}-{y}"] = {m: paired({s: v[m] for s, v in px.items() if m in v},
                                          {s: v[m] for s, v in py.items() if m in v}) for m in METRICS}
+            for p in out[f"{x}-{y}"].values():
+                if p is not None:  # seeds whose two cells ran on different devices (a device effect enters the difference)
+                    p["cross_device"] = [s for s in cross if s in p["seeds"]]
     return out
 
 
@@ -887,7 +892,10 @@ def _paired_md(pairs: dict) -> list[str]:
             n = max((len(p["seeds"]) for p in by_metric.values() if p), default=0)
             md += [f"Paired {name.replace('-', ' − ')}: {n} seed(s) in common so far, no interval yet.", ""]
             continue
-        md += [f"Paired {name.replace('-', ' − ')} (95 % intervals: paired t; bootstrap):", ""]
+        cross = sorted({s for p in shown.values() for s in p.get("cross_device", [])})
+        md += [f"Paired {name.replace('-', ' − ')} (95 % intervals: paired t; bootstrap)"
+               + (f"; seed{'s' * (len(cross) > 1)} {', '.join(map(str, cross))} pair{'s' * (len(cross) == 1)} "
+                  "a CPU cell with a GPU cell" if cross else "") + ":", ""]
         for m, p in shown.items():
             pts = (lambda v: f"{v:+.1f}") if m.startswith("rounds") else (lambda v: f"{100 * v:+.1f}")
             md.append(f"- {m}: {pts(p['mean'])} [{pts(p['t95'][0])}, {pts(p['t95'][1])}]; "
