@@ -740,8 +740,8 @@ def _fmt(metric: str, s: dict) -> str:
 
 def report(plan: Plan) -> dict:
     """``horizon.json``, ``horizon.md``, ``accuracy_<alpha>.png`` (and ``accuracy_tolerance_<alpha>.png``)
-    and ``drift_<alpha>.png`` in the budget's results folder, from the cell JSONs alone (cells whose config is not the one the
-    stages would run now are left out and listed as missing)."""
+    and ``drift_<alpha>.png`` in the budget's results folder, from the cell JSONs alone (cells whose
+    config is not the one the stages would run now are left out and listed as missing)."""
     import matplotlib
 
     matplotlib.use("Agg")
