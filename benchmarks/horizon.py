@@ -819,12 +819,11 @@ def report(plan: Plan) -> dict:
             recs = [r for s in b.seeds if (r := load_cell(b, CellSpec(a, row, SIX_ROUND_RATE[row], s)))]
             if recs:
                 tol[row] = row_report(b, recs, target)
-                seen = {_cell_id(e) for e in every}
-                every += [r for r in recs if _cell_id(r) not in seen]
+                every += recs  # a row whose 6-round rate is its choice repeats cells: counted once below
+        same = [row for row in tol if SIX_ROUND_RATE[row] == entry["probe"].get(row, {}).get("choice")]
         # a section only when it is not the main table again (some row's 6-round rate is not its choice)
-        if any(SIX_ROUND_RATE[row] != entry["probe"].get(row, {}).get("choice") for row in tol):
+        if len(same) < len(tol):
             entry["tolerance"] = {"rows": tol, "paired": _paired_rows(tol, TOLERANCE_PAIRS)}
-            same = [row for row in tol if SIX_ROUND_RATE[row] == entry["probe"].get(row, {}).get("choice")]
             md += ["### At the 6-round rate (`horizon_tolerance`: each row at the rate chosen on 6 rounds, held-out seeds)", "",
                    "Does a row stay robust when its rate was tuned on 6 rounds? The rates: "
                    + ", ".join(f"{row} {rate_tag(SIX_ROUND_RATE[row])}" for row in tol) + "."
@@ -834,6 +833,7 @@ def report(plan: Plan) -> dict:
         result["alphas"][a] = entry
         _figures(plt, dest, a, entry, target)
     iid = load_cell(b, iid_cell(b), check=False)
+    every = list({_cell_id(r): r for r in every}.values())
     problems = pairing_check(every + ([iid] if iid else []))
     result["pairing"] = {"cells": len(every), "problems": problems}
     md.append(f"Pairing: {len(every)} cells; " + ("every cell of an (α, seed) has the same partition and client samples"

@@ -205,7 +205,8 @@ class FederatedConfig:
                "checkpoint_every=auto may spend checkpointing, e.g. 0.02)")
         _check(self.output.keep_checkpoints >= 1, "output.keep_checkpoints must be >= 1")
         _check(self.output.progress in ("auto", "rich", "plain", "quiet"), "output.progress must be auto, rich, plain or quiet")
-        _check(device_error(self.device) is None, f"device={self.device!r} {device_error(self.device)}")
+        why = device_error(self.device)
+        _check(why is None, f"device={self.device!r} {why}")
         _check(math.isfinite(t.prox_mu) and t.prox_mu >= 0,
                f"train.prox_mu={t.prox_mu} must be >= 0 (FedProx's μ; 0 = off, e.g. train.prox_mu=0.01)")
         f.server_optimizer.check()
