@@ -126,6 +126,15 @@ class Budget:
     results: Path
     probe_seed: int = 0
     config: Path = CONFIG
+    #: the seed-0 grids where they differ from :func:`probe_rates`' defaults: ((family, alpha), rates)
+    grids: tuple = ()
+    #: one step beyond those grids' edges: ((family, alpha), (up, down))
+    widen: tuple = ()
+    #: rows whose rate is not probed here: ((row, alpha), rate) -- a choice made by another study
+    fixed: tuple = ()
+    #: the budget whose IID reference gives "rounds to 90 %" when this one has none of its own
+    iid_from: "Budget | None" = None
+    title: str = "Issue 33 B: the study at the paper's horizon"
 
     @property
     def overrides(self) -> tuple[str, ...]:
@@ -133,8 +142,23 @@ class Budget:
                 f"federation.eval_last={self.last}", *self.extra)
 
 
-FULL = Budget("offline_text_50_r50", (), 50, 2, 10, 10, (1, 2, 3, 4), (ALPHA_01,),
+# issue 33's study ran before the epoch schedule existed: its GaLore rows refreshed every tau = 50 steps and
+# never reached the seeded phase (the steps schedule, pinned here so its committed cells stay what they were)
+FULL = Budget("offline_text_50_r50", ("method.options.projector_schedule=steps",), 50, 2, 10, 10, (1, 2, 3, 4), (ALPHA_01,),
               ROOT / "benchmarks" / "runs" / "horizon", ROOT / "benchmarks" / "results" / "horizon")
+#: issue 40: the same study where the sync can act -- the epoch schedule (RSVD in local epoch 1, the round's seeded
+#: basis R_k in epoch 2, so every client ends the round on R_k). The GaLore rows' rates are probed again (grids
+#: around issue 33's choices, widened once at an edge at both alphas); FedAvg-Full trains without projectors, so
+#: issue 33's seed-0 choice stands for it.
+EPOCH_ROWS = ["fedgalore", "fedgalore_paper", "fedgalore_minus", "fedavg_full"]
+EPOCH = Budget("offline_text_50_r50_epoch", ("method.options.projector_schedule=epoch",), 50, 2, 10, 10, (1, 2, 3, 4),
+               (ALPHA_01, "dirichlet:0.3"), ROOT / "benchmarks" / "runs" / "horizon_epoch",
+               ROOT / "benchmarks" / "results" / "horizon_epoch",
+               grids=((("galore", ALPHA_01), (1e-2, 3e-3, 1e-3)), (("galore", "dirichlet:0.3"), (1e-2, 5e-3, 2.5e-3))),
+               widen=((("galore", ALPHA_01), (3e-2, 3e-4)), (("galore", "dirichlet:0.3"), (2e-2, 1.25e-3))),
+               fixed=((("fedavg_full", ALPHA_01), 2e-4), (("fedavg_full", "dirichlet:0.3"), 2.5e-4)),
+               iid_from=FULL, title="Issue 40: the 50-round study with the epoch schedule (the sync where it can act)")
+STUDIES = {"horizon": FULL, "epoch": EPOCH}
 #: the study's overrides of conf/repro/offline_text_50.yaml (issue 17's, then R = 50, eval every 2 and the last 10)
 HORIZON_OVERRIDES = FULL.overrides
 QUICK_ROWS = ["fedgalore_minus", "fedavg_full"]
@@ -438,8 +462,20 @@ def run_cells(budget: Budget, cells: list[CellSpec], workers: int, dry_run: bool
 
 
 # ------------------------------------------------------------------------------------- the rate choice
-def probe_rates(row: str, alpha: str) -> list[float]:
-    """The initial grid of ``row`` at ``alpha`` (largest first)."""
+def fixed_rate(budget: Budget, row: str, alpha: str) -> float | None:
+    """The rate another study chose for ``row`` at ``alpha`` (``budget.fixed``), or None."""
+    return dict(budget.fixed).get((row, alpha))
+
+
+def probe_rates(row: str, alpha: str, budget: Budget | None = None) -> list[float]:
+    """The initial grid of ``row`` at ``alpha`` (largest first): the budget's own grid for the
+    row's family when it has one, else issue 33's; empty for a row whose rate is fixed."""
+    if budget is not None:
+        if fixed_rate(budget, row, alpha) is not None:
+            return []
+        own = dict(budget.grids).get((FAMILY[row], alpha))
+        if own is not None:
+            return list(own)
     if alpha == ALPHA_01:
         return list(GRID_01[FAMILY[row]])
     c = SIX_ROUND_RATE[row]
@@ -448,10 +484,11 @@ def probe_rates(row: str, alpha: str) -> list[float]:
 
 def widen_rate(budget: Budget, row: str, alpha: str, best: float) -> float | None:
     """One step beyond the initial grid's edge where ``best`` sits there (alphas ``budget.widen_at``)."""
-    rates = probe_rates(row, alpha)
+    rates = probe_rates(row, alpha, budget)
     if alpha not in budget.widen_at or min(rates) < best < max(rates):
         return None
-    up, down = WIDEN_01[FAMILY[row]] if alpha == ALPHA_01 else (2 * max(rates), min(rates) / 2)
+    own = dict(budget.widen).get((FAMILY[row], alpha))
+    up, down = own or (WIDEN_01[FAMILY[row]] if alpha == ALPHA_01 else (2 * max(rates), min(rates) / 2))
     return up if best == max(rates) else down
 
 
@@ -476,9 +513,13 @@ def choose(scores: dict[float, float]) -> float:
 def probe_state(budget: Budget, row: str, alpha: str) -> dict:
     """Seed-0 probe of ``row`` at ``alpha`` from the cell JSONs: its rates, their scores (mean
     validation accuracy over the last rounds), the widening, the choice (None until complete)."""
-    grid = probe_rates(row, alpha)
+    grid = probe_rates(row, alpha, budget)
     recs = {lr: load_cell(budget, CellSpec(alpha, row, lr, budget.probe_seed)) for lr in grid}
-    state: dict = {"grid": grid, "scores": {}, "test": {}, "widened": None, "choice": None, "todo": []}
+    state: dict = {"grid": grid, "scores": {}, "test": {}, "widened": None, "choice": None, "todo": [],
+                   "fixed": fixed_rate(budget, row, alpha)}
+    if state["fixed"] is not None:
+        state["choice"] = state["fixed"]
+        return state
     for lr, rec in recs.items():
         if rec is None:
             state["todo"].append(CellSpec(alpha, row, lr, budget.probe_seed))
@@ -518,13 +559,14 @@ def stage_probe(plan: Plan) -> list[str]:
     """Seed 0: every row's initial grid at every alpha and the IID reference; each row's widening
     is queued as soon as its grid has finished."""
     b = plan.budget
-    cells = [CellSpec(a, row, lr, b.probe_seed) for row in plan.rows for a in plan.alphas for lr in probe_rates(row, a)]
+    cells = [CellSpec(a, row, lr, b.probe_seed) for row in plan.rows for a in plan.alphas for lr in probe_rates(row, a, b)]
 
     def widenings() -> list[CellSpec]:
         return [c for row in plan.rows for a in plan.alphas for c in probe_state(b, row, a)["todo"]]
 
     # widenings() also holds the widening of a grid finished by an earlier, interrupted pass
-    failed = run_cells(b, [*cells, iid_cell(b), *widenings()], plan.workers, plan.dry_run, widenings, plan.device)
+    own_iid = [iid_cell(b)] if b.iid_from is None else []  # else the other study's IID level serves
+    failed = run_cells(b, [*cells, *own_iid, *widenings()], plan.workers, plan.dry_run, widenings, plan.device)
     if plan.dry_run:
         open_ = sum(1 for row in plan.rows for a in plan.alphas
                     if a in b.widen_at and probe_state(b, row, a)["widened"] is None and probe_state(b, row, a)["todo"])
@@ -572,8 +614,11 @@ def stage_tolerance(plan: Plan) -> list[str]:
 
 # ------------------------------------------------------------------------------------- metrics
 def iid_level(budget: Budget) -> float | None:
-    """The IID level: the IID reference run's mean test accuracy over the last rounds."""
+    """The IID level: the IID reference run's mean test accuracy over the last rounds (the
+    ``iid_from`` budget's when this one has no IID cell of its own)."""
     rec = load_cell(budget, iid_cell(budget), check=False)
+    if rec is None and budget.iid_from is not None:
+        return iid_level(budget.iid_from)
     return None if rec is None else last_mean(rec, budget.last)
 
 
@@ -756,7 +801,7 @@ def report(plan: Plan) -> dict:
                                "held_out_seeds": list(b.seeds), "probe_seed": b.probe_seed},
                     "iid_reference": {"cell": iid_cell(b).key, "level": level, "target_90": target},
                     "alphas": {}}
-    md = [f"# Issue 33 B: the study at the paper's horizon (R = {b.rounds})", "",
+    md = [f"# {b.title} (R = {b.rounds})", "",
           f"Budget `{b.name}`: `{result['budget']['config']}` with `{' '.join(b.overrides)}`. "
           f"Accuracies in %, mean ± std over the held-out seeds {list(b.seeds)} (paired across rows); "
           f"rates chosen on seed {b.probe_seed}'s validation split by the mean over the last {b.last} rounds.", "",
@@ -989,7 +1034,11 @@ def _alphas(text: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["horizon_probe", "horizon_seeds", "horizon_tolerance", "horizon_report"])
-    ap.add_argument("--rows", help=f"comma-separated rows (default: {','.join(MUST_ROWS)}; report: every row with results)")
+    ap.add_argument("--study", choices=sorted(STUDIES), default="horizon",
+                    help="horizon: issue 33's study (steps schedule, results/horizon); epoch: issue 40's, with the epoch "
+                         "schedule (results/horizon_epoch)")
+    ap.add_argument("--rows", help=f"comma-separated rows (default: {','.join(MUST_ROWS)}; --study epoch: "
+                                   f"{','.join(EPOCH_ROWS)}; report: every row with results)")
     ap.add_argument("--alphas", help="comma-separated Dirichlet alphas (default: 0.1,0.3)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--seeds", help="horizon_seeds, horizon_tolerance: comma-separated held-out seeds to run, in this order "
@@ -1003,7 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.root is not None and not a.quick:
         raise SystemExit("--root is for --quick runs only (the study writes to benchmarks/runs|results/horizon)")
-    budget = quick_budget((a.root or ROOT / "benchmarks" / "runs" / "horizon_quick").resolve()) if a.quick else FULL
+    budget = quick_budget((a.root or ROOT / "benchmarks" / "runs" / "horizon_quick").resolve()) if a.quick else STUDIES[a.study]
     if a.rows:
         rows = a.rows.split(",")
         bad = [r for r in rows if r not in ROWS]
@@ -1011,7 +1060,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown row {bad[0]!r}; rows: {', '.join(ROWS)}")
     else:
         rows = list(QUICK_ROWS if a.quick else TOLERANCE_ROWS if a.stage == "horizon_tolerance"
-                    else MUST_ROWS if a.stage != "horizon_report" else ROWS)
+                    else EPOCH_ROWS if budget is EPOCH else MUST_ROWS if a.stage != "horizon_report" else ROWS)
     alphas = _alphas(a.alphas) if a.alphas else list(QUICK_ALPHAS if a.quick else [ALPHA_01] if a.stage == "horizon_tolerance"
                                                      else [ALPHA_01, "dirichlet:0.3"])
     if a.workers < 1:

@@ -42,7 +42,7 @@ from torch import nn
 
 from fedgalore.protocol.state import ClientContext
 
-__all__ = ["lr_factor", "local_train", "ClientError", "optimizer_steps", "loss_items"]
+__all__ = ["lr_factor", "local_train", "ClientError", "optimizer_steps", "loss_items", "epoch_switch_step"]
 
 
 class ClientError(RuntimeError):
@@ -72,6 +72,26 @@ def optimizer_steps(micro_batches: int, grad_accum_steps: int) -> int:
     (a last, partial group is a step of its own): ``⌈micro_batches / k⌉``."""
     k = max(int(grad_accum_steps), 1)
     return -(-int(micro_batches) // k)
+
+
+def epoch_switch_step(num_examples: int, batch_size: int, grad_accum_steps: int, epochs: float, total_steps: int) -> int:
+    """The first optimizer step of a round that lies after its first ``epochs`` local epochs,
+    kept inside the round: ``min(⌈⌈epochs · n / b⌉ / k⌉, T − 1)`` (and ≥ 0).
+
+    The round's examples are one stream of ``E`` shuffled passes over the client's ``n``
+    examples, cut into micro-batches of ``b`` (``k`` per optimizer step, ``T`` steps in all;
+    :func:`local_train`). Micro-batch ``i`` starts at example ``i·b``, so the first one that
+    starts at or after example ``epochs · n`` is ``⌈epochs · n / b⌉``, and its optimizer step is
+    that number over ``k``, rounded up. Used by FedGaLore's epoch schedule (paper §4
+    "SVD-to-random projectors": data-driven projectors in early local epochs, the seeded one in
+    later epochs). The cap at ``T − 1`` is our reading for a client whose epoch boundary falls
+    inside its last step (n ≤ b / (E − 1) examples; a one-step round): its last step (a one-step
+    round: its only step) runs in the later phase, so every client ends the round there."""
+    if total_steps <= 0:
+        return 0
+    micro = math.ceil(max(float(epochs), 0.0) * int(num_examples) / max(int(batch_size), 1) - 1e-9)
+    step = -(-max(micro, 0) // max(int(grad_accum_steps), 1))
+    return max(0, min(step, int(total_steps) - 1))
 
 
 def loss_items(loss_fn: Callable[..., Any], batch: dict[str, torch.Tensor]) -> int:

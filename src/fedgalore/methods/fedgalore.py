@@ -64,7 +64,7 @@ from typing import Any, Literal, Sequence
 import torch
 from torch import nn
 
-from fedgalore.federated.client import local_train, optimizer_steps
+from fedgalore.federated.client import epoch_switch_step, local_train, optimizer_steps
 from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
 from fedgalore.methods.base import MethodError, MethodOptions, load_params, named_params, option, register
 from fedgalore.methods.fedavg_full import DenseTargetsMethod
@@ -85,10 +85,11 @@ from fedgalore.sync.moments import MODES as _SYNC_MODES
 from fedgalore.sync.batched import synchronize_moments_many
 
 _PROTOCOLS = ("paper", "aligned")
+_SCHEDULES = ("epoch", "share", "steps")
 _VIEW_BASES = ("seeded", "consensus")
 #: per-client numbers the optimizer reports (upload meta) and the round's diagnostics average
-_CLIENT_DIAGS = ("warm_clamped", "prior_retained", "v_warm_cold_ratio", "client_update_norm_precond", "client_update_norm_cold",
-                 "update_ratio_above")
+_CLIENT_DIAGS = ("warm_clamped", "prior_retained", "warm_kept", "view_step_share", "upload_kept", "v_warm_cold_ratio",
+                 "client_update_norm_precond", "client_update_norm_cold", "update_ratio_above")
 #: per-client numbers the round reports as their maximum over clients (the worst client)
 _CLIENT_MAX_DIAGS = ("update_ratio_max", "update_ratio_p99")
 
@@ -126,11 +127,18 @@ class FedGaLoreOptions(MethodOptions):
     """FedGaLore's options: the client optimizer's GaLore keys (paper App. B, App. E) and the
     server's second-moment protocol (§5, docs/design.md §3.1–3.2)."""
 
-    update_proj_gap: int = option(200, "τ: optimizer steps between projector refreshes")
+    update_proj_gap: int = option(200, "τ: optimizer steps between projector refreshes (epoch schedule: in the data-driven phase)")
     scale: float = option(0.25, "GaLore scale α of the back-projected update")
     proj_type: Literal[PROJ_TYPES] = option("std", "side of the basis: std projects the smaller dimension")
     projector: Literal[PROJECTORS] = option("rsvd_then_random", "basis kind; *_then_random: data-driven first, then seeded random (App. E)")
-    adaptive_proj_steps: int = option(1, "data-driven refreshes before the seeded random ones (S)")
+    projector_schedule: Literal[_SCHEDULES] = option(
+        "epoch", "when *_then_random switches to seeded bases — epoch: data-driven for the first adaptive_epochs local "
+                 "epochs, then the round's seeded basis R_k to the round's end, so every client ends on R_k (paper §4, "
+                 "App. E); share: the same with the first adaptive_share of the round's local steps (for train.local_steps "
+                 "budgets); steps: after adaptive_proj_steps refreshes every update_proj_gap steps (never reaches R_k)")
+    adaptive_epochs: float = option(1.0, "epoch schedule: local epochs on data-driven (RSVD) bases before R_k (0: R_k from the start)")
+    adaptive_share: float = option(0.5, "share schedule: share of the round's local steps on data-driven bases before R_k")
+    adaptive_proj_steps: int = option(1, "steps schedule: data-driven refreshes before the seeded random ones (S)")
     adaptive_scope: Literal[ADAPTIVE_SCOPES] = option(GALORE_DEFAULTS["adaptive_scope"], "count those refreshes per round or over the whole run (global)")
     moment_transfer: Literal[MOMENT_TRANSFERS] | None = option(
         None, "how the moments move when the basis changes (null: linear for moment_protocol=paper, App. B; squared otherwise)")
@@ -152,6 +160,10 @@ class FedGaLoreOptions(MethodOptions):
     def __post_init__(self) -> None:
         if self.update_proj_gap < 1:
             raise MethodError("option update_proj_gap (tau) must be >= 1")
+        if not (isinstance(self.adaptive_epochs, (int, float)) and math.isfinite(self.adaptive_epochs) and self.adaptive_epochs >= 0):
+            raise MethodError(f"option adaptive_epochs must be a number >= 0, got {self.adaptive_epochs!r}")
+        if not (isinstance(self.adaptive_share, (int, float)) and 0.0 <= self.adaptive_share <= 1.0):
+            raise MethodError(f"option adaptive_share must be a number in [0, 1], got {self.adaptive_share!r}")
 
 
 @register
@@ -160,8 +172,9 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
     summary = "GaLore-AdamW clients (seeded SVD→random projectors) + FedAvg + AJIVE sync of projected second moments"
     options_class = FedGaLoreOptions
     #: 2: issue 33 — paper mode is Algorithm 1 as written, the aligned mode caps steps at the cold
-    #: start's, the server pools estimates by their evidence
-    behaviour = 2
+    #: start's, the server pools estimates by their evidence; 3: issue 40 — the epoch schedule is the
+    #: default, AJIVE's joint subspace from evidence-weighted views
+    behaviour = 3
     default_sync = "ajive"
     #: variants pin their sync mode; a ``sync`` option from a shared config does not override it
     fixed_sync: str | None = None
@@ -182,19 +195,25 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             raise MethodError("moment_transfer='linear' cannot move the aligned protocol's per-coordinate evidence "
                               "(V C / c is no longer an average of old estimates): use moment_transfer='squared', "
                               "or moment_protocol='paper'")
-        return replace(o, sync=sync, view_basis=view_basis, moment_transfer=transfer,
+        schedule = o.projector_schedule if o.projector.endswith("_then_random") else "steps"  # one phase: nothing to switch
+        if schedule != "steps" and o.adaptive_scope == "global":
+            raise MethodError("adaptive_scope='global' counts data-driven refreshes across rounds, which only the steps "
+                              "schedule has: set projector_schedule: steps (or adaptive_scope: round)")
+        return replace(o, sync=sync, view_basis=view_basis, moment_transfer=transfer, projector_schedule=schedule,
                        joint_rank=rank if o.joint_rank is None else o.joint_rank)
 
     @property
     def synced(self) -> bool:
         return self.options.sync != "none"
 
-    def _galore_group(self, named: list[tuple[str, nn.Parameter]], diagnostics: bool = True) -> dict[str, Any]:
+    def _galore_group(self, named: list[tuple[str, nn.Parameter]], diagnostics: bool = True, seeded_from_step: int = -1) -> dict[str, Any]:
         """The client optimizer's GaLore group. ``diagnostics`` (the run's switch): the shadow
         cold second moment feeds only the diagnostics (``update_norm_vs_cold``,
-        ``v_warm_cold_ratio``); the update is the same bits without it."""
+        ``v_warm_cold_ratio``); the update is the same bits without it. ``seeded_from_step``:
+        the epoch schedule's switch to ``R_k`` (-1: the steps schedule)."""
         o = self.options
         return {
+            "seeded_from_step": seeded_from_step if o.projector_schedule != "steps" else -1,
             "params": named,
             "rank": self.rank,
             "update_proj_gap": o.update_proj_gap,
@@ -241,7 +260,12 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         load_params(model, start)
         params = named_params(model, self.targets + self.heads)
         tc = ctx.train
-        groups = [self._galore_group([(n, params[n]) for n in self.targets], diagnostics=ctx.diagnostics)]
+        switch, total = -1, optimizer_steps(ctx.steps, tc.grad_accum_steps)
+        if self.options.projector_schedule == "epoch":  # data-driven for the first adaptive_epochs epochs, then R_k
+            switch = epoch_switch_step(ctx.num_examples, tc.batch_size, tc.grad_accum_steps, self.options.adaptive_epochs, total)
+        elif self.options.projector_schedule == "share":  # ... for the first adaptive_share of the round's steps
+            switch = max(0, min(math.ceil(self.options.adaptive_share * total - 1e-9), total - 1))
+        groups = [self._galore_group([(n, params[n]) for n in self.targets], diagnostics=ctx.diagnostics, seeded_from_step=switch)]
         if self.heads:
             groups.append({"params": [(n, params[n]) for n in self.heads], "lr": tc.head_lr or tc.lr})
         opt = GaLoreAdamW(
@@ -275,13 +299,15 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         meta: dict[str, Any] = {"num_examples": ctx.num_examples, **stats}
         if self.synced:
             seeded = self.options.view_basis == "seeded"
-            # Algorithm 1 line 10: the raw buffer (paper); the estimate with its evidence (aligned)
+            # Algorithm 1 line 10: the raw buffer (paper); the estimate with its evidence (aligned).
+            # A client that ends the round on R_k (epoch schedule) sends it as it is: no move.
             views = opt.export_moments({n: opt.view_seed(n) for n in self.targets} if seeded else None,
                                        buffer=not self.aligned)
             for n, view in views.items():
                 entries[f"moment/{n}"] = _share_basis(view, updates[n])
-            if ctx.diagnostics:
-                meta.update(_client_diagnostics(opt.moment_diagnostics()))
+        if ctx.diagnostics:
+            meta.update(_client_diagnostics(opt.moment_diagnostics()))
+            if self.synced:
                 meta.update(opt.update_ratio_summary())
         return Payload(entries, meta)
     # ------------------------------------------------------------------ A
@@ -352,7 +378,7 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
     # ------------------------------------------------------------------ S
     def synchronize(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext):
         if not self.synced:
-            return {}
+            return _round_client_diagnostics(uploads)  # FedGaLore⁻: the projector schedule's share only
         diags: dict[str, list[float]] = {}
         with warnings.catch_warnings():
             # client views are exactly rank r, so AJIVE lowers ranks it cannot use every round;
@@ -378,10 +404,7 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
                     if isinstance(v, (int, float)):
                         diags.setdefault(k, []).append(float(v))
         out = {k: sum(v) / len(v) for k, v in diags.items()}
-        for key in _CLIENT_DIAGS + _CLIENT_MAX_DIAGS:
-            vals = [float(u.meta[key]) for u in uploads if isinstance(u.meta.get(key), (int, float))]
-            if vals:
-                out[key] = max(vals) if key in _CLIENT_MAX_DIAGS else sum(vals) / len(vals)
+        out.update(_round_client_diagnostics(uploads))
         if out.get("client_update_norm_cold"):
             out["update_norm_vs_cold"] = out["client_update_norm_precond"] / out["client_update_norm_cold"]
         return out
@@ -400,12 +423,24 @@ def _share_basis(view: MomentView, update: GaLoreUpdate) -> MomentView:
     return view
 
 
+def _round_client_diagnostics(uploads: Sequence[Payload]) -> dict[str, float]:
+    """The round's view of its clients' numbers: the mean over clients of :data:`_CLIENT_DIAGS`,
+    the maximum of :data:`_CLIENT_MAX_DIAGS` (the worst client)."""
+    out: dict[str, float] = {}
+    for key in _CLIENT_DIAGS + _CLIENT_MAX_DIAGS:
+        vals = [float(u.meta[key]) for u in uploads if isinstance(u.meta.get(key), (int, float))]
+        if vals:
+            out[key] = max(vals) if key in _CLIENT_MAX_DIAGS else sum(vals) / len(vals)
+    return out
+
+
 def _client_diagnostics(per_param: dict[str, dict[str, float]]) -> dict[str, float]:
     """One client's moment diagnostics over its GaLore matrices: means of the warm-start shares,
-    the median of the per-matrix V̂/V̂_cold medians, and the update norms over all matrices."""
+    the projector schedule's share of steps on ``R_k`` and the upload's kept share, the median of
+    the per-matrix V̂/V̂_cold medians, and the update norms over all matrices."""
     out: dict[str, float] = {}
-    for key, src in (("warm_clamped", "warm_clamped"), ("prior_retained", "prior_retained")):
-        vals = [d[src] for d in per_param.values() if src in d]
+    for key in ("warm_clamped", "prior_retained", "warm_kept", "view_step_share", "upload_kept"):
+        vals = [d[key] for d in per_param.values() if key in d]
         if vals:
             out[key] = sum(vals) / len(vals)
     ratios = [d["v_ratio_median"] for d in per_param.values() if "v_ratio_median" in d and math.isfinite(d["v_ratio_median"])]
@@ -422,7 +457,9 @@ class FedGaLoreMinus(FedGaLore):
     name = "fedgalore_minus"
     summary = "FedGaLore without second-moment synchronisation (paper's FedGaLore⁻ ablation)"
     fixed_sync = "none"
-    behaviour = 1  # the second-moment fixes of issue 33 touch only the synchronised state: unchanged
+    #: 2: issue 40 — the epoch schedule is the default (the second-moment fixes of issue 33 touched only
+    #: the synchronised state and left this variant unchanged)
+    behaviour = 2
 
 
 @register

@@ -114,6 +114,10 @@ GALORE_DEFAULTS: dict[str, Any] = {
     "track_cold": False,
     "rsvd_oversample": 8,
     "rsvd_niter": 2,
+    # the epoch schedule (paper §4 "SVD-to-random projectors", App. E): -1 = off (refreshes every tau
+    # steps, the first adaptive_proj_steps data-driven); s >= 0 = data-driven before local step s,
+    # the round's view basis R_k from step s to the end of the round
+    "seeded_from_step": -1,
 }
 
 
@@ -439,6 +443,15 @@ class GaLoreAdamW(Optimizer):
             raise ValueError(f"update_proj_gap must be an int >= 1, got {group['update_proj_gap']!r}")
         if not _is_int(group["adaptive_proj_steps"]) or group["adaptive_proj_steps"] < 0:
             raise ValueError(f"adaptive_proj_steps must be an int >= 0, got {group['adaptive_proj_steps']!r}")
+        switch = group["seeded_from_step"]
+        if not _is_int(switch) or switch < -1:
+            raise ValueError(f"seeded_from_step must be an int >= 0 (or -1: off), got {switch!r}")
+        if switch >= 0 and not group["projector"].endswith("_then_random"):
+            raise ValueError(f"seeded_from_step switches a *_then_random projector to the round's seeded basis; "
+                             f"projector {group['projector']!r} has no such phase (use rsvd_then_random, or seeded_from_step=-1)")
+        if switch >= 0 and group["adaptive_scope"] == "global":
+            raise ValueError("seeded_from_step is a per-round schedule; adaptive_scope='global' counts data-driven refreshes "
+                             "across rounds: use one of them (seeded_from_step=-1 for the global count)")
         for p in group["params"]:
             if p.dim() != 2:
                 raise ValueError(
@@ -504,6 +517,8 @@ class GaLoreAdamW(Optimizer):
             refresh=0,
             basis_seed=-1,
             basis_refresh=-1,
+            on_view=0,  # 1 while the basis is the round's view basis R_k (view_seed)
+            view_steps=0,  # steps taken on R_k (the seeded-phase share of the diagnostics)
             exp_avg=torch.zeros(shape, dtype=torch.float32, device=p.device),
             exp_avg_sq=torch.zeros(shape, dtype=torch.float32, device=p.device),
             rec_on=0,
@@ -528,12 +543,33 @@ class GaLoreAdamW(Optimizer):
     def _has_basis(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
         return group["projector"] == "identity" or "basis" in state
 
-    def _basis_kind(self, group: dict[str, Any], q: int) -> str:
+    def _basis_kind(self, group: dict[str, Any], q: int, step: int = 0) -> str:
+        """Kind of the basis refresh ``q`` (at local step ``step``) picks: the projector's own
+        kind; for ``*_then_random`` the data-driven kind until the switch — before local step
+        ``seeded_from_step`` (epoch schedule), else for the first ``adaptive_proj_steps``
+        refreshes — and ``"random"`` after it (``"view"``: the round's view basis ``R_k``,
+        epoch schedule)."""
         kind = group["projector"]
         if kind.endswith("_then_random"):
+            if group["seeded_from_step"] >= 0:
+                return kind.split("_")[0] if step < group["seeded_from_step"] else "view"
             idx = q + (group["global_refresh_offset"] if group["adaptive_scope"] == "global" else 0)
             return kind.split("_")[0] if idx < group["adaptive_proj_steps"] else "random"
         return kind
+
+    @staticmethod
+    def _refresh_due(group: dict[str, Any], state: dict[str, Any]) -> bool:
+        """Whether this step starts with a refresh: at the first step; then every ``τ =
+        update_proj_gap`` steps — under the epoch schedule (``seeded_from_step = s``) only
+        before step ``s``, once at step ``s`` (the switch to ``R_k``), and never after it, so
+        the round ends on ``R_k``."""
+        if "basis" not in state:
+            return True
+        t, switch = state["step"], group["seeded_from_step"]
+        if switch >= 0 and group["projector"].endswith("_then_random"):
+            if t >= switch:
+                return t == switch and not state.get("on_view", 0)
+        return t % group["update_proj_gap"] == 0
 
     def _refresh(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], g32: torch.Tensor) -> None:
         """New basis at local refresh ``q``; moment transfer / pending warm start; record term."""
@@ -542,10 +578,10 @@ class GaLoreAdamW(Optimizer):
         side = SIDES[state["side"]]
         rank = state["rank"]
         q = state["refresh"]
-        kind = self._basis_kind(group, q)
+        kind = self._basis_kind(group, q, state["step"])
         seed = -1
-        if kind == "random":
-            seed = basis_seed(group["projection_seed"], name, q)
+        if kind in ("random", "view"):  # "view": the round's R_k, seed basis_seed(s_k, name, 0) whatever q
+            seed = basis_seed(group["projection_seed"], name, 0 if kind == "view" else q)
             new = seeded_basis(seed, m, n, rank, side).to(p.device)
         elif kind == "rsvd":
             rseed = basis_seed(group["projection_seed"], name + "#rsvd", q)
@@ -561,6 +597,7 @@ class GaLoreAdamW(Optimizer):
             self._transfer(state, group, side, change_of_basis(old, new, side))
         state["basis"] = new
         state["basis_seed"] = seed
+        state["on_view"] = int(seed >= 0 and seed == basis_seed(group["projection_seed"], name, 0))
         state["basis_refresh"] = q
         state["refresh"] = q + 1
         if state["rec_on"]:
@@ -696,7 +733,7 @@ class GaLoreAdamW(Optimizer):
         identity = group["projector"] == "identity"
         compat = group["galore_torch_compat"]
         checked = identity  # identity: R is G itself
-        if not identity and (state["step"] % group["update_proj_gap"] == 0 or "basis" not in state):
+        if not identity and self._refresh_due(group, state):
             if self._nonfinite(p, group, state, g32):
                 return
             self._refresh(p, group, state, g32)
@@ -730,6 +767,7 @@ class GaLoreAdamW(Optimizer):
             return
         state["step"] += 1
         state["v_step"] += 1
+        state["view_steps"] = state.get("view_steps", 0) + state.get("on_view", 0)
         t = state["step"]
         decay = 1.0 - lr * wd
         if compat:
@@ -988,11 +1026,15 @@ class GaLoreAdamW(Optimizer):
             seed: Optional[int] = int(state["basis_seed"]) if state["basis_seed"] >= 0 else None
             target = None if view_seeds is None else view_seeds.get(name)
             out_basis: Optional[torch.Tensor] = None if seed is not None else basis
+            kept = 1.0  # share of ‖V‖_F the move onto the view basis keeps (1: no move)
             if target is not None and target != seed:
                 rank = v.shape[1] if side == "right" else v.shape[0]
                 new = seeded_basis(int(target), shape[0], shape[1], rank, side).to(v.device)
+                before = float(v.norm())
                 v, w = sm.move(v, w, change_of_basis(basis, new, side), side, group["moment_transfer"], per_coordinate)
+                kept = float(v.norm()) / before if before > 0 else 1.0
                 seed, out_basis = int(target), None
+            state["upload_kept"] = kept
             moment, weight = (v, None) if buffer else (sm.estimate(v, w), w.detach().flatten().float().cpu().clone())
             out[name] = MomentView(
                 moment.detach().float().cpu().clone(), side, shape,
@@ -1017,14 +1059,19 @@ class GaLoreAdamW(Optimizer):
         if group["bias_correction"] == "steps":
             diag["warm_clamped"] = float((sm.apply_change(x, cb, side) < 0).float().mean())
             state["exp_avg_sq"] = sm.warm_paper(x, cb, side).contiguous()
+            before = float(x.norm())
         else:
             diag["warm_clamped"] = float((x < 0).float().mean())
             v, w = sm.warm_aligned(x, c, cb, side, group["moment_transfer"])
             d = x.shape[1] if side == "right" else x.shape[0]
-            total = float(sm.as_evidence(c, side, d, x).sum())
+            ev = sm.as_evidence(c, side, d, x)
+            total = float(ev.sum())
             diag["prior_retained"] = float(w.sum()) / total if total > 0 else 0.0
             state["exp_avg_sq"] = v.contiguous()
             state["v_weight"] = w.contiguous()
+            before = float((x.clamp(min=0.0) * ev).norm())
+        # share of the synchronised buffer's norm (‖v̄‖_F, aligned: of c̄∘v̄) the move onto the first basis keeps
+        diag["warm_kept"] = float(state["exp_avg_sq"].norm()) / before if before > 0 else 1.0
         state["warm_diag"] = diag
 
     def load_second_moment(self, name: str, view: MomentView) -> None:
@@ -1082,6 +1129,10 @@ class GaLoreAdamW(Optimizer):
         for name, p, group in self._galore_items():
             state = self.state.get(p, {})
             d = dict(state.get("warm_diag", {}))
+            if state.get("step", 0) > 0:
+                d["view_step_share"] = state.get("view_steps", 0) / state["step"]
+            if "upload_kept" in state:
+                d["upload_kept"] = float(state["upload_kept"])
             if group["track_cold"] and "cold_v" in state and state.get("rec_on") and state.get("cold_step", 0) > 0:
                 side = SIDES[state["side"]]
                 terms = list(state["rec_terms"])

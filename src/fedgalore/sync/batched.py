@@ -214,32 +214,29 @@ def _sync_group(group: list[Sequence[MomentView]], p: torch.Tensor, key: tuple, 
             if 0 < c < r:
                 warnings.warn(f"view {i}: signal rank {r} exceeds the view's numerical rank {c}; using {c}", RuntimeWarning)
 
-    # Phase 2: M = [U_1 … U_K] (zero columns beyond each c_i), eigh of its Gram with those
-    # directions decoupled at eigenvalue −1 (sorted last, σ = 0: never a candidate);
-    # descending, exact ties in column order
-    M = U.transpose(1, 2).reshape(G, rows, K * r)
-    pad = ~live.reshape(G, K * r)
-    gram = M.transpose(-1, -2) @ M  # padded rows and columns exactly 0
-    evals, evecs = torch.linalg.eigh(gram - torch.diag_embed(pad.to(dtype)))
-    evals, evecs = evals.double(), evecs.double()
-    key = torch.round(evals / (1e-9 * evals[..., -1:].clamp_min(1e-300)))  # the largest is a true one (≥ 0 > −1)
-    order = torch.sort(-key, dim=-1, stable=True).indices
-    evals = torch.gather(evals, -1, order).clamp_min(0)
-    evecs = torch.gather(evecs, -1, order.unsqueeze(-2).expand_as(evecs))
-    svals = evals.sqrt()
-    avail = (svals > 0).sum(dim=-1)  # G
+    # Phase 2: M = [√ω_1 U_1 … √ω_K U_K] (zero columns beyond each c_i; ω_i the views' evidence weights,
+    # 1 without evidence), its thin QR M = Q R and the SVD of R: U_M = Q U_R, Mᵀ U_M = V_R S (descending σ)
+    omega = _omega(None if evid is None else evid.flatten(-2), pw, ranks, dtype)  # G × K, mean 1 (the reference's normalisation)
+    root = omega.sqrt()
+    M = (U * root[..., None, None]).transpose(1, 2).reshape(G, rows, K * r)
+    q, rr = torch.linalg.qr(M)
+    u_r, svals, vh_r = torch.linalg.svd(rr.double(), full_matrices=False)  # G × Kr × Kr, G × Kr
+    s_tot = (ranks * (omega > 0)).sum(dim=-1)  # G: the reference's Σ r_k over its active views
+    rounding = 10 * torch.maximum(s_tot, torch.full_like(s_tot, rows)).double() * torch.finfo(dtype).eps * svals[..., 0]
+    avail = (svals > rounding.unsqueeze(-1)).sum(dim=-1)  # G: σ above rounding level
     j0 = avail.clamp(max=jr)
     for g in range(G):
         if bool(regular[g]) and int(avail[g]) < jr:
             warnings.warn(f"joint rank {jr} exceeds the {int(avail[g])} available joint directions; using {int(avail[g])}", RuntimeWarning)
     jmax = min(jr, K * r)
     cand = torch.arange(jmax, device=dev) < j0.unsqueeze(-1)  # G × jmax
-    w = torch.where(cand.unsqueeze(-2), evecs[..., :jmax] / svals[..., :jmax].clamp_min(1e-300).unsqueeze(-2), 0.0).to(dtype)
-    u_cand = M @ w  # G × rows × jmax
-    mtu = (gram @ w).reshape(G, K, r, jmax)  # U_iᵀ u_j (rows beyond c_i: 0)
-    # identifiability: drop u_j when ‖X_iᵀ u_j‖ < τ_i for any view i
+    u_cand = (q @ u_r[..., :jmax].to(dtype)) * cand.unsqueeze(-2)  # G × rows × jmax
+    mtu = (vh_r[..., :jmax, :].transpose(-1, -2) * svals[..., None, :jmax]).to(dtype)  # G × Kr × jmax: √ω_i U_iᵀ u_j
+    mtu = (mtu.reshape(G, K, r, jmax) / torch.where(root > 0, root, 1.0)[..., None, None]) * cand[:, None, None, :]
+    # identifiability: drop u_j when ‖X_iᵀ u_j‖ < τ_i min(1, ω_i) for any view i
     norms = (sv.unsqueeze(-1) * mtu).norm(dim=-2)  # G × K × jmax
-    kept = cand & ~(norms.double() < tau.unsqueeze(-1)).any(dim=1)  # G × jmax
+    thr = tau * omega.double().clamp(max=1.0)
+    kept = cand & ~(norms.double() < thr.unsqueeze(-1)).any(dim=1)  # G × jmax
 
     # Phase 3 + the state: v̄ = L Ā, the joint projection of the evidence-pooled estimate
     # (moments.synchronize_moments); the kept components first, the dropped ones as zero columns
@@ -248,6 +245,10 @@ def _sync_group(group: list[Sequence[MomentView]], p: torch.Tensor, key: tuple, 
     uj = torch.gather(u_cand, -1, perm.unsqueeze(1).expand(-1, rows, -1)) * keptf.unsqueeze(1)
     pooled, _ = sm.pool([a[:, i] for i in range(K)], None if evid is None else [evid[:, i] for i in range(K)], pw)
     coords = joint_projection(pooled, uj, True)  # G × rows × r, coordinates on B
+    # a degenerate matrix (non-finite state) falls back to the evidence-pooled mean, as the reference does
+    fell = ~torch.isfinite(coords).flatten(1).all(dim=-1)  # G
+    if bool(fell.any()):
+        coords = torch.where(fell[:, None, None], pooled, coords)
     orthonormal = _orthonormal(right)
     keep = numerical_rank(coords, max(rows, d))
     for g in range(G):
@@ -265,12 +266,13 @@ def _sync_group(group: list[Sequence[MomentView]], p: torch.Tensor, key: tuple, 
         t1 = time.perf_counter()
         c = int(keep[g])
         co = coords[g] if side == "right" else coords[g].T
-        diag = {"n_views": float(K), "joint_rank": float(n_kept[g]), "state_rank": float(c)}
+        diag = {"n_views": float(K), "joint_rank": float(c if bool(fell[g]) else n_kept[g]), "state_rank": float(c)}
         if mismatch is not None and g in mismatch:
             diag.update(mismatch[g])
         elif diagnostics:  # a basis that is not orthonormal: the reference's form with its Cholesky factor
             diag.update(coordinate_diagnostics([a[g, i] for i in range(K)], right[g], pw, pooled[g], coords[g]))
         diag["basis_overlap"] = overlap[g]
+        diag["ajive_fallback"] = float(bool(fell[g]))
         diag["time_s"] = t_each + time.perf_counter() - t1
         view = MomentView(co.clone(memory_format=torch.contiguous_format), side, shape, out_basis[g], out_seed[g],
                           None if wbar is None else wbar[g].clone())
@@ -298,6 +300,23 @@ def _mismatch(a: torch.Tensor, pooled: torch.Tensor, coords: torch.Tensor, pw: l
         if ok:
             out[g] = {"mismatch_before": ratio(b_, m_), "mismatch_after": ratio(a_, x_), "removed_fraction": ratio(r_, m_)}
     return out
+
+
+def _omega(wts: torch.Tensor | None, pw: list[float], ranks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """AJIVE's view weights for every matrix (``G × K``), as the reference computes them
+    (:func:`fedgalore.sync.moments.evidence_weights` and :func:`fedgalore.sync.ajive.ajive`'s
+    ``view_weights``) from the evidence the pooling uses (``wts``: ``G × K × r``): ``w_i = p_i
+    mean_j c_ij`` normalised to mean 1 over the views with ``w_i > 0``; ones without evidence (or
+    when no view has any)."""
+    G, K = ranks.shape
+    if wts is None:
+        return torch.ones(G, K, dtype=dtype, device=ranks.device)
+    p = torch.tensor(pw, dtype=torch.float64, device=wts.device)
+    w = wts.double().mean(dim=-1) * p  # G × K
+    total = w.sum(dim=-1, keepdim=True)
+    pos = (w > 0).sum(dim=-1, keepdim=True).double()
+    om = torch.where(total > 0, pos * w / total.clamp_min(1e-300), torch.ones_like(w))
+    return om.to(dtype)
 
 
 def _orthonormal(right: torch.Tensor) -> list[bool]:

@@ -438,13 +438,13 @@ def synchronize_moments(
         k = max(v.rank for v in views) if joint_rank is None else int(joint_rank)
         st = _thin(pooled, right, k)
         state = (st.left @ st.core) @ (st.right.T @ right) @ torch.linalg.inv(right.T @ right)
-    elif mode == "ajive":
+    fallback = 0.0
+    if mode == "ajive":
         jrank = max(v.rank for v in views) if joint_rank is None else joint_rank
         if jrank != "auto" and (not isinstance(jrank, int) or jrank < 0):
             raise ValueError("joint_rank must be a non-negative int or 'auto'")
-        res = _run_ajive([(a, right) for a in coords], jrank, center, seed, **ajive_options)
-        state = joint_projection(pooled, res.joint_scores, center)
-        jr = float(res.joint_rank)
+        state, jr, fallback = _ajive_state([(a, right) for a in coords], pooled, evidence_weights(evr, pw), jrank, center,
+                                           seed, **ajive_options)
     diag: dict[str, float] = {"n_views": float(len(views)), "joint_rank": jr}
     srank = 0.0
     if state is not None:
@@ -455,12 +455,53 @@ def synchronize_moments(
     if diagnostics:
         diag.update(coordinate_diagnostics(coords, right, pw, pooled, state))
     diag["basis_overlap"] = overlap
+    if mode == "ajive":
+        diag["ajive_fallback"] = fallback
     diag["time_s"] = time.perf_counter() - t0
     if state is None:
         return SyncResult(None, diag)
     out = state if side == "right" else state.T
     wbar = None if not has_weight or cbar is None else cbar.flatten()
     return SyncResult(MomentView(out.contiguous(), side, shape, out_basis, out_seed, wbar), diag)
+
+
+#: ``joint_rank: auto``: a direction every view shares to within this (``‖U_kᵀu‖² ≥ 1 − tol`` for every
+#: view ``k``, an angle of at most ~5.7° to each view's space) is joint whatever the bounds say
+SHARED_TOL = 1e-2
+
+
+def evidence_weights(evidence: Sequence[torch.Tensor] | None, weights: Sequence[float]) -> list[float] | None:
+    """AJIVE's view weights from the views' evidence: ``w_i = p_i · mean_j c_ij`` — view ``i``'s
+    share of the evidence the pooled estimate ``Ā`` is made of (:func:`fedgalore.protocol.second_moment.pool`
+    weights coordinate ``j`` of view ``i`` by ``p_i c_ij``). ``None`` without evidence (paper mode:
+    AJIVE as published, every view counts equally)."""
+    if evidence is None:
+        return None
+    return [float(p) * float(c.double().mean()) for p, c in zip(weights, evidence)]
+
+
+def _ajive_state(pairs, pooled: torch.Tensor, view_weights: list[float] | None, joint_rank, center: bool, seed: int,
+                 **ajive_options) -> tuple[torch.Tensor, float, float]:
+    """AJIVE's state ``L Ā`` (:func:`joint_projection`) with the joint scores from the views weighted
+    by their evidence (``view_weights``), and ``(state, joint rank, fallback)``. A degenerate case
+    — a linear-algebra failure, or a non-finite state — falls back to the evidence-pooled mean ``Ā``
+    itself (``fallback = 1``, joint rank = its numerical rank): never inf or NaN."""
+    if view_weights is not None and sum(view_weights) <= 0.0:
+        view_weights = None  # no view has evidence: nothing to weight by
+    opts = dict(ajive_options)
+    if view_weights is not None:
+        opts.setdefault("view_weights", view_weights)
+    if joint_rank == "auto":
+        opts.setdefault("shared_tol", SHARED_TOL)
+    try:
+        res = _run_ajive(pairs, joint_rank, center, seed, **opts)
+        state = joint_projection(pooled, res.joint_scores, center)
+        if all_finite(state):
+            return state, float(res.joint_rank), 0.0
+    except torch.linalg.LinAlgError:
+        pass
+    rows = pooled.shape[-2]
+    return pooled.clone(), float(numerical_rank(pooled, max(rows, pairs[0][1].shape[0]))), 1.0
 
 
 def joint_projection(pooled: torch.Tensor, scores: torch.Tensor, center: bool) -> torch.Tensor:
