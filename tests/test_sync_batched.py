@@ -80,7 +80,9 @@ def test_batched_sync_is_the_reference_to_float_rounding(own, k, weight, monkeyp
         assert b.diagnostics["n_views"] == a.diagnostics["n_views"]
         assert b.diagnostics["basis_overlap"] == pytest.approx(a.diagnostics["basis_overlap"], rel=1e-6)
         for key in ("mismatch_before", "mismatch_after", "removed_fraction"):
-            assert b.diagnostics[key] == pytest.approx(a.diagnostics[key], rel=1e-4, abs=1e-7)
+            # ratios in [0, 1] of state differences; the states agree to ~1e-5 (the evidence-weighted joint
+            # subspace rounds differently in batched and single products): 2e-5 absolute
+            assert b.diagnostics[key] == pytest.approx(a.diagnostics[key], rel=1e-4, abs=2e-5)
         x, y = a.state, b.state
         assert (y.side, tuple(y.shape), y.seed) == (x.side, tuple(x.shape), x.seed)
         assert _rel(y.moment, x.moment) < 1e-4  # fp32 rounding through small SVDs (a bug is O(1))
@@ -221,5 +223,7 @@ def test_mismatch_diagnostics_on_a_basis_that_is_not_orthonormal():
     ref, got, _ = _both(items, W[:2])
     for a, b in zip(ref, got):
         for key in ("mismatch_before", "mismatch_after", "removed_fraction"):
-            assert b.diagnostics[key] == pytest.approx(a.diagnostics[key], rel=1e-4, abs=1e-7)
+            # ratios in [0, 1] of state differences; the states agree to ~1e-5 (the evidence-weighted joint
+            # subspace rounds differently in batched and single products): 2e-5 absolute
+            assert b.diagnostics[key] == pytest.approx(a.diagnostics[key], rel=1e-4, abs=2e-5)
         assert _rel(b.state.moment, a.state.moment) < 1e-4

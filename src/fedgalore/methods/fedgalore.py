@@ -12,6 +12,25 @@ in coefficient space first, (Σ_i p̃_i U_iq) P_q, so the aggregate stays factor
 S: AJIVE (or mean) on the views V_i = ṽ_i Bᵀ over one shared basis B, v̄_{k+1} = Σ_i p̃_i (μ_i +
 J_i) kept as coordinates on B (:func:`fedgalore.sync.synchronize_moments`, lines 12–14).
 
+Projector schedule (option ``projector_schedule``; paper §4 "SVD-to-random projectors": data-driven
+projectors in early local epochs, a seeded random projector in later ones; App. E). ``epoch``
+(default): the client's GaLoreAdamW refreshes a data-driven (RSVD) basis at local steps 0, τ, 2τ, …
+of its first ``adaptive_epochs`` local epochs, then switches to the round's seeded basis R_k =
+``seeded_basis(basis_seed(s_k, name, 0))`` (``GaLoreAdamW.view_seed``) and keeps it to the end of
+the round (:func:`fedgalore.federated.client.epoch_switch_step`). So with E ≥ 2 every client ends
+the round on R_k: its second-moment view is already on Algorithm 1's shared basis and is uploaded
+as it is (paper mode: the raw buffer, exactly). ``share``: the same with the first
+``adaptive_share`` of the round's local steps (budgets of ``train.local_steps``, which have no
+epochs). ``steps`` (before issue 40): refreshes every τ steps, the first ``adaptive_proj_steps``
+data-driven — with τ longer than a client-round (τ = 50 / 200 against 1–27 local steps) no client
+ever left its RSVD basis, and every upload was moved onto the unrelated R_k (the review kept
+6.8 % of ‖ṽ‖ in paper mode). Per round the diagnostics record ``view_step_share`` (share of local
+steps run on R_k), ``upload_kept`` (share of ‖ṽ‖ the upload's move to the view basis keeps; 1
+when none is needed) and ``warm_kept`` (share of ‖v̄‖ — of ‖c̄∘v̄‖ in the aligned protocol — that
+the next round's warm start keeps when it moves v̄ from R_k onto the client's first, RSVD basis:
+R_k and R_{k+1} differ with the round seed, so most of v̄ is lost there; that is Algorithm 1's
+per-round seed, not a defect of ours).
+
 Two protocols for the second moment (method option ``moment_protocol``; docs/design.md §3.1–3.2;
 the rules for the moment and its evidence: :mod:`fedgalore.protocol.second_moment`):
 
@@ -23,20 +42,46 @@ the rules for the moment and its evidence: :mod:`fedgalore.protocol.second_momen
   line 6: in-round refreshes move the buffers linearly (``moment_transfer`` resolves to
   ``linear``, App. B);
   line 10: the upload is the raw projected buffer ṽ_T (``export_moments(buffer=True)``), no
-  evidence; a client whose last basis is not R_k moves ṽ there by ``moment_transfer`` first
-  (the paper does not say what such a client sends: our reading);
+  evidence; under the epoch schedule every client ends the round on R_k and sends ṽ_T exactly; a
+  client whose last basis is not R_k (``projector_schedule: steps``) moves ṽ there by
+  ``moment_transfer`` first (the paper does not say what such a client sends: our reading);
   line 13: the views V_i = ṽ_i R_kᵀ on the round's seeded basis R_k (``GaLoreAdamW.view_seed``:
   seed s_k and the parameter only), identical for every client; the upload carries the seed;
   line 12–14: v̄ = AJIVE's joint component (+ the centring mean; AJIVE's k = r), pooled with the
   client weights p̃_i (:func:`fedgalore.sync.synchronize_moments`; the paper does not state the
   combination weights: p̃_i, as its FedAvg).
-  Deviations: none beyond the two readings just named. (An earlier variant of ours uploaded a
-  debiased estimate and then skipped the bias correction at the warm start; its ~20x larger
-  first steps were ours, not the paper's, and it is gone: issue 33.)
+  Deviations from Algorithm 1 and App. B, all of them (an earlier version of this docstring
+  listed only (a) and (b)):
+
+  (a) what a client whose last basis is not R_k uploads (line 10, above; none under the epoch
+      schedule);
+  (b) the combination weights of the sync, p̃_i (the paper's FedAvg weights; it states none);
+  (c) the clamp after the linear move: App. B writes ṽ ← ṽ C, which can make entries negative
+      (no square root); we clamp them at 0 (``second_moment.move``/``warm_paper``). At the epoch
+      schedule's RSVD → R_k switch this literal rule leaves many coordinates of ṽ at 0 while m̃
+      moves with C, and the next steps are much larger than a cold start's
+      (tests/test_epoch_schedule.py; benchmarks/RESULTS.md §14);
+  (d) AJIVE centres the views; the centring mean is added back, v̄ = Σ p̃_i (μ_i + J_i);
+  (e) R_k is the seeded basis of local refresh 0, ``basis_seed(s_k, name, 0)``, whatever the
+      refresh index at which a client switches to it (the paper: "the projector is fully
+      determined by an integer seed");
+  (f) ε placement: torch AdamW's, ε added after the bias correction, M / (√(V/(1−β₂ᵗ)) + ε), i.e.
+      ε·√(1−β₂ᵗ) in App. B's form √ṽ + ε with the correction in the step size
+      (``galore_torch_compat`` restores App. B's / HF's placement);
+  (g) decoupled weight decay W ← (1 − η_t λ) W with the scheduled rate η_t, not bias-corrected
+      (App. B's η_t "includes the AdamW step size (with bias correction when enabled)" for both
+      terms);
+  (h) the epoch schedule's readings: with E = 1 the shipped configs take half an epoch
+      data-driven (``adaptive_epochs: 0.5``), and a client whose first-epoch boundary falls in its
+      last step runs that step on R_k, so every client ends on it.
+  (An earlier variant of ours uploaded a debiased estimate and then skipped the bias correction at
+  the warm start; its ~20x larger first steps were ours, not the paper's, and it is gone: issue 33.)
 * ``aligned`` (default; ours) — keeps the preconditioner across the round boundary: each
   coordinate carries its evidence c (``bias_correction="weight"``; uploads are estimates V/c with
   c), the server pools estimates weighted by p̃_i c_i (a client with no evidence for a coordinate
-  does not move it), the warm start is exact on the basis v̄ is expressed in and moves to the
+  does not move it; AJIVE's joint subspace weights each view by its evidence too,
+  :func:`fedgalore.sync.moments.evidence_weights`), the warm start is exact on the basis v̄ is
+  expressed in and moves to the
   client's first basis by the in-round (sign-invariant, ``squared``) rule, evidence included — a
   direction the prior does not cover gets its scale from the fresh gradients — and, with
   ``cold_cap`` (default), no coordinate ever steps larger than a cold start would
@@ -72,6 +117,7 @@ from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, MomentView,
 from fedgalore.optim.galore_adamw import (
     ADAPTIVE_SCOPES,
     GALORE_DEFAULTS,
+    LOW_PRECISION,
     MOMENT_TRANSFERS,
     NONFINITE_POLICIES,
     PROJECTORS,
@@ -145,6 +191,10 @@ class FedGaLoreOptions(MethodOptions):
     rsvd_oversample: int = option(GALORE_DEFAULTS["rsvd_oversample"], "oversampling of the randomised SVD")
     rsvd_niter: int = option(GALORE_DEFAULTS["rsvd_niter"], "power iterations of the randomised SVD")
     nonfinite: Literal[NONFINITE_POLICIES] = option("raise", "a non-finite gradient: raise, or skip that parameter's step")
+    low_precision: Literal[LOW_PRECISION] = option(
+        "compensated", "bf16/fp16 weights: compensated (keep what each step's rounding lost, 2 bytes per entry, and add it "
+                       "back), master (an fp32 master copy, 4 bytes per entry) or off (the rounding is lost: the client's "
+                       "weights move less than the update it uploads)")
     sync: Literal[_SYNC_MODES] | None = option(None, "second-moment sync S (null: ajive; the ablations pin theirs)")
     joint_rank: int | Literal["auto"] | None = option(None, "AJIVE joint rank k (null: the rank r; auto: Wedin/random-direction bounds)")
     sync_center: bool = option(True, "AJIVE centres each view (the mean joins the synchronised state)")
@@ -226,6 +276,7 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             "rsvd_oversample": o.rsvd_oversample,
             "rsvd_niter": o.rsvd_niter,
             "nonfinite": o.nonfinite,
+            "low_precision": o.low_precision,
             # FedGaLore⁻ starts cold every round: AdamW's rule (bit-identical to earlier runs)
             "bias_correction": "weight" if self.aligned else "steps",
             "cap_to_cold": self.aligned and o.cold_cap,

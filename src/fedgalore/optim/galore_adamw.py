@@ -51,6 +51,15 @@ full dimension, ``rank`` ignored, never refreshed: exactly AdamW when ``scale = 
 ``rsvd_then_random`` (the paper's SVD-to-random schedule, App. E: the first
 ``adaptive_proj_steps`` refreshes are data-driven, the rest seeded random).
 
+The epoch schedule (group key ``seeded_from_step = s ≥ 0``, with a ``*_then_random`` projector;
+-1 = off): data-driven refreshes at local steps ``0, τ, 2τ, … < s``, one refresh at step ``s`` to
+the round's view basis ``R_k`` (:meth:`GaLoreAdamW.view_seed`: seed ``basis_seed(s_k, name, 0)``,
+whatever the refresh index), and none after it — the round ends on ``R_k``, so
+:meth:`GaLoreAdamW.export_moments` sends the second moment unmoved. The caller (FedGaLore's T)
+computes ``s`` from the client's local epochs (:func:`fedgalore.federated.client.epoch_switch_step`);
+the optimizer knows steps, not epochs. Steps taken on ``R_k`` are counted
+(:meth:`GaLoreAdamW.moment_diagnostics`: ``view_step_share``; ``upload_kept``, ``warm_kept``).
+
 ``adaptive_scope``: ``"round"`` (default) counts those refreshes per optimizer lifetime, which is
 one round because the federation builds a fresh optimizer per client per round; ``"global"``
 counts them from :meth:`GaLoreAdamW.set_global_refresh_offset` ``(n)`` onwards, where ``n`` is
@@ -68,6 +77,22 @@ the same first moments would have made with it: :meth:`GaLoreAdamW.moment_diagno
 both update norms, the warm/cold ``V̂`` ratio, what the warm start clamped or kept, and the
 distribution of ``|U| / |U_cold|`` over every coordinate and step (max, 99th percentile, share
 above 1) — the evidence that a synchronised state conditions the step instead of inflating it.
+
+Low-precision weights (group key ``low_precision``; bf16 / fp16 GaLore parameters). The update
+record is the intended fp32 update; rounding each step's new ``W`` to bf16 used to lose most of a
+small step (512², r 32, lr 1e-4, |W| ~ 0.02: the weights moved by 0.32 of the record and 90 % of
+their entries never changed), so the client trained on another model than it uploaded.
+``"compensated"`` (default): the step updates ``W + c`` in fp32 and keeps what rounding to the
+weights' dtype lost, ``c ← (W + c + ΔW) − round(W + c + ΔW)``, in that dtype (2 bytes per entry
+for bf16) — Kahan-style compensation; ``"master"``: an fp32 master copy (4 bytes per entry) is
+updated and rounded into ``W``; ``"off"``: the rounding is lost. Either of the first two keeps the
+client's own ``W_T − W_0`` equal to its record to the weights' resolution (one unit in the last
+place; tests/test_low_precision.py). ``benchmarks/low_precision.py`` measured both at the SmolLM2
+and 7B shapes: the same weights to within a bf16 unit, half the memory for ``compensated`` —
+hence the default. ``fedgalore plan`` counts the bytes.
+
+``eps = 0`` with a coordinate whose second moment and projected gradient are both 0 makes the
+update 0/0: it is caught before the state changes and handled by the ``nonfinite`` policy.
 
 Optimizer state holds tensors and plain Python numbers only (side is stored as ``0=right,
 1=left``), so ``state_dict()`` loads with ``torch.load(weights_only=True)``. GaLore state
@@ -90,13 +115,14 @@ from fedgalore.protocol.bases import SIDES, basis_seed, seeded_basis
 from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, SeededLowRank
 
 __all__ = ["GaLoreAdamW", "GaLoreStateEntry", "rebuild_delta", "PROJECTORS", "MOMENT_TRANSFERS", "ADAPTIVE_SCOPES", "NONFINITE_POLICIES",
-           "GALORE_DEFAULTS"]
+           "GALORE_DEFAULTS", "LOW_PRECISION"]
 
 PROJECTORS = ("identity", "svd", "rsvd", "random", "svd_then_random", "rsvd_then_random")
 MOMENT_TRANSFERS = ("linear", "squared", "keep", "reset")
 BIAS_CORRECTIONS = ("steps", "weight")
 ADAPTIVE_SCOPES = ("round", "global")
 NONFINITE_POLICIES = ("raise", "skip")
+LOW_PRECISION = ("compensated", "master", "off")
 
 #: Defaults filled into every group that has ``rank`` (the official package's keys first).
 GALORE_DEFAULTS: dict[str, Any] = {
@@ -118,6 +144,8 @@ GALORE_DEFAULTS: dict[str, Any] = {
     # steps, the first adaptive_proj_steps data-driven); s >= 0 = data-driven before local step s,
     # the round's view basis R_k from step s to the end of the round
     "seeded_from_step": -1,
+    # bf16 / fp16 GaLore weights: how the update reaches them (module doc, "Low-precision weights")
+    "low_precision": "compensated",
 }
 
 
@@ -443,6 +471,8 @@ class GaLoreAdamW(Optimizer):
             raise ValueError(f"update_proj_gap must be an int >= 1, got {group['update_proj_gap']!r}")
         if not _is_int(group["adaptive_proj_steps"]) or group["adaptive_proj_steps"] < 0:
             raise ValueError(f"adaptive_proj_steps must be an int >= 0, got {group['adaptive_proj_steps']!r}")
+        if group["low_precision"] not in LOW_PRECISION:
+            raise ValueError(f"unknown low_precision {group['low_precision']!r}; expected one of {LOW_PRECISION}")
         switch = group["seeded_from_step"]
         if not _is_int(switch) or switch < -1:
             raise ValueError(f"seeded_from_step must be an int >= 0 (or -1: off), got {switch!r}")
@@ -664,6 +694,18 @@ class GaLoreAdamW(Optimizer):
         state["skipped"] += 1
         return True
 
+    def _nonfinite_update(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> bool:
+        """``eps = 0`` and a coordinate whose second moment and projected gradient are both 0: the
+        update would be 0/0 = NaN in ``W``. The ``nonfinite`` policy decides, as for a non-finite
+        gradient: ``raise`` names the parameter; ``skip`` leaves its update and state untouched
+        for this step (returns True)."""
+        if group["nonfinite"] == "raise":
+            raise FloatingPointError(
+                f"non-finite update for parameter {self._names[p]!r} at step {state['step']}: eps = 0 and a coordinate with "
+                "zero second moment and zero projected gradient give 0/0; set eps > 0 (or nonfinite='skip')")
+        state["skipped"] += 1
+        return True
+
     def _adamw_fused(self, group: dict[str, Any], items: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
         """Plain AdamW, torch convention, for the group's :func:`_fusable` parameters (already
         checked finite) in one call of torch's fused kernel (``torch.optim.adamw.adamw(fused=True)``):
@@ -749,6 +791,10 @@ class GaLoreAdamW(Optimizer):
         b1, b2 = group["betas"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
         w8, cv = state.get("v_weight"), state.get("cold_v")
+        if eps == 0.0 and bool(((v == 0) & (r == 0)).any()):
+            # V stays 0 where both are 0, so M / (sqrt(V̂) + 0) is 0/0: a non-finite update from finite input
+            if self._nonfinite_update(p, group, state):
+                return
         # M / (sqrt(V) / c2 + eps) = c2 M / (sqrt(V) + c2 eps): AdamW's bias correction of this
         # step's V (v_step + 1) joins the coefficient; 1 with evidence c (V / c is the estimate)
         c2 = 1.0 if w8 is not None else math.sqrt(1.0 - b2 ** (state["v_step"] + 1))
@@ -780,10 +826,9 @@ class GaLoreAdamW(Optimizer):
             u = m / denom
             # official order, update then decay: W <- d (W - step scale U P) = d W - d step scale U P
             d = decay if wd > 0.0 else 1.0
-            w = p if p.dtype == torch.float32 else p.float()
+            w = self._working_weight(p, group, state)
             _decay_back_project(w, u, basis, side, d, -step_size * scale * d)
-            if w is not p:
-                p.copy_(w)
+            self._store_weight(p, group, state, w)
             if state["rec_on"]:
                 self._record(state, u, -step_size * scale, decay if wd > 0.0 else 1.0, after=True)
             return
@@ -809,12 +854,42 @@ class GaLoreAdamW(Optimizer):
                 cold = (m, cv.sqrt().add_(eps * cc), coef * cc)
             if group["track_cold"]:
                 self._observe_ratio(state, v, w8, cv, c2, cc, cap, eps)
-        w = p if p.dtype == torch.float32 else p.float()
+        w = self._working_weight(p, group, state)
         _decay_back_project(w, u, basis, side, decay, coef_u)
-        if w is not p:
-            p.copy_(w)
+        self._store_weight(p, group, state, w)
         if state["rec_on"]:
             self._record(state, u, coef_u, decay, after=False, cold=cold)
+
+    @staticmethod
+    def _working_weight(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> torch.Tensor:
+        """The fp32 weight this step updates (module doc, "Low-precision weights"): ``p`` itself
+        (fp32); the fp32 master copy (``master``); ``p + c`` with the compensation ``c``
+        (``compensated``); ``p`` cast to fp32 (``off``)."""
+        if p.dtype == torch.float32:
+            return p
+        mode = group["low_precision"]
+        if mode == "master":
+            if "master" not in state:
+                state["master"] = p.detach().float()
+            return state["master"]
+        w = p.float()
+        if mode == "compensated" and "comp" in state:
+            w.add_(state["comp"])
+        return w
+
+    @staticmethod
+    def _store_weight(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], w: torch.Tensor) -> None:
+        """Write the updated fp32 weight ``w`` back into ``p`` (rounded to its dtype) and, under
+        ``compensated``, keep what the rounding lost, ``c = w − round(w)``, in ``p``'s dtype."""
+        if w is p:
+            return
+        p.copy_(w)
+        if group["low_precision"] == "compensated":
+            lost = w.sub_(p)  # w − round(w), computed in fp32 (w is a scratch copy here)
+            if "comp" in state:
+                state["comp"].copy_(lost)
+            else:
+                state["comp"] = lost.to(p.dtype)
 
     def _observe_ratio(self, state: dict[str, Any], v: torch.Tensor, w8: Optional[torch.Tensor], cv: torch.Tensor,
                        c2: float, cc: float, cap: float, eps: float) -> None:

@@ -141,11 +141,14 @@ class MomentView:
     """A projected second moment ``v`` in the coordinates of a rank-``r`` basis ``P``.
 
     ``moment``: ``(m, r)`` (right side, ``P`` is ``(r, n)``) or ``(r, n)`` (left side, ``P`` is
-    ``(m, r)``); an estimate of ``E[g̃²]`` (bias-corrected), never a raw EMA. ``basis`` is the
-    matrix ``P``, or ``None`` when ``P`` is the seeded basis ``seeded_basis(seed, m, n, r, side)``.
+    ``(m, r)``). With ``weight`` it is an estimate of ``E[g̃²]`` (the EMA over its evidence, the
+    aligned protocol); without, it is used as it is — in FedGaLore's paper mode that is the raw
+    projected buffer ``ṽ`` (an EMA that is *not* bias-corrected: Algorithm 1 line 10 uploads the
+    buffer, and line 3 warm-starts the next round's buffer from the synchronised one). ``basis`` is
+    the matrix ``P``, or ``None`` when ``P`` is the seeded basis ``seeded_basis(seed, m, n, r, side)``.
     ``weight`` (``(r,)``, optional): the prior weight of each basis coordinate — the mass
     ``1 − β2^t`` an Adam EMA of that coordinate has accumulated, moved through basis changes
-    (``GaLoreAdamW`` ``bias_correction="weight"``); ``None`` means "use as a full estimate".
+    (``GaLoreAdamW`` ``bias_correction="weight"``).
     """
 
     moment: torch.Tensor  # projected second moment: (m, r) right side, (r, n) left side

@@ -14,15 +14,17 @@ tensors — one batched QR, SVD, eigendecomposition or product per step for the 
    the views moved onto it by the squared rule (:mod:`fedgalore.sync.moments`' module doc);
 2. AJIVE with ``center`` on the factored views ``X_i = A_i Bᵀ``: ``l̄_i`` = row mean of ``A_i``,
    ``μ_i = B l̄_i``; thin SVD of ``(A_i − 1 l̄_iᵀ) Bᵀ`` from QRs of both factors; signal rank
-   ``r``, threshold ``τ_i = D_i[r]/2``; ``M = [U_1 … U_K]``, its Gram ``MᵀM`` and ``eigh``
-   (descending, ties in column order); joint candidates ``u_j``; identifiability
-   ``‖X_iᵀ u_j‖ ≥ τ_i`` for every ``i``;
-3. ``v̄ = Σ_i p_i (1 μ_iᵀ + U_J U_Jᵀ X_i^c)`` as a thin SVD of ``[1, U_J] [μ̄, W]ᵀ`` (numerical
-   rank), returned as coordinates on ``B`` with weights ``Σ_i p_i c_i``.
+   ``r``, threshold ``τ_i = D_i[r]/2``; the views' evidence weights ``ω_i`` (``p_i`` times the
+   view's mean evidence, mean 1; ones without evidence); ``M = [√ω_1 U_1 … √ω_K U_K]``, its thin
+   QR and the SVD of ``R`` (candidates ``u_j = Q u_R,j``; σ at rounding level are none);
+   identifiability ``‖X_iᵀ u_j‖ ≥ τ_i min(1, ω_i)`` for every ``i``;
+3. ``v̄ = L Ā``, the joint projection of the evidence-pooled estimate, returned as coordinates on
+   ``B`` with weights ``Σ_i p_i c_i``; a matrix whose state is not finite gets the pooled ``Ā``
+   itself (``ajive_fallback = 1``), as the reference does.
 
 Every decision the reference takes per matrix is taken per matrix inside the batch: a view of
-numerical rank ``c_i < r`` keeps ``c_i`` columns (the rest are zero columns of ``M``, decoupled in
-the ``eigh`` at eigenvalue −1 so they are never candidates), the joint rank is lowered to the
+numerical rank ``c_i < r`` keeps ``c_i`` columns (the rest are zero columns of ``M``: singular
+values 0, never candidates), the joint rank is lowered to the
 available directions, and the components the identifiability check drops become zero columns
 placed after the kept ones (the final QRs' leading blocks are the reference's; the zero block
 adds nothing to the state) — with the reference's warnings, one per matrix. A matrix with a zero

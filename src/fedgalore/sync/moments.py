@@ -32,8 +32,12 @@ Modes (``v̄`` as a function of views ``V_i`` and weights ``p_i``, normalised to
 * ``ajive``    – ``v̄ = Σ_i p_i (1 μ_iᵀ + J_i)`` with ``J_i = U_J U_Jᵀ (V_i − 1 μ_iᵀ)`` from
   :func:`fedgalore.sync.ajive.ajive` (joint rank ``k`` = view rank ``r`` by default, or ``"auto"``:
   Wedin / random-direction bounds, with each view's signal rank from its own spectrum's elbow so
-  that a residual spectrum exists — a view of exactly rank ``r`` at signal rank ``r`` has none,
-  and the bound then admits only perfectly shared directions). Joint rank 0 gives ``Σ p_i 1 μ_iᵀ``.
+  that a residual spectrum exists, and every direction all views share — :data:`SHARED_TOL` —
+  kept whatever the bounds say). Joint rank 0 gives ``Σ p_i 1 μ_iᵀ``. With evidence, the joint
+  subspace ``U_J`` comes from the views weighted by it (:func:`evidence_weights`), as the pooled
+  magnitudes do: a client with (almost) no evidence moves neither. A degenerate case (a failing
+  factorisation, a non-finite state) falls back to the evidence-pooled mean, diagnostic
+  ``ajive_fallback = 1``.
 
 Diagnostics (all computed from factors via Frobenius Gram matrices):
 
