@@ -67,6 +67,9 @@ CELL_VERSION = 1
 ROWS: dict[str, dict] = {
     "fedgalore": {"method": "fedgalore"},
     "fedgalore_paper": {"method": "fedgalore", "moment_protocol": "paper"},
+    # issue 40: paper mode with the sign-invariant move instead of App. B's linear reprojection (which
+    # blows steps up at the epoch schedule's RSVD -> R_k switch): Algorithm 1's sync without that defect
+    "fedgalore_paper_sq": {"method": "fedgalore", "moment_protocol": "paper", "moment_transfer": "squared"},
     "fedgalore_minus": {"method": "fedgalore_minus"},
     "fedavg_full": {"method": "fedavg_full"},
     "fedit_prox": {"method": "fedit", "train": {"prox_mu": 0.1}},
@@ -79,9 +82,9 @@ MUST_ROWS = ["fedgalore", "fedgalore_paper", "fedgalore_minus", "fedavg_full", "
 # and 0.5: fedgalore_aligned = today's default, fedgalore_minus, fedavg_full, fedit; the remedies
 # of results/repro_text/remedies/remedies.json train at their base's rate). fedgalore_paper's
 # 6-round choice (1e-3) was made with the old paper mode, so it starts from the GaLore rows' 1e-2.
-SIX_ROUND_RATE = {"fedgalore": 1e-2, "fedgalore_paper": 1e-2, "fedgalore_minus": 1e-2, "fedavg_full": 5e-4,
+SIX_ROUND_RATE = {"fedgalore": 1e-2, "fedgalore_paper": 1e-2, "fedgalore_paper_sq": 1e-2, "fedgalore_minus": 1e-2, "fedavg_full": 5e-4,
                   "fedit_prox": 5e-3, "fedavg_full_prox": 5e-4, "fedavg_full_scaffold": 5e-4, "fedit": 5e-3}
-FAMILY = {"fedgalore": "galore", "fedgalore_paper": "galore", "fedgalore_minus": "galore", "fedavg_full": "dense",
+FAMILY = {"fedgalore": "galore", "fedgalore_paper": "galore", "fedgalore_paper_sq": "galore", "fedgalore_minus": "galore", "fedavg_full": "dense",
           "fedit_prox": "lora", "fedavg_full_prox": "dense", "fedavg_full_scaffold": "dense", "fedit": "lora"}
 # alpha 0.1: a grid from the 6-round choice to >= 10x below it; one step beyond either edge
 GRID_01 = {"galore": [1e-2, 3e-3, 1e-3, 3e-4], "dense": [5e-4, 2e-4, 1e-4, 5e-5], "lora": [5e-3, 2e-3, 1e-3, 5e-4]}
@@ -90,7 +93,12 @@ ALPHA_01 = "dirichlet:0.1"
 IID = "iid"
 IID_ROW = "fedgalore_minus"  # the IID reference run: this row at its 6-round rate, seed 0
 # the paired differences the report gives (a - b), on every metric
-PAIRS = [("fedgalore", "fedgalore_minus"), ("fedgalore", "fedavg_full"), ("fedgalore_paper", "fedgalore_minus")]
+PAIRS = [("fedgalore", "fedgalore_minus"), ("fedgalore", "fedavg_full"), ("fedgalore_paper", "fedgalore_minus"),
+         ("fedgalore", "fedgalore_paper"), ("fedgalore_paper_sq", "fedgalore_minus"), ("fedgalore_paper", "fedgalore_paper_sq")]
+#: issue 40: where the sync can act, per round (round diagnostics; mean over the round's clients)
+SYNC_KEYS = ("view_step_share", "upload_kept", "warm_kept", "prior_retained", "warm_clamped", "ajive_fallback")
+#: issue 40's report compares these rows with issue 33's cells of the same row (the step schedule)
+SCHEDULE_ROWS = ("fedgalore", "fedgalore_paper", "fedgalore_minus")
 # drift diagnostics plotted when a cell has them (diagnostics.jsonl keys; part A adds update-ratio
 # quantiles: every key with "ratio_max", "ratio_p99" or "update_ratio" in its name is plotted too)
 DRIFT_KEYS = ("mismatch_before", "mismatch_after", "drift_mean", "client_update_norm_mean", "update_norm_vs_cold",
@@ -701,6 +709,23 @@ def projector_schedule(recs: list[dict]) -> dict | None:
     return out
 
 
+def sync_where_it_acts(recs: list[dict]) -> dict:
+    """Issue 40's mechanism numbers of a row: per key of :data:`SYNC_KEYS`, the mean over its
+    cells of the per-round means (the round diagnostics average the round's clients), and the
+    smallest cell mean; ``view_step_share`` must be ≥ 0.4 and ``upload_kept`` ≈ 1 for the sync to
+    act where Algorithm 1 puts it. Empty for cells without these diagnostics (issue 33's)."""
+    out = {}
+    for key in SYNC_KEYS:
+        per_cell = []
+        for r in recs:
+            vals = [x["diag"][key] for x in r["rounds"] if key in x["diag"]]
+            if vals:
+                per_cell.append(statistics.mean(vals))
+        if per_cell:
+            out[key] = {"mean": statistics.mean(per_cell), "min_cell": min(per_cell), "cells": len(per_cell)}
+    return out
+
+
 def pairing_check(cells: list[dict]) -> list[str]:
     """Cells of one (alpha, seed) must share the partition and the clients of every round. The
     partition is compared by its client sizes (the seeded draw decides them; recorded in every
@@ -749,6 +774,7 @@ def row_report(budget: Budget, recs: list[dict], target: float | None) -> dict:
         "cpu_time_min": (statistics.mean(r["cpu_time_s"] for r in on_cpu) / 60
                          if on_cpu and all(r.get("cpu_time_s") for r in on_cpu) else None),
         "projector": projector_schedule(recs),
+        "sync_where_it_acts": sync_where_it_acts(recs),
         "mechanism_digests": sorted({r["source"]["mechanism_digest"] for r in recs}),
         "drift": {},
     }
@@ -815,7 +841,7 @@ def report(plan: Plan) -> dict:
                f"mean over the last {b.last} rounds):", ""]
         for row in plan.rows:
             st = probe_state(b, row, a)
-            if not st["scores"]:
+            if not st["scores"] and st.get("fixed") is None:
                 entry["not_run"].append(row)
                 continue
             entry["missing"] += [c.key for c in st["todo"]]
@@ -823,6 +849,8 @@ def report(plan: Plan) -> dict:
                                    "val_last": {rate_tag(k): v for k, v in sorted(st["scores"].items())},
                                    "test_last": {rate_tag(k): v for k, v in sorted(st["test"].items())}}
             cells = ", ".join(f"{rate_tag(lr)}: {_pct(st['scores'][lr])} / {_pct(st['test'][lr])}" for lr in sorted(st["scores"]))
+            if st.get("fixed") is not None:
+                cells = "not probed here: issue 33's seed-0 choice (its training does not depend on the projector schedule)"
             note = f"; widened to {rate_tag(st['widened'])}" if st["widened"] else ""
             md.append(f"- {row}: {cells or 'not run'}{note} → "
                       f"{'**' + rate_tag(st['choice']) + '**' if st['choice'] else 'incomplete'}")
@@ -845,8 +873,12 @@ def report(plan: Plan) -> dict:
                               for k, v in rr["drift"].items() if v["first_rounds_mean"] is not None and v["last_rounds_mean"] is not None)
             if drift:
                 md.append(f"- drift, {row} (mean over seeds, rounds ≤ {b.last} → last {b.last}): {drift}")
+            sw = rr.get("sync_where_it_acts") or {}
+            if sw:
+                md.append(f"- where the sync acts, {row} (mean over cells of the round means; min cell): "
+                          + ", ".join(f"{k} {v['mean']:.3g} ({v['min_cell']:.3g})" for k, v in sw.items()))
             pj = rr["projector"]
-            if pj:
+            if pj and not sw:
                 seeded = ("" if "seeded_refreshes" not in pj else
                           f"; seeded-basis refreshes: {pj['seeded_refreshes']} in {pj['client_rounds_with_seeded_basis']} client-rounds"
                           + (" (the seeded phase is never reached: τ exceeds every client-round's local steps, so each "
@@ -875,6 +907,9 @@ def report(plan: Plan) -> dict:
                    + (f" For {', '.join(same)} that is also the 50-round choice, so its row repeats the table above."
                       if same else "")]
             md += _rows_table(b, tol) + _paired_md(entry["tolerance"]["paired"])
+        if b is EPOCH:
+            entry["step_schedule"] = schedule_comparison(a, entry["rows"], target)
+            md += _schedule_md(entry["step_schedule"])
         result["alphas"][a] = entry
         _figures(plt, dest, a, entry, target)
     iid = load_cell(b, iid_cell(b), check=False)
@@ -886,6 +921,45 @@ def report(plan: Plan) -> dict:
     _write_json(dest / "horizon.json", result)
     (dest / "horizon.md").write_text("\n".join(md) + "\n")
     return result
+
+
+def schedule_comparison(alpha: str, rows: dict, target: float | None) -> dict:
+    """Issue 40 against issue 33 (the step schedule, :data:`FULL`'s committed cells) for the rows of
+    :data:`SCHEDULE_ROWS`: each row at its own study's rate, on the held-out seeds where both cells
+    ran on the CPU (one device kind per pair), and the paired difference epoch − steps."""
+    out = {}
+    for row in SCHEDULE_ROWS:
+        st = probe_state(FULL, row, alpha)
+        if st["choice"] is None or row not in rows:
+            continue
+        old = [r for s in FULL.seeds if (r := load_cell(FULL, CellSpec(alpha, row, st["choice"], s)))]
+        old = [r for r in old if cell_device(r) == "cpu"]
+        if not old:
+            continue
+        new_cpu = {s for s, d in rows[row]["devices"].items() if d == "cpu"}
+        rep = row_report(FULL, old, target)
+        both = sorted(new_cpu & set(rep["per_seed"]))
+        out[row] = {"steps_lr": st["choice"], "epoch_lr": rows[row]["lr"], "seeds": both,
+                    "steps": {m: _mean_std([rep["per_seed"][s].get(m) for s in both]) for m in METRICS},
+                    "epoch": {m: _mean_std([rows[row]["per_seed"][s].get(m) for s in both]) for m in METRICS},
+                    "paired": {m: paired({s: rows[row]["per_seed"][s][m] for s in both if m in rows[row]["per_seed"][s]},
+                                         {s: rep["per_seed"][s][m] for s in both if m in rep["per_seed"][s]}) for m in METRICS}}
+    return out
+
+
+def _schedule_md(comp: dict) -> list[str]:
+    if not comp:
+        return []
+    md = ["### The same rows on issue 33's step schedule (its committed cells; CPU seeds only)", "",
+          "| row | rates (epoch / steps) | seeds | last 10: epoch | last 10: steps | epoch − steps (95 % t) | worst after 10: epoch − steps |",
+          "|---|---|---|---:|---:|---:|---:|"]
+    for row, c in comp.items():
+        p, w = c["paired"].get("last"), c["paired"].get("worst_after")
+        iv = lambda q: "—" if not q or q.get("std") is None else (  # noqa: E731
+            f"{100 * q['mean']:+.1f} [{100 * q['t95'][0]:+.1f}, {100 * q['t95'][1]:+.1f}]")
+        md.append(f"| {row} | {rate_tag(c['epoch_lr'])} / {rate_tag(c['steps_lr'])} | {c['seeds']} | "
+                  f"{_fmt('last', c['epoch']['last'])} | {_fmt('last', c['steps']['last'])} | {iv(p)} | {iv(w)} |")
+    return md + [""]
 
 
 def _cell_id(rec: dict) -> tuple:

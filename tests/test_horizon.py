@@ -343,3 +343,51 @@ def test_paired_differences_name_the_seeds_that_pair_cells_across_devices(hz) ->
     assert "; seed 2 pairs a CPU cell with a GPU cell:" in hz._paired_md(pairs)[0]
     rows["fedgalore_minus"]["devices"][2] = "cpu"
     assert "GPU" not in hz._paired_md(hz._paired_rows(rows, [("fedgalore", "fedgalore_minus")]))[0]
+
+
+def test_epoch_study_probes_its_galore_grids_fixes_fedavg_and_compares_with_the_step_schedule(hz, tmp_path, monkeypatch) -> None:
+    """Issue 40's budget: the epoch schedule in every cell's config, the GaLore rows probed on
+    their own grids (widened once at either edge, at both alphas), FedAvg-Full at issue 33's rate
+    (not probed: it has no projector), issue 33's IID level, and a report section that pairs a
+    row's cells with issue 33's cells of the same row on the seeds where both ran on the CPU."""
+    e = replace(hz.EPOCH, runs=tmp_path / "runs", results=tmp_path / "results", iid_from=_budget(hz, tmp_path / "old"))
+    old = e.iid_from
+    cfg = hz.planned_config(e, hz.CellSpec(hz.ALPHA_01, "fedgalore", 3e-3, 1))
+    assert cfg["method"]["options"]["projector_schedule"] == "epoch"
+    assert hz.planned_config(old, hz.CellSpec(hz.ALPHA_01, "fedgalore", 3e-3, 1))["method"]["options"]["projector_schedule"] == "steps"
+    assert hz.probe_rates("fedgalore_paper", hz.ALPHA_01, e) == [1e-2, 3e-3, 1e-3]
+    assert hz.probe_rates("fedgalore", "dirichlet:0.3", e) == [1e-2, 5e-3, 2.5e-3]
+    assert hz.probe_rates("fedavg_full", hz.ALPHA_01, e) == []
+    st = hz.probe_state(e, "fedavg_full", hz.ALPHA_01)
+    assert st["choice"] == st["fixed"] == 2e-4 and not st["todo"]
+    assert hz.widen_rate(e, "fedgalore", "dirichlet:0.3", 2.5e-3) == 1.25e-3
+    assert hz.widen_rate(e, "fedgalore", hz.ALPHA_01, 1e-2) == 3e-2 and hz.widen_rate(e, "fedgalore", hz.ALPHA_01, 3e-3) is None
+    ev = _evaluated_rounds(e)
+    # seed 0 probe of the default row; held-out seeds 1, 2 of the default row and FedAvg-Full, with the
+    # new diagnostics; issue 33's default row on seed 1 (CPU) and seed 2 (a GPU cell: left out of the pairing)
+    for lr, v in ((1e-2, 0.5), (3e-3, 0.9), (1e-3, 0.6)):
+        _fake(hz, e, hz.CellSpec(hz.ALPHA_01, "fedgalore", lr, 0), {k: v for k in ev})
+    for s, acc in ((1, 0.95), (2, 0.93)):
+        rec = _fake(hz, e, hz.CellSpec(hz.ALPHA_01, "fedgalore", 3e-3, s), {k: acc for k in ev})
+        for r in rec["rounds"]:
+            r["diag"].update(view_step_share=0.5, upload_kept=1.0, warm_kept=0.02)
+        hz._write_json(hz.cell_json(e, hz.CellSpec(hz.ALPHA_01, "fedgalore", 3e-3, s)), rec)
+        _fake(hz, e, hz.CellSpec(hz.ALPHA_01, "fedavg_full", 2e-4, s), {k: acc - 0.01 for k in ev})
+    for lr in (1e-2, 3e-3, 1e-3, 3e-4):
+        _fake(hz, old, hz.CellSpec(hz.ALPHA_01, "fedgalore", lr, 0), {k: 0.9 if lr == 3e-3 else 0.5 for k in ev})
+    _fake(hz, old, hz.CellSpec(hz.ALPHA_01, "fedgalore", 3e-3, 1), {k: 0.92 for k in ev})
+    gpu = _fake(hz, old, hz.CellSpec(hz.ALPHA_01, "fedgalore", 3e-3, 2), {k: 0.80 for k in ev})
+    gpu["config"]["device"] = "cuda"
+    hz._write_json(hz.cell_json(old, hz.CellSpec(hz.ALPHA_01, "fedgalore", 3e-3, 2)), gpu)
+    monkeypatch.setattr(hz, "EPOCH", e)  # the report compares with the module's FULL
+    monkeypatch.setattr(hz, "FULL", old)
+    out = hz.report(hz.Plan(e, ["fedgalore", "fedavg_full"], [hz.ALPHA_01]))
+    entry = out["alphas"][hz.ALPHA_01]
+    assert entry["probe"]["fedgalore"]["choice"] == 3e-3 and set(entry["rows"]) == {"fedgalore", "fedavg_full"}
+    sw = entry["rows"]["fedgalore"]["sync_where_it_acts"]
+    assert sw["view_step_share"]["mean"] == pytest.approx(0.5) and sw["upload_kept"]["min_cell"] == 1.0
+    comp = entry["step_schedule"]["fedgalore"]
+    assert comp["seeds"] == [1]  # seed 2's old cell ran on a GPU
+    assert comp["paired"]["last"]["mean"] == pytest.approx(0.95 - 0.92)
+    md = (e.results / "horizon.md").read_text()
+    assert "Issue 40" in md and "step schedule" in md and "view_step_share 0.5" in md
