@@ -18,10 +18,14 @@ demo: setup
 	  --method-options conf/demo_rates.yaml --out runs/demo
 
 # all tests, then the numerically sensitive ones (marker isa) again with the CPU kernels forced down (torch's
-# portable kernels, MKL and oneDNN at most AVX2; issue 29): a test that would pass with one kind of kernels only fails on every machine
+# portable kernels, MKL and oneDNN at most AVX2; issue 29): a test that would pass with one kind of kernels only fails on every machine.
+# Two pytest-xdist workers (TEST_WORKERS=0: one process), each single-threaded (tests/conftest.py): the suite's long tests
+# (Flower deployments, the documented commands) run beside the rest instead of after it
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 test: setup
-	$(PYTHON) -m pytest -q
-	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 $(PYTHON) -m pytest -q -m isa
+	$(PYTHON) -m pytest -q $(XDIST)
+	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 $(PYTHON) -m pytest -q -m isa $(XDIST)
 
 bench: setup
 	$(PYTHON) -m fedgalore.cli bench all

@@ -152,7 +152,7 @@ def _reuse(src_stage: str, src_label: str, dst: Path, dst_label: str, setting: s
     target = dst / "runs" / f"{dst_label}-{slug}-s{seed}"
     if target.exists() or not (src / "summary.json").is_file():
         return
-    if json.loads((src / "summary.json").read_text()).get("status") != "complete":
+    if json.loads((src / "summary.json").read_text()).get("status") not in ("finished", "complete"):
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(src, target, copy_function=os.link)
@@ -388,7 +388,7 @@ def _summaries(out: Path) -> list[dict]:
         if not path.is_file():
             continue
         s = json.loads(path.read_text())
-        if s.get("status") != "complete":
+        if s.get("status") not in ("finished", "complete"):
             continue
         diag = [json.loads(line) for line in (out / c["run_dir"] / "diagnostics.jsonl").read_text().splitlines() if line.strip()]
         res.append({"label": c["label"], "seed": c["seed"], "test": s["final"]["accuracy"],

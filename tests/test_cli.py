@@ -231,18 +231,19 @@ def test_run_then_report_then_resume(tmp_path, capsys) -> None:
     cfg = tiny_config(tmp_path)
     r = cli("run", "--config", str(cfg), "method.name=fedavg_full", "--progress", "plain")
     assert r.returncode == 0, r.stderr
-    assert "round 2/2" in r.stdout and "final (2/2 rounds, complete): accuracy=" in r.stdout
+    assert "round 2/2" in r.stdout and "final (2/2 rounds, finished): accuracy=" in r.stdout
     run_dir = tmp_path / "runs" / "tiny-fedavg_full-dirichlet0.5-s0"
     assert f"run dir: {run_dir}" in r.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
 
     # report and resume in-process (main() is the CLI; saves two interpreter start-ups)
     assert main(["report", str(run_dir), "--out", str(tmp_path / "rep")]) == 0
-    assert "5 plots" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "4 plots" in said and "diagnostics (one figure each, with what good looks like)" in said
     md = (tmp_path / "rep" / "table.md").read_text()
     assert f"| FedAvg-Full | {100 * summary['final']['accuracy']:.1f} |" in md
     assert (tmp_path / "rep" / "table.tex").read_text().count(r"\\") >= 3
-    for name in ("curves", "partition", "diagnostics", "comm_vs_metric"):
+    for name in ("curves", "partition", "diagnostics/drift_mean", "comm_vs_metric"):
         assert (tmp_path / "rep" / "plots" / f"{name}.png").stat().st_size > 1000
 
     # interrupt after round 1 (drop the last checkpoint, mark running), then resume via the CLI
@@ -253,7 +254,7 @@ def test_run_then_report_then_resume(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "resuming" in out and "round 2/2" in out and "round 1/2" not in out
     again = json.loads((run_dir / "summary.json").read_text())
-    assert again["status"] == "complete" and again["final"] == summary["final"]  # deterministic resume
+    assert again["status"] == "finished" and again["final"] == summary["final"]  # deterministic resume
     assert [json.loads(x)["round"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
 
 
@@ -292,7 +293,7 @@ def test_compare_grid_skips_finished_cells(tmp_path, capsys) -> None:
     assert main(argv) == 0
     third = capsys.readouterr().out
     assert third.count("complete, skipped") == 3 and third.count(": resuming ->") == 1
-    assert json.loads((victim / "summary.json").read_text())["status"] == "complete"
+    assert json.loads((victim / "summary.json").read_text())["status"] == "finished"
 
     # the same out dir with a different budget is refused
     assert main(argv + ["train.lr=0.5"]) == 2

@@ -180,7 +180,7 @@ def test_run_writes_run_directory_and_learns(tmp_path):
               "partition.json", "environment.json", "summary.json", "task.json"):
         assert (d / f).exists(), f
     s = json.loads((d / "summary.json").read_text())
-    assert s["status"] == "complete" and s["rounds_completed"] == 8
+    assert s["status"] == "finished" and s["rounds_completed"] == 8
     env = json.loads((d / "environment.json").read_text())
     assert env["cpu"] != "" and env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     from fedgalore.optim import cpu_kernels
@@ -240,7 +240,10 @@ def killed_and_resumed(full_cfg, killed_cfg, at_round: int = 2):
     with pytest.raises(KeyboardInterrupt):
         fedgalore.run(killed_cfg, progress=_Kill(at_round=at_round))
     run_dir = next(Path(killed_cfg.output.dir).iterdir())
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"
+    stopped = json.loads((run_dir / "summary.json").read_text())
+    assert stopped["status"] == "interrupted" and stopped["interrupted_by"] == "Ctrl-C"  # KeyboardInterrupt
+    assert stopped["rounds_completed"] == at_round + 1 and stopped["checkpointed_round"] == at_round  # round at_round+1 not kept
+    assert not (run_dir / "run.lock").exists()  # released
     resumed = fedgalore.resume(run_dir)
     assert strip_times(resumed.history) == strip_times(full.history)
     assert resumed.summary["final"] == full.summary["final"]

@@ -247,7 +247,7 @@ def test_stopped_and_resumed_runs(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         fedgalore.run(cfg, progress=_KillAfter())
     stopped = next((tmp_path / "a").iterdir())
-    assert json.loads((stopped / "summary.json").read_text())["status"] != "complete"
+    assert json.loads((stopped / "summary.json").read_text())["status"] != "finished"
     res = export_run(stopped, tmp_path / "stopped")
     first = json.loads((stopped / "metrics.jsonl").read_text().splitlines()[res.round - 1])
     same_metrics(fedgalore.evaluate(tmp_path / "stopped").metrics,
@@ -469,29 +469,54 @@ def _blocks(lang: str) -> list[str]:
 
 
 def test_docs_export_md_runs_as_written(tmp_path, monkeypatch, capsys):
-    """Every command of docs/export.md's bash blocks, in order, then its Python blocks; the printed
-    lines it shows match what ``export`` prints (numbers aside)."""
+    """Every block of docs/export.md in document order, as a reader follows it: YAML blocks saved
+    (the first as ``tiny-export.yaml``, one headed ``# NAME`` as NAME), every command of the bash
+    blocks run, the Python blocks executed; the printed lines it shows match what ``export``
+    prints (numbers aside). Without the offline MiniLM the support example is left out."""
     import re
     import shlex
 
+    from fedgalore.tasks import assets
+
+    try:
+        assets.minilm_path()
+        minilm = True
+    except assets.AssetError:
+        minilm = False
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "tiny-export.yaml").write_text(_blocks("yaml")[0])
-    ran = []
-    for body in _blocks("bash"):
-        for line in body.replace("\\\n", " ").splitlines():
-            cmd = re.sub(r"\s+#\s.*$", "", line).strip()
-            if not cmd:
-                continue
-            argv = shlex.split(cmd)
-            assert argv[0] == "fedgalore", cmd
-            assert main([*argv[1:], *(["--progress", "quiet"] if argv[1] == "run" else [])]) == 0, cmd
-            out = capsys.readouterr().out
-            if argv[1:4] == ["export", "runs/tiny-export-fedit-iid-s0", "--out"] and argv[4:] == ["exported/tiny"]:
-                shown = [b for b in _blocks("") if b.startswith("exported round")][0]
-                number = re.compile(r"\d+(\.\d+)?(e-?\d+)?")
-                assert [number.sub("#", x) for x in shown.splitlines()] == [number.sub("#", x) for x in out.splitlines()]
-            ran.append(cmd)
-    assert len(ran) == 13 and any("--rank 4" in c for c in ran)
-    for code in _blocks("python"):
-        exec(compile(code, str(DOC), "exec"), {})  # noqa: S102 - the documentation's own examples
-    assert "{0: '0', 1: '1', 2: '2', 3: '3'}" in capsys.readouterr().out  # the id2label the first block prints
+    number = re.compile(r"\d+(\.\d+)?(e-?\d+)?")
+    blocks = [(m.group(1), m.group(2)) for m in re.finditer(r"```(\w*)\n(.*?)```", DOC.read_text(), re.S)]
+    shown = {b.splitlines()[0].split(" to ")[0]: b for lang, b in blocks if lang == "" and b.startswith("exported round")}
+    ran, yamls, codes = [], 0, 0
+    for lang, body in blocks:
+        if not minilm and "support" in body:
+            continue
+        if lang == "yaml":
+            first = body.splitlines()[0]
+            name = first[2:].strip() if first.startswith("# ") else "tiny-export.yaml"
+            (tmp_path / name).write_text(body)
+            yamls += 1
+        elif lang == "python":
+            exec(compile(body, str(DOC), "exec"), {})  # noqa: S102 - the documentation's own examples
+            if codes == 0:
+                assert "{0: '0', 1: '1', 2: '2', 3: '3'}" in capsys.readouterr().out  # the id2label the first block prints
+            codes += 1
+        elif lang == "bash":
+            for line in body.replace("\\\n", " ").splitlines():
+                cmd = re.sub(r"\s+#\s.*$", "", line).strip()
+                if not cmd:
+                    continue
+                argv = shlex.split(cmd)
+                assert argv[0] == "fedgalore", cmd
+                assert main([*argv[1:], *(["--progress", "quiet"] if argv[1] == "run" else [])]) == 0, cmd
+                out = capsys.readouterr().out
+                if argv[1] == "export" and argv[4] in ("exported/tiny", "exported/tiny-galore-exact"):
+                    want = shown[f"exported round {out.split()[2]} of {argv[2]}"].splitlines()
+                    assert [number.sub("#", x) for x in want] == [number.sub("#", x) for x in out.splitlines()[:len(want)]]
+                ran.append(cmd)
+    assert len(ran) == (21 if minilm else 16) and any("--rank 4" in c for c in ran) and any("--exact" in c for c in ran)
+    assert codes == (5 if minilm else 4) and yamls == (2 if minilm else 1)
+    assert (tmp_path / "runs" / "tiny-rounds" / "adapters" / "round-0003" / "adapter_config.json").is_file()
+    if minilm:
+        conf = json.loads((tmp_path / "exported" / "support-adapter" / "adapter_config.json").read_text())
+        assert conf["base_model_name_or_path"] == "sentence-transformers/all-MiniLM-L6-v2"

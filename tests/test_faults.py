@@ -121,7 +121,7 @@ def test_min_clients_retry_draws_a_new_sample(tmp_path):
     attempts = {c["attempt"] for c in clients}
     if any(c["client"] == 0 for c in clients):
         assert attempts == {0, 1} or 0 not in [c["client"] for c in clients if c["attempt"] == max(attempts)]
-    assert res.summary["status"] == "complete"
+    assert res.summary["status"] == "finished"
 
 
 @register
@@ -222,7 +222,7 @@ def test_sigkill_at_random_points_resumes_to_identical_metrics(tmp_path):
         proc.wait()
     subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=600)
     final = json.loads((out / "r" / "summary.json").read_text())
-    assert final["status"] == "complete"
+    assert final["status"] == "finished"
     assert final["final"] == ref.summary["final"]
     got = [json.loads(line) for line in (out / "r" / "metrics.jsonl").read_text().splitlines()]
     assert strip_times(got) == strip_times(ref.history)

@@ -181,7 +181,7 @@ def test_scaffold_and_server_optimizer_on_flower_reproduce_sequential(tmp_path):
                    client_app=client_app, num_supernodes=6,
                    backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
                                    "init_args": {"num_cpus": 2, "include_dashboard": False}})
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "complete"
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
     _same_runs(seq, [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()])
 
 

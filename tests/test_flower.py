@@ -62,7 +62,7 @@ def test_flower_simulation_reproduces_sequential(tmp_path):
                         "init_args": {"num_cpus": 2, "include_dashboard": False}},
     )
     hist = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert json.loads((run_dir / "summary.json").read_text())["status"] == "complete"
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
     assert len(hist) == len(seq.history) == 2
     for a, b in zip(seq.history, hist):
         assert a["clients"] == b["clients"] and b["dropped"] == []
@@ -88,7 +88,7 @@ def test_server_app_shows_progress_result_and_refuses_a_rerun(tmp_path, capsys):
     run_simulation(server_app=make_server_app(c, run_dir=run_dir), **sim)
     out = capsys.readouterr().out
     assert "round 1/2 | clients" in out and "round 2/2 | clients" in out
-    assert "final (2/2 rounds, complete): accuracy=" in out and f"run dir: {run_dir.resolve()}" in out
+    assert "final (2/2 rounds, finished): accuracy=" in out and f"run dir: {run_dir.resolve()}" in out
     with pytest.raises(Exception) as err:  # Flower re-raises the ServerApp's error (the run fails)
         run_simulation(server_app=make_server_app(c, run_dir=run_dir), **sim)
     text = str(err.value) + str(err.value.__cause__ or "") + capsys.readouterr().err

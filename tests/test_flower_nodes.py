@@ -133,7 +133,7 @@ def test_nodes_deployment_equals_files_simulation(tmp_path, bert_dir, method):
     data = site_files(tmp_path)
     sim = fedgalore.run(config(tmp_path / "sim", bert_dir, method, "files", {"sites": data}))
     dep, grid = run_nodes(tmp_path, bert_dir, method, data)
-    assert dep.summary["status"] == "complete"
+    assert dep.summary["status"] == "finished"
     for a, b in zip(read_jsonl(Path(sim.run_dir) / "metrics.jsonl"), read_jsonl(Path(dep.run_dir) / "metrics.jsonl")):
         assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-5)
         if "client_eval" in a:  # every site, evaluated where its data is, as in the simulation
@@ -171,7 +171,7 @@ def test_a_server_side_test_file_still_gives_the_pooled_metrics(tmp_path, bert_d
     data["s2"] = {"train": str(write(s2.iloc[:-6], tmp_path / "s2_train.csv")), "test": str(write(s2.iloc[-6:], tmp_path / "s2_test.csv"))}
     pooled = write(pd.concat([pd.read_csv(data[s]["test"]) for s in SITES], ignore_index=True), tmp_path / "server_test.csv")
     res, _ = run_nodes(tmp_path, bert_dir, "fedgalore", data, server_data={"test": str(pooled)})
-    assert res.summary["status"] == "complete"
+    assert res.summary["status"] == "finished"
     for rec in read_jsonl(Path(res.run_dir) / "metrics.jsonl"):
         if "client_eval" in rec:
             per = rec["client_eval"]["clients"]
@@ -187,7 +187,7 @@ def test_a_node_whose_data_does_not_fit_is_left_out_with_one_line(tmp_path, bert
     write(news_rows(12).drop(columns=["site"]).rename(columns={"body": "text"}), bad)
     cfgs[77] = {"data": str(bad), "site": "s9"}
     res, grid = run_nodes(tmp_path, bert_dir, "fedgalore", data, LocalGrid(cfgs))
-    assert res.summary["status"] == "complete"
+    assert res.summary["status"] == "finished"
     first = read_jsonl(Path(res.run_dir) / "clients.jsonl")[0]
     assert first["round"] == 0 and first["site"] == "s9" and first["node"] == 77
     assert "has no column 'body'" in first["error"] and "task.options.text_column" in first["error"]
@@ -250,7 +250,7 @@ def test_a_restarted_node_takes_its_site_back(tmp_path, bert_dir, capsys):
     sim = fedgalore.run(config(tmp_path / "sim", bert_dir, "fedgalore", "files", {"sites": data}))
     grid = RestartingGrid(node_configs(data), old=13, new=5150)  # node 13 holds s0 (client 0)
     dep, _ = run_nodes(tmp_path, bert_dir, "fedgalore", data, grid)
-    assert dep.summary["status"] == "complete"
+    assert dep.summary["status"] == "finished"
     assert "client 0 (site s0) is now on node 5150 (was 13)" in capsys.readouterr().out
     assert (str(MessageType.TRAIN), 5150) in grid.sent_to and grid.sent_to.count((str(MessageType.QUERY), 5150)) == 1
     for a, b in zip(sim.history, read_jsonl(Path(dep.run_dir) / "metrics.jsonl")):
@@ -271,7 +271,7 @@ def test_a_node_that_rejoins_with_other_data_is_left_out(tmp_path, bert_dir, cap
     write(news_rows(40).drop(columns=["site"]), other)
     grid = RestartingGrid(node_configs(data), old=13, new=5150, node_config={"data": str(other), "site": "s0"})
     dep, _ = run_nodes(tmp_path, bert_dir, "fedit", data, grid)
-    assert dep.summary["status"] == "complete"
+    assert dep.summary["status"] == "finished"
     out = capsys.readouterr().out
     assert "node 5150 (site s0) rejoined with other data (31 training rows, the run started with 17); left out" in out
     assert [m["dropped"] for m in read_jsonl(Path(dep.run_dir) / "metrics.jsonl")] == [[], [0]]
@@ -309,7 +309,7 @@ def test_resume_continues_a_killed_server_app_with_the_same_metrics(tmp_path, be
     s = FedGaLoreStrategy(cfg, run_dir=run_dir, resume=True)
     s.settle_s = 0.0
     res = s.start(LocalGrid(node_configs(data)))  # a fresh set of node contexts: a new Flower run
-    assert res.summary["status"] == "complete" and f"resuming {run_dir} after round 1" in caplog.text
+    assert res.summary["status"] == "finished" and f"resuming {run_dir} after round 1" in caplog.text
     uninterrupted = FedGaLoreStrategy(cfg, run_dir=tmp_path / "whole")
     uninterrupted.settle_s = 0.0
     whole = uninterrupted.start(LocalGrid(node_configs(data)))
@@ -320,7 +320,7 @@ def test_resume_continues_a_killed_server_app_with_the_same_metrics(tmp_path, be
         for site, m in a["client_eval"]["clients"].items():
             assert b["client_eval"]["clients"][site]["loss"] == pytest.approx(m["loss"], abs=1e-5)
     again = FedGaLoreStrategy(cfg, run_dir=run_dir, resume=True).start(LocalGrid(node_configs(data)))
-    assert again.summary["status"] == "complete" and len(again.history) == 3
+    assert again.summary["status"] == "finished" and len(again.history) == 3
     other = config(tmp_path / "nodes", bert_dir, "fedgalore", "nodes")  # 2 rounds: another run
     with pytest.raises(ConfigError, match=r"resume=true: .* holds another run \(federation.rounds: 3 -> 2"):
         FedGaLoreStrategy(other, run_dir=run_dir, resume=True).start(LocalGrid(node_configs(data)))

@@ -107,9 +107,9 @@ def test_regression_on_a_float_label_column(tmp_path, bert_dir):
     assert set(metrics) == {"mse", "pearson", "spearman", "loss"}
     assert len(np.unique(task.partition_labels())) == len(task.label_names()) == 5  # score quintiles
     grades = write(df.assign(score=(np.arange(60) % 3).astype(float)), tmp_path / "grades.parquet")  # 0.0, 1.0, 2.0
-    assert text_task(bert_dir, grades, label_column="score").regression
-    forced = text_task(bert_dir, grades, label_column="score", regression=False)
-    assert not forced.regression and forced.label_names() == ["0", "1", "2"]
+    classes = text_task(bert_dir, grades, label_column="score")  # whole numbers stored as floats: classes (issue 44)
+    assert not classes.regression and classes.label_names() == ["0", "1", "2"]
+    assert text_task(bert_dir, grades, label_column="score", regression=True).regression
 
 
 def test_sentence_pairs(tmp_path, bert_dir):
@@ -479,9 +479,12 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "data.md"
 
 def _blocks(lang: str) -> list[str]:
     """The ``lang`` code blocks of docs/data.md's task sections (the Partitions section is tested by
-    tests/test_client_partitions.py)."""
+    tests/test_client_partitions.py, the formats and files sections by tests/test_data_formats.py)."""
     text = DOCS.read_text()
     text = text[:text.index("## Partitions")] + text[text.index("## From Python"):]
+    for title in ("## Instruction formats", "## Files as people have them"):  # tests/test_data_formats.py runs these
+        start = text.index(title)
+        text = text[:start] + text[text.index("\n## ", start + 1):]
     return [m.group(2) for m in re.finditer(r"```(\w*)\n(.*?)```", text, re.S) if m.group(1) == lang]
 
 

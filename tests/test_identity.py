@@ -134,19 +134,26 @@ def test_run_and_resume_compare_identities(tmp_path, capsys) -> None:
         fedgalore.run(load_config(path, ["method.options.moment_protocol=paper"]), resume=base)
 
     # a run directory from before identities: judged by its config.yaml with defaults filled in —
-    # of a method whose rule did not change since (FedGaLore⁻; FedGaLore's did: issue 33, below)
-    minus = ["method.name=fedgalore_minus"]
-    assert cli(capsys, "run", "--config", path, *minus)[0] == 0
-    old = base.with_name(base.name.replace("fedgalore", "fedgalore_minus"))
+    # of a method whose rule did not change since (FedIT; FedGaLore's and FedGaLore⁻'s did: issues 33 and 40, below)
+    fedit = ["method.name=fedit"]
+    assert cli(capsys, "run", "--config", path, *fedit)[0] == 0
+    old = base.with_name(base.name.replace("fedgalore", "fedit"))
     (old / IDENTITY_FILE).unlink()
-    rc, _, err = cli(capsys, "run", "--config", path, *minus, "method.options.sync=ajive")  # minus pins none anyway
+    rc, _, err = cli(capsys, "run", "--config", path, *fedit, "method.options.lora_alpha=8")  # the default (2 x rank 4)
     assert rc == 2 and f"{old} already holds this run" in err and "(note: " in err and "written before run identities" in err
     rc, out, _ = cli(capsys, "run", "--resume", str(old))  # complete: returned as is, with the note
     assert rc == 0 and "note: " in out and "written before run identities" in out and not (old / IDENTITY_FILE).exists()
     # a FedGaLore run from before identities ran the rule before issue 33's fixes: not this version's run
     (base / IDENTITY_FILE).unlink()
-    with pytest.raises(ConfigError, match=r"method\.behaviour: 1 -> 2"):
+    with pytest.raises(ConfigError, match=r"method\.behaviour: 1 -> 3"):
         fedgalore.run(load_config(path), resume=base)
+    # FedGaLore⁻ before issue 40's epoch schedule: not this version's run either
+    minus = ["method.name=fedgalore_minus"]
+    assert cli(capsys, "run", "--config", path, *minus)[0] == 0
+    old_minus = base.with_name(base.name.replace("fedgalore", "fedgalore_minus"))
+    (old_minus / IDENTITY_FILE).unlink()
+    with pytest.raises(ConfigError, match=r"method\.behaviour: 1 -> 2"):
+        fedgalore.run(load_config(path, minus), resume=old_minus)
 
 
 def _tiny_bert(folder: Path, seed: int) -> None:
@@ -243,7 +250,7 @@ def test_compare_skips_only_cells_of_the_same_identity(tmp_path, capsys) -> None
     # a FedGaLore cell from before identities ran the rule before issue 33's fixes: refused, naming it
     (cell / IDENTITY_FILE).unlink()
     rc, _, err = cli(capsys, *argv, "method.options.moment_protocol=paper")
-    assert rc == 2 and "fedgalore-iid-s0 (method.behaviour: 1 -> 2)" in err
+    assert rc == 2 and "fedgalore-iid-s0 (method.behaviour: 1 -> 3)" in err
 
 
 # ----------------------------------------------------------------------------- a task object in code
@@ -269,7 +276,7 @@ def test_a_task_object_is_recorded_as_what_it_is(tmp_path, capsys) -> None:
     other.train_set().columns["labels"][0] = 1 - other.train_set().columns["labels"][0]  # same options, other data
     with pytest.raises(ConfigError, match=r"cannot resume .* \(task\.data\.partition: .*; task\.data\.train: "):
         fedgalore.run(cfg, resume=run_dir, task=other)
-    assert fedgalore.run(cfg, resume=run_dir, task=TinyTextTask(**TINY_TASK)).summary["status"] == "complete"
+    assert fedgalore.run(cfg, resume=run_dir, task=TinyTextTask(**TINY_TASK)).summary["status"] == "finished"
     rc, _, err = cli(capsys, "run", "--resume", str(run_dir))  # the config alone cannot rebuild it
     assert rc == 2 and ("the task of this run is an object passed in code (fedgalore.tasks.synthetic:TinyTextTask), "
                         "which the config cannot rebuild") in err
@@ -279,18 +286,19 @@ def test_a_task_object_is_recorded_as_what_it_is(tmp_path, capsys) -> None:
 
 def test_a_method_whose_rule_was_fixed_is_not_the_same_run(tmp_path) -> None:
     """Issue 33 changed what FedGaLore computes for the same options (paper mode as written, the
-    cold cap, evidence pooling): a FedGaLore run saved without a behaviour version (every run made
-    before) differs from this version's (``method.behaviour: 1 -> 2``); FedGaLore⁻ and FedAvg-Full,
-    whose results did not change, do not."""
+    cold cap, evidence pooling), and issue 40 again (the epoch schedule by default, AJIVE weighted
+    by evidence): a FedGaLore run saved without a behaviour version (every run made before issue
+    33) differs from this version's (``method.behaviour: 1 -> 3``), a FedGaLore⁻ run too since
+    issue 40's schedule (``1 -> 2``); FedAvg-Full, whose results did not change, does not."""
     import yaml
 
     from fedgalore.engine.identity import compare_with_saved, run_identity
 
-    for method, differs in (("fedgalore", True), ("fedgalore_minus", False), ("fedavg_full", False)):
+    for method, differs in (("fedgalore", "1 -> 3"), ("fedgalore_minus", "1 -> 2"), ("fedavg_full", None)):
         cfg = load_config(tiny_config(tmp_path), [f"method.name={method}"])
         old = tmp_path / f"old-{method}"
         old.mkdir()
         (old / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))  # a run directory from before identities
         diffs, note = compare_with_saved(old, run_identity(cfg))
-        assert [str(d) for d in diffs] == (["method.behaviour: 1 -> 2"] if differs else []), method
+        assert [str(d) for d in diffs] == ([f"method.behaviour: {differs}"] if differs else []), method
         assert note and "before run identities" in note

@@ -12,7 +12,8 @@ level packages                                what they are
 ====  ======================================  ===========================================
 0     protocol, typed, jsonl                  wire and state types; typed config values;
                                               JSON-lines files
-1     optim, sync                             GaLore optimizer and projector; moment sync
+1     optim, sync, privacy                    GaLore optimizer and projector; moment sync;
+                                              DP-SGD (Opacus) and its accounting
 2     tasks                                   models, data, offline assets, metrics
 3     federated                               partitions, seeding, local training,
                                               checkpoints, diagnostics
@@ -38,7 +39,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "fedgalore"
 
 LEVELS: list[set[str]] = [
     {"protocol", "typed", "jsonl"},
-    {"optim", "sync"},
+    {"optim", "sync", "privacy"},
     {"tasks"},
     {"federated"},
     {"methods"},

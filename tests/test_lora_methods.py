@@ -300,7 +300,7 @@ def test_two_rounds_through_round_loop(tmp_path: Path, name: str):
     fed = Federation(loop_cfg(tmp_path, name))
     start = {k: v.clone() for k, v in fed.state.params.items()}
     result = fed.run()
-    assert result.summary["status"] == "complete" and result.summary["rounds_completed"] == 2
+    assert result.summary["status"] == "finished" and result.summary["rounds_completed"] == 2
     assert all(not h["dropped"] for h in result.history)
     assert 0.0 <= result.final["accuracy"] <= 1.0
     changed = [k for k in start if not torch.equal(start[k], fed.state.params[k])]

@@ -60,7 +60,7 @@ def test_switching_method_on_the_default_pipeline_runs(tmp_path) -> None:
     r = cli("run", "--config", "conf/pipeline/offline_text.yaml", "federation.rounds=5", "method.name=fedit", "seed=1",
             *TINY_TEXT, "--progress", "plain", cwd=cwd)
     assert r.returncode == 0, r.stderr
-    assert "final (5/5 rounds, complete): accuracy=" in r.stdout
+    assert "final (5/5 rounds, finished): accuracy=" in r.stdout
     run_dir = cwd / "runs" / "offline_text-fedit-dirichlet0.5-s1"
     cfg = saved(run_dir)
     assert cfg["method"]["name"] == "fedit" and cfg["method"]["options"] == {}  # what ran: FedIT's own options
@@ -201,7 +201,7 @@ def test_extending_a_finished_run_equals_an_uninterrupted_run(tmp_path, capsys) 
     full = fedgalore.run(fedgalore.load_config(str(path), [*flat, "federation.rounds=5", "output.run_name=full"]))
     assert main(["run", "--resume", str(short.run_dir), "federation.rounds=5", "--progress", "plain"]) == 0
     out = capsys.readouterr().out
-    assert "resuming" in out and "round 3/5" in out and "final (5/5 rounds, complete)" in out
+    assert "resuming" in out and "round 3/5" in out and "final (5/5 rounds, finished)" in out
 
     def records(run_dir: Path) -> list[dict]:
         recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -211,7 +211,7 @@ def test_extending_a_finished_run_equals_an_uninterrupted_run(tmp_path, capsys) 
     assert saved(short.run_dir)["federation"]["rounds"] == 5
     # the Python API: run(cfg, resume=RUN_DIR) takes the run's own config (rounds may extend it)
     cfg5 = fedgalore.load_config(str(path), [*flat, "federation.rounds=5", "output.run_name=short"])
-    assert fedgalore.run(cfg5, resume=short.run_dir).summary["status"] == "complete"
+    assert fedgalore.run(cfg5, resume=short.run_dir).summary["status"] == "finished"
     other = fedgalore.load_config(str(path), [*flat, "federation.rounds=5", "output.run_name=short", "train.lr=0.5"])
     with pytest.raises(fedgalore.ConfigError, match=r"cannot resume .*\(train\.lr: .* -> 0\.5\)"):
         fedgalore.run(other, resume=short.run_dir)

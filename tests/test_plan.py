@@ -89,12 +89,24 @@ def test_llama2_7b_plan_needs_no_hub():
     g, f = plan["methods"]["fedgalore"], plan["methods"]["fedavg_full"]
     assert g["probe"]["down_first_tensor_bytes"] == f["probe"]["down_first_tensor_bytes"] == 4 * targets  # fp32 dense targets
     assert f["probe"]["up_tensor_bytes"] == 4 * targets
-    # 395k examples / 4 clients, batch 2 × 32 = 64 per step: 1543–1544 steps, τ = 200 → 8 terms per round
-    assert g["refreshes_per_round"] == [8]
+    # 395k examples / 4 clients, batch 2 × 32 = 64 per step: 1543–1544 steps; the epoch schedule (adaptive_epochs
+    # 0.5) switches to R_k at step 772: RSVD refreshes at 0, 200, 400, 600 (τ = 200) and one on R_k → 5 terms
+    assert g["refreshes_per_round"] == [5] and g["data_driven_terms_per_round"] == [4]
     mem = g["memory"]["components"]
     assert mem["model"] == 2 * 6_738_415_616 and mem["gradients"] == 2 * targets  # bf16
     assert f["memory"]["components"]["optimizer_state"] == 2 * 2 * targets + 224 * 4  # AdamW m, v in bf16; a float32 step per matrix
     assert g["up_per_client"] < f["up_per_client"] / 10
+    # bf16 GaLore weights: the compensation of each step's rounding (2 bytes per adapted entry; an fp32
+    # master copy would be 4) is part of the optimizer state (the fp32 miniature has none of it)
+    from fedgalore.plan import Probe, low_precision_bytes, model_spec
+
+    spec, _ = model_spec(cfg)
+    probe = Probe(**g["probe"])
+    assert low_precision_bytes(cfg, spec, probe) == 2 * targets
+    assert mem["optimizer_state"] >= 2 * targets
+    cfg.method.options["low_precision"] = "master"
+    assert low_precision_bytes(cfg, spec, probe) == 4 * targets
+    assert low_precision_bytes(cfg, spec, Probe(**f["probe"])) == 0  # FedAvg-Full: torch's AdamW
 
 
 def test_unknown_model_is_one_clear_error():
@@ -110,7 +122,7 @@ def test_cli_plan(tmp_path, capsys):
     assert main(["plan", "--config", "conf/pipeline/metamath_llama2.yaml", "--methods", "fedgalore", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "| fedgalore |" in text and "peak accelerator" in text
-    assert json.loads(out.read_text())["methods"]["fedgalore"]["refreshes_per_round"] == [8]
+    assert json.loads(out.read_text())["methods"]["fedgalore"]["refreshes_per_round"] == [5]
     assert main(["plan", "--config", "conf/pipeline/metamath_llama2.yaml", "task.options.model=nowhere/x"]) == 2
 
 

@@ -125,7 +125,7 @@ def test_killed_or_hung_worker_is_replaced_and_client_dropped(tmp_path, ray_clus
     spec.loader.exec_module(importlib.util.module_from_spec(spec))  # register in the driver too
     res = fedgalore.run(c)
     h = res.history
-    assert res.summary["status"] == "complete" and len(h) == 2
+    assert res.summary["status"] == "finished" and len(h) == 2
     assert h[0]["dropped"] == [victim, hung] and h[1]["dropped"] == []
     errors = [json.loads(x) for x in (res.run_dir / "clients.jsonl").read_text().splitlines()]
     errors = {r["client"]: r["error"] for r in errors if r["round"] == 1 and "error" in r}

@@ -140,10 +140,13 @@ def test_report_writes_tables_and_plots(comparison_dir: Path, tmp_path: Path) ->
     comp = json.loads((out / "comparison.json").read_text())
     assert comp["cells"]["fedgalore"]["tiny_text"]["dirichlet:0.5"]["values"] == [0.86, 0.88]
     names = {p.name for p in res["files"]}
-    for fig in ("curves", "train_loss", "iid_vs_noniid", "partition", "comm_vs_metric", "diagnostics"):
+    for fig in ("curves", "train_loss", "iid_vs_noniid", "partition", "comm_vs_metric"):
         for ext in ("png", "pdf"):
             f = out / "plots" / f"{fig}.{ext}"
-            assert f.name in names and f.stat().st_size > 1000, f
+            assert f in res["files"] and f.stat().st_size > 1000, f
+    for fig in ("tail_energy_mean", "drift_mean", "mismatch", "more"):  # the headline ones alone, the rest together
+        f = out / "plots" / "diagnostics" / f"{fig}.png"
+        assert f in res["files"] and f.stat().st_size > 1000, f
     assert (out / "plots" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "plots" / "curves.pdf").read_bytes()[:5] == b"%PDF-"
 
@@ -157,7 +160,7 @@ def test_single_run_report_one_row(tmp_path: Path) -> None:
     assert "Learning rate 1e-3 for every method." in md
     assert "tiny_text ✗" in md and "Δ" not in md.split("### Runs")[0].split("\n|")[1]
     files = {p.name for p in res["files"]}
-    assert {"curves.png", "partition.png", "diagnostics.png", "comm_vs_metric.pdf"} <= files
+    assert {"curves.png", "partition.png", "drift_mean.png", "comm_vs_metric.pdf"} <= files
     assert "iid_vs_noniid.png" not in files
 
 
@@ -236,18 +239,30 @@ def test_budget_line_shared_rate_and_sgd_methods(tmp_path: Path) -> None:
 
 
 def test_plots_say_what_they_show(comparison_dir: Path) -> None:
-    """Diagnostics panels are titled in words and the mismatch panel explains its two line styles;
-    the comm plot's byte ticks do not run into each other."""
+    """Each diagnostic is its own figure, titled in words with one line of what good looks like; the
+    mismatch figure explains its two line styles; the comm plot's byte ticks do not run into each other."""
     from fedgalore.report import find_runs
     from fedgalore.report.plots import comm_figure, diag_title, diagnostics_figure
 
     runs = find_runs(comparison_dir)
     methods = ["fedavg_full", "fedgalore"]
-    fig = diagnostics_figure(runs, methods)
-    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
-    assert all("_" not in t.split("\n")[0] for t in titles), titles  # no raw keys such as drift_max
+    for key in ("tail_energy_mean", "drift_mean", "mismatch", "ajive_rank", "new_key"):
+        fig = diagnostics_figure(runs, methods, key)
+        if key == "new_key":
+            assert fig is None  # no run recorded it
+            continue
+        title, *hint = fig._suptitle.get_text().split("\n")
+        assert title == diag_title(key) and "_" not in title  # no raw keys such as drift_max
+        hint = " ".join(hint)  # one line of what a healthy run shows (wrapped to the figure's width)
+        assert hint.startswith("dashed (before sync): lower" if key == "mismatch" else "good: ") and len(hint) < 160, hint
+        assert [ax.get_title() for ax in fig.axes] == ["iid", "dirichlet:0.5"]  # one panel per setting
     assert diag_title("drift_max") == "client drift ‖Δᵢ − Δ̄‖ / ‖Δ̄‖ (max)" and diag_title("new_key") == "new key"
-    mism = next(ax for ax in fig.axes if ax.get_title().startswith("second moments of the clients"))
+    from fedgalore.report.plots import diag_hint, diagnostics_grid
+
+    grid = diagnostics_grid(runs, methods, ["tail_energy_max", "ajive_rank", "new_key"])  # the others, one panel each
+    titles = [" ".join(ax.get_title().split()) for ax in grid.axes if ax.get_visible()]  # the hint wrapped to fit
+    assert titles == [" ".join(f"{diag_title(k)} {diag_hint(k)}".split()) for k in ("tail_energy_max", "ajive_rank")]
+    mism = diagnostics_figure(runs, methods, "mismatch").axes[0]
     legend = [t.get_text() for t in mism.get_legend().get_texts()]
     assert any(t.startswith("before sync: spread across clients") for t in legend)
     assert any(t.startswith("after sync: clients' own V to the synced v̄") for t in legend)

@@ -161,7 +161,7 @@ def test_a_method_object_passed_in_code_gets_the_downlink_the_config_would(tmp_p
     assert method.options.downlink == "auto" and method.factored_downlink  # unresolved outside the engine
     res = fedgalore.run(cfg, method=method)
     assert method.options.downlink == "dense" and not method.factored_downlink
-    assert res.summary["status"] == "complete" and all(r["dropped"] == [] for r in res.history)
+    assert res.summary["status"] == "finished" and all(r["dropped"] == [] for r in res.history)
     bad = get_method("fedgalore", cfg.method.rank, update_proj_gap=50, downlink="factored")
     with pytest.raises(ConfigError, match="downlink='dense'") as err:
         Runtime(tiny_cfg(tmp_path / "b", "fedgalore", federation=fed), method=bad)

@@ -11,10 +11,12 @@ Python API::
     fedgalore.resume(result.run_dir)     # continue a stopped run
     fedgalore.export_run(result.run_dir, "exported/model")   # a Hugging Face folder (docs/export.md)
     fedgalore.evaluate("exported/model")                      # its metrics on the task's test split
+    fedgalore.predict("exported/model", "new.csv", "predictions.csv")   # predictions of a file (docs/export.md)
+    fedgalore.run_state(result.run_dir)                       # running / complete / failed / interrupted, live or not
 """
 __version__ = "0.1.0"
 
-__all__ = ["run", "resume", "export_run", "evaluate", "FederatedConfig", "load_config", "RunResult", "GaLoreAdamW"]
+__all__ = ["run", "resume", "export_run", "evaluate", "predict", "run_state", "FederatedConfig", "load_config", "RunResult", "GaLoreAdamW"]
 
 
 def __getattr__(name):  # lazy: importing fedgalore stays cheap
@@ -30,6 +32,14 @@ def __getattr__(name):  # lazy: importing fedgalore stays cheap
         from fedgalore.engine.evaluate import evaluate
 
         return evaluate
+    if name == "predict":
+        from fedgalore.engine.predict import predict
+
+        return predict
+    if name == "run_state":
+        from fedgalore.engine.liveness import run_state
+
+        return run_state
     if name in ("RunResult", "Federation"):
         from fedgalore.engine import loop
 

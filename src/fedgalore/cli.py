@@ -1,4 +1,4 @@
-"""The ``fedgalore`` command: run, compare, partition, plan, report, export, evaluate, bench, repro, methods, tasks.
+"""The ``fedgalore`` command: run, status, compare, partition, plan, report, export, evaluate, predict, bench, repro, methods, tasks.
 
 See ``docs/cli.md`` for every command with examples. User errors (unknown method / task / config
 key, a value of the wrong type or out of range, a missing file or asset) print one line on
@@ -170,20 +170,21 @@ def _resume_rounds(overrides: Sequence[str]) -> int | None:
     return rounds
 
 
-def _saved_task(run_dir: Path) -> str:
+def _saved_task(run_dir: Path) -> tuple[str, dict[str, Any]]:
     from omegaconf import OmegaConf
 
     try:
-        return str(OmegaConf.load(run_dir / "config.yaml").task.name)
+        task = OmegaConf.to_container(OmegaConf.load(run_dir / "config.yaml").task, resolve=True)
+        return str(task["name"]), dict(task.get("options") or {})
     except Exception:  # noqa: BLE001 - the resume itself reports an unreadable config
-        return ""
+        return "", {}
 
 
-def _hub_note(task: str) -> None:
+def _hub_note(task: str, options: dict[str, Any] | None = None) -> None:
     """Offline unless the task needs the hub and it answers (fedgalore.hub); say so when it does not."""
     from fedgalore.hub import prepare_hub
 
-    note = prepare_hub(task)
+    note = prepare_hub(task, options=options)
     if note:
         print(f"fedgalore: {note}", file=sys.stderr, flush=True)
 
@@ -198,14 +199,14 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--resume {str(run_dir)!r}: no such run directory")
         rounds = _resume_rounds(args.overrides)
         if (run_dir / "config.yaml").is_file():
-            _hub_note(_saved_task(run_dir))
+            _hub_note(*_saved_task(run_dir))
         progress = _progress(args.progress, None)
         result = resume(run_dir, progress=progress, rounds=rounds)
     else:
         if args.config is None:
             raise ConfigError("fedgalore run needs --config conf/pipeline/<name>.yaml (or --resume RUN_DIR)")
         cfg, _ = _load_config(args.config, args.overrides)
-        _hub_note(cfg.task.name)
+        _hub_note(cfg.task.name, cfg.task.options)
         result = run(cfg, progress=_progress(args.progress, cfg))
     s = result.summary
     print(f"final ({s.get('rounds_completed')}/{s.get('rounds')} rounds, {s.get('status')}): {_fmt_metrics(s.get('final') or {})}")
@@ -226,7 +227,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise ConfigError("fedgalore compare needs --methods (e.g. --methods fedgalore,fedavg_full) or compare.methods in the config")
     if not settings:
         settings = [cfg.setting_label()]
-    _hub_note(cfg.task.name)
+    _hub_note(cfg.task.name, cfg.task.options)
     options = _check_method_options(section.get("method_options"), "compare.method_options")
     if args.method_options:
         for label, opts in _read_method_options(args.method_options).items():
@@ -257,7 +258,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
     from fedgalore.engine.partition_files import format_partition, preview_partition
 
     cfg, _ = _load_config(args.config, args.overrides)
-    _hub_note(cfg.task.name)
+    _hub_note(cfg.task.name, cfg.task.options)
     rec, out = preview_partition(cfg, args.out)
     print(format_partition(rec))
     print(f"wrote {out / 'partition.json'} and {out / 'partition.png'}")
@@ -284,11 +285,14 @@ def cmd_report(args: argparse.Namespace) -> int:
     res = build_report(args.path, args.out, which=args.which, plots=not args.no_plots)
     out = res["out"]
     print((out / "table.md").read_text().split("### Runs")[0].rstrip())
-    plots = [p for p in res["files"] if p.suffix == ".png"]
+    plots = [p for p in res["files"] if p.suffix == ".png" and p.parent.name != "diagnostics"]
+    diags = [p for p in res["files"] if p.suffix == ".png" and p.parent.name == "diagnostics"]
     if (out / "client_eval.md") in res["files"]:  # federation.client_eval: each client's held-out metrics
         print("\n" + (out / "client_eval.md").read_text().rstrip())
     print(f"wrote {out / 'table.md'}, {out / 'table.tex'}, {out / 'comparison.json'}"
-          + (f" and {len(plots)} plots (PNG + PDF) in {out / 'plots'}" if plots else ""))
+          + (f" and {len(plots)} plots (PNG + PDF) in {out / 'plots'}" if plots else "")
+          + (f", {len(diags)} diagnostics (one figure each, with what good looks like) in {out / 'plots' / 'diagnostics'}"
+             if diags else ""))
     if args.tensorboard:
         from fedgalore.report.tensorboard import write_tensorboard
 
@@ -302,9 +306,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     from fedgalore.engine.lora_extract import RANK_NOTES
 
     res = export_run(args.run_dir, args.out, round=args.round, best=args.best, format=args.format, rank=args.rank,
-                     force=args.force, verify=not args.no_verify, device=args.device)
+                     force=args.force, verify=not args.no_verify, device=args.device, exact=args.exact)
     kind = ("Hugging Face folder, merged weights" if res.format == "hf" else
-            f"PEFT adapter, rank {res.rank} extracted from W - W0" if res.rank else "PEFT adapter")
+            f"PEFT adapter, rank {res.rank} extracted from W - W0" if res.rank else
+            "PEFT adapter, W - W0 as an exact LoRA" if res.exact else "PEFT adapter")
+    if res.live:
+        print(f"note: {res.live}")
     print(f"exported round {res.round} of {res.run_dir} to {res.out} ({kind}; "
           f"{res.processor or 'no tokenizer/image processor: the task makes its own inputs'})")
     if res.rank:
@@ -314,6 +321,14 @@ def cmd_export(args: argparse.Namespace) -> int:
                   f"relative error {f.rel_error:.4g}")
         print(f"total relative Frobenius error {res.total_error:.4g} over {len(res.matrices)} matrices"
               + (f"; {RANK_NOTES[res.method]}" if res.method in RANK_NOTES else ""))
+    if res.exact:
+        ranks = [f.rank for _, f in res.exact if f.rank > 0]
+        print(f"exact: ranks {min(ranks)}-{max(ranks)} (sum {sum(ranks)}) over {len(ranks)} matrices; adapter tensors "
+              f"{_mib(res.adapter_bytes)} against {_mib(res.dense_bytes)} for those matrices dense (fp32)")
+    elif res.format == "peft" and res.adapter_bytes is not None:
+        print(f"size:  adapter tensors {_mib(res.adapter_bytes)}")
+    if res.base_model:
+        print(f"base:  {res.base_model} (adapter_config.json base_model_name_or_path)")
     if res.check is not None:
         print(f"check: max |logit difference| {res.check:.3g} against the run's global model on "
               f"{PROBE_EXAMPLES} test examples")
@@ -324,6 +339,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mib(n: int | None) -> str:
+    return "?" if n is None else f"{n / 2**20:.2f} MiB"
+
+
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from fedgalore.engine.config import ConfigError
     from fedgalore.engine.evaluate import evaluate
@@ -331,11 +350,108 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     if args.overrides and args.config is None:
         raise ConfigError("key=value overrides change a --config: give --config CONFIG with them")
     cfg = _load_config(args.config, args.overrides)[0] if args.config is not None else None
-    ev = evaluate(args.path, cfg, data=args.data, device=args.device, batch_size=args.batch_size)
+    ev = evaluate(args.path, cfg, data=args.data, device=args.device, batch_size=args.batch_size, by=args.by)
     if args.json:
-        print(json.dumps({"source": ev.source, "task": ev.task, "examples": ev.examples, "metrics": ev.metrics}))
-    else:
-        print(f"{ev.source} on {ev.task} ({ev.examples} test examples): {_fmt_metrics(ev.metrics)}")
+        out = {"source": ev.source, "task": ev.task, "examples": ev.examples, "metrics": ev.metrics}
+        if ev.by is not None:
+            out.update(by=ev.by, groups=ev.groups, worst=ev.worst)
+        if ev.live:
+            out["live"] = ev.live
+        print(json.dumps(out))
+        return 0
+    if ev.live:
+        print(f"note: {ev.live}")
+    print(f"{ev.source} on {ev.task} ({ev.examples} test examples): {_fmt_metrics(ev.metrics)}")
+    if ev.by is not None:
+        print(_group_table(ev))
+    return 0
+
+
+def _group_table(ev: Any) -> str:
+    """``evaluate --by``: one line per group (rows, metrics) and the worst group."""
+    names = list(ev.groups)
+    metrics = [k for k in ev.groups[names[0]] if k != "n"]
+    width = max(len(ev.by), *(len(n) for n in names))
+    lines = [f"by {ev.by} ({len(names)} groups):", f"  {ev.by:<{width}}  {'n':>6}  " + "  ".join(f"{m:>12}" for m in metrics)]
+    for n in names:
+        g = ev.groups[n]
+        lines.append(f"  {n:<{width}}  {int(g['n']):>6}  " + "  ".join(f"{g[m]:>12.4f}" for m in metrics))
+    lines.append(f"worst {ev.by} (by the task's primary metric): {ev.worst} "
+                 f"({_fmt_metrics({k: v for k, v in ev.groups[ev.worst].items() if k != 'n'})})")
+    return "\n".join(lines)
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    """Predictions of an exported folder or a run for every row of a file (fedgalore.engine.predict)."""
+    from fedgalore.engine.config import ConfigError
+    from fedgalore.engine.predict import predict
+
+    if args.overrides and args.config is None:
+        raise ConfigError("key=value overrides change a --config: give --config CONFIG with them")
+    cfg = _load_config(args.config, args.overrides)[0] if args.config is not None else None
+    columns = _split_list(args.text_column, "--text-column") if args.text_column else None
+    with _row_progress(args.data, args.progress) as on_batch:
+        res = predict(args.path, args.data, args.out, cfg, batch_size=args.batch_size, device=args.device,
+                      text_column=columns, max_new_tokens=args.max_new_tokens, on_batch=on_batch, force=args.force)
+    if res.live:
+        print(f"note: {res.live}")
+    print(f"predicted {res.rows} rows of {args.data} with {res.source} ({res.task}); wrote {res.out} "
+          f"(the input columns and {', '.join(res.columns[:3])}{', ...' if len(res.columns) > 3 else ''})")
+    return 0
+
+
+class _row_progress:
+    """A progress bar over the predicted rows (``--progress``: ``auto`` — rich on a terminal, else
+    none —, ``rich``, or none with ``plain`` / ``quiet``): the context value is the ``on_batch(rows)``
+    callback ``(rows, total)`` (None: no bar)."""
+
+    def __init__(self, data: str, mode: str | None) -> None:
+        self.data, self.mode, self.bar = data, mode or "auto", None
+
+    def __enter__(self) -> Any:
+        if self.mode in ("quiet", "plain") or (self.mode == "auto" and not sys.stderr.isatty()):
+            return None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(TextColumn("predict"), BarColumn(), MofNCompleteColumn(), TextColumn("rows"),
+                            TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+        self.bar.start()
+        self.task = self.bar.add_task("predict", total=None)
+
+        def on_batch(k: int, total: int) -> None:
+            self.bar.update(self.task, advance=k, total=total)
+
+        return on_batch
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Whether a run (or each run under a folder) is running, complete, failed or interrupted,
+    and whether its process is alive (fedgalore.engine.liveness)."""
+    from fedgalore.engine.config import ConfigError
+    from fedgalore.engine.liveness import run_state
+
+    root = Path(args.run_dir)
+    if not root.is_dir():
+        raise ConfigError(f"{root}: no such run directory")
+    if (root / "config.yaml").is_file() or (root / "summary.json").is_file():
+        dirs = [root]
+    else:  # a comparison folder, or any folder of runs
+        dirs = sorted({p.parent for p in root.rglob("summary.json") if not any(part.startswith(".") for part in p.relative_to(root).parts)})
+        if not dirs:
+            raise ConfigError(f"{root} holds no run (no summary.json or config.yaml in it or below it)")
+    states = [run_state(d) for d in dirs]
+    if args.json:
+        print(json.dumps([s.to_json() for s in states] if len(states) > 1 else states[0].to_json(), indent=1))
+        return 0
+    for s in states:
+        print(s.verdict())
+        if len(states) == 1 and s.last_metrics:
+            print(f"last metrics (round {s.last_round}): {_fmt_metrics(s.last_metrics)}")
     return 0
 
 
@@ -546,6 +662,9 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--format", choices=("hf", "peft"), default="hf",
                     help="hf: merged weights (default); peft: a LoRA adapter (FedIT, FFA-LoRA, LoRA-FAIR; others need --rank)")
     ex.add_argument("--rank", type=int, help="with --format peft: extract a rank-R LoRA adapter from W - W0 (any method)")
+    ex.add_argument("--exact", action="store_true",
+                    help="with --format peft: W - W0 as an exact LoRA at its numerical rank (FedGaLore with "
+                         "train.weight_decay=0, FLoRA, FR-LoRA)")
     ex.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
     ex.add_argument("--no-verify", action="store_true", help="skip loading the folder back to compare logits")
     ex.add_argument("--device", default="cpu", help="where to build the model (default cpu)")
@@ -558,8 +677,29 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", metavar="FILE", help="evaluate on this file instead of the test split (tasks that read files)")
     ev.add_argument("--batch-size", type=int, help="evaluation batch size (default: federation.eval_batch_size)")
     ev.add_argument("--device", default="cpu", help="where to run the model (default cpu)")
+    ev.add_argument("--by", metavar="COLUMN", help="also the metrics of every group of test rows sharing a value of "
+                    "COLUMN (e.g. site), from one pass, and the worst group")
     ev.add_argument("--json", action="store_true", help="print the result as one JSON object")
     ev.set_defaults(func=cmd_evaluate)
+
+    pr = sub.add_parser("predict", parents=[common], help="predictions of an exported folder or a run for every row of a file")
+    pr.add_argument("path", metavar="DIR_OR_RUN")
+    pr.add_argument("--data", required=True, metavar="FILE", help="the rows to predict (.csv .tsv .json .jsonl .parquet; no label needed)")
+    pr.add_argument("--out", required=True, metavar="FILE", help="where to write the rows with their predictions (.csv or .jsonl)")
+    pr.add_argument("--config", help="the task that makes the inputs (default: the run's config; an export carries it)")
+    pr.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of --config")
+    pr.add_argument("--text-column", metavar="COL[,COL2]", help="text column(s) to classify (default: the task's text_column)")
+    pr.add_argument("--max-new-tokens", type=int, help="causal_lm: tokens generated per row (default: the task's max_new_tokens)")
+    pr.add_argument("--batch-size", type=int, help="batch size (default: federation.eval_batch_size)")
+    pr.add_argument("--device", default="cpu", help="where to run the model (default cpu)")
+    pr.add_argument("--force", action="store_true", help="replace --out if it exists")
+    pr.add_argument("--progress", choices=PROGRESS_MODES, help="auto (default): a progress bar on a terminal; quiet: none")
+    pr.set_defaults(func=cmd_predict)
+
+    st = sub.add_parser("status", parents=[common], help="is a run running, complete, failed or interrupted; is its process alive")
+    st.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or a folder of runs: one line each)")
+    st.add_argument("--json", action="store_true", help="print the state as JSON")
+    st.set_defaults(func=cmd_status)
 
     b = sub.add_parser("bench", parents=[common], help="run benchmarks/NAME.py (or 'all')")
     b.add_argument("name", nargs="?", help="benchmark name (fedgalore bench --list)")
@@ -619,9 +759,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)(\.|$)")
     try:
         return args.func(args)
-    except KeyboardInterrupt as exc:
-        print(f"fedgalore: interrupted; {_continue_hint(args, getattr(exc, 'run_dir', None))}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # Ctrl-C; SIGTERM arrives as its subclass Terminated (fedgalore.engine.liveness)
+        term = type(exc).__name__ == "Terminated"
+        print(f"fedgalore: {'stopped by SIGTERM' if term else 'interrupted'}; {_continue_hint(args, getattr(exc, 'run_dir', None))}",
+              file=sys.stderr)
+        return 143 if term else 130
     except _user_errors() as exc:
         if debug:
             traceback.print_exc()

@@ -5,7 +5,7 @@ only the method, the partition setting and the seed per cell — rounds, local s
 clients, evaluation and everything else stay those of the base config, so every method gets the
 same training budget (docs/design.md §4). Cells run one after another; each cell's resolved config is
 saved before it runs, and a restart skips the finished cells (``summary.json`` says
-``status: complete``) and resumes an unfinished one from its last checkpoint — only when the
+``status: finished``; ``complete`` in runs from before issue 44) and resumes an unfinished one from its last checkpoint — only when the
 cell's run is this cell's: the same identity (:mod:`fedgalore.engine.identity`: the resolved
 config with every option's default filled in, and the model and data files it read). A cell that
 ran with another config or inputs is refused before any cell runs, naming what differs;
@@ -62,6 +62,7 @@ from typing import Any, Callable, Mapping, Sequence
 from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import ProgressSink
 from fedgalore.engine.identity import Difference, RunIdentity, compare_with_saved, run_identity, summarize
+from fedgalore.engine.liveness import is_finished
 from fedgalore.federated.partition import PartitionConfig, parse_setting
 from fedgalore.methods.base import MethodError, available_methods, parse_options, split_options
 
@@ -212,7 +213,7 @@ def cell_status(run_dir: Path) -> str:
         status = json.loads(summary.read_text()).get("status")
     except (json.JSONDecodeError, OSError):
         return "running"
-    return "complete" if status == "complete" else "running"
+    return "complete" if is_finished(status) else "running"
 
 
 def _save_cell_config(cell: Cell, out: Path) -> None:

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.engine.privacy_ledger import privacy_plan
 from fedgalore.federated.client import optimizer_steps
 from fedgalore.methods.base import MethodOptions, parse_options, split_options
 from fedgalore.methods.fedgalore import FedGaLoreOptions
@@ -63,6 +64,7 @@ __all__ = [
     "memory_plan",
     "make_plan",
     "format_plan",
+    "format_privacy_plan",
 ]
 
 #: hub models whose config the plan knows without the hub (transformers ``LlamaConfig`` fields)
@@ -94,6 +96,10 @@ class ModelSpec:
     dtype: torch.dtype
     arch: dict[str, Any] = field(default_factory=dict)  # causal LM geometry (activations, KV cache)
     source: str = ""
+    #: ``task.options.quantization`` (4bit | 8bit; None: none) and the weights it quantises (every
+    #: nn.Linear's except the head and lm_head: fedgalore.tasks.quantize)
+    quantization: str | None = None
+    quantizable: list[str] = field(default_factory=list)
 
     def bytes(self) -> int:
         size = torch.empty(0, dtype=self.dtype).element_size()
@@ -132,6 +138,7 @@ def model_spec(cfg: FederatedConfig) -> tuple[ModelSpec, Task | None]:
             model = AutoModelForCausalLM.from_config(config)
         targets = resolve_target_modules(model, LLAMA_TARGET_MODULES)
         params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        quant = opts.get("quantization") or ("4bit" if opts.get("load_in_4bit") else None)
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         arch = {"causal_lm": True, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
@@ -140,16 +147,49 @@ def model_spec(cfg: FederatedConfig) -> tuple[ModelSpec, Task | None]:
                 "max_length": int(opts.get("max_length", 1024 if name == "metamath" else 160)),
                 "max_new_tokens": int(opts.get("max_new_tokens", opts.get("eval_max_new_tokens", 512 if name == "metamath" else 96))),
                 "gradient_checkpointing": bool(opts.get("gradient_checkpointing", False))}
-        return ModelSpec(params, targets, [], dtype, arch, source), None
+        return ModelSpec(params, targets, [], dtype, arch, source, quant, _quantizable(model, ()) if quant else []), None
     if name not in TASKS:
         raise TaskError(f"unknown task {name!r}")
+    quant = opts.pop("quantization", None)  # planned from the dense model: quantising needs a CUDA GPU
     task = get_task(name, **opts)
     model = task.build_model()
     targets = resolve_target_modules(model, task.target_modules, exclude=task.head_modules)
     head_params = head_parameters(model, task.head_modules)
     dtype = next(model.parameters()).dtype
     params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    return ModelSpec(params, targets, head_params, dtype, {"causal_lm": False}, f"task {name}"), task
+    return (ModelSpec(params, targets, head_params, dtype, {"causal_lm": False}, f"task {name}", quant,
+                      _quantizable(model, task.head_modules) if quant else []), task)
+
+
+def _quantizable(model: nn.Module, heads: Sequence[str]) -> list[str]:
+    """The weights bitsandbytes quantises: every ``nn.Linear``'s outside the head modules and ``lm_head``."""
+    skip = tuple(heads) + ("lm_head",)
+    return [f"{n}.weight" for n, m in model.named_modules()
+            if isinstance(m, nn.Linear) and not any(n == h or n.startswith(h + ".") for h in skip)]
+
+
+def quantized_for(spec: ModelSpec, method: str) -> bool:
+    """Whether a run of ``method`` holds ``spec``'s base quantised: only the methods that train LoRA
+    adapters on a frozen base (the config check refuses the others)."""
+    from fedgalore.methods.base import available_methods, method_class
+
+    return bool(spec.quantization) and method in available_methods() and method_class(method).explicit_adapters
+
+
+def quantized_model_bytes(spec: ModelSpec) -> tuple[int, int]:
+    """(bytes of the base weights as a run holds them with ``spec.quantization``, as dense ``spec.dtype``
+    weights): quantised matrices (:func:`fedgalore.tasks.quantize.quantized_bytes`), the
+    other tensors in fp32 (PEFT's ``prepare_model_for_kbit_training`` casts 16-bit ones up)."""
+    from fedgalore.tasks.quantize import quantized_bytes
+
+    size = torch.empty(0, dtype=spec.dtype).element_size()
+    quant = set(spec.quantizable)
+    dense = held = 0
+    for n, shape in spec.params:
+        numel = int(np.prod(shape))
+        dense += numel * size
+        held += quantized_bytes(shape, spec.quantization) if n in quant else numel * max(size, 4)
+    return held, dense
 
 
 # ============================================================================ the miniature
@@ -382,7 +422,12 @@ def probe_method(cfg: FederatedConfig, spec: ModelSpec, method: str, options: di
         opts = {**opts, "downlink": "dense"}
     dims = DimMap(spec, cfg.method.rank)
     if galore:
+        # one refresh per step: client j's record has refreshes[j] terms, as galore_terms counts them for the real
+        # run -- steps schedule: the first adaptive_proj_steps data-driven; epoch / share schedules: all but the
+        # last data-driven (the switch to R_k at the miniature's last step: adaptive_epochs 1 of its one epoch)
         opts = {**opts, "update_proj_gap": 1}
+        if parsed.projector_schedule != "steps":
+            opts.update(projector_schedule="epoch", adaptive_epochs=1.0)
         if isinstance(opts.get("joint_rank"), int):
             opts["joint_rank"] = min(int(opts["joint_rank"]), dims.r_mini)
     sizes = [max(int(q), 1) if galore else 1 for q in refreshes]
@@ -398,6 +443,10 @@ def probe_method(cfg: FederatedConfig, spec: ModelSpec, method: str, options: di
     })
     data["train"] = {**data["train"], "batch_size": 1, "grad_accum_steps": 1, "local_steps": None, "local_epochs": 1}
     data["output"] = {**data.get("output", {}), "checkpoint_every": 100, "keep_checkpoints": 1, "progress": "quiet"}
+    # the miniature is dense and on the CPU (a quantised base is counted by memory_plan); it keeps no adapters
+    data["task"] = {**data["task"], "options": {k: v for k, v in (data["task"].get("options") or {}).items()
+                                                if k not in ("quantization", "load_in_4bit")}}
+    data["export"] = {}
     probe_cfg = FederatedConfig.from_dict(data)
     task = _ProbeTask(spec, dims, sum(sizes))
     tmp = Path(tempfile.mkdtemp(prefix="fedgalore-plan-"))
@@ -552,19 +601,37 @@ DENSE_UPLOADS = frozenset({"fedavg_full"})
 HOST_RUNTIME = 3 * GIB
 
 
+def low_precision_bytes(cfg: FederatedConfig, spec: ModelSpec, probe: Probe) -> int:
+    """What GaLoreAdamW keeps for bf16 / fp16 GaLore weights (the miniature runs in fp32 and has
+    none): ``low_precision: compensated`` the rounding each step lost, in the weights' dtype (2
+    bytes per entry of the adapted matrices); ``master`` an fp32 copy (4 bytes); ``off`` nothing."""
+    if "GaLoreAdamW" not in probe.optimizers or spec.dtype not in (torch.bfloat16, torch.float16):
+        return 0
+    _, parsed = _method_setting(cfg, probe.method, dict(cfg.method.options))
+    mode = getattr(parsed, "low_precision", "off")
+    per = {"compensated": torch.empty(0, dtype=spec.dtype).element_size(), "master": 4}.get(mode, 0)
+    shapes = dict(spec.params)
+    return per * sum(int(np.prod(shapes[f"{t}.weight"])) for t in spec.targets)
+
+
 def memory_plan(cfg: FederatedConfig, spec: ModelSpec, probe: Probe, clients_per_round: int) -> dict[str, Any]:
     """Components (bytes) and per-phase peaks (:func:`phase_peaks`) of one round of ``cfg``;
     the host column includes :data:`HOST_RUNTIME`."""
     tc = cfg.train
     a = spec.arch
     tokens = int(a.get("max_length", 0))
-    comp = {"model": probe.model, "gradients": probe.trained, "optimizer_state": probe.optimizer_state,
+    model = probe.model
+    if quantized_for(spec, probe.method):  # the frozen base quantised: its dense bytes out, the quantised ones in
+        held, dense = quantized_model_bytes(spec)
+        model = probe.model - dense + held
+    comp = {"model": model, "gradients": probe.trained, "optimizer_state": probe.optimizer_state,
             "activations": activation_bytes(a, tc.batch_size, tokens, spec.dtype), "server_state": probe.server_state,
             "broadcast_blob": probe.down, "upload_blob": probe.up,
             "eval_kv_cache": kv_cache_bytes(a, cfg.federation.eval_batch_size, tokens + int(a.get("max_new_tokens", 0)), spec.dtype)}
     on_host = not (cfg.device.startswith("cuda") or cfg.device == "mps")
     if "AdamW" in probe.optimizers:  # torch's AdamW (GaLoreAdamW is a different class)
         comp["optimizer_step_transient"] = int(ADAMW_STEP_TRANSIENT["cpu" if on_host else "fused"] * probe.trained)
+    comp["optimizer_state"] += low_precision_bytes(cfg, spec, probe)
     phases = phase_peaks(comp, clients_per_round, on_host, bool(cfg.diagnostics), probe.method in DENSE_UPLOADS)
     for v in phases.values():
         v["host"] += HOST_RUNTIME
@@ -594,6 +661,32 @@ def _client_sizes(cfg: FederatedConfig, task: Task | None, train_examples: int |
     return [int(n) // M + (1 if i < int(n) % M else 0) for i in range(M)]
 
 
+def galore_terms(n: int, cfg: FederatedConfig, options: FedGaLoreOptions) -> tuple[int, int]:
+    """(data-driven, seeded) terms of the update record of a FedGaLore client with ``n`` examples:
+    one per projector refresh. Steps schedule: ``q = ⌈T/τ⌉`` refreshes, the first
+    ``adaptive_proj_steps`` data-driven for ``*_then_random`` (all data-driven for ``svd``/``rsvd``,
+    all seeded for ``random``). Epoch / share schedules (``*_then_random``): refreshes at steps
+    ``0, τ, 2τ, … < s`` (data-driven) and one at the switch ``s`` to ``R_k``
+    (:func:`fedgalore.federated.client.epoch_switch_step`), ``⌈s/τ⌉`` and 1."""
+    from fedgalore.federated.client import epoch_switch_step
+
+    steps, tau, proj = _steps(n, cfg), options.update_proj_gap, options.projector
+    if proj == "identity":
+        return 1, 0
+    if options.projector_schedule != "steps" and proj.endswith("_then_random") and options.adaptive_scope == "round":
+        k = max(int(getattr(cfg.train, "grad_accum_steps", 1)), 1)
+        if options.projector_schedule == "epoch":
+            switch = epoch_switch_step(n, cfg.train.batch_size, k, options.adaptive_epochs, steps)
+        else:
+            switch = max(0, min(math.ceil(options.adaptive_share * steps - 1e-9), steps - 1))
+        return -(-switch // tau), 1
+    q = max(-(-steps // tau), 1)
+    if proj.endswith("_then_random"):
+        dd = min(q, options.adaptive_proj_steps) if options.adaptive_scope == "round" else q
+        return dd, q - dd
+    return (0, q) if proj == "random" else (q, 0)
+
+
 def _steps(n: int, cfg: FederatedConfig) -> int:
     """Optimizer steps of a client with ``n`` examples in one round."""
     tc = cfg.train
@@ -612,15 +705,17 @@ def make_plan(cfg: FederatedConfig, methods: Sequence[str] | None = None, method
     M = len(sizes)
     K = cfg.federation.clients_per_round or M
     out: dict[str, Any] = {"config": cfg.name, "model": spec.source, "dtype": str(spec.dtype).replace("torch.", ""),
+                           "quantization": spec.quantization,
                            "params": sum(int(np.prod(s)) for _, s in spec.params), "targets": len(spec.targets),
                            "clients": M, "clients_per_round": K, "rounds": cfg.federation.rounds, "device": cfg.device,
                            "client_examples": sizes, "methods": {}}
+    out["privacy"] = privacy_plan(cfg, sizes, lambda n: _steps(n, cfg))  # the ε privacy.record will spend (or none)
     for method in methods:
         options = {**dict(cfg.method.options), **dict((method_options or {}).get(method, {}))}
         _, parsed = _method_setting(cfg, method, options)
         galore = isinstance(parsed, FedGaLoreOptions)
-        tau = parsed.update_proj_gap if galore else 0
-        qs = [max(-(-_steps(n, cfg) // tau), 1) if galore else 0 for n in sizes]
+        terms = [galore_terms(n, cfg, parsed) if galore else (0, 0) for n in sizes]  # (data-driven, seeded) per client
+        qs = [max(d + sd, 1) if galore else 0 for d, sd in terms]
         distinct = sorted(set(qs))
         clients = distinct if len(distinct) >= 2 or K == 1 else distinct * 2
         base = probe_method(cfg, spec, method, options, clients)
@@ -631,10 +726,11 @@ def make_plan(cfg: FederatedConfig, methods: Sequence[str] | None = None, method
         mem = memory_plan(cfg, spec, base, K)
         out["methods"][method] = {
             "refreshes_per_round": distinct if galore else None,
+            "data_driven_terms_per_round": sorted({d for d, _ in terms}) if galore else None,
             "up_by_client": up, "up_tensor_bytes_by_client": [base.up_by_refreshes[q][1] for q in qs],
             "down_per_client": base.down, "down_per_client_round0": base.down_first, "up_per_client": up_mean,
             "per_round": {"down": per_round_down, "up": per_round_up}, "run_total": total,
-            "probe": dataclasses.asdict(base), "memory": mem,
+            "probe": dataclasses.asdict(base), "memory": mem, "quantized_base": quantized_for(spec, method),
         }
     return out
 
@@ -645,7 +741,8 @@ def _gib(x: float) -> str:
 
 def format_plan(plan: dict[str, Any], accelerator_gib: float = 78.0, host_gib: float = 120.0) -> str:
     """Markdown: traffic per method, memory components and per-phase peaks, fit verdicts."""
-    lines = [f"# Plan: {plan['config']} — {plan['model']} ({plan['params'] / 1e9:.2f} B params, {plan['dtype']}, "
+    quant = f", {plan['quantization']} base for the LoRA methods" if plan.get("quantization") else ""
+    lines = [f"# Plan: {plan['config']} — {plan['model']} ({plan['params'] / 1e9:.2f} B params, {plan['dtype']}{quant}, "
              f"{plan['targets']} adapted matrices), {plan['clients_per_round']} of {plan['clients']} clients per round, "
              f"{plan['rounds']} rounds, device {plan['device']}", "",
              "## Traffic (bytes exactly from shapes and payload types; GiB)", "",
@@ -667,4 +764,42 @@ def format_plan(plan: dict[str, Any], accelerator_gib: float = 78.0, host_gib: f
                      f"{_gib(c['server_state'])} | {_gib(c['broadcast_blob'])} | {_gib(c['upload_blob'])} | {_gib(c['eval_kv_cache'])} | "
                      f"{_gib(pk['accelerator']) + ' (' + r['memory']['peak_phase']['accelerator'].replace('_', ' ') + ')' if not on_host else '–'} | "
                      f"{_gib(pk['host'])} ({r['memory']['peak_phase']['host'].replace('_', ' ')}) | {'yes' if fits else '**no**'} |")
+    if "privacy" in plan:
+        lines += [""] + format_privacy_plan(plan["privacy"])
     return "\n".join(lines) + "\n"
+
+
+def _eps(x: float) -> str:
+    return "∞" if not math.isfinite(x) else f"{x:.3g}"
+
+
+def format_privacy_plan(priv: dict[str, Any], max_rows: int = 12) -> list[str]:
+    """The plan's privacy section (:func:`fedgalore.engine.privacy_ledger.privacy_plan`): the ε(δ)
+    each site will spend, before the run."""
+    rec = priv.get("record")
+    if rec is None:
+        return ["## Privacy", "", "None: no differential privacy (privacy.record unset) — nothing the sites upload is "
+                "protected."]
+    how = (f"σ calibrated per site to ε = {rec['target_epsilon']:g} over its "
+           f"{'expected' if rec['calibration'] == 'expected' else 'every'} round(s)" if rec["target_epsilon"] is not None
+           else f"σ = {rec['noise_multiplier']:g}")
+    sites = priv["sites"]
+    lines = [f"## Privacy (record-level DP-SGD at each site: C = {rec['max_grad_norm']:g}, {how}; Opacus "
+             f"{rec['accountant'].upper()} accountant, Poisson sampling, δ = {rec['delta']:g})", "",
+             f"ε per site if it takes part in its expected {priv['participation']:.3g} × {priv['rounds']} = "
+             f"{priv['participation'] * priv['rounds']:.3g} rounds: up to **{_eps(priv['epsilon_planned_max'])}**; if it "
+             f"takes part in every round: up to {_eps(priv['epsilon_every_round_max'])}.", ""]
+    small = min((r["num_examples"] for r in sites if r["num_examples"] > 0), default=0)
+    if small and rec["delta"] >= 1.0 / small:
+        lines += [f"**A run refuses this config:** δ = {rec['delta']:g} is not below 1/n = {1.0 / small:.3g} for the smallest "
+                  f"site ({small} examples).", ""]
+    lines += ["| examples | sites | q | steps / round | σ | planned rounds | ε planned | ε every round |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    shown = sites if len(sites) <= max_rows else sites[: max_rows // 2] + sites[-(max_rows // 2):]
+    for i, r in enumerate(shown):
+        if len(sites) > max_rows and i == max_rows // 2:
+            lines.append(f"| … {len(sites) - max_rows} more sizes | | | | | | | |")
+        lines.append(f"| {r['num_examples']} | {r['sites']} | {r['sample_rate']:.3g} | {r['steps_per_round']} | "
+                     f"{r['noise_multiplier']:.3g} | {r['planned_rounds']:.3g} | {_eps(r['epsilon_planned'])} | "
+                     f"{_eps(r['epsilon_every_round'])} |")
+    return lines

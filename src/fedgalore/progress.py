@@ -14,6 +14,7 @@ comparison grid): ``start`` / ``close`` bracket each run.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from typing import Any, TextIO
@@ -33,6 +34,15 @@ def _evals(record: dict[str, Any], limit: int = 3) -> str:
     return " ".join(f"{k}={v:.4f}" for k, v in items[:limit])
 
 
+def _train_loss(record: dict[str, Any]) -> str:
+    """``train loss X``; under privacy.record (losses withheld by the sites) the ε spent so far instead."""
+    loss = record.get("train_loss", float("nan"))
+    eps = record.get("dp_epsilon")
+    if isinstance(eps, (int, float)) and not (isinstance(loss, (int, float)) and math.isfinite(loss)):
+        return f"DP ε ≤ {eps:.3g} (train losses withheld)"
+    return f"train loss {loss:.4f}" + (f" | DP ε ≤ {eps:.3g}" if isinstance(eps, (int, float)) else "")
+
+
 def _hms(seconds: float) -> str:
     seconds = max(0, int(round(seconds)))
     h, rem = divmod(seconds, 3600)
@@ -40,9 +50,15 @@ def _hms(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m:02d}:{s:02d}"
 
 
-def _clients(clients: list[int], limit: int = 8) -> str:
-    text = ",".join(str(c) for c in clients[:limit])
-    return text + (f",… ({len(clients)})" if len(clients) > limit else "")
+def _clients(clients: list[int], limit: int = 8, names: list[str] | None = None) -> str:
+    """The sampled clients: their names when the data names them (a natural partition's sites), else
+    their numbers; at most ``limit``, then the count."""
+    def label(c: int) -> str:
+        return str(names[c]) if names is not None and 0 <= int(c) < len(names) else str(c)
+
+    sep = ", " if names is not None else ","
+    text = sep.join(label(c) for c in clients[:limit])
+    return text + (f"{sep}… ({len(clients)})" if len(clients) > limit else "")
 
 
 class QuietProgress(ProgressSink):
@@ -58,6 +74,7 @@ class PlainProgress(ProgressSink):
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream
         self.total = 0
+        self.names: list[str] | None = None
         self.started_at = 0.0
         self.first_round = 0
         self.run_name = ""
@@ -70,6 +87,7 @@ class PlainProgress(ProgressSink):
         self.total, self.started_at = total_rounds, time.perf_counter()
         self.first_round = int(info.get("start_round", 0) or 0)
         self.run_name = str(info.get("run_name") or "")
+        self.names = info.get("client_names")  # a natural partition's site names (None: numbered clients)
         what = " ".join(f"{k}={info[k]}" for k in ("method", "task") if info.get(k))
         resumed = f" (resuming after round {self.first_round})" if self.first_round else ""
         where = f" -> {info['run_dir']}" if info.get("run_dir") else ""
@@ -81,8 +99,8 @@ class PlainProgress(ProgressSink):
         eta = elapsed / max(done, 1) * (self.total - round - 1)
         parts = [
             f"round {round + 1}/{self.total}",
-            f"clients {_clients(list(record.get('clients', [])))}",
-            f"train loss {record.get('train_loss', float('nan')):.4f}",
+            f"{'sites' if self.names else 'clients'} {_clients(list(record.get('clients', [])), names=self.names)}",
+            _train_loss(record),
         ]
         ev = _evals(record)
         if ev:
@@ -126,6 +144,7 @@ class RichProgress(ProgressSink):
         self._steps: Any = None
         self._status = _StatusLine()
         self.total = 0
+        self.names: list[str] | None = None
         self.clients: list[int] = []
         self.last = ""
         self.cum_up = 0
@@ -138,6 +157,7 @@ class RichProgress(ProgressSink):
 
         self.close()
         self.total, self.last, self.cum_up, self.cum_down = total_rounds, "", 0, 0
+        self.names = info.get("client_names")  # a natural partition's site names (None: numbered clients)
         first = int(info.get("start_round", 0) or 0)
         self.console.print(f"[bold]{info.get('run_name', '')}[/bold]  method={info.get('method', '?')} task={info.get('task', '?')}"
                            + (f"  (resuming after round {first})" if first else ""))
@@ -158,7 +178,8 @@ class RichProgress(ProgressSink):
         self._live.start()
 
     def _set_status(self) -> None:
-        self._status.text = f"clients [{_clients(self.clients)}]" + (f" | {self.last}" if self.last else "")
+        self._status.text = (f"{'sites' if self.names else 'clients'} [{_clients(self.clients, names=self.names)}]"
+                             + (f" | {self.last}" if self.last else ""))
 
     def round_start(self, round: int, clients: list[int]) -> None:
         self.clients = list(clients)
@@ -171,7 +192,8 @@ class RichProgress(ProgressSink):
             return
         i = self.clients.index(client) + 1 if client in self.clients else 0
         self._progress.reset(self._steps, total=max(steps, 1), completed=0, visible=True,
-                             description=f"  client {client} ({i}/{len(self.clients)})", info="")
+                             description=f"  {'site' if self.names else 'client'} {_clients([client], names=self.names)} "
+                                         f"({i}/{len(self.clients)})", info="")
 
     def client_step(self, round: int, client: int, step: int, steps: int, loss: float) -> None:
         if self._progress is not None:
@@ -181,7 +203,7 @@ class RichProgress(ProgressSink):
         self.cum_up = int(record.get("cum_bytes_up", self.cum_up + int(record.get("bytes_up", 0))))
         self.cum_down = int(record.get("cum_bytes_down", self.cum_down + int(record.get("bytes_down", 0))))
         ev = _evals(record, limit=2)
-        self.last = (f"round {round + 1}: train loss {record.get('train_loss', float('nan')):.4f}" + (f" | eval {ev}" if ev else "")
+        self.last = (f"round {round + 1}: {_train_loss(record)}" + (f" | eval {ev}" if ev else "")
                      + f" | sent ↑{format_bytes(self.cum_up)} ↓{format_bytes(self.cum_down)}")
         self._set_status()
         if self._progress is not None:

@@ -13,7 +13,8 @@
   :mod:`fedgalore.flower`);
 * :mod:`~fedgalore.engine.validation` — server-side checks of client uploads;
 * :mod:`~fedgalore.engine.loop` — :class:`~fedgalore.engine.loop.Federation`, the round loop;
-* :mod:`~fedgalore.engine.rundir` — the run directory's files;
+* :mod:`~fedgalore.engine.rundir` — the run directory's files; :mod:`~fedgalore.engine.liveness` —
+  its lock, heartbeat and state (``fedgalore status``);
 * :mod:`~fedgalore.engine.identity` — a run's identity (resolved config, input fingerprints),
   compared before a run directory is reused;
 * :mod:`~fedgalore.engine.api` — ``run`` and ``resume``;

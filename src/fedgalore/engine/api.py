@@ -14,6 +14,7 @@ from pathlib import Path
 from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
 from fedgalore.engine.events import LogProgress, ProgressSink
 from fedgalore.engine.identity import compare_with_saved, run_identity, summarize
+from fedgalore.engine.liveness import is_finished
 from fedgalore.engine.loop import Federation, RunResult
 from fedgalore.engine.resolve import config_for_method
 from fedgalore.engine.rundir import extension_problem, saved_summary
@@ -86,6 +87,6 @@ def _resume(run_dir: Path, *, progress=None, task=None, method=None, cfg: Federa
                 f"extended need train.schedule_scope=round, or train.schedule=constant with train.warmup_ratio=0"
             )
         saved.federation.rounds = int(rounds)
-    elif s.get("status") == "complete":
+    elif is_finished(s.get("status")):
         return RunResult(run_dir, s, read_jsonl(run_dir / "metrics.jsonl"))
     return Federation(saved, run_dir=run_dir, progress=progress, task=task, method=method, resume=True).run()

@@ -15,11 +15,15 @@ task's own ``evaluate``. The round's ``metrics.jsonl`` record gets
   values, unweighted: the spread across sites) and ``eval/client_range_<p>`` (max − min);
 * ``client_eval``: ``{"worst_client": name, "clients": {name: {"n": n_j, <metric>: value}}}``.
 
-Cost: one forward pass over the held-out parts, ``client_test_fraction`` of the training set, per
-evaluation round — one ``evaluate`` call per client, batches not spanning clients (at most one
-partial batch each). It runs on the server, like the pooled evaluation, for every backend
-(sequential, Ray, Flower): the server's runtime holds each client's held-out indices, and the
-workers train on the training parts only (the parts they are sent).
+Cost: one batched forward pass over the union of the held-out parts (``client_test_fraction`` of
+the training set), split by client afterwards (:meth:`fedgalore.tasks.base.Task.evaluate_groups`:
+full batches spanning clients, each client's metrics computed from its examples' records — equal
+to evaluating the client alone), every ``federation.client_eval_every`` rounds (default: with
+every evaluation; ``benchmarks/client_eval_pass.py`` measures it against a pooled evaluation of
+the same rows). A task of one's own without per-example records is evaluated client by client.
+It runs on the server, like the pooled evaluation, for every backend (sequential, Ray, Flower):
+the server's runtime holds each client's held-out indices, and the workers train on the training
+parts only (the parts they are sent).
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ import numpy as np
 from torch import nn
 
 from fedgalore.engine.clients import Clients
-from fedgalore.tasks.base import Task, subset_examples
+from fedgalore.tasks.base import Task
 
 __all__ = ["evaluate_clients", "summarize_clients"]
 
@@ -39,12 +43,11 @@ def evaluate_clients(task: Task, model: nn.Module, train_data: Sequence[Any], cl
     """``{client name: {"n": held-out examples, metric: value, ...}}`` of ``model`` on every
     client's held-out part (``clients.test_parts``; with per-site data each site's own test
     rows, ``clients.test_split``)."""
-    out = {}
     data = task.test_set() if clients.test_split else train_data
-    for j, idx in enumerate(clients.test_parts or []):
-        metrics = task.evaluate(model, subset_examples(data, idx), batch_size)
-        out[clients.name(j)] = {"n": int(len(idx)), **{k: float(v) for k, v in metrics.items()}}
-    return out
+    parts = list(clients.test_parts or [])
+    per = task.evaluate_groups(model, data, parts, batch_size) if parts else []
+    return {clients.name(j): {"n": int(len(idx)), **{k: float(v) for k, v in metrics.items()}}
+            for j, (idx, metrics) in enumerate(zip(parts, per))}
 
 
 def summarize_clients(per_client: dict[str, dict[str, float]], primary: str,

@@ -10,7 +10,10 @@ without training) both call it, so the preview is the run's split. In order:
    by category (:func:`~fedgalore.tasks.base.stratified_split`, seed
    :func:`~fedgalore.federated.seeding.validation_seed`);
 3. the partition of the rest (:func:`~fedgalore.federated.partition.make_partition`) over the
-   categories — or, for ``natural``, over the client column;
+   categories — or, for ``natural``, over the client column; with
+   ``federation.partition.min_client_size`` (``natural``, ``files``) a site holding fewer training
+   examples is dropped — one logged line each, naming it — and its examples are trained by nobody
+   (:func:`drop_small_clients`);
 4. ``federation.client_eval``: each client's share split into its training part and a held-out
    part of ``federation.client_test_fraction``, stratified by category within the client (seed
    :func:`~fedgalore.federated.seeding.client_test_seed` and the client id). With per-site data
@@ -23,7 +26,9 @@ without training) both call it, so the preview is the run's split. In order:
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import logging
+import math
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -35,7 +40,10 @@ from fedgalore.federated.partitioners.nodes import NODES_ONLY
 from fedgalore.federated.seeding import client_test_seed, validation_seed
 from fedgalore.tasks.base import Task, TaskError, stratified_split
 
-__all__ = ["Clients", "split_clients", "resolve_clients"]
+__all__ = ["Clients", "split_clients", "resolve_clients", "drop_small_clients"]
+
+log = logging.getLogger(__name__)
+_SAID: set[str] = set()
 
 
 @dataclass
@@ -54,6 +62,8 @@ class Clients:
     test_parts: list[np.ndarray] | None = None
     #: whether ``test_parts`` index the task's test set (per-site data) rather than its training set
     test_split: bool = False
+    #: the sites ``federation.partition.min_client_size`` dropped: ``(name, training examples)``
+    dropped: list[tuple[str, int]] = field(default_factory=list)
 
     def name(self, client: int) -> str:
         """Client ``client``'s name (its id as a string when the data names none)."""
@@ -96,8 +106,12 @@ def split_clients(cfg: FederatedConfig, task: Task, parts: Sequence[np.ndarray] 
                           f"(task {task.name!r} has none); or partition by a column with kind natural")
     col = partitioner.column()
     values = cats if col == pcfg.by else _column(task, col, n)
-    parts = [pool[p] for p in make_partition(values[pool], fed.num_clients, pcfg, cfg.seed)]
+    # with min_client_size the count is checked after the small sites are dropped (a saved config.yaml records that count)
+    count = None if pcfg.min_client_size else fed.num_clients
+    parts = [pool[p] for p in make_partition(values[pool], count, pcfg, cfg.seed)]
     clients = Clients(parts, validation, cats, partitioner.names(values[pool]))
+    if pcfg.min_client_size:
+        drop_small_clients(cfg, clients)
     if pcfg.kind == "files":
         _site_tests(task, clients)
     elif fed.client_eval:
@@ -105,6 +119,36 @@ def split_clients(cfg: FederatedConfig, task: Task, parts: Sequence[np.ndarray] 
     if infers_clients(pcfg.kind):
         _check_batches(cfg, clients)
     return clients
+
+
+def drop_small_clients(cfg: FederatedConfig, clients: Clients) -> None:
+    """Drop the clients (sites) with fewer training examples than ``federation.partition.
+    min_client_size`` from ``clients`` (in place; ``clients.dropped`` lists them), logging one line
+    per site, once per process. Fewer than two sites left, or a ``federation.num_clients`` other
+    than the number kept, is a :class:`ConfigError`."""
+    pcfg, fed = cfg.federation.partition, cfg.federation
+    n_min = pcfg.min_client_size
+    keep = [j for j, p in enumerate(clients.parts) if len(p) >= n_min]
+    dropped = [(clients.name(j), int(len(p))) for j, p in enumerate(clients.parts) if len(p) < n_min]
+    units = "sites" if pcfg.kind == "files" else f"{pcfg.column} values"
+    if len(keep) < 2:
+        raise ConfigError(f"federation.partition.min_client_size={n_min} leaves {len(keep)} of {len(clients.parts)} {units} "
+                          f"(the largest holds {max(len(p) for p in clients.parts)} training examples); a federation needs 2: "
+                          "lower min_client_size")
+    if fed.num_clients is not None and fed.num_clients != len(keep):
+        raise ConfigError(f"federation.num_clients={fed.num_clients}, but the partition has {len(keep)} {units} with at least "
+                          f"federation.partition.min_client_size={n_min} training examples ({len(dropped)} dropped); leave "
+                          f"num_clients out (null): the partition infers it")
+    for name, k in dropped:
+        line = (f"federation.partition.min_client_size={n_min}: dropped {'site' if pcfg.kind == 'files' else pcfg.column} "
+                f"{name!r} ({k} training examples); its examples are not trained on")
+        if line not in _SAID:
+            _SAID.add(line)
+            log.warning(line)
+    clients.parts = [clients.parts[j] for j in keep]
+    if clients.names is not None:
+        clients.names = [clients.names[j] for j in keep]
+    clients.dropped = dropped
 
 
 def _hold_out(cfg: FederatedConfig, clients: Clients) -> None:
@@ -155,9 +199,11 @@ def _check_batches(cfg: FederatedConfig, clients: Clients) -> None:
         shown = ", ".join(f"{name!r} ({k})" for name, k in small[:3]) + (f" and {len(small) - 3} more" if len(small) > 3 else "")
         smallest = min(k for _, k in small)
         held = " after the client_test_fraction hold-out" if cfg.federation.client_eval and not clients.test_split else ""
+        need = math.ceil(b / (1 - cfg.federation.client_test_fraction)) if held else b
         raise ConfigError(
             f"{what[0].upper()}{what[1:]}: client(s) {shown} hold fewer training examples{held} than one batch "
-            f"(train.batch_size={b}); set train.batch_size<={smallest}, or merge or drop those {units} in the data"
+            f"(train.batch_size={b}); set train.batch_size<={smallest}, or merge or drop those {units} in the data "
+            f"(federation.partition.min_client_size: {need} drops the ones smaller than that)"
         )
 
 

@@ -17,6 +17,7 @@ YAML layout (``conf/pipeline/*.yaml``)::
     train:      {lr: 5.0e-5, batch_size: 32, local_epochs: 2, warmup_ratio: 0.06, ...}
     backend:    {name: sequential, options: {}}
     output:     {dir: runs, checkpoint_every: 1, keep_checkpoints: 2}
+    privacy:    {record: {max_grad_norm: 1.0, noise_multiplier: 1.0, delta: 1.0e-5}}   # DP-SGD (docs/privacy.md)
     device: cpu
     diagnostics: true
 """
@@ -33,6 +34,7 @@ from fedgalore.federated.partition import PartitionConfig
 from fedgalore.federated.partitioners import infers_clients
 from fedgalore.federated.server_opt import ServerOptimizerConfig
 from fedgalore.methods.base import MethodOptions, available_methods, method_class, parse_options, split_options
+from fedgalore.privacy.config import PrivacyConfig, RecordPrivacy
 from fedgalore.protocol.state import TrainConfig
 from fedgalore.typed import ConfigError, from_plain, to_plain
 
@@ -43,6 +45,9 @@ __all__ = [
     "FederationConfig",
     "BackendConfig",
     "OutputConfig",
+    "ExportConfig",
+    "PrivacyConfig",
+    "RecordPrivacy",
     "FederatedConfig",
     "load_config",
     "config_difference",
@@ -93,6 +98,9 @@ class FederationConfig:
     client_eval: bool = False
     #: with client_eval: share of each client's data held out from its training (stratified by category)
     client_test_fraction: float = 0.2
+    #: with client_eval: evaluate on the clients' held-out shares every this many rounds (and after the
+    #: last); null: with every evaluation of the global model (eval_every, eval_last)
+    client_eval_every: int | None = None
     #: what the server does with the aggregate (fedgalore.federated.server_opt; default fedavg: keep it)
     server_optimizer: ServerOptimizerConfig = field(default_factory=ServerOptimizerConfig)
 
@@ -116,6 +124,15 @@ class OutputConfig:
 
 
 @dataclass
+class ExportConfig:
+    """What a run keeps for export besides its checkpoints (docs/export.md)."""
+
+    #: keep the global model's LoRA adapter of every round under ``<run dir>/adapters/round-NNNN/`` (a
+    #: PEFT adapter folder; the methods whose global model is the base plus adapters: FedIT, FFA-LoRA, LoRA-FAIR)
+    every_round: bool = False
+
+
+@dataclass
 class FederatedConfig:
     name: str = "offline_text"
     seed: int = 0
@@ -125,6 +142,9 @@ class FederatedConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    #: differential privacy (fedgalore.privacy; docs/privacy.md): privacy.record = DP-SGD at each site
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     device: str = "cpu"
     diagnostics: bool = True
 
@@ -159,6 +179,8 @@ class FederatedConfig:
         _check(f.rounds >= 1, "federation.rounds must be >= 1")
         _check(f.eval_every >= 1, "federation.eval_every must be >= 1")
         _check(f.eval_last >= 0, "federation.eval_last must be >= 0 (e.g. 10: also evaluate every one of the last 10 rounds)")
+        _check(f.client_eval_every is None or f.client_eval_every >= 1,
+               f"federation.client_eval_every={f.client_eval_every} must be >= 1 (or null: with every evaluation)")
         _check(f.min_clients >= 1, "federation.min_clients must be >= 1")
         _check(
             f.min_clients <= (f.clients_per_round or f.num_clients or f.min_clients),
@@ -210,6 +232,7 @@ class FederatedConfig:
         _check(math.isfinite(t.prox_mu) and t.prox_mu >= 0,
                f"train.prox_mu={t.prox_mu} must be >= 0 (FedProx's μ; 0 = off, e.g. train.prox_mu=0.01)")
         f.server_optimizer.check()
+        self.privacy.check()
         if self.method.name in available_methods():  # a method registered later (a Ray plugin) is checked when built
             opts = self.method.typed_options()
             if t.scaffold and not method_class(self.method.name).supports_scaffold:
@@ -219,7 +242,29 @@ class FederatedConfig:
             if getattr(opts, "downlink", "dense") == "factored" and not f.server_optimizer.identity:
                 raise ConfigError(f"federation.server_optimizer.name={f.server_optimizer.name} changes the update the "
                                   "factored downlink sends; set method.options.downlink=dense (or server_optimizer.name=fedavg)")
+            self._check_adapter_needs()
         return self
+
+    def _check_adapter_needs(self) -> None:
+        """``task.options.quantization`` and ``export.every_round`` need a method whose global model is
+        the pretrained base plus LoRA adapters (:attr:`~fedgalore.methods.base.Method.explicit_adapters`)."""
+        name = self.method.name
+        adapters = ", ".join(m for m in available_methods() if method_class(m).explicit_adapters)
+        options = self.task.options or {}
+        quant = options.get("quantization") or ("4bit" if options.get("load_in_4bit") is True else None)
+        if quant is not None and not method_class(name).explicit_adapters:
+            raise ConfigError(f"task.options.quantization={quant} freezes a quantised base, but method {name!r} trains the "
+                              f"weight matrices themselves; use a method that trains LoRA adapters on a frozen base "
+                              f"({adapters}), or leave quantization out")
+        if quant is not None and not self.device.startswith("cuda"):
+            from fedgalore.tasks.quantize import quantization_unavailable
+
+            why = quantization_unavailable()
+            raise ConfigError(f"task.options.quantization={quant}: bitsandbytes' quantised layers run on a CUDA GPU; set "
+                              "device=cuda" + (f" on a machine with one (here: {why})" if why else ""))
+        if self.export.every_round and not method_class(name).explicit_adapters:
+            raise ConfigError(f"export.every_round keeps each round's LoRA adapter, and method {name!r} has none (it changes "
+                              f"the weights themselves); use it with {adapters}, or export a round's model with fedgalore export")
 
     def setting_label(self) -> str:
         """The partition setting (``iid``, ``dirichlet:0.5``, ``natural:site``, ...; run names, tables)."""
@@ -290,8 +335,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
 def config_difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     """The first difference between two plain configs (``FederatedConfig.to_dict()`` or a saved
     ``config.yaml``), as ``"train.lr: 0.001 -> 0.0005"``; None when they describe the same run.
-    The display (``output.progress``) and the checkpoint cadence (``output.checkpoint_every``,
-    ``checkpoint_budget``, ``keep_checkpoints``) do not count. A key present on one side only is a
+    The display (``output.progress``), the checkpoint cadence (``output.checkpoint_every``,
+    ``checkpoint_budget``, ``keep_checkpoints``) and ``export`` do not count. A key present on one side only is a
     config-schema change between library versions: the missing side is read as the key's default
     (a new option's default is the old behaviour, e.g. ``train.prox_mu: 0``), so a run with the
     option set differs from an older run without it; keys that are not config fields (inside
@@ -331,4 +376,5 @@ def _comparable(d: dict[str, Any]) -> dict[str, Any]:
         fed.pop("num_clients", None)  # the data decides it (one client per value); a given one must agree
     for key in ("progress", "checkpoint_every", "checkpoint_budget", "keep_checkpoints"):  # display and checkpoint cadence:
         d.get("output", {}).pop(key, None)  # they do not change the run's result
+    d.pop("export", None)  # what a run keeps for export (per-round adapters) does not change its result either
     return d

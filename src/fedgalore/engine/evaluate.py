@@ -13,14 +13,18 @@ The model: a run directory's global model at its newest kept checkpoint
 pretrained model (:func:`load_exported`). The task: ``cfg``'s, else the run's saved config (an
 export carries it as ``fedgalore_config.yaml``). ``data`` replaces the task's test data by a file
 through the task's ``data`` option (:func:`with_test_data`): it works for the tasks that read
-data files and is one error line for the others.
+data files and is one error line for the others. ``by="site"`` adds the metrics of every group of
+test rows sharing a value of that column, from one batched pass, and names the worst group
+(:attr:`Evaluation.groups`, :attr:`Evaluation.worst`). Evaluating a run that a process is running
+now takes its newest kept checkpoint and says so (:attr:`Evaluation.live`).
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -30,9 +34,9 @@ from fedgalore.engine.identity import with_recorded_paths
 from fedgalore.engine.model_card import EXPORT_CONFIG, EXPORT_IDENTITY
 from fedgalore.engine.resolve import check_device
 from fedgalore.tasks import get_task, task_class
-from fedgalore.tasks.base import Task, quiet_transformers
+from fedgalore.tasks.base import Task, TaskError, quiet_transformers
 
-__all__ = ["evaluate", "Evaluation", "load_exported", "with_test_data", "class_names"]
+__all__ = ["evaluate", "Evaluation", "LoadedModel", "load_for_inference", "groups_by_column", "load_exported", "with_test_data", "class_names"]
 
 
 @dataclass
@@ -44,6 +48,12 @@ class Evaluation:
     source: str
     task: str
     examples: int
+    #: set when the run was live (a process running it) as it was read: which round this took
+    live: str | None = None
+    #: ``--by``: the column grouped by, each group's ``{"n": rows, metric: value}``, and the worst group
+    by: str | None = None
+    groups: dict[str, dict[str, float]] = field(default_factory=dict)
+    worst: str | None = None
 
 
 def load_exported(path: str | Path, task: Task) -> nn.Module:
@@ -105,19 +115,34 @@ def with_test_data(cfg: FederatedConfig, data: str | Path, labels: list[str] | N
     return out
 
 
-def evaluate(path: str | Path, cfg: FederatedConfig | None = None, *, data: str | Path | None = None,
-             device: str = "cpu", batch_size: int | None = None) -> Evaluation:
-    """The metrics (``task.evaluate``) of the run or exported folder ``path`` on the test split of
-    ``cfg``'s task (default: the run's saved config), or on the file ``data``
-    (:func:`with_test_data`). Batches of ``batch_size`` (default ``federation.eval_batch_size``)."""
+@dataclass
+class LoadedModel:
+    """A model to evaluate or predict with, and the task that makes its inputs."""
+
+    model: nn.Module
+    task: Task
+    cfg: FederatedConfig
+    #: ``run <dir> round <n>`` or ``folder <dir>``
+    source: str
+    #: set when the run was live (a process running it) as it was read (fedgalore.engine.liveness.live_note)
+    live: str | None = None
+
+
+def load_for_inference(path: str | Path, cfg: FederatedConfig | None = None, *, data: str | Path | None = None,
+                       device: str = "cpu") -> LoadedModel:
+    """The model of the run or exported folder ``path`` (a run directory's newest kept checkpoint,
+    :func:`~fedgalore.engine.global_model.load_global_model`; a folder by :func:`load_exported`)
+    on ``device``, and the task of ``cfg`` (default: the run's saved config, which an export
+    carries), its test split read from the file ``data`` when given (:func:`with_test_data`)."""
     path = Path(path)
     if not path.is_dir():
         raise ExportError(f"{path} does not exist; pass a run directory or a folder written by fedgalore export")
     check_device(device)
-    is_run = (path / "config.yaml").is_file() and (path / "checkpoints").is_dir()
+    is_run = (path / "config.yaml").is_file()  # a run directory (an export carries fedgalore_config.yaml)
+    live = None
     if is_run:
         g = load_global_model(path, device=device)
-        model, source, own = g.model, f"run {path} round {g.round}", g.cfg
+        model, source, own, live = g.model, f"run {path} round {g.round}", g.cfg, g.live
     else:
         own = with_recorded_paths(load_config(path / EXPORT_CONFIG), path / EXPORT_IDENTITY) \
             if (path / EXPORT_CONFIG).is_file() else None
@@ -131,9 +156,47 @@ def evaluate(path: str | Path, cfg: FederatedConfig | None = None, *, data: str 
     if model is None:
         model = load_exported(path, task).to(device)
     _check_labels(model, task)
+    return LoadedModel(model, task, cfg, source, live)
+
+
+def evaluate(path: str | Path, cfg: FederatedConfig | None = None, *, data: str | Path | None = None,
+             device: str = "cpu", batch_size: int | None = None, by: str | None = None) -> Evaluation:
+    """The metrics (``task.evaluate``) of the run or exported folder ``path`` on the test split of
+    ``cfg``'s task (default: the run's saved config), or on the file ``data``
+    (:func:`with_test_data`). Batches of ``batch_size`` (default ``federation.eval_batch_size``).
+    ``by``: also the metrics of every group of test rows sharing a value of that column (a site),
+    in one pass (:meth:`~fedgalore.tasks.base.Task.evaluate_groups`), and the worst group by the
+    task's primary metric."""
+    loaded = load_for_inference(path, cfg, data=data, device=device)
+    task, model, cfg = loaded.task, loaded.model, loaded.cfg
     examples = task.test_set()
-    metrics = task.evaluate(model, examples, int(batch_size or cfg.federation.eval_batch_size))
-    return Evaluation(metrics, source, cfg.task.name, len(examples))
+    size = int(batch_size or cfg.federation.eval_batch_size)
+    metrics = task.evaluate(model, examples, size)
+    out = Evaluation(metrics, loaded.source, cfg.task.name, len(examples), live=loaded.live)
+    if by is not None:
+        names, groups = groups_by_column(task, by)
+        per = task.evaluate_groups(model, examples, groups, size)
+        out.by = by
+        out.groups = {n: {"n": int(len(g)), **{k: float(v) for k, v in m.items()}} for n, g, m in zip(names, groups, per)}
+        values = [out.groups[n][task.primary_metric] for n in names]
+        out.worst = names[int(np.argmin(values) if task.higher_is_better else np.argmax(values))]
+    return out
+
+
+def groups_by_column(task: Task, column: str) -> tuple[list[str], list[np.ndarray]]:
+    """The groups of the task's test rows by their value of ``column`` (``evaluate --by``): names
+    (sorted) and each one's row indices. The generic tasks keep their files' columns (per-site
+    data: ``site``); other tasks have none, which is one :class:`ExportError` line."""
+    try:
+        values = task.partition_values(column, split="test")
+    except TypeError:
+        raise ExportError(f"--by {column}: task {task.name!r} keeps no columns of its test rows; --by works for the tasks "
+                          "that read your files (text_classification, causal_lm, image_classification)") from None
+    except TaskError as exc:
+        raise ExportError(f"--by {column}: {str(exc).replace(' to partition by', '')}") from None
+    keys = np.asarray([str(v) for v in values])
+    names = sorted(set(keys.tolist()))
+    return names, [np.flatnonzero(keys == n) for n in names]
 
 
 def class_names(task: Task) -> list[str] | None:

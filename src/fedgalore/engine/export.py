@@ -22,6 +22,15 @@ model the round loop evaluates, from a kept checkpoint):
   base, DIR)`` loads it on ``base = task.build_model()``.
 * ``peft`` with ``rank`` — for any method: per adapted matrix the best rank-R approximation of
   ``W − W0`` (:mod:`~fedgalore.engine.lora_extract`), its relative error reported.
+* ``peft`` with ``exact`` — for a method whose update is exactly low-rank (FedGaLore trained
+  without weight decay, FLoRA, FR-LoRA; :mod:`~fedgalore.engine.lora_exact`): ``W − W0`` as an
+  exact LoRA of each matrix's numerical rank (PEFT ``rank_pattern``), checked to the same strict
+  tolerance as ``peft``; its ranks and size reported. The methods with explicit adapters export
+  their own adapter (already exact).
+
+Every ``peft`` adapter records a portable name of its base in ``base_model_name_or_path`` (the
+hub id or the name the run's config gave; :func:`~fedgalore.engine.model_card.base_model_name`),
+never a path into this machine's cache: the model card notes that path.
 
 In both ``peft`` forms the classifier head — trained and averaged by every method — and any other
 tensor the run changed outside the adapted matrices (FedAvg-Full ``trainable=all``: embeddings,
@@ -59,9 +68,10 @@ from fedgalore.engine.global_model import (
     probe_logits,
     run_config,
 )
+from fedgalore.engine.lora_exact import ExactFactors, exact_factors, exact_problem
 from fedgalore.engine.lora_extract import LoraFactors, lora_factors, total_error
 from fedgalore.engine.identity import IDENTITY_FILE
-from fedgalore.engine.model_card import EXPORT_CONFIG, EXPORT_IDENTITY, model_card
+from fedgalore.engine.model_card import EXPORT_CONFIG, EXPORT_IDENTITY, base_model_name, model_card
 from fedgalore.methods.base import Method, available_methods, method_class
 from fedgalore.tasks.base import Task, quiet_transformers
 
@@ -96,17 +106,29 @@ class ExportResult:
     dense: list[str] = field(default_factory=list)
     #: the task's classes in id order (:func:`class_names`; None: no classes — regression, a language model)
     labels: list[str] | None = None
+    #: the run was live (a process running it) when exported: which round this took (fedgalore.engine.liveness)
+    live: str | None = None
+    #: ``exact``: each adapted matrix the run changed with its exact factors (rank = numerical rank of W − W0)
+    exact: list[tuple[str, ExactFactors]] = field(default_factory=list)
+    #: ``peft``: bytes of the adapter's tensors (adapter_model.safetensors' tensors) and of the dense
+    #: matrices the LoRA factors stand for (fp32)
+    adapter_bytes: int | None = None
+    dense_bytes: int | None = None
+    #: the base model's portable name written into a PEFT adapter's config (None: hf)
+    base_model: str | None = None
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None, best: bool = False,  # noqa: A002
                format: str = "hf", rank: int | None = None, force: bool = False, verify: bool = True,  # noqa: A002
-               task: Task | None = None, method: Method | None = None, device: str = "cpu") -> ExportResult:
+               task: Task | None = None, method: Method | None = None, device: str = "cpu",
+               exact: bool = False) -> ExportResult:
     """Write the global model of ``run_dir`` (round ``round``, the best validation round with
     ``best``, else the newest kept checkpoint) to the folder ``out`` in ``format`` (module
     docstring). ``out`` must not exist or be empty unless ``force`` (then it is replaced).
     ``verify``: load the folder back and compare its logits with the run's model (on by default;
     it costs a second copy of the model). ``task`` / ``method``: the objects the run was given
-    instead of built from its config. Bad input is one :class:`ExportError` line."""
+    instead of built from its config. ``exact`` (with ``format="peft"``): the update as an exact
+    LoRA adapter (:mod:`~fedgalore.engine.lora_exact`). Bad input is one :class:`ExportError` line."""
     run_dir, out = Path(run_dir), Path(out)
     if format not in FORMATS:
         raise ExportError(f"--format {format!r} is not one of {', '.join(FORMATS)}")
@@ -114,20 +136,32 @@ def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None
         raise ExportError("--rank extracts a LoRA adapter: use it with --format peft")
     if rank is not None and int(rank) < 1:
         raise ExportError(f"--rank {rank} must be >= 1")
+    if exact and format != "peft":
+        raise ExportError("--exact writes a LoRA adapter: use it with --format peft")
+    if exact and rank is not None:
+        raise ExportError("--exact keeps every direction of the update; --rank R truncates it: give one of them")
     cfg = run_config(run_dir)
     _check_out(out, force, run_dir)
-    if format == "peft" and rank is None:
-        cls = type(method) if method is not None else method_class(cfg.method.name)
+    cls = type(method) if method is not None else method_class(cfg.method.name)
+    if exact:
+        problem = exact_problem(cfg.method.name, cfg)
+        if problem is not None:
+            raise ExportError(f"--exact: {problem}")
+        exact = not cls.explicit_adapters  # their own adapter is the exact one
+    if format == "peft" and rank is None and not exact:
         if not cls.explicit_adapters:
             adapters = ", ".join(n for n in available_methods() if method_class(n).explicit_adapters)
+            extra = ("; its update is exactly low-rank: --format peft --exact writes it as an exact LoRA adapter"
+                     if exact_problem(cfg.method.name, cfg) is None else "")
             raise ExportError(f"method {cfg.method.name!r} changes the weights themselves, so it has no adapter of the "
                               f"pretrained model to export as it is (those methods: {adapters}); use --format hf for "
-                              "the merged model, or --format peft --rank R to extract a rank-R LoRA adapter from W − W0")
+                              "the merged model, or --format peft --rank R to extract a rank-R LoRA adapter from W − W0"
+                              + extra)
     chosen = choose_round(run_dir, round, best)  # bad rounds fail before the model is built
     g = load_global_model(run_dir, round=chosen, task=task, method=method, device=device)
     _require_transformers_model(g)
     if format == "hf" and _quant_method(g.model) not in (None, "gguf"):
-        raise ExportError("the run's model is quantised (task option load_in_4bit): merging adapters into it would "
+        raise ExportError("the run's model is quantised (task.options.quantization): merging adapters into it would "
                           "requantise them; export --format peft (the adapters on the quantised base) instead")
     batch = probe_batch(g.task, PROBE_EXAMPLES)
     reference = probe_logits(g.model, batch) if verify else None
@@ -138,13 +172,16 @@ def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None
     tmp.mkdir(parents=True)
     try:
         with quiet_transformers():
-            result = _write(g, tmp, out, format, rank)
+            result = _write(g, tmp, out, format, rank, exact, device)
+            result.live = g.live
             processor = g.task.processor()
             if processor is not None:
                 processor.save_pretrained(str(tmp))
                 result.processor = type(processor).__name__
             if reference is not None:
                 result.check = _check(load_exported(tmp, g.task), batch, reference, strict=rank is None)
+        if format == "peft":
+            result.adapter_bytes = _adapter_tensor_bytes(tmp)
         shutil.copyfile(run_dir / "config.yaml", tmp / EXPORT_CONFIG)
         if (run_dir / IDENTITY_FILE).is_file():
             shutil.copyfile(run_dir / IDENTITY_FILE, tmp / EXPORT_IDENTITY)
@@ -153,7 +190,8 @@ def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None
         (tmp / "README.md").write_text(model_card(
             g, out, fmt=format, model_class=result.model_class, processor=result.processor, rank=rank,
             matrices=result.matrices, total=result.total_error, check=result.check, dense=result.dense,
-            num_labels=num_labels, probe=len(reference) if reference is not None else 0))
+            num_labels=num_labels, probe=len(reference) if reference is not None else 0, exact=result.exact,
+            adapter_bytes=result.adapter_bytes, dense_bytes=result.dense_bytes))
         _usual_permissions(tmp)
         if out.exists():
             shutil.rmtree(out)
@@ -221,9 +259,11 @@ def _num_labels(g: GlobalModel) -> int | None:
 
 
 # ----------------------------------------------------------------------------- writers
-def _write(g: GlobalModel, tmp: Path, out: Path, fmt: str, rank: int | None) -> ExportResult:
+def _write(g: GlobalModel, tmp: Path, out: Path, fmt: str, rank: int | None, exact: bool = False,
+           device: str = "cpu") -> ExportResult:
     def result(model_class: str, **kw: Any) -> ExportResult:
-        return ExportResult(out, g.run_dir, g.round, g.cfg.method.name, fmt, rank, model_class, None, None, **kw)
+        base = base_model_name(g)[0] if fmt == "peft" else None
+        return ExportResult(out, g.run_dir, g.round, g.cfg.method.name, fmt, rank, model_class, None, None, base_model=base, **kw)
 
     if fmt == "hf":
         model = merged_model(g.model)
@@ -233,6 +273,8 @@ def _write(g: GlobalModel, tmp: Path, out: Path, fmt: str, rank: int | None) -> 
         _set_labels(model, g.task)
         model.save_pretrained(str(tmp))
         return result(type(model).__name__)
+    if exact:
+        return _write_exact(g, tmp, result, device)
     if rank is None:
         m: Any = g.method  # a LoRA method (explicit_adapters)
         pre = g.task.build_model()
@@ -244,7 +286,7 @@ def _write(g: GlobalModel, tmp: Path, out: Path, fmt: str, rank: int | None) -> 
         factors = {t: (m.lora_b(g.model, t).detach().cpu(), m.lora_a(g.model, t).detach().cpu()) for t in g.runtime.target_modules}
         heads = {n: p.detach().cpu() for n, p in m.head_params(g.model).items()}
         dense = _write_peft(g, tmp, pre, factors, g.method.rank, float(m.lora_alpha), heads, {}, float(m.lora_dropout))
-        return result(type(pre).__name__, dense=dense)
+        return result(type(pre).__name__, dense=dense, dense_bytes=_dense_bytes(factors))
     pre = g.task.build_model()
     pre_params = dict(pre.named_parameters())
     targets = g.runtime.target_modules
@@ -255,14 +297,61 @@ def _write(g: GlobalModel, tmp: Path, out: Path, fmt: str, rank: int | None) -> 
                               f"use --rank <= {min(min(pre_params[x + '.weight'].shape) for x in targets)}")
     now = {n: p.detach().cpu() for n, p in merged_model(g.model).named_parameters()}
     extracted = [(t, lora_factors(now[t + ".weight"].float() - pre_params[t + ".weight"].detach().float(), rank)) for t in targets]
-    heads = set(g.runtime.head_params)
+    others, biases = _changed_outside(g, now, pre_params)
+    factors = {t: (f.b, f.a) for t, f in extracted}
+    dense = _write_peft(g, tmp, pre, factors, rank, float(rank), others, biases, 0.0)
+    return result(type(pre).__name__, matrices=extracted, total_error=total_error([f for _, f in extracted]), dense=dense,
+                  dense_bytes=_dense_bytes(factors))
+
+
+def _changed_outside(g: GlobalModel, now: dict[str, torch.Tensor], pre_params: dict[str, torch.Tensor]
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(tensors the run changed outside the adapted matrices — the head always —, changed biases of
+    adapted layers): what a ``peft`` adapter carries whole."""
+    targets, heads = g.runtime.target_modules, set(g.runtime.head_params)
     skip = {t + ".weight" for t in targets}
     biases = {n: now[n] for n in (t + ".bias" for t in targets) if n in now and not torch.equal(now[n], pre_params[n].detach())}
     others = {n: v for n, v in now.items() if n not in skip and n not in biases
               and (n in heads or not torch.equal(v, pre_params[n].detach()))}
-    factors = {t: (f.b, f.a) for t, f in extracted}
-    dense = _write_peft(g, tmp, pre, factors, rank, float(rank), others, biases, 0.0)
-    return result(type(pre).__name__, matrices=extracted, total_error=total_error([f for _, f in extracted]), dense=dense)
+    return others, biases
+
+
+def _write_exact(g: GlobalModel, tmp: Path, result: Any, device: str) -> ExportResult:
+    """``--exact``: every adapted matrix's ``W − W0`` as an exact LoRA of its numerical rank
+    (:func:`~fedgalore.engine.lora_exact.exact_factors`), per-matrix ranks as PEFT ``rank_pattern``."""
+    pre = g.task.build_model()
+    pre_params = {n: p.detach() for n, p in pre.named_parameters()}
+    now = {n: p.detach().cpu() for n, p in merged_model(g.model).named_parameters()}
+    exact = [(t, exact_factors(now[t + ".weight"], pre_params[t + ".weight"], g.round, device)) for t in g.runtime.target_modules]
+    kept = [(t, f) for t, f in exact if f.rank > 0]
+    if not kept:
+        raise ExportError(f"round {g.round} of {g.run_dir} changed no adapted matrix (W = W0): there is no update to export")
+    others, biases = _changed_outside(g, now, pre_params)
+    factors = {t: (f.b, f.a) for t, f in kept}
+    ranks = {t: f.rank for t, f in kept}
+    dense = _write_peft(g, tmp, pre, factors, max(ranks.values()), float(max(ranks.values())), others, biases, 0.0,
+                        ranks=ranks)
+    return result(type(pre).__name__, exact=exact, dense=dense, dense_bytes=_dense_bytes(factors))
+
+
+def _dense_bytes(factors: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """fp32 bytes of the ``m × n`` matrices that LoRA ``factors`` (B: m×r, A: r×n) stand for."""
+    return sum(4 * int(b.shape[0]) * int(a.shape[1]) for b, a in factors.values())
+
+
+def _adapter_tensor_bytes(folder: Path) -> int:
+    """Bytes of the tensors in ``folder/adapter_model.safetensors`` (header excluded)."""
+    from safetensors import safe_open
+
+    total = 0
+    with safe_open(str(folder / "adapter_model.safetensors"), "pt") as fh:
+        for key in fh.keys():
+            t = fh.get_slice(key)
+            numel = 1
+            for d in t.get_shape():
+                numel *= int(d)
+            total += numel * {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}.get(t.get_dtype(), 4)
+    return total
 
 
 def _set_labels(model: nn.Module, task: Task) -> None:
@@ -299,15 +388,23 @@ def _carriers(g: GlobalModel, names: list[str]) -> list[str]:
 
 def _write_peft(g: GlobalModel, tmp: Path, base: nn.Module, factors: dict[str, tuple[torch.Tensor, torch.Tensor]],
                 r: int, alpha: float, dense: dict[str, torch.Tensor], biases: dict[str, torch.Tensor],
-                dropout: float) -> list[str]:
+                dropout: float, ranks: dict[str, int] | None = None) -> list[str]:
     """A PEFT LoRA adapter of ``base`` (the task's pretrained model) with ``B``, ``A`` per adapted
     module (``W0 + (α/r)·BA``), the ``dense`` tensors carried whole (``modules_to_save``) and the
-    adapted layers' ``biases``; written with ``save_pretrained`` to ``tmp``. Returns the carried tensors."""
+    adapted layers' ``biases``; written with ``save_pretrained`` to ``tmp``, its config naming the
+    base portably (:func:`~fedgalore.engine.model_card.base_model_name`). ``ranks``: a rank per
+    module (``rank_pattern``, α = rank: scaling 1) instead of one ``r``. Returns the carried tensors."""
+    import re
+
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
 
+    patterns: dict[str, Any] = {}
+    if ranks:
+        patterns = {"rank_pattern": {re.escape(t): int(k) for t, k in ranks.items()},
+                    "alpha_pattern": {re.escape(t): float(k) for t, k in ranks.items()}}
     config = LoraConfig(r=int(r), lora_alpha=alpha, lora_dropout=dropout, target_modules=list(factors),
                         modules_to_save=_carriers(g, sorted(dense)) or None, bias="lora_only" if biases else "none",
-                        task_type=g.task.peft_task_type)
+                        task_type=g.task.peft_task_type, **patterns)
     with torch.random.fork_rng(devices=[]):  # PEFT's initialisation draws from the global RNG
         peft_model = get_peft_model(base, config)
     state = {}
@@ -320,6 +417,12 @@ def _write_peft(g: GlobalModel, tmp: Path, base: nn.Module, factors: dict[str, t
     if loaded.unexpected_keys:
         raise ExportError(f"PEFT did not take {sorted(loaded.unexpected_keys)[:3]} (an unsupported layout); export --format hf")
     peft_model.save_pretrained(str(tmp), save_embedding_layers=False)
+    name = base_model_name(g)[0]
+    if name:  # PEFT records the folder the base was loaded from: a path that exists on this machine only
+        conf_file = tmp / "adapter_config.json"
+        conf = json.loads(conf_file.read_text())
+        conf["base_model_name_or_path"] = name
+        conf_file.write_text(json.dumps(conf, indent=2, sort_keys=True) + "\n")
     return sorted(dense) + sorted(biases)
 
 
@@ -343,5 +446,11 @@ def _write_info(tmp: Path, result: ExportResult) -> None:
                       "relative_error": f.rel_error} for n, f in result.matrices],
         "carried_whole": result.dense,
         "labels": result.labels,
+        "base_model": result.base_model,
+        "exact": [{"name": n, "shape": [f.b.shape[0], f.a.shape[1]], "rank": f.rank, "floor": f.floor,
+                   "largest_dropped_singular_value": f.largest_dropped, "smallest_kept_singular_value": f.smallest_kept,
+                   "relative_error": f.rel_error} for n, f in result.exact],
+        "adapter_tensor_bytes": result.adapter_bytes,
+        "dense_matrix_bytes": result.dense_bytes,
     }
     (tmp / "fedgalore_export.json").write_text(json.dumps(info, indent=1))

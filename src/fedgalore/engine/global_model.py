@@ -6,7 +6,9 @@ The round loop evaluates the global model as ``method.load_global(runtime.model,
 relative file paths read as the absolute ones its ``identity.json`` recorded), the
 checkpoint of the chosen round (:func:`choose_round`: a kept round, the newest, or the best
 validation round), the task and the method rebuilt from the config. It works on a finished, a
-stopped (checkpointed but not complete) and a resumed run alike: all three keep the same files.
+stopped (checkpointed but not complete) and a resumed run alike: all three keep the same files —
+and on a live run (a process running it now): :attr:`GlobalModel.live` then says so and which
+round was taken (:func:`~fedgalore.engine.liveness.live_note`).
 
 :func:`merged_model` turns the prepared model (PEFT-wrapped for the LoRA baselines) into the
 plain model with every adapter merged into its weights; :func:`probe_logits` is the check every
@@ -25,6 +27,7 @@ from torch import nn
 from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
 from fedgalore.engine.identity import IDENTITY_FILE, with_recorded_paths
 from fedgalore.engine.resolve import check_device, config_for_method
+from fedgalore.engine.liveness import live_note, run_state
 from fedgalore.engine.rundir import saved_summary
 from fedgalore.engine.runtime import Runtime
 from fedgalore.federated.checkpoint import CheckpointError, kept_rounds, load_checkpoint
@@ -52,6 +55,8 @@ class GlobalModel:
     cfg: FederatedConfig
     runtime: Runtime
     state: ServerState
+    #: set when a process was running the run as it was read: which round this took (fedgalore.engine.liveness.live_note)
+    live: str | None = None
 
     @property
     def task(self) -> Task:
@@ -96,6 +101,11 @@ def choose_round(run_dir: str | Path, round: int | None = None, best: bool = Fal
         raise ExportError("--round and --best exclude each other; give one of them")
     kept = kept_rounds(run_dir)
     if not kept:
+        state = run_state(run_dir)
+        if state.live:
+            raise ExportError(f"{run_dir} is live (process {state.pid} is running it, {state.rounds_completed or 0}/"
+                              f"{state.rounds or '?'} rounds done) and has no checkpoint yet; try again once its first "
+                              f"round is checkpointed (watch it: fedgalore status {run_dir})")
         raise ExportError(f"{run_dir} has no checkpoint yet (the run stopped before its first one); nothing to export — "
                           f"continue the run with `fedgalore run --resume {run_dir}`")
     if round is not None:
@@ -146,7 +156,7 @@ def load_global_model(run_dir: str | Path, *, round: int | None = None, best: bo
     runtime = Runtime(cfg, task=task, method=method)
     runtime.method.load_global(runtime.model, state)
     runtime.model.eval()
-    return GlobalModel(run_dir, chosen, cfg, runtime, state)
+    return GlobalModel(run_dir, chosen, cfg, runtime, state, live_note(run_dir, chosen))
 
 
 def merged_model(model: nn.Module) -> nn.Module:

@@ -151,6 +151,7 @@ def resolved_config(cfg: FederatedConfig, *, task: Task | None = None, method: M
     task / method object described as what it is, and ``output`` left out (module doc)."""
     d = cfg.to_dict()
     d.pop("output", None)
+    d.pop("export", None)  # what a run keeps for export, not what it computes
     if infers_clients(cfg.federation.partition.kind):
         # one client per value of the column: the count follows from the (fingerprinted) data, and a
         # run records it filled in (config.yaml) while its config may leave it out or give it

@@ -18,9 +18,13 @@ and S (``synchronize``); a backend decides where T runs; the run directory's fil
    :mod:`fedgalore.federated.scaffold`) updates its control variates; diagnostics measure the
    two mismatches;
 5. the global model is evaluated every ``eval_every`` rounds and after each of the last
-   ``eval_last`` (with ``federation.client_eval`` also on each client's held-out share,
-   :mod:`fedgalore.engine.client_eval`) and the state is checkpointed (streamed to disk; the
+   ``eval_last`` (with ``federation.client_eval`` also on each client's held-out share, every
+   ``client_eval_every`` rounds, :mod:`fedgalore.engine.client_eval`) and the state is checkpointed (streamed to disk; the
    fsync, hash and rename overlap the next round).
+
+The process holds the run directory's lock from the moment it is chosen to the end of the run,
+keeps ``summary.json`` current (status, rounds done, pid, heartbeat) and records how the run
+ended — complete, interrupted (Ctrl-C, SIGTERM) or failed (:mod:`fedgalore.engine.liveness`).
 
 Every random choice derives from (run seed, round, client) (:mod:`fedgalore.federated.seeding`),
 so a run resumed from any checkpoint ends with exactly the metrics of an uninterrupted one.
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,12 +45,15 @@ from fedgalore.engine.client_eval import evaluate_clients, summarize_clients
 from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import LogProgress, ProgressSink
 from fedgalore.engine.identity import run_identity
+from fedgalore.engine.liveness import FINISHED, Heartbeat, RunLock, Terminated, sigterm_stops
+from fedgalore.engine.privacy_ledger import PrivacyLedger
 from fedgalore.engine.resolve import check_device, config_for_method
+from fedgalore.engine.round_adapters import save_round_adapter
 from fedgalore.engine.rundir import RunDirectory, choose_run_dir, run_summary
 from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
 from fedgalore.engine.validation import expected_keys, norm_problem, update_norm, validate_upload
 from fedgalore.federated.partitioners.nodes import NODES_ONLY
-from fedgalore.federated.checkpoint import CheckpointError, CheckpointWriter, load_latest_checkpoint
+from fedgalore.federated.checkpoint import CheckpointError, CheckpointWriter, kept_rounds, load_latest_checkpoint
 from fedgalore.federated.diagnostics import drift_diagnostics, update_space_diagnostics
 from fedgalore.federated.scaffold import CORR, NEW_CI, correction, split_entries, update_controls
 from fedgalore.federated.server_opt import STATE_PREFIX, server_step
@@ -111,6 +119,21 @@ class Federation:
         # the directory is chosen before the slow model load
         self.files = RunDirectory(choose_run_dir(cfg, run_dir, resume, self.progress.message, identity))
         self.run_dir = self.files.path
+        # one process per run directory (fedgalore.engine.liveness): locked before anything in it changes,
+        # released when run() ends, or when this object is dropped without running
+        self._lock = RunLock(self.run_dir)
+        self._lock.acquire(self.progress.message)
+        weakref.finalize(self, self._lock.release)
+        try:
+            self._setup(cfg, task, method, backend, resume)
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _setup(self, cfg: FederatedConfig, task: Task | None, method: Method | None, backend: Backend | None,
+               resume: bool) -> None:
+        """Everything after the directory is chosen and locked: backend, runtime (model and data),
+        the server state (fresh, or the newest checkpoint's with ``resume``), the static files."""
         self.backend = backend if backend is not None else make_backend(cfg.backend.name, cfg.backend.options)
         nodes = None
         if cfg.federation.partition.kind == "nodes":  # each node brings its own data: ask them who they are
@@ -149,6 +172,11 @@ class Federation:
             self.history, self.ledger.records = self.files.restore(self.start_round)
             self.progress.message(f"resuming {self.run_dir} after round {self.start_round}")
         self.files.write_static(cfg, self.runtime, self.identity)
+        #: what the server saw and what it cost (privacy.json; the per-site accountant lives in state.meta["privacy"])
+        rt = self.runtime
+        self.privacy = PrivacyLedger(cfg, rt.head_params, rt.clients.name, [len(p) for p in rt.parts],
+                                     rt.privacy.support if rt.privacy is not None else None)
+        self.privacy.write(self.run_dir, self.state)
         if self.backend.startup_records:  # e.g. SuperNodes whose data did not fit the task (kind nodes)
             self.files.append_round(0, self.backend.startup_records, Ledger())
         self._first_round_here = len(self.history)  # checkpoint_every=auto counts this process's rounds
@@ -157,30 +185,63 @@ class Federation:
 
     # ------------------------------------------------------------------ the run
     def run(self) -> RunResult:
+        """Run the remaining rounds. ``summary.json`` is kept current (``running``, rewritten after
+        every round and by a heartbeat in between) and ends ``complete``; Ctrl-C and SIGTERM end it
+        ``interrupted``, an exception ``failed`` with its ``error`` line (fedgalore.engine.liveness);
+        either way the started checkpoint is finished and the run directory's lock released."""
         cfg, fed = self.cfg, self.cfg.federation
         t_start = time.perf_counter()
+        self._lock.running = True
         self.progress.start(fed.rounds, {"run_name": self.run_dir.name, "run_dir": str(self.run_dir), "method": cfg.method.name,
-                                         "task": self.task.name, "start_round": self.start_round})
-        self.files.write_summary(self._summary("running", self.wall_time_before))
+                                         "task": self.task.name, "start_round": self.start_round,
+                                         "client_names": self.runtime.clients.names})
+        heartbeat = Heartbeat(self.files.write_summary)
+        heartbeat.beat(self._summary("running", self.wall_time_before))
+        heartbeat.start()
         writer = self._writer = CheckpointWriter(self.run_dir, keep=cfg.output.keep_checkpoints)
+        status, detail = "failed", {}
         try:
-            for k in range(self.start_round, fed.rounds):
-                self._round(k)
-                if self._checkpoint_due(k, t_start):
-                    self._checkpoint(k, t_start)
-            self._checkpoint_wait()  # the last checkpoint is durable before the run says it is complete
+            with sigterm_stops():  # SIGTERM: a clean stop, like Ctrl-C
+                for k in range(self.start_round, fed.rounds):
+                    self._round(k)
+                    if self._checkpoint_due(k, t_start):
+                        self._checkpoint(k, t_start)
+                    heartbeat.beat(self._summary("running", self.wall_time_before + time.perf_counter() - t_start))
+                self._checkpoint_wait()  # the last checkpoint is durable before the run says it is complete
+            heartbeat.stop()
             wall = self.wall_time_before + time.perf_counter() - t_start
-            summary = self._summary("complete", wall)
-            self.files.write_summary(summary)
+            summary = self._summary(FINISHED, wall)
+            self.files.write_summary(Heartbeat.stamp(summary))
+            status = FINISHED
             self.progress.finish(summary)
-        except KeyboardInterrupt as exc:
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM (Terminated)
+            if status != FINISHED:  # (a run already recorded finished stays so)
+                status, detail = "interrupted", {"interrupted_by": "SIGTERM" if isinstance(exc, Terminated) else "Ctrl-C"}
             exc.run_dir = self.run_dir  # type: ignore[attr-defined]  # the CLI names it in "continue with ..."
             raise
+        except SystemExit as exc:  # a handler someone else installed (e.g. a Flower app's) ended the process
+            if status != FINISHED:
+                status, detail = "interrupted", {"interrupted_by": f"SystemExit({exc.code})"}
+            raise
+        except BaseException as exc:
+            if status != FINISHED:
+                status, detail = "failed", {"error": f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:500]}
+            raise
         finally:
+            heartbeat.stop()
             try:
                 writer.wait()  # an interrupted run still finishes the checkpoint it started
             except CheckpointError as exc:
                 self.progress.message(str(exc))
+            if status != FINISHED:
+                wall = self.wall_time_before + time.perf_counter() - t_start
+                kept = kept_rounds(self.run_dir)
+                try:
+                    self.files.write_summary(Heartbeat.stamp({**self._summary(status, wall), **detail,
+                                                              "checkpointed_round": kept[-1] if kept else 0}))
+                except OSError as exc:  # a full disk: the run still ends with its own error
+                    self.progress.message(f"could not record the run's status in summary.json ({exc})")
+            self._lock.release()
             self.progress.close()
             self.backend.close()
         return RunResult(self.run_dir, summary, self.history)
@@ -250,6 +311,8 @@ class Federation:
         diag = {"round": k + 1, **sync_diag, **self._diagnostics(applied, rnd)}
         t_diag = time.perf_counter() - t_diag
         evals, t_eval = self._evaluate(k)
+        if self.cfg.export.every_round:  # this round's PEFT adapter (fedgalore.engine.round_adapters)
+            save_round_adapter(self.runtime, self.state, self.run_dir, k + 1)
         losses = [r["loss_mean"] for r in rnd.client_recs if "loss_mean" in r and math.isfinite(r["loss_mean"])]
         rec = {
             "round": k + 1,
@@ -267,6 +330,7 @@ class Federation:
             "time_eval": t_eval,
             "time_round": time.perf_counter() - t0,
         }
+        rec.update(self.privacy.end_round(self.state, k, rnd.uploads, self.run_dir))  # privacy.json; dp_epsilon
         if self._client_eval is not None:  # federation.client_eval: each client's metrics (fedgalore.engine.client_eval)
             rec["client_eval"], self._client_eval = self._client_eval, None
         if self.backend.eval_bytes:  # a deployment's federated evaluation: the model sent to the nodes, their replies
@@ -311,6 +375,7 @@ class Federation:
             t1 = time.perf_counter()
             results = self.backend.run_clients(blob, jobs, self.progress)
             t_clients += time.perf_counter() - t1
+            self.privacy.observe(self.state, k, attempt, results)  # every upload the server saw counts (privacy.record)
             uploads, deltas, kept_w, kept_c = self._collect(k, attempt, rctx, results, weights, client_recs)
             if len(uploads) >= fed.min_clients:
                 total = sum(kept_w)
@@ -463,7 +528,7 @@ class Federation:
                             break
             if res.error is not None:
                 rec["error"] = res.error.splitlines()[0]
-                self.progress.message(f"round {k + 1}: client {res.client} dropped ({rec['error']})")
+                self.progress.message(f"round {k + 1}: client {self.runtime.clients.name(res.client)} dropped ({rec['error']})")
             client_recs.append(rec)
         return uploads, deltas, kept_w, kept_c
 
@@ -475,23 +540,29 @@ class Federation:
         return {**update_space_diagnostics(applied, self.method.rank), **drift_diagnostics(rnd.deltas, rnd.ctx.weights)}
 
     def _evaluate(self, k: int) -> tuple[dict[str, float], float]:
-        """The global model's test (and validation, and per-client) metrics, every ``eval_every``
-        rounds, after each of the last ``eval_last`` rounds and at the end, and the seconds they took."""
+        """The global model's test (and validation) metrics, every ``eval_every`` rounds, after
+        each of the last ``eval_last`` rounds and at the end; its per-client metrics every
+        ``client_eval_every`` rounds and at the end (default: with every evaluation); and the
+        seconds they took."""
         fed = self.cfg.federation
-        if not ((k + 1) % fed.eval_every == 0 or k + 1 == fed.rounds or k + 1 > fed.rounds - fed.eval_last):
+        pooled = (k + 1) % fed.eval_every == 0 or k + 1 == fed.rounds or k + 1 > fed.rounds - fed.eval_last
+        clients = pooled if fed.client_eval_every is None else ((k + 1) % fed.client_eval_every == 0 or k + 1 == fed.rounds)
+        if not (pooled or clients):
             return {}, 0.0
         t0 = time.perf_counter()
         self.method.load_global(self.runtime.model, self.state)
+        evals: dict[str, float] = {}
         test = self.task.test_set()  # empty on a nodes deployment's server without a test file of its own
-        evals = self.task.evaluate(self.runtime.model, test, fed.eval_batch_size) if len(test) else {}
-        if self._validation is not None:  # held-out training examples: for model selection
+        if pooled and len(test):
+            evals = self.task.evaluate(self.runtime.model, test, fed.eval_batch_size)
+        if pooled and self._validation is not None:  # held-out training examples: for model selection
             val = self.task.evaluate(self.runtime.model, self._validation, fed.eval_batch_size)
             evals.update({f"val_{kk}": v for kk, v in val.items()})
         per = None
-        if self.runtime.clients.test_parts is not None:  # each client's held-out share (federation.client_eval)
+        if clients and self.runtime.clients.test_parts is not None:  # each client's held-out share (federation.client_eval)
             per = evaluate_clients(self.task, self.runtime.model, self.runtime.train_data, self.runtime.clients,
                                    fed.eval_batch_size)
-        else:  # a deployment whose nodes evaluate on their own test data (kind nodes)
+        elif clients:  # a deployment whose nodes evaluate on their own test data (kind nodes)
             per = self.backend.evaluate_clients(self.runtime, fed.eval_batch_size)
         if per:
             summary, worst = summarize_clients(per, self.task.primary_metric, self.task.higher_is_better)

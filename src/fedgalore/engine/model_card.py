@@ -2,7 +2,8 @@
 
 It states what the folder holds and how it was made: method, task, base model, the model and
 data files the run read (name, size and the fingerprint its identity recorded when it started —
-never the data), the partition, the rounds, the metrics at the exported round and at the run's
+never the data), the partition, the rounds, the privacy it had (ε, δ and the mechanism, or none:
+``privacy.json``), the metrics at the exported round and at the run's
 end, the bytes sent up and down until that round (the run's ledger), how to load the folder, the
 low-rank extraction's error per matrix (``--rank``), and the command that reproduces the run from
 its saved config.
@@ -18,10 +19,12 @@ from fedgalore.engine.config import ConfigError
 from fedgalore.engine.global_model import GlobalModel
 from fedgalore.engine.identity import IDENTITY_FILE, run_identity
 from fedgalore.engine.lora_extract import RANK_NOTES, LoraFactors
+from fedgalore.engine.privacy_ledger import read_privacy
 from fedgalore.engine.rundir import saved_summary
+from fedgalore.privacy.statement import summary_line
 from fedgalore.tasks.base import TaskError
 
-__all__ = ["model_card", "recorded_inputs", "EXPORT_CONFIG", "EXPORT_IDENTITY"]
+__all__ = ["model_card", "recorded_inputs", "base_model_name", "base_model_name_for", "EXPORT_CONFIG", "EXPORT_IDENTITY"]
 
 #: the run's config.yaml, copied into an export (the card's reproduce command; ``fedgalore evaluate``)
 EXPORT_CONFIG = "fedgalore_config.yaml"
@@ -51,6 +54,46 @@ def recorded_inputs(g: GlobalModel) -> tuple[list[dict[str, Any]], str]:
     for split, digest in sorted(((config.get("task") or {}).get("data") or {}).items()):
         out.append({"label": f"task.data.{split}", "kind": "examples", "sha256": digest})
     return out, when
+
+
+def base_model_name(g: GlobalModel) -> tuple[str | None, str | None]:
+    """``(portable name, local note)`` of the run's base model. The name: for a PEFT adapter given as
+    ``task.options.model``, its base as the config's ``base_model`` or the adapter names it; else
+    ``task.options.model`` as the run's saved config gives it (the hub id or the name the user
+    wrote — never the absolute path a reloaded config carries); else the hub id of the task's
+    offline model (:func:`fedgalore.tasks.assets.hub_id`). The note: the folder this run read, and
+    for an offline model how its copy relates to the hub's. ``(None, None)`` for a task that builds
+    its model itself (``tiny_text``)."""
+    return base_model_name_for(g.task, g.run_dir)
+
+
+def base_model_name_for(task: Any, run_dir: Path) -> tuple[str | None, str | None]:
+    """:func:`base_model_name` of ``task`` run in ``run_dir`` (whose ``config.yaml`` says what the user gave)."""
+    from fedgalore.engine.config import load_config
+    from fedgalore.tasks.assets import hub_id
+
+    desc = task.describe()
+    local = desc.get("model") or desc.get("checkpoint")
+    try:
+        given = dict(load_config(Path(run_dir) / "config.yaml").task.options)
+    except (OSError, ConfigError):
+        given = {}
+    adapter = getattr(task, "adapter", None)
+    if adapter is not None:
+        name = str(given.get("base_model") or adapter.base_name)
+    elif given.get("model"):
+        name = str(given["model"])
+    elif local:
+        name = hub_id(local) or str(local)
+    else:
+        return None, None
+    notes = []
+    if local and str(local) != name:
+        notes.append(f"this run read {local}")
+    how = hub_id(local, note=True) if local else None
+    if how and "(" in how:
+        notes.append(how[how.index("(") + 1:-1])
+    return name, "; ".join(notes) or None
 
 
 def _input_row(f: Mapping[str, Any]) -> str:
@@ -104,7 +147,7 @@ def _load_snippet(g: GlobalModel, out: Path, fmt: str, model_class: str, process
     if fmt == "hf":
         lines += [f"from transformers import {model_class}", f'model = {model_class}.from_pretrained("{out}")']
     else:
-        model_id = g.task.describe().get("model")
+        model_id = base_model_name(g)[0]
         lines += ["from peft import PeftModel",
                   "import fedgalore",
                   "from fedgalore.tasks import get_task",
@@ -124,6 +167,16 @@ def _load_snippet(g: GlobalModel, out: Path, fmt: str, model_class: str, process
             lines += [f'# images in mode "{mode}" ({channels} channel{"s" if channels > 1 else ""}), as the model was trained: '
                       f'processor(PIL.Image.open(path).convert("{mode}"), return_tensors="pt")']
     return lines + ["```"]
+
+
+def _base_cell(g: GlobalModel) -> str:
+    """The card's base-model cell: the portable name, and the local folder as a note."""
+    name, note = base_model_name(g)
+    if name is None:
+        return "built by the task (no pretrained folder)"
+    adapter = getattr(g.task, "adapter", None)
+    start = f"; the run started from the PEFT adapter {adapter.folder}" if adapter is not None else ""
+    return f"{name}" + (f" ({note}{start})" if note or start else "").replace("(; ", "(")
 
 
 def start_folder(g: GlobalModel) -> Path | None:
@@ -170,7 +223,8 @@ def _reproduce(g: GlobalModel, out: Path) -> list[str]:
 def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, processor: str | None, rank: int | None = None,
                matrices: Sequence[tuple[str, LoraFactors]] = (), total: float | None = None,
                check: float | None = None, dense: Sequence[str] = (), num_labels: int | None = None,
-               probe: int = 0) -> str:
+               probe: int = 0, exact: Sequence[tuple[str, Any]] = (), adapter_bytes: int | None = None,
+               dense_bytes: int | None = None) -> str:
     """The card's Markdown (module docstring). ``model_class``: the transformers class of the
     model; ``processor``: the class of the saved tokenizer / image processor (None: none);
     ``matrices``/``total``: the extraction of ``--rank``; ``check``: the max |Δ logits| against
@@ -183,6 +237,11 @@ def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, process
     lib = "transformers" if fmt == "hf" else "peft"
     done, total_rounds = summary.get("rounds_completed", g.round), summary.get("rounds", cfg.federation.rounds)
     status = summary.get("status", "unknown")
+    rounds_row = f"{g.round} exported; {done} completed of {total_rounds} configured"
+    if g.live is not None:  # exported while a process ran the run: its summary is a moment of a run going on
+        done = max(int(done or 0), g.round)
+        status = "still running when exported"
+        rounds_row = f"{g.round} exported; {done} of {total_rounds} completed when exported (the run was still running)"
     lines = ["---", f"library_name: {lib}", f"tags: [fedgalore, federated-learning, {cfg.method.name}]", "---", "",
              f"# {cfg.name}: {cfg.method.name} on {cfg.task.name}, round {g.round}", "",
              f"The global model after round {g.round} of the federated run `{g.run_dir}` ({status}, "
@@ -190,9 +249,11 @@ def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, process
              "| | |", "|---|---|",
              f"| method | {cfg.method.name} (rank {cfg.method.rank}{'; ' + json.dumps(opts) if opts else ''}) |",
              f"| task | {cfg.task.name} ({json.dumps(dict(cfg.task.options)) if cfg.task.options else 'default options'}) |",
-             f"| base model | {desc.get('model') or desc.get('checkpoint') or 'built by the task (no pretrained folder)'} |",
+             f"| base model | {_base_cell(g)} |",
              f"| partition | {_partition_line(g)} |",
-             f"| rounds | {g.round} exported; {done} completed of {total_rounds} configured |"]
+             f"| rounds | {rounds_row} |",
+             # ε, δ and the mechanism, as spent by the exported round (privacy.json; docs/privacy.md)
+             f"| privacy | {summary_line(read_privacy(g.run_dir), g.round).removeprefix('privacy: ')} |"]
     if "cum_bytes_up" in record:
         lines.append(f"| communication to round {g.round} | up {record['cum_bytes_up']:,} B, down {record['cum_bytes_down']:,} B |")
     lines += ["", "## Data and model files", ""]
@@ -210,7 +271,8 @@ def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, process
     rows = _metric_rows(record)
     lines += rows if rows else [f"Round {g.round} was not evaluated (federation.eval_every={cfg.federation.eval_every})."]
     if summary.get("final") and summary.get("rounds_completed") != g.round:
-        lines += ["", f"The run's final test metrics (round {summary.get('rounds_completed')}): "
+        which = "newest test metrics when exported" if g.live is not None else "final test metrics"
+        lines += ["", f"The run's {which} (round {summary.get('rounds_completed')}): "
                   + ", ".join(f"{k}={_fmt(v)}" for k, v in summary["final"].items()) + "."]
     lines += ["", "## Load", ""]
     what = {"hf": "A Hugging Face model folder: every adapter merged into the weights.",
@@ -227,6 +289,20 @@ def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, process
                   "| matrix | shape | rank of ΔW | relative error |", "|---|---|---|---|"]
         for name, f in matrices:
             lines.append(f"| {name} | {f.b.shape[0]}×{f.a.shape[1]} | {f.numerical_rank} | {f.rel_error:.4g} |")
+    if exact:
+        kept = [(n, f) for n, f in exact if f.rank > 0]
+        ranks = [f.rank for _, f in kept]
+        lines += ["", "## Exact LoRA", "",
+                  f"The run's update W − W0 of each adapted matrix is exactly low-rank; it is stored at its numerical rank "
+                  f"(the singular values above the rounding floor of the fp32 weights; fedgalore.engine.lora_exact): ranks "
+                  f"{min(ranks)}–{max(ranks)} (sum {sum(ranks)}) over {len(kept)} matrices"
+                  + (f"; {len(exact) - len(kept)} unchanged matrices left out" if len(kept) < len(exact) else "") + "."]
+        if adapter_bytes is not None and dense_bytes:
+            lines.append(f"Adapter tensors: {adapter_bytes:,} B, against {dense_bytes:,} B for those matrices dense (fp32).")
+        lines += ["", "| matrix | shape | rank | largest dropped σ (floor) | relative error |", "|---|---|---|---|---|"]
+        for name, f in exact:
+            lines.append(f"| {name} | {f.b.shape[0]}×{f.a.shape[1]} | {f.rank} | {f.largest_dropped:.3g} ({f.floor:.3g}) | "
+                         f"{f.rel_error:.3g} |")
     if dense:
         lines += ["", "Tensors carried whole: " + ", ".join(f"`{n}`" for n in dense) + "."]
     lines += ["", "## Reproduce", ""] + _reproduce(g, out)

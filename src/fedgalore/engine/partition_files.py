@@ -9,7 +9,8 @@ and ``fedgalore partition --config CONFIG`` (:func:`preview_partition`) writes t
      "seed": 0, "label_names": [category names], "client_names": [...],
      "histograms": [[count per category] per client], "sizes": [training examples per client],
      "clients": [{"id": 0, "name": "A", "size": 41, "histogram": {"business": 12, ...}}, ...],
-     "validation_size": 0, "test_sizes": [held-out examples per client] (federation.client_eval)}
+     "validation_size": 0, "test_sizes": [held-out examples per client] (federation.client_eval),
+     "dropped": [{"name": site, "size": n}, ...] (sites federation.partition.min_client_size dropped)}
 
 The categories are the column ``federation.partition.by`` names, else the task's label (its
 ``label_names``); the sizes count the examples each client trains on.
@@ -30,7 +31,33 @@ from fedgalore.federated.checkpoint import atomic_write_text
 from fedgalore.federated.partition import label_histograms
 from fedgalore.tasks.base import Task
 
-__all__ = ["partition_record", "write_partition_files", "partition_figure", "format_partition", "preview_partition"]
+__all__ = ["partition_record", "write_partition_files", "partition_figure", "format_partition", "preview_partition",
+           "wrap_label"]
+
+
+def wrap_label(text: object, width: int = 16) -> str:
+    """``text`` on lines of at most ``width`` characters, broken after a space, ``_``, ``-``, ``/`` or
+    ``.`` where it can (a longer piece is cut), never shortened: a tick label that shows the whole
+    name (``prescription_refill_requests`` → ``prescription_`` / ``refill_requests``)."""
+    import re
+
+    pieces = [p for p in re.findall(r"[^ _\-/.]*[ _\-/.]?", str(text)) if p]
+    lines: list[str] = []
+    line = ""
+    for piece in pieces:
+        while len(piece) > width:  # one piece longer than a line: cut it
+            if line:
+                lines.append(line.rstrip())
+                line = ""
+            lines.append(piece[:width])
+            piece = piece[width:]
+        if len(line) + len(piece.rstrip()) > width and line:
+            lines.append(line.rstrip())
+            line = ""
+        line += piece
+    if line or not lines:
+        lines.append(line.rstrip())
+    return "\n".join(lines)
 
 
 def partition_record(cfg: FederatedConfig, task: Task, clients: Clients) -> dict[str, Any]:
@@ -57,6 +84,8 @@ def partition_record(cfg: FederatedConfig, task: Task, clients: Clients) -> dict
     }
     if clients.test_parts is not None:
         rec["test_sizes"] = [int(len(q)) for q in clients.test_parts]
+    if clients.dropped:  # federation.partition.min_client_size
+        rec["dropped"] = [{"name": name, "size": k} for name, k in clients.dropped]
     return rec
 
 
@@ -68,11 +97,13 @@ def partition_figure(rec: dict[str, Any]) -> Any:
     h = np.asarray(rec["histograms"], dtype=float).reshape(len(rec["sizes"]), -1)
     m, k = h.shape
     cnames, names = rec["client_names"], rec["label_names"]
-    fig = Figure(figsize=(min(max(5.0, 0.3 * m + 2.5), 16.0), min(max(3.8, 0.22 * k + 2.6), 12.0)))
-    turn = max(map(len, cnames)) * min(m, 40) > 60  # long tick labels: turned
-    width = fig.get_figwidth()
-    left = min(0.4, (0.45 + 0.055 * min(max(map(len, names), default=1), 16)) / width)  # room for the category names
-    fig.subplots_adjust(left=left, right=0.9, bottom=0.22 if turn else 0.12, top=0.9, hspace=0.06)
+    ystep = max(1, k // 30)
+    ylabels = [wrap_label(n) for n in names[::ystep]]
+    lines = max((t.count("\n") + 1 for t in ylabels), default=1)
+    # constrained layout makes room for every tick label (wrapped, never cut: wrap_label)
+    fig = Figure(figsize=(min(max(5.0, 0.3 * m + 2.5), 16.0), min(max(3.8, (0.1 + 0.12 * lines) * len(ylabels) + 2.6), 14.0)),
+                 layout="constrained")
+    turn = max(map(len, map(str, cnames))) * min(m, 40) > 60  # long tick labels: turned
     top, ax = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 3]})
     x = np.arange(m)
     if m > 200:  # thousands of clients (a natural split by user): lines, not one bar each
@@ -93,9 +124,8 @@ def partition_figure(rec: dict[str, Any]) -> Any:
             if v:
                 ax.text(c, y, f"{int(v)}", ha="center", va="center", fontsize=6, color="white" if v > 0.6 * vmax else "black")
     step = max(1, m // 40)
-    ax.set_xticks(x[::step], [str(n)[:12] for n in cnames[::step]], rotation=90 if turn else 0, fontsize=7)
-    ystep = max(1, k // 30)
-    ax.set_yticks(np.arange(k)[::ystep], [str(n)[:16] for n in names[::ystep]], fontsize=7)
+    ax.set_xticks(x[::step], [wrap_label(n) for n in cnames[::step]], rotation=90 if turn else 0, fontsize=7)
+    ax.set_yticks(np.arange(k)[::ystep], ylabels, fontsize=7)
     ax.set_xlabel("client")
     ax.set_ylabel(rec["by"] or "label")
     fig.colorbar(im, ax=[top, ax], label="examples", shrink=0.8, pad=0.02)
@@ -138,6 +168,10 @@ def format_partition(rec: dict[str, Any], limit: int = 30) -> str:
         lines.append(f"... {len(rec['clients']) - limit} more clients (partition.json has them all)")
     sizes = np.asarray(rec["sizes"])
     lines.append(f"sizes: min {sizes.min()}, median {int(np.median(sizes))}, max {sizes.max()}")
+    if rec.get("dropped"):
+        shown = ", ".join(f"{d['name']} ({d['size']})" for d in rec["dropped"][:10])
+        more = f" and {len(rec['dropped']) - 10} more" if len(rec["dropped"]) > 10 else ""
+        lines.append(f"dropped (min_client_size {rec['options'].get('min_client_size')}): {shown}{more}")
     return "\n".join(lines)
 
 

@@ -13,7 +13,9 @@
           ledger.jsonl        one record per message (bytes by entry kind)
           diagnostics.jsonl   one record per round (the two mismatches, sync diagnostics)
           metrics.csv         metrics.jsonl as a table, rewritten every round
-          summary.json        status, final / best metrics, traffic, wall time
+          summary.json        status (running | complete | failed | interrupted), rounds done, pid and
+                              heartbeat (kept current every round), final / best metrics, traffic, wall time
+          run.lock            while a process runs it: that process (fedgalore.engine.liveness)
           checkpoints/        fedgalore.federated.checkpoint
 
 :func:`choose_run_dir` picks the directory (and refuses one that already holds this run: the same
@@ -35,6 +37,7 @@ import torch
 from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
 from fedgalore.engine.identity import (Difference, RunIdentity, compare_with_saved, run_identity, summarize, task_label,
                                        write_identity)
+from fedgalore.engine.liveness import is_finished, run_state
 from fedgalore.engine.partition_files import partition_record, write_partition_files
 from fedgalore.engine.runtime import Runtime
 from fedgalore.federated.checkpoint import atomic_write_text
@@ -139,6 +142,8 @@ class RunDirectory:
                 w.writerow(h)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
+        """``summary.json``, atomically (the round loop writes it through a
+        :class:`~fedgalore.engine.liveness.Heartbeat`: status, rounds, pid, heartbeat time)."""
         atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=1))
 
 
@@ -148,6 +153,8 @@ def run_summary(cfg: FederatedConfig, task: Task, history: Sequence[dict[str, An
     object passed in code is labelled so (``task``: ``"<name> (<Class> object)"``) and recorded
     (``task_object``: class, name, options, data fingerprints)."""
     evals = [h for h in history if any(k.startswith("eval/") for k in h)]
+    # a round with only per-client metrics (federation.client_eval_every) is not the pooled evaluation's
+    evals = [h for h in evals if any(k.startswith("eval/") and not k.startswith("eval/client_") for k in h)] or evals
     final = {k[5:]: v for k, v in evals[-1].items() if k.startswith("eval/") and not k.startswith("eval/val_")} if evals else {}
     final_val = {k[9:]: v for k, v in evals[-1].items() if k.startswith("eval/val_")} if evals else {}
     key = f"eval/{task.primary_metric}"
@@ -246,6 +253,10 @@ def extension_problem(cfg: FederatedConfig, rounds: int, completed: int) -> str 
     t = cfg.train
     if rounds < completed:
         return f"it has already completed {completed} rounds (federation.rounds must be >= {completed})"
+    record = cfg.privacy.record
+    if record is not None and record.target_epsilon is not None and rounds != cfg.federation.rounds:
+        return (f"privacy.record.target_epsilon calibrates each site's noise to federation.rounds={cfg.federation.rounds}, "
+                f"so a {rounds}-round run would add other noise from round 1 on (and spend more ε)")
     if t.schedule_scope == "round" or (t.schedule == "constant" and t.warmup_ratio == 0):
         return None
     return (f"its learning-rate schedule (train.schedule={t.schedule}, train.warmup_ratio={t.warmup_ratio:g}, "
@@ -256,11 +267,16 @@ def extension_problem(cfg: FederatedConfig, rounds: int, completed: int) -> str 
 def _holds_this_run(run_dir: Path) -> str:
     s = saved_summary(run_dir)
     done, total = s.get("rounds_completed", "?"), s.get("rounds", "?")
-    if s.get("status") == "complete":
+    state = run_state(run_dir)
+    if state.live:
+        return (f"{run_dir} already holds this run, and process {state.pid} is running it now ({done}/{total} rounds done); "
+                f"watch it with `fedgalore status {run_dir}`, or set output.run_name=<new name> to start another")
+    if is_finished(s.get("status")):
         final = " ".join(f"{k}={v:.4f}" for k, v in (s.get("final") or {}).items() if isinstance(v, float))
         return (f"{run_dir} already holds this run (complete, {done}/{total} rounds{': ' + final if final else ''}); "
                 f"see it with `fedgalore report {run_dir}`, or set output.run_name=<new name> to run it again")
-    return (f"{run_dir} already holds this run, stopped after round {done}/{total}; continue it with "
+    how = {"failed": "failed", "interrupted": "interrupted", "running": "stopped (its process is gone)"}.get(s.get("status"), "stopped")
+    return (f"{run_dir} already holds this run, {how} after round {done}/{total}; continue it with "
             f"`fedgalore run --resume {run_dir}`, or set output.run_name=<new name> to start over")
 
 

@@ -24,11 +24,14 @@ import torch
 
 from fedgalore.engine.clients import Clients, resolve_clients, split_clients
 from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.engine.privacy_ledger import SitePrivacy
 from fedgalore.engine.resolve import method_options, resolve_method
+from fedgalore.engine.start_adapter import continues_adapter, merge_start_adapter, start_adapter_of
 from fedgalore.federated.client import ClientError
 from fedgalore.federated.scaffold import CORR, ScaffoldClient, split_entries
 from fedgalore.federated.seeding import BATCHES, DROPOUT, client_seed
 from fedgalore.methods.base import Method, method_class
+from fedgalore.methods.lora_common import matrix_shape
 from fedgalore.protocol.payload import Payload, decode, encode, transfer
 from fedgalore.protocol.state import ClientContext, TrainConfig
 from fedgalore.tasks import Task, get_task, resolve_target_modules
@@ -72,6 +75,9 @@ class Runtime:
         self.method = (resolve_method(method, cfg) if method is not None
                        else method_class(cfg.method.name)(cfg.method.rank, method_options(cfg)))
         model = self.task.build_model()
+        start = start_adapter_of(self.task)  # task.options.model a PEFT adapter (fedgalore.engine.start_adapter)
+        if start is not None and not continues_adapter(self.method):
+            merge_start_adapter(model, start)
         self.target_modules = resolve_target_modules(model, self.task.target_modules, exclude=self.task.head_modules)
         self.head_params = head_parameters(model, self.task.head_modules)
         self._check_rank(model)
@@ -79,6 +85,8 @@ class Runtime:
         #: per-client stores that last the run (a backend whose clients keep state sets a dict; None: stateless)
         self.client_state: dict[int, dict] | None = None
         self.model = self.method.setup(model.to(self.device), self.target_modules, self.head_params)
+        if start is not None and continues_adapter(self.method):
+            self.method.start_from(self.model, start.factors, start.scaling)  # type: ignore[attr-defined]
         self.train_data = self.task.train_set()
         #: training examples held out from every client for model selection (federation.validation_fraction)
         self.validation_idx = self.clients.validation_idx
@@ -87,10 +95,12 @@ class Runtime:
         tc: TrainConfig = cfg.train
         mean_steps = self._steps_for(int(round(sum(sizes) / len(sizes))), tc)
         self.steps_per_round = max(mean_steps, 1)
+        #: record-level DP-SGD of the clients this process trains (privacy.record; None: none)
+        self.privacy = SitePrivacy.build(cfg, self.task, self.model, sizes, lambda n: self._steps_for(n, tc))
 
     def _check_rank(self, model: torch.nn.Module) -> None:
         mods = dict(model.named_modules())
-        smallest = min(min(mods[m].weight.shape) for m in self.target_modules)
+        smallest = min(min(matrix_shape(mods[m])) for m in self.target_modules)
         if self.cfg.method.rank > smallest:
             raise ConfigError(
                 f"method.rank={self.cfg.method.rank} exceeds the smallest adapted matrix dimension ({smallest}); "
@@ -120,6 +130,8 @@ class Runtime:
         """This round's local mini-batches: E epochs (or T steps) of fresh permutations."""
         tc = self.cfg.train
         idx = self.parts[client]
+        if self.privacy is not None:  # DP-SGD: Poisson-sampled steps instead (fedgalore.engine.privacy_ledger)
+            return self.privacy.batches(idx, client, round_idx, self._batch_of)
         steps = self._steps_for(len(idx), tc)
         rng = np.random.default_rng(client_seed(self.cfg.seed, round_idx, client, BATCHES))
         need = steps * tc.batch_size
@@ -133,12 +145,15 @@ class Runtime:
 
         def gen():
             for c in chunks:
-                if hasattr(self.train_data, "batch"):
-                    yield self.train_data.batch(c.tolist())
-                else:
-                    yield self.task.collate([self.train_data[int(i)] for i in c])
+                yield self._batch_of(c.tolist())
 
         return gen, len(chunks)
+
+    def _batch_of(self, indices: list[int]) -> dict:
+        """The batch of these training examples."""
+        if hasattr(self.train_data, "batch"):
+            return self.train_data.batch(indices)
+        return self.task.collate([self.train_data[int(i)] for i in indices])
 
     def execute(self, job: ClientJob, broadcast: bytes | Payload, on_step=None, client_state: dict | None = None) -> ClientResult:
         """Run operator T for one client on a serialised broadcast; never raises. ``client_state``:
@@ -149,6 +164,7 @@ class Runtime:
         :func:`~fedgalore.protocol.payload.transfer` — exactly what decoding its bytes gives — and
         the upload comes back transferred too, instead of serialised."""
         t0 = time.perf_counter()
+        private = None
         try:
             gen, steps = self.batches(job.client, job.round)
             ctx = ClientContext(
@@ -170,6 +186,8 @@ class Runtime:
                 state=client_state if client_state is not None
                 else None if self.client_state is None else self.client_state.setdefault(job.client, {}),
             )
+            if self.privacy is not None:  # DP-SGD in local_train (fedgalore.privacy.dpsgd)
+                ctx.privacy = private = self.privacy.client(job.client, job.round)
             seed = int(client_seed(self.cfg.seed, job.round, job.client, DROPOUT).generate_state(1)[0])
             devices = [self.device.index or 0] if self.device.type == "cuda" else []
             # Dropout draws from the global RNG. Fork it (restored on exit, so callers see no
@@ -189,9 +207,14 @@ class Runtime:
                     if ctx.scaffold.new_ci is None:
                         raise ClientError(f"client {job.client}: SCAFFOLD needs at least one local step")
                     upload = Payload({**upload.entries, **ctx.scaffold.upload_entries()}, dict(upload.meta))
+                if self.privacy is not None:
+                    upload = self.privacy.redact(upload)  # raw training losses stay home (privacy.record.release_metrics)
             blob = transfer(upload) if isinstance(broadcast, Payload) else encode(upload)
             return ClientResult(job.client, blob, None, time.perf_counter() - t0, dict(upload.meta))
         except ClientError as exc:
             return ClientResult(job.client, None, str(exc), time.perf_counter() - t0)
         except Exception as exc:  # a failing client must not take the federation down
             return ClientResult(job.client, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}", time.perf_counter() - t0)
+        finally:
+            if private is not None:  # Opacus' hooks off the shared model, also after an error
+                private.detach()

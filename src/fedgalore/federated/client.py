@@ -30,6 +30,16 @@ are F_i's (without the proximal term). μ = 0 skips all of it (bit-identical to 
 
 SCAFFOLD (``train.scaffold``; ``ctx.scaffold``, :mod:`fedgalore.federated.scaffold`): after each
 optimizer step every trainable parameter moves by −η_t (c − c_i).
+
+Record-level DP-SGD (``privacy.record``; ``ctx.privacy``, :class:`fedgalore.privacy.dpsgd.DPSGD`):
+Opacus' per-example gradient hooks go on the model and its ``DPOptimizer`` around the method's
+optimizer for the round. Each micro-batch backpropagates its own mean loss (Opacus recovers the
+per-example gradients; an empty Poisson draw, ``{}``, is skipped), and before every optimizer step
+``p.grad`` is replaced by the privatised gradient ``(Σ_i clip_C(g_i) + N(0, σ²C²)) / (q·n)`` — also
+on a step whose draws were all empty (noise only). FedProx's term and SCAFFOLD's correction come
+after it (they use no data); ``train.grad_clip`` does not apply (the per-example clip replaces it).
+The optimizer then steps on the privatised gradient only. The returned stats add the site's
+``dp_*`` numbers for the server's accountant.
 """
 from __future__ import annotations
 
@@ -148,6 +158,9 @@ def local_train(
     scaffold = getattr(ctx, "scaffold", None)
     if scaffold is not None:
         scaffold.begin()
+    private = getattr(ctx, "privacy", None)  # DP-SGD (module doc): per-example clipping and noise
+    if private is not None:
+        private.attach(model, optimizer)
     model.train()
     losses: list[float] = []
     micro = 0
@@ -157,11 +170,11 @@ def local_train(
         if not group:
             break
         _set_lr(optimizer, lr_factor(offset + t, total, tc.warmup_ratio, tc.schedule))
-        counts = [loss_items(ctx.loss_fn, b) for b in group] if k > 1 else [1]
+        counts = [loss_items(ctx.loss_fn, b) if b else 0 for b in group] if k > 1 else [1]
         n_total = sum(counts)
         step_loss = 0.0
         for batch, n in zip(group, counts):
-            if n == 0:  # nothing to average over (e.g. no response token): no term in the mean
+            if n == 0 or not batch:  # nothing to average over (no response token; an empty Poisson draw): no term
                 micro += 1
                 continue
             batch = {key: v.to(ctx.device) for key, v in batch.items()}
@@ -171,28 +184,37 @@ def local_train(
                 optimizer.zero_grad(set_to_none=True)
                 raise ClientError(f"client {ctx.client}: non-finite loss {value} at local step {t} (micro-batch {micro})")
             weight = n / n_total
-            (loss if weight == 1.0 else loss * weight).backward()
+            # DP-SGD: each micro-batch's own mean (Opacus turns it into per-example gradients)
+            (loss if weight == 1.0 or private is not None else loss * weight).backward()
             step_loss += weight * value
             if ctx.on_step is not None:
                 ctx.on_step(micro, value)
             micro += 1
-        if n_total == 0:
+        if n_total == 0 and private is None:
             continue
+        if private is not None:
+            private.privatise()  # p.grad <- the clipped, noised mean; the raw gradient never reaches the optimizer
         if anchor is not None:
             _add_prox_grad(params, anchor, mu)
-        if tc.grad_clip is not None:
+        if tc.grad_clip is not None and private is None:
             torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        (optimizer if private is None else private).zero_grad(set_to_none=True)
         if scaffold is not None:
             scaffold.after_step(optimizer)
-        losses.append(step_loss)
+        if private is None or any(group):  # (an all-empty DP step has no loss)
+            losses.append(step_loss)
     model.eval()
+    if private is not None:
+        private.detach()
     if scaffold is not None and losses:
         scaffold.finish()
     if not losses:
-        return {"steps": 0, "loss_first": float("nan"), "loss_last": float("nan"), "loss_mean": float("nan")}
-    out = {"steps": len(losses), "loss_first": losses[0], "loss_last": losses[-1], "loss_mean": sum(losses) / len(losses)}
-    if k > 1:
-        out["micro_batches"] = micro
+        out = {"steps": 0, "loss_first": float("nan"), "loss_last": float("nan"), "loss_mean": float("nan")}
+    else:
+        out = {"steps": len(losses), "loss_first": losses[0], "loss_last": losses[-1], "loss_mean": sum(losses) / len(losses)}
+        if k > 1:
+            out["micro_batches"] = micro
+    if private is not None:
+        out.update(private.stats())
     return out

@@ -108,6 +108,9 @@ class PartitionConfig:
     size_skew: Literal["dirichlet", "power"] = "dirichlet"
     #: quantity with size_skew=power: client j holds a share proportional to (j+1)^power
     power: float = 1.0
+    #: natural / files: a site (client) with fewer training examples than this is dropped, one line each
+    #: naming it (0: keep every site); its examples are not trained on
+    min_client_size: int = 0
 
     def __post_init__(self) -> None:
         partitioner_class(self.kind)  # a registered kind (the error lists them)
@@ -116,6 +119,10 @@ class PartitionConfig:
         check_int("max_retries", self.max_retries, 1)
         check_int("classes_per_client", self.classes_per_client, 1)
         check_int("shards_per_client", self.shards_per_client, 1)
+        check_int("min_client_size", self.min_client_size, 0)
+        if self.min_client_size and (not infers_clients(self.kind) or partitioner_class(self.kind).deployment_only):
+            raise PartitionError(f"min_client_size drops small sites of kinds natural and files (clients the data names); "
+                                 f"kind {self.kind} draws its clients: use its own size options (dirichlet, quantity: min_size)")
         if not (isinstance(self.power, (int, float)) and math.isfinite(self.power) and self.power >= 0):
             raise PartitionError(f"power must be a finite number >= 0, got {self.power!r}")
         for key in ("column", "by"):
@@ -131,8 +138,10 @@ class PartitionConfig:
         return partitioner_class(self.kind)(self)
 
     def options(self) -> dict[str, Any]:
-        """The fields this kind reads (and ``by``, when set): what ``partition.json`` records."""
-        return self.partitioner().options() | ({"by": self.by} if self.by is not None else {})
+        """The fields this kind reads (and ``by`` and ``min_client_size``, when set): what
+        ``partition.json`` records."""
+        return (self.partitioner().options() | ({"by": self.by} if self.by is not None else {})
+                | ({"min_client_size": self.min_client_size} if self.min_client_size else {}))
 
     def setting_fields(self) -> dict[str, Any]:
         """The fields the setting string :meth:`label` names (kind, its parameter, ``by``): what a

@@ -8,7 +8,8 @@ checkpoint, or run on any backend in any client order, draws exactly the same nu
   (paper Algorithm 1);
 * :func:`sample_clients` — ``P_k``, the clients sampled in round ``k`` (and in a retried round);
 * :func:`client_seed` — client ``i``'s streams in round ``k``: :data:`BATCHES` (the order of its
-  local mini-batches) and :data:`DROPOUT` (the global RNG state its training starts from);
+  local mini-batches; under ``privacy.record`` its Poisson draws), :data:`DROPOUT` (the global RNG
+  state its training starts from) and :data:`DP_NOISE` (its DP-SGD noise);
 * :func:`validation_seed` — the stratified hold-out of ``federation.validation_fraction``;
 * :func:`client_test_seed` — client ``i``'s held-out share (``federation.client_test_fraction``);
 * :func:`mixed_seed` — a 63-bit seed mixed from any integers (LoRA adapter initialisation).
@@ -22,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 __all__ = ["round_seed", "sample_clients", "client_seed", "validation_seed", "client_test_seed", "mixed_seed",
-           "BATCHES", "DROPOUT", "HOLD_OUT"]
+           "BATCHES", "DROPOUT", "HOLD_OUT", "DP_NOISE"]
 
 #: :func:`client_seed` stream of a client's mini-batch order
 BATCHES = 1
@@ -30,6 +31,8 @@ BATCHES = 1
 DROPOUT = 2
 #: :func:`client_seed` stream of a client's held-out share (:func:`client_test_seed`)
 HOLD_OUT = 3
+#: :func:`client_seed` stream of a client's DP-SGD noise (``privacy.record`` without secure_mode; fedgalore.privacy.dpsgd)
+DP_NOISE = 4
 
 
 def round_seed(run_seed: int, round_idx: int) -> int:

@@ -47,6 +47,7 @@ from fedgalore.engine.backends.base import Backend
 from fedgalore.engine.clients import Clients
 from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import ProgressSink
+from fedgalore.engine.liveness import is_finished
 from fedgalore.engine.loop import Federation, RunResult
 from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
 from fedgalore.federated.partition import encode_partition
@@ -507,7 +508,7 @@ class FedGaLoreStrategy(Strategy):
             raise ConfigError(f"resume=true: {run_dir} holds another run ({summarize(diffs)}); resume it with the config "
                               "it started with, or start a new run without resume")
         s = saved_summary(run_dir)
-        if s.get("status") == "complete":
+        if is_finished(s.get("status")):
             if self.progress is not None:
                 self.progress.message(f"{run_dir} is complete ({s.get('rounds_completed')}/{s.get('rounds')} rounds); nothing to resume")
             return RunResult(run_dir, s, read_jsonl(run_dir / "metrics.jsonl"))

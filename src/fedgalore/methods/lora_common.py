@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -64,6 +64,7 @@ __all__ = [
     "DEFAULT_SGD_LR",
     "check_weights",
     "lifted",
+    "matrix_shape",
 ]
 
 #: SGD learning rate when neither ``train.sgd_lr`` nor option ``sgd_lr`` is given (FFA-LoRA's
@@ -213,7 +214,7 @@ class LoraMethod(Method):
         if not self.targets:
             raise MethodError(f"{self.name}: no target modules to adapt")
         mods = dict(model.named_modules())
-        self.shapes = {m: tuple(mods[m].weight.shape) for m in self.targets}  # (out, in) per target
+        self.shapes = {m: matrix_shape(mods[m]) for m in self.targets}  # (out, in) per target
         named_params(model, self.heads)  # fail early on a wrong head name
         config = LoraConfig(
             r=self.rank,
@@ -235,6 +236,34 @@ class LoraMethod(Method):
         for p in self.head_params(peft_model).values():
             p.requires_grad_(True)
         return peft_model
+
+    @torch.no_grad()
+    def start_from(self, model: nn.Module, factors: Mapping[str, tuple[torch.Tensor, torch.Tensor]],
+                   scaling: Mapping[str, float]) -> None:
+        """Start from a trained LoRA adapter (``task.options.model`` a PEFT adapter folder): its
+        ``(B, A)`` per adapted module replace the fresh adapters, so the model is ``W0 + s·BA`` as
+        the adapter's is (targets the adapter lacks keep ``B = 0``). Its rank and scaling must be
+        this method's, and its layers among the targets; else one :class:`MethodError` line that
+        says what to set. Call it on the set-up model, before the server state is taken from it."""
+        outside = sorted(set(factors) - set(self.targets))
+        if outside:
+            raise MethodError(f"the starting adapter adapts {outside[0]}{f' (and {len(outside) - 1} more)' if len(outside) > 1 else ''}, "
+                              "which is not among the target modules; set task.options.target_modules to include its layers "
+                              "(or leave it null to use the adapter's)")
+        for m, (b, a) in factors.items():
+            if int(a.shape[0]) != self.rank:
+                raise MethodError(f"the starting adapter has rank {int(a.shape[0])} and method.rank={self.rank}; set "
+                                  f"method.rank={int(a.shape[0])} to continue training it (or use a method that merges it: "
+                                  "fedgalore, fedavg_full, flora, fr_lora)")
+            if abs(float(scaling[m]) - self.scaling) > 1e-6 * self.scaling:
+                raise MethodError(f"the starting adapter scales by α/r = {float(scaling[m]):g} and {self.name} by "
+                                  f"{self.scaling:g}; set method.options.lora_alpha={float(scaling[m]) * self.rank:g}")
+            if (tuple(b.shape[:1]) + tuple(a.shape[1:])) != self.shapes[m]:
+                raise MethodError(f"the starting adapter's factors of {m} are {tuple(b.shape)}·{tuple(a.shape)}, the layer is "
+                                  f"{self.shapes[m]}: it is not an adapter of this model")
+        for m, (b, a) in factors.items():
+            self.assign(self.lora_a(model, m), a)
+            self.assign(self.lora_b(model, m), b)
 
     @torch.no_grad()
     def init_adapters(self, model: nn.Module, seed: int) -> None:
@@ -361,6 +390,14 @@ class LoraMethod(Method):
 
     def server_heads(self, model: nn.Module) -> dict[str, torch.Tensor]:
         return {n: t.float() for n, t in self.head_state(model).items()}
+
+
+def matrix_shape(module: nn.Module) -> tuple[int, int]:
+    """``(out, in)`` of a linear layer — from its features, since a quantised layer's ``weight``
+    (bitsandbytes ``Params4bit``) is stored packed in another shape."""
+    if hasattr(module, "out_features") and hasattr(module, "in_features"):
+        return int(module.out_features), int(module.in_features)
+    return tuple(module.weight.shape)  # type: ignore[return-value]
 
 
 def check_weights(uploads: Sequence[Payload], weights: Sequence[float]) -> list[float]:

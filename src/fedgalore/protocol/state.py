@@ -101,3 +101,6 @@ class ClientContext:
     #: the run's ``diagnostics`` switch: a client may skip what only feeds the diagnostics file
     #: (FedGaLore: the shadow cold second moment and the moment diagnostics in the upload meta)
     diagnostics: bool = True
+    #: record-level DP-SGD of this client-round (a :class:`fedgalore.privacy.dpsgd.DPSGD`, ``privacy.record``):
+    #: ``local_train`` clips per-example gradients and adds noise before every optimizer step; None: no DP
+    privacy: Any = None

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedgalore.engine.liveness import is_finished
 from fedgalore.jsonl import read_jsonl
 
 __all__ = ["RunRecord", "ReportError", "load_run", "find_runs", "build_report", "method_display_name"]
@@ -76,7 +77,7 @@ class RunRecord:
 
     @property
     def complete(self) -> bool:
-        return self.summary.get("status") == "complete"
+        return is_finished(self.summary.get("status"))
 
     @property
     def primary_metric(self) -> str:
@@ -200,7 +201,7 @@ def build_report(
     ``comparison.json``, ``table.md``, ``table.tex``, ``client_eval.md`` (runs with
     ``federation.client_eval``) and ``plots/*.png|pdf`` under ``out_dir`` (default: ``path`` itself).
     """
-    from fedgalore.report import client_eval, tables
+    from fedgalore.report import client_eval, privacy, tables
 
     root = Path(path)
     runs = find_runs(root)
@@ -209,6 +210,7 @@ def build_report(
     out.mkdir(parents=True, exist_ok=True)
     order = grid_method_order(root)
     comp = tables.aggregate(runs, which=which, method_order=order, include_incomplete=single)
+    comp["privacy"] = privacy.privacy_line(runs, comp["methods"])  # what the runs protected (privacy.json)
     for row in comp["runs"]:  # run folders relative to the report, so a copied report stays valid
         try:
             row["run_dir"] = Path(row["run_dir"]).resolve().relative_to(out.resolve()).as_posix()

@@ -10,6 +10,10 @@ method. Values are the final-round (or best-round) primary metric, mean ± std (
 settings ran the same seeds. The best value of every column is bold: the highest (lowest for
 lower-is-better metrics) mean, and for Δ the smallest degradation; ties at the displayed
 precision are all bold.
+
+Runs with ``federation.client_eval`` add a **worst site** column after each setting's value: the
+primary metric on the worst client's held-out share at the last round that evaluated the clients
+(mean ± std over seeds), and that client's name — each seed's, when they differ (:func:`worst_site`).
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from typing import Any, Iterable, Sequence
 
 from fedgalore.report import METHOD_ORDER, RunRecord, method_display_name
 
-__all__ = ["aggregate", "to_markdown", "to_latex", "write_tables", "format_bytes", "budget_line"]
+__all__ = ["aggregate", "to_markdown", "to_latex", "write_tables", "format_bytes", "budget_line", "worst_site"]
 
 _NOT_PERCENT = ("loss", "mse", "mae", "perplexity", "ppl", "rmse")
 
@@ -53,6 +57,17 @@ def _order_methods(names: Iterable[str], preferred: Sequence[str]) -> list[str]:
         return first + [m for m in names if m not in first]
     known = [m for m in METHOD_ORDER if m in names]
     return known + [m for m in names if m not in known]
+
+
+def worst_site(r: RunRecord) -> tuple[float, str] | None:
+    """(primary metric, name) of the worst client of the run's last round that evaluated its
+    clients (``federation.client_eval``); None when no round did."""
+    metric = f"eval/client_worst_{r.primary_metric}"
+    for rec in reversed(r.history):
+        ce = rec.get("client_eval")
+        if isinstance(ce, dict) and isinstance(rec.get(metric), (int, float)) and math.isfinite(rec[metric]):
+            return float(rec[metric]), str(ce.get("worst_client", "?"))
+    return None
 
 
 def _run_row(r: RunRecord, which: str) -> dict[str, Any]:
@@ -98,16 +113,21 @@ def aggregate(
     methods = _order_methods((r.method for r in used), method_order)
 
     values: dict[tuple[str, str, str], dict[int, float]] = {}
+    worst: dict[tuple[str, str, str], dict[int, tuple[float, str]]] = {}
     for r in used:
         v = r.metric(tasks[r.task]["metric"], which)
         if v is not None and math.isfinite(v):
             values.setdefault((r.method, r.task, r.setting), {})[r.seed] = v
+        w = worst_site(r)
+        if w is not None:
+            worst.setdefault((r.method, r.task, r.setting), {})[r.seed] = w
     for t in tasks.values():
         vals = [v for (m, tk, s), d in values.items() if tk == t["name"] for v in d.values()]
         name = t["metric"].lower()
         t["percent"] = bool(vals) and t["higher_is_better"] and not any(k in name for k in _NOT_PERCENT) and all(0.0 <= v <= 1.0 for v in vals)
 
     cells: dict[str, dict[str, dict[str, Any]]] = {}
+    worst_cells: dict[str, dict[str, dict[str, Any]]] = {}
     delta: dict[str, dict[str, dict[str, Any]]] = {}
     for m in methods:
         for tk in tasks:
@@ -118,6 +138,12 @@ def aggregate(
                 mean, std = _mean_std(list(d.values()))
                 cells.setdefault(m, {}).setdefault(tk, {})[s] = {
                     "seeds": sorted(d), "values": [d[k] for k in sorted(d)], "mean": mean, "std": std, "n": len(d)}
+                w = worst.get((m, tk, s))
+                if w:
+                    wmean, wstd = _mean_std([w[k][0] for k in sorted(w)])
+                    worst_cells.setdefault(m, {}).setdefault(tk, {})[s] = {
+                        "seeds": sorted(w), "values": [w[k][0] for k in sorted(w)], "sites": [w[k][1] for k in sorted(w)],
+                        "mean": wmean, "std": wstd, "n": len(w)}
             iid = values.get((m, tk, "iid"))
             for s in settings:
                 non = values.get((m, tk, s))
@@ -150,6 +176,7 @@ def aggregate(
         "settings": settings,
         "methods": methods,
         "cells": cells,
+        "worst": worst_cells,
         "delta": delta,
         "comm": comm,
         "runs": [_run_row(r, which) for r in runs],
@@ -256,6 +283,10 @@ def _best(comp: dict[str, Any]) -> dict[str, dict[str, list[str]]]:
             if len(got) > 1:
                 target = max(got.values()) if hib else min(got.values())
                 out[s] = [m for m, v in got.items() if v == target]
+            low = {m: round(c[tk][s]["mean"] * sc, pr) for m, c in comp.get("worst", {}).items() if s in c.get(tk, {})}
+            if len(low) > 1:
+                target = max(low.values()) if hib else min(low.values())
+                out["worst:" + s] = [m for m, v in low.items() if v == target]
             # degradation: how much worse non-IID is than IID (smaller is better)
             deg = {m: round((-d[tk][s]["mean"] if hib else d[tk][s]["mean"]) * sc, pr) for m, d in comp["delta"].items() if s in d.get(tk, {})}
             if len(deg) > 1:
@@ -302,12 +333,17 @@ def _columns(comp: dict[str, Any]) -> list[tuple[dict[str, Any], str, str]]:
     cols = []
     for t in comp["tasks"]:
         have = {s for c in comp["cells"].values() for s in c.get(t["name"], {})}
+        worst = {s for c in comp.get("worst", {}).values() for s in c.get(t["name"], {})}
         if "iid" in have:
             cols.append((t, "value", "iid"))
+            if "iid" in worst:
+                cols.append((t, "worst", "iid"))
         for s in non_iid:
             if s not in have:
                 continue
             cols.append((t, "value", s))
+            if s in worst:
+                cols.append((t, "worst", s))
             if "iid" in have:
                 cols.append((t, "delta", s))
     return cols
@@ -320,6 +356,8 @@ def _header(kind: str, setting: str, multi: bool, latex: bool) -> str:
         base = {"value_iid": r"\ding{51}", "value": r"\ding{53}", "delta": r"$\Delta$"}
     else:
         base = {"value_iid": "✓", "value": "✗", "delta": "Δ"}
+    if kind == "worst":
+        return "worst site " + (base["value_iid"] if setting == "iid" else base["value"] + (alpha if multi else ""))
     if kind == "value" and setting == "iid":
         return base["value_iid"]
     return base[kind] + (alpha if multi else "")
@@ -327,7 +365,15 @@ def _header(kind: str, setting: str, multi: bool, latex: bool) -> str:
 
 def _cell_text(comp: dict[str, Any], m: str, t: dict[str, Any], kind: str, s: str, latex: bool) -> str:
     tk = t["name"]
-    if kind == "value":
+    site = ""  # the worst client's name, after the (bold) number
+    if kind == "worst":
+        cell = comp.get("worst", {}).get(m, {}).get(tk, {}).get(s)
+        text = _fmt_value(cell, t, latex)
+        if cell is not None:
+            names = ", ".join(dict.fromkeys(cell["sites"]))  # each seed's worst client, once
+            site = f" ({_tex_escape(names) if latex else names})"
+        bold = m in comp["best"].get(tk, {}).get("worst:" + s, [])
+    elif kind == "value":
         text = _fmt_value(comp["cells"].get(m, {}).get(tk, {}).get(s), t, latex)
         bold = m in comp["best"].get(tk, {}).get(s, [])
     else:
@@ -335,7 +381,7 @@ def _cell_text(comp: dict[str, Any], m: str, t: dict[str, Any], kind: str, s: st
         bold = m in comp["best"].get(tk, {}).get("delta:" + s, [])
     if bold and text != "–":
         text = rf"\textbf{{{text}}}" if latex else f"**{text}**"
-    return text
+    return text + site
 
 
 def _comm_text(comp: dict[str, Any], m: str, latex: bool) -> list[str]:
@@ -352,7 +398,9 @@ def _caption(comp: dict[str, Any], latex: bool) -> str:
     non = [s for s in comp["settings"] if s != "iid"]
     text = (f"{comp['which'].capitalize()}-round {tasks}; mean ± std over seeds ({seeds}). "
             f"✓ = IID, ✗ = non-IID ({', '.join(non) or 'none'}), Δ = ✗ − ✓; best in bold. "
-            "Communication: bytes per participating client per round (serialised payloads), averaged over each method's runs.")
+            + ("Worst site: the metric on the worst client's held-out share (federation.client_eval) at the last round "
+               "that evaluated the clients, and that client. " if comp.get("worst") else "")
+            + "Communication: bytes per participating client per round (serialised payloads), averaged over each method's runs.")
     if comp.get("excluded_incomplete"):
         text += f" {comp['excluded_incomplete']} unfinished run(s) not included."
     if latex:
@@ -374,6 +422,8 @@ def to_markdown(comp: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(row) + " |")
     if comp.get("budget"):
         lines += ["", comp["budget"]]
+    if comp.get("privacy"):
+        lines += ["", comp["privacy"]]
     lines += ["", "### Runs", "",
               "Wall s / round is wall-clock time on the machine that ran the run: it depends on that machine's load "
               "(other jobs, threads) and is not a comparison of the methods' cost.", ""]

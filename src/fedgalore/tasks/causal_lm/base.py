@@ -113,6 +113,70 @@ class CausalLMTask(Task):
         model.train(was_training)
         return metrics
 
+    def evaluation_generates(self) -> bool:
+        """Whether :meth:`evaluate` generates and scores answers (exact match); the shared tasks always do."""
+        return True
+
+    def evaluation_loss(self) -> bool:
+        """Whether :meth:`evaluate` reports the response-token ``loss`` (``eval_loss``)."""
+        return bool(self.eval_loss)
+
+    @torch.no_grad()
+    def example_outputs(self, model: nn.Module, examples: PromptDataset, batch_size: int) -> dict[str, np.ndarray]:
+        """Per-example records in one batched pass: ``kind``, ``hit`` (the generated answer matches;
+        when :meth:`evaluation_generates`), ``loss_sum`` and ``tokens`` (the response-token loss
+        summed over the example's predicted tokens, and their count; when :meth:`evaluation_loss`)."""
+        was_training = model.training
+        model.eval()
+        n = len(examples)
+        out: dict[str, np.ndarray] = {"kind": np.asarray(examples.kinds, dtype=object)}
+        try:
+            if self.evaluation_generates():
+                hit = np.zeros(n, dtype=bool)
+                for start in range(0, n, batch_size):
+                    idx = range(start, min(start + batch_size, n))
+                    for i, text in zip(idx, self.generate(model, [examples.prompts[i] for i in idx])):
+                        kind = examples.kinds[i]
+                        hit[i] = self.answers_match(self.extract_answer(text, kind), examples.answers[i], kind)
+                out["hit"] = hit
+            if self.evaluation_loss():
+                out["loss_sum"], out["tokens"] = self.example_losses(model, examples, batch_size)
+        finally:
+            model.train(was_training)
+        return out
+
+    def metrics_of_outputs(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
+        """:meth:`evaluate`'s metrics of the examples whose records ``outputs`` holds: exact match
+        per kind and their unweighted mean, and the token-weighted response loss."""
+        metrics: dict[str, float] = {}
+        if "hit" in outputs:
+            kinds = sorted(set(outputs["kind"].tolist()))
+            for k in kinds:
+                metrics[f"{k}_exact_match"] = float(np.mean(outputs["hit"][outputs["kind"] == k]))
+            metrics["exact_match"] = float(np.mean([metrics[f"{k}_exact_match"] for k in kinds])) if kinds else 0.0
+        if "loss_sum" in outputs:
+            metrics["loss"] = float(outputs["loss_sum"].sum() / max(int(outputs["tokens"].sum()), 1))
+        return metrics
+
+    @torch.no_grad()
+    def example_losses(self, model: nn.Module, examples: PromptDataset, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per example: the summed cross-entropy of its predicted response tokens (labels shifted by
+        one, ≠ −100) and their count — :meth:`mean_loss` is ``Σ loss_sum / Σ tokens``."""
+        device = next(model.parameters()).device
+        n = len(examples)
+        sums, counts = np.zeros(n, dtype=np.float64), np.zeros(n, dtype=np.int64)
+        for start in range(0, n, batch_size):
+            idx = list(range(start, min(start + batch_size, n)))
+            batch = examples.batch(idx)
+            labels = batch["labels"][:, 1:].to(device)
+            if int((labels != -100).sum()) == 0:
+                continue
+            logits = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+            for row, i in enumerate(idx):
+                ce = nn.functional.cross_entropy(logits[row, :-1].float(), labels[row], ignore_index=-100, reduction="sum")
+                sums[i], counts[i] = float(ce), int((labels[row] != -100).sum())
+        return sums, counts
+
     def extract_answer(self, text: str, kind: str) -> str | None:
         """The final answer in a generated ``text`` (:func:`~fedgalore.tasks.causal_lm.grading.extract_answer`)."""
         return extract_answer(text, kind)

@@ -22,6 +22,11 @@ class PromptDataset:
     ``prompts[i]`` is the full prompt text (template applied), ``responses[i]`` the target text
     (training) and ``answers[i]`` / ``kinds[i]`` the gold final answer and its extraction rule
     (evaluation). ``dataset[i]`` gives ``input_ids`` and ``labels`` (prompt positions −100).
+
+    ``segments`` (optional; per example None or ``((text, trained), ...)`` joining to
+    ``prompts[i]``): a prompt that holds trained pieces itself — a conversation's earlier
+    assistant turns. Each piece is tokenised on its own (the first with the tokenizer's special
+    tokens, as a prompt is) and labelled with its tokens when ``trained``, −100 otherwise.
     """
 
     prompts: list[str]
@@ -30,20 +35,30 @@ class PromptDataset:
     kinds: list[str]
     tokenizer: Any
     max_length: int
+    segments: Sequence[tuple[tuple[str, bool], ...] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
 
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         tok = self.tokenizer
-        p = tok(self.prompts[idx], add_special_tokens=True)["input_ids"]
+        pieces = self.segments[idx] if self.segments is not None else None
+        if pieces:
+            p, lab = [], []
+            for k, (text, trained) in enumerate(pieces):
+                ids_k = tok(text, add_special_tokens=k == 0)["input_ids"]
+                p += ids_k
+                lab += ids_k if trained else [-100] * len(ids_k)
+        else:
+            p = tok(self.prompts[idx], add_special_tokens=True)["input_ids"]
+            lab = [-100] * len(p)
         r = tok(self.responses[idx], add_special_tokens=False)["input_ids"]
         if tok.eos_token_id is not None:
             r = r + [tok.eos_token_id]
         if len(p) > self.max_length // 2 and len(p) + len(r) > self.max_length:
-            p = p[-(self.max_length // 2):]  # keep the end of an over-long prompt: leave room to learn
+            p, lab = p[-(self.max_length // 2):], lab[-(self.max_length // 2):]  # keep the end of an over-long prompt
         ids = (p + r)[: self.max_length]
-        labels = ([-100] * len(p) + r)[: self.max_length]
+        labels = (lab + r)[: self.max_length]
         return {"input_ids": torch.tensor(ids, dtype=torch.long), "labels": torch.tensor(labels, dtype=torch.long)}
 
     def batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:

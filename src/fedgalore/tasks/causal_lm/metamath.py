@@ -16,6 +16,7 @@ from fedgalore.tasks.base import TaskError, TaskOptions, task_option
 from fedgalore.tasks.causal_lm.base import CausalLMTask, torch_dtype
 from fedgalore.tasks.causal_lm.data import PromptDataset, read_records
 from fedgalore.tasks.causal_lm.grading import extract_gsm8k_answer, last_boxed
+from fedgalore.tasks.quantize import check_quantization, prepare_quantized, quantized_load_kwargs
 
 __all__ = ["MetaMathQATask", "MetaMathOptions", "ALPACA_PROMPT"]
 
@@ -39,7 +40,10 @@ class MetaMathOptions(TaskOptions):
     n_eval: int | None = task_option(None, "the first n_eval problems of each evaluation set; null: all")
     max_length: int = task_option(1024, "training tokens per example (prompt + response)")
     max_new_tokens: int = task_option(512, "tokens generated per evaluation problem")
-    load_in_4bit: bool = task_option(False, "load the model quantised to 4-bit NF4 (bitsandbytes)")
+    load_in_4bit: bool = task_option(False, "deprecated: quantization: 4bit says the same")
+    quantization: str | None = task_option(
+        None, "4bit | 8bit: the frozen base's linear layers quantised by bitsandbytes, dtype the compute dtype "
+              "(CUDA; FedIT, FFA-LoRA, LoRA-FAIR); null: none")
     dtype: str = task_option("bfloat16", "model dtype: float32, bfloat16 or float16 (fp32, bf16, fp16)")
     gradient_checkpointing: bool = task_option(False, "recompute activations in the backward pass (less memory)")
     tokenizer: str | None = task_option(None, "hub id or local folder of the tokenizer; null: the model's")
@@ -50,6 +54,10 @@ class MetaMathOptions(TaskOptions):
         if bad or not self.eval_sets:
             raise TaskError(f"task.options.eval_sets={list(self.eval_sets)} must be a non-empty subset of ['gsm8k', 'math']")
         torch_dtype(self.dtype)
+        check_quantization(self.quantization)
+        if self.load_in_4bit and self.quantization not in (None, "4bit"):
+            raise TaskError(f"task.options.load_in_4bit: true and quantization: {self.quantization} disagree; "
+                            "give quantization alone (load_in_4bit is its old name for 4bit)")
 
 
 class MetaMathQATask(CausalLMTask):
@@ -62,7 +70,8 @@ class MetaMathQATask(CausalLMTask):
     ``EleutherAI/hendrycks_math`` is concatenated — or a local file with ``problem``/``solution``
     and optional ``answer``), ``n_train`` / ``n_eval`` (first-N subsets; None = all; GSM8K and
     MATH each get ``n_eval``), ``max_length`` (training tokens), ``max_new_tokens``
-    (generation), ``dtype``, ``load_in_4bit`` (bitsandbytes NF4), ``gradient_checkpointing``,
+    (generation), ``dtype``, ``quantization`` (``4bit`` / ``8bit``: :mod:`fedgalore.tasks.quantize`;
+    ``load_in_4bit: true`` is its old name for ``4bit``), ``gradient_checkpointing``,
     ``tokenizer`` (defaults to ``model``).
     """
 
@@ -88,12 +97,16 @@ class MetaMathQATask(CausalLMTask):
         gradient_checkpointing: bool = False,
         tokenizer: str | None = None,
         eval_loss: bool = False,
+        quantization: str | None = None,
     ) -> None:
         from transformers import AutoTokenizer
 
         self.model_id, self.data_id = model, data
         self.max_length, self.max_new_tokens, self.eval_loss = int(max_length), int(max_new_tokens), bool(eval_loss)
-        self.load_in_4bit, self.dtype, self.gradient_checkpointing = bool(load_in_4bit), torch_dtype(dtype), bool(gradient_checkpointing)
+        self.dtype, self.gradient_checkpointing = torch_dtype(dtype), bool(gradient_checkpointing)
+        check_quantization(quantization)
+        self.quantization = quantization or ("4bit" if load_in_4bit else None)
+        self.load_in_4bit = self.quantization == "4bit"
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
         except Exception as exc:
@@ -146,17 +159,12 @@ class MetaMathQATask(CausalLMTask):
     def build_model(self) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        kwargs: dict[str, Any] = {"dtype": self.dtype}
-        if self.load_in_4bit:
-            from transformers import BitsAndBytesConfig
-
-            kwargs["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=self.dtype
-            )
+        kwargs: dict[str, Any] = {"dtype": self.dtype, **quantized_load_kwargs(self.quantization, self.dtype, ["lm_head"])}
         try:
             model = AutoModelForCausalLM.from_pretrained(self.model_id, **kwargs)
         except Exception as exc:
             raise TaskError(f"could not load model {self.model_id!r}: {str(exc).splitlines()[0]}") from None
+        model = prepare_quantized(model, self.quantization)
         if self.gradient_checkpointing:
             model.gradient_checkpointing_enable()
             model.config.use_cache = False

@@ -2,15 +2,22 @@
 
 A front end over :class:`~fedgalore.tasks.causal_lm.base.CausalLMTask` (response-only loss,
 greedy generation, exact match) and :class:`~fedgalore.tasks.causal_lm.data.PromptDataset`.
-Each row becomes a prompt and a response, in one of three ways:
+Each row becomes a prompt and a response in the ``format`` it is written in
+(:mod:`~fedgalore.tasks.generic.formats`; null: from the columns named, as before formats had
+names):
 
-* ``prompt_column`` + ``response_column``: the prompt text, wrapped as the user turn of the
-  tokenizer's chat template when ``chat_template`` says so (default: when it has one);
-* ``template`` + ``response_column``: the prompt is ``template.format(**row)`` (``{column}``
-  fields; ``{{`` for a literal brace), wrapped the same way;
-* ``messages_column``: a conversation (a list of ``{role, content}``) ending with an assistant
-  turn: the prompt is the chat template of the turns before it (with the generation prompt), the
-  response is that last turn's content — earlier assistant turns are context, not trained.
+* ``prompt_response`` — ``prompt_column`` + ``response_column``: the prompt text, wrapped as the
+  user turn of the tokenizer's chat template when ``chat_template`` says so (default: when it has
+  one);
+* ``template`` — ``template`` + ``response_column``: the prompt is ``template.format(**row)``
+  (``{column}`` fields; ``{{`` for a literal brace), wrapped the same way;
+* ``alpaca`` — instruction, optional input, output: one user turn of the chat template, or the
+  usual Alpaca prompt without one;
+* ``messages`` / ``sharegpt`` — a conversation (``{role, content}`` / ``{from, value}`` turns)
+  ending with an assistant turn: the prompt is the chat template of the turns before it (with the
+  generation prompt), the response that last turn's content; with ``train_on:
+  all_assistant_turns`` (the default) every earlier assistant turn is trained too, with ``last``
+  those are context.
 
 Training loss: ``L = − (1/|R|) Σ_{t ∈ R} log p(x_t | x_<t)`` over the response tokens R (and the
 end-of-sequence token) only. Evaluation on the test split: ``loss`` (the same response-token
@@ -27,7 +34,7 @@ import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from torch import nn
@@ -39,6 +46,9 @@ from fedgalore.tasks.causal_lm.grading import normalize_number
 from fedgalore.tasks.generic.architectures import load_config, pick_target_modules, quiet_transformers, require_tokenizer_files, skeleton
 from fedgalore.tasks.generic.common import FileTask, FileTaskOptions
 from fedgalore.tasks.generic.data import Rows
+from fedgalore.tasks.quantize import check_quantization, prepare_quantized, quantized_load_kwargs
+from fedgalore.tasks.generic.formats import (CHAT_FORMATS, PLAIN_CHAT_TEMPLATE, FormatColumns, alpaca_prompt, alpaca_user_text,
+                                             conversation_segments, end_of_turn_tokens, guess_format, to_turns)
 from fedgalore.typed import to_plain
 
 __all__ = ["CausalLMOptions", "GenericCausalLMTask", "template_fields", "extract_pattern"]
@@ -50,11 +60,22 @@ class CausalLMOptions(FileTaskOptions):
 
     model: str | None = task_option(None, "local folder or hub id of an AutoModelForCausalLM checkpoint with its tokenizer; "
                                           "null: the offline SmolLM2-135M-Instruct")
-    prompt_column: str | None = task_option(None, "column holding the prompt (with response_column)")
-    response_column: str | None = task_option(None, "column holding the response: the tokens the loss is computed on")
-    messages_column: str | None = task_option(None, "column holding a chat, [{role, content}, ...], whose last assistant turn is the response")
+    format: Literal["alpaca", "sharegpt", "messages", "prompt_response", "template"] | None = task_option(
+        None, "how rows are written: alpaca (instruction, input, output), sharegpt ([{from, value}]), messages ([{role, content}]), "
+              "prompt_response, template; null: from the columns named")
+    prompt_column: str | None = task_option(None, "column holding the prompt (with response_column); alpaca: the instruction "
+                                                  "(default 'instruction')")
+    input_column: str | None = task_option(None, "alpaca: column of the optional input (default 'input'; empty, NaN or absent: none)")
+    response_column: str | None = task_option(None, "column holding the response: the tokens the loss is computed on; "
+                                                    "alpaca: default 'output'")
+    messages_column: str | None = task_option(None, "column holding a chat whose last assistant turn is the response: [{role, content}, "
+                                                    "...] (messages; default 'messages') or [{from, value}, ...] (sharegpt; "
+                                                    "default 'conversations')")
     template: str | None = task_option(None, "prompt made of columns, e.g. 'Question: {question}\\nAnswer: ' (with response_column)")
-    chat_template: bool | None = task_option(None, "wrap the prompt as a user turn in the tokenizer's chat template; null: when it has one")
+    chat_template: bool | None = task_option(None, "render with the tokenizer's chat template; null: when it has one (else the "
+                                                   "plain fallback: the Alpaca prompt, ### User: / ### Assistant: blocks)")
+    train_on: Literal["last", "all_assistant_turns"] = task_option(
+        "all_assistant_turns", "multi-turn chats: the loss on every assistant turn, or on the last one only (earlier ones: context)")
     answer_pattern: str | None = task_option(None, "regex extracting the answer (its first group, else the match; last match wins): "
                                                    "evaluation then generates and reports exact_match")
     answer_column: str | None = task_option(None, "column holding the gold answer (default: answer_pattern applied to the response)")
@@ -63,16 +84,35 @@ class CausalLMOptions(FileTaskOptions):
     max_length: int = task_option(512, "tokens of prompt + response (a longer prompt keeps its end; the response is cut)")
     max_new_tokens: int = task_option(64, "tokens generated per test prompt (with answer_pattern)")
     dtype: str = task_option("float32", "weights' dtype: float32, bfloat16 or float16")
+    quantization: str | None = task_option(
+        None, "4bit | 8bit: the frozen base's linear layers quantised by bitsandbytes, dtype the compute dtype "
+              "(CUDA; FedIT, FFA-LoRA, LoRA-FAIR); null: none")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.messages_column is not None:
-            extra = [k for k in ("prompt_column", "response_column", "template") if getattr(self, k) is not None]
+        check_quantization(self.quantization)
+        fmt = self.resolved_format()
+        if self.input_column is not None and fmt != "alpaca":
+            raise TaskError(f"task.options.input_column is read by format: alpaca only (this is format {fmt})")
+        if self.format is None:
+            if self.messages_column is not None:
+                extra = [k for k in ("prompt_column", "response_column", "template") if getattr(self, k) is not None]
+                if extra:
+                    raise TaskError(f"task.options.messages_column holds prompt and response: leave out {', '.join(extra)}")
+            elif self.response_column is None or (self.prompt_column is None) == (self.template is None):
+                raise TaskError("task.options needs prompt_column + response_column, or template + response_column, "
+                                "or messages_column, or a format: alpaca, sharegpt or messages")
+        else:
+            not_read = {"alpaca": ("template", "messages_column"), "sharegpt": ("prompt_column", "response_column", "template"),
+                        "messages": ("prompt_column", "response_column", "template"),
+                        "prompt_response": ("template", "messages_column"), "template": ("prompt_column", "messages_column")}
+            extra = [k for k in not_read[fmt] if getattr(self, k) is not None]
             if extra:
-                raise TaskError(f"task.options.messages_column holds prompt and response: leave out {', '.join(extra)}")
-        elif self.response_column is None or (self.prompt_column is None) == (self.template is None):
-            raise TaskError("task.options needs prompt_column + response_column, or template + response_column, "
-                            "or messages_column")
+                raise TaskError(f"task.options.format: {fmt} does not read {', '.join(extra)}; leave {'them' if len(extra) > 1 else 'it'} out")
+            needed = {"prompt_response": ("prompt_column", "response_column"), "template": ("template", "response_column")}
+            missing = [k for k in needed.get(fmt, ()) if getattr(self, k) is None]
+            if missing:
+                raise TaskError(f"task.options.format: {fmt} needs {' and '.join(missing)}")
         if self.template is not None:
             template_fields(self.template)
         if self.answer_pattern is not None:
@@ -85,6 +125,20 @@ class CausalLMOptions(FileTaskOptions):
         if self.max_length < 8 or self.max_new_tokens < 1:
             raise TaskError("task.options.max_length must be >= 8 and max_new_tokens >= 1")
         torch_dtype(self.dtype)
+
+    def resolved_format(self) -> str:
+        """``format``, or the one the columns named imply (``messages_column``: messages;
+        ``template``: template; else prompt_response)."""
+        if self.format is not None:
+            return self.format
+        if self.messages_column is not None:
+            return "messages"
+        return "template" if self.template is not None else "prompt_response"
+
+    def columns(self) -> FormatColumns:
+        """The columns the format reads: the ones named, else the format's defaults."""
+        return FormatColumns.of(self.resolved_format(), self.prompt_column, self.input_column, self.response_column,
+                                self.messages_column)
 
 
 def template_fields(template: str) -> list[str]:
@@ -121,7 +175,7 @@ class GenericCausalLMTask(FileTask, CausalLMTask):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.options = opts = options if options is not None else CausalLMOptions(**fields)
-        self.model_id = opts.model or str(self.default_model())
+        self.model_id = self._model_to_load(opts)  # an adapter folder's base (self.adapter)
         config = load_config(self.model_id)
         require_tokenizer_files(self.model_id)
         try:
@@ -130,10 +184,11 @@ class GenericCausalLMTask(FileTask, CausalLMTask):
         except (OSError, ValueError) as exc:
             raise TaskError(f"could not load the tokenizer of {self.model_id!r} ({str(exc).splitlines()[0][:160]})") from None
         has_template = bool(getattr(self.tokenizer, "chat_template", None))
-        if not has_template and (opts.chat_template or opts.messages_column):
-            raise TaskError(f"the tokenizer of {self.model_id!r} has no chat template; "
-                            "use prompt_column or template with task.options.chat_template: false")
+        if not has_template and opts.chat_template:
+            raise TaskError(f"the tokenizer of {self.model_id!r} has no chat template; leave task.options.chat_template out "
+                            "(or false) for the plain prompt (docs/data.md, \"Instruction formats\")")
         self.use_chat = has_template if opts.chat_template is None else bool(opts.chat_template)
+        self.data_format, self.cols = opts.resolved_format(), opts.columns()
         self.max_length, self.max_new_tokens, self.seed = opts.max_length, opts.max_new_tokens, opts.seed
         self.dtype = torch_dtype(opts.dtype)
         self.answer_pattern = re.compile(opts.answer_pattern) if opts.answer_pattern else None
@@ -154,7 +209,7 @@ class GenericCausalLMTask(FileTask, CausalLMTask):
         self._warn_truncated()
 
         self.model_type = config.model_type
-        self.target_modules = pick_target_modules(skeleton(AutoModelForCausalLM, config), config.model_type, opts.target_modules)
+        self.target_modules = pick_target_modules(skeleton(AutoModelForCausalLM, config), config.model_type, self._adapter_targets(opts))
 
     @staticmethod
     def default_model() -> Path:
@@ -167,53 +222,82 @@ class GenericCausalLMTask(FileTask, CausalLMTask):
     # ------------------------------------------------------------------ data
     @staticmethod
     def _required_columns(opts: CausalLMOptions) -> list[tuple[str, str, str]]:
-        if opts.messages_column:
-            req = [(opts.messages_column, "messages_column", "chat")]
+        fmt, cols = opts.resolved_format(), opts.columns()
+        if fmt in CHAT_FORMATS:
+            req = [(cols.messages, "messages_column", "chat")]
         else:
-            req = [(opts.prompt_column, "prompt_column", "prompt")] if opts.prompt_column else \
-                [(f, "template", "template field") for f in template_fields(opts.template)]
-            req.append((opts.response_column, "response_column", "response"))
+            if fmt == "template":
+                req = [(f, "template", "template field") for f in template_fields(opts.template)]
+            else:
+                req = [(cols.prompt, "prompt_column", "instruction" if fmt == "alpaca" else "prompt")]
+            req.append((cols.response, "response_column", "response"))
         if opts.answer_column:
             req.append((opts.answer_column, "answer_column", "answer"))
         if opts.category_column:
             req.append((opts.category_column, "category_column", "category"))
         return req
 
+    def _column_hint(self, rows: Rows) -> str:
+        """Which format (and option) rows that lack a column this format reads look like."""
+        guess = guess_format(rows.columns, rows.data[0] if len(rows) else None)
+        if guess is None or guess[0] == self.data_format:
+            return ""
+        here = f"format {self.data_format}" + (" (from the columns named)" if self.options.format is None else "")
+        return f"{here} reads other columns; these look like {guess[0]}: set {guess[1]}"
+
     def _wrap(self, user: str) -> str:
         if not self.use_chat:
             return user
         return self.tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
 
-    def _chat(self, rows: Rows, i: int, chat: Any) -> tuple[str, str]:
-        ok = isinstance(chat, list) and len(chat) >= 2 and all(isinstance(t, dict) and {"role", "content"} <= set(t) for t in chat)
-        if not ok or chat[-1]["role"] != "assistant":
-            raise TaskError(f"{rows.name} row {rows.row(i)}: column {self.options.messages_column!r} must hold a list of "
-                            "{role, content} turns ending with an assistant turn")
-        turns = [{"role": t["role"], "content": t["content"]} for t in chat[:-1]]
-        prompt = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        return prompt, str(chat[-1]["content"])
+    def _render(self, turns: list[dict[str, str]], generation: bool) -> str:
+        """Turns as text: the tokenizer's chat template, else (or with chat_template: false) the plain one."""
+        template = None if self.use_chat else PLAIN_CHAT_TEMPLATE
+        return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation, chat_template=template)
+
+    def _conversations(self, rows: Rows) -> tuple[list[str], list[str], list]:
+        """Prompts, responses and segments of a sharegpt / messages column (formats module doc)."""
+        column = self.cols.messages
+        eot = end_of_turn_tokens(self.tokenizer)
+        train_all = self.options.train_on == "all_assistant_turns"
+        prompts, responses, segments = [], [], []
+        for i, chat in enumerate(rows.data[column]):
+            where = f"{rows.name} row {rows.row(i)}"
+            turns = to_turns(chat, self.data_format, where, f"{column!r} (task.options.messages_column)")
+            prompt, segs = conversation_segments(turns, self._render, train_all, eot, where)
+            prompts.append(prompt)
+            responses.append(turns[-1]["content"])
+            segments.append(segs)
+        return prompts, responses, segments
 
     def _dataset(self, rows: Rows, evaluated: bool) -> PromptDataset:
-        opts = self.options
-        prompts, responses = [], []
-        if opts.messages_column:
-            for i, chat in enumerate(rows.data[opts.messages_column]):
-                p, r = self._chat(rows, i, chat)
-                prompts.append(p)
-                responses.append(r)
+        opts, cols = self.options, self.cols
+        segments: list | None = None
+        if self.data_format in CHAT_FORMATS:
+            prompts, responses, segments = self._conversations(rows)
         else:
-            if opts.prompt_column:
-                users = [str(v) for v in rows.data[opts.prompt_column]]
+            if self.data_format == "alpaca":
+                inputs = rows.data[cols.input] if cols.input in rows.columns else [None] * len(rows)
+                instructions = rows.data[cols.prompt]
+                if self.use_chat:
+                    prompts = [self._wrap(alpaca_user_text(q, x)) for q, x in zip(instructions, inputs)]
+                else:
+                    prompts = [alpaca_prompt(q, x) for q, x in zip(instructions, inputs)]
             else:
-                names = template_fields(opts.template)
-                cols = {f: rows.data[f] for f in names}
-                users = [opts.template.format(**{f: cols[f][i] for f in names}) for i in range(len(rows))]
-            prompts = [self._wrap(u) for u in users]
-            responses = [str(v) for v in rows.data[opts.response_column]]
+                if self.data_format == "prompt_response":
+                    users = [str(v) for v in rows.data[cols.prompt]]
+                else:
+                    names = template_fields(opts.template)
+                    values = {f: rows.data[f] for f in names}
+                    users = [opts.template.format(**{f: values[f][i] for f in names}) for i in range(len(rows))]
+                prompts = [self._wrap(u) for u in users]
+            responses = [str(v) for v in rows.data[cols.response]]
         answers = [""] * len(rows)
         if self.answer_pattern is not None and evaluated:
             answers = self._gold_answers(rows, responses)
-        return PromptDataset(prompts, responses, answers, ["answer"] * len(rows), self.tokenizer, self.max_length)
+        if segments is not None and not any(segments):
+            segments = None
+        return PromptDataset(prompts, responses, answers, ["answer"] * len(rows), self.tokenizer, self.max_length, segments)
 
     def _gold_answers(self, rows: Rows, responses: list[str]) -> list[str]:
         if self.options.answer_column:
@@ -244,14 +328,18 @@ class GenericCausalLMTask(FileTask, CausalLMTask):
 
     # ------------------------------------------------------------------ model
     def build_model(self) -> nn.Module:
-        """The checkpoint's weights (in ``task.options.dtype``), eval mode."""
+        """The checkpoint's weights (in ``task.options.dtype``; ``quantization``: its linear layers
+        quantised, :mod:`fedgalore.tasks.quantize`), a PEFT adapter given as the model set
+        aside (:meth:`_apply_adapter`), eval mode."""
         from transformers import AutoModelForCausalLM
 
+        quantized = quantized_load_kwargs(self.options.quantization, self.dtype, ["lm_head"])
         try:
             with quiet_transformers():
-                model = AutoModelForCausalLM.from_pretrained(self.model_id, dtype=self.dtype)
+                model = AutoModelForCausalLM.from_pretrained(self.model_id, dtype=self.dtype, **quantized)
         except (OSError, ValueError) as exc:
             raise TaskError(f"could not load model {self.model_id!r} ({str(exc).splitlines()[0][:160]})") from None
+        model = self._apply_adapter(prepare_quantized(model, self.options.quantization))
         model.eval()
         return model
 
@@ -280,8 +368,51 @@ class GenericCausalLMTask(FileTask, CausalLMTask):
         metrics["perplexity"] = math.exp(min(metrics["loss"], 50.0))
         return metrics
 
+    def evaluation_generates(self) -> bool:
+        """Generation and exact match only with ``answer_pattern``."""
+        return self.answer_pattern is not None
+
+    def evaluation_loss(self) -> bool:
+        """The response-token loss, always (``perplexity`` is its exponential)."""
+        return True
+
+    def metrics_of_outputs(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
+        """:meth:`evaluate`'s metrics (``exact_match`` with a pattern, ``loss``, ``perplexity``) of
+        the examples whose records ``outputs`` holds."""
+        metrics = super().metrics_of_outputs(outputs)
+        metrics.pop("answer_exact_match", None)
+        metrics["perplexity"] = math.exp(min(metrics["loss"], 50.0))
+        return metrics
+
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d.update(self.data_description(), model=self.model_id, model_type=self.model_type, max_length=self.max_length,
-                 chat_template=self.use_chat, target_modules=list(self.target_modules), options=to_plain(self.options))
+                 format=self.data_format, chat_template=self.use_chat, target_modules=list(self.target_modules), options=to_plain(self.options))
         return d
+
+    def prediction_prompts(self, rows: Rows) -> list[str]:
+        """The prompt of every row of ``rows`` as the task renders it for generation (its format,
+        template, chat template), for ``fedgalore predict``: the response column may be absent (an
+        unlabelled file), and a conversation may end with the user's turn (the turn to answer) —
+        one that ends with an assistant turn is answered anew from the turns before it."""
+        import datasets
+
+        from fedgalore.tasks.generic.formats import CHAT_FORMATS, SHAREGPT_ROLES
+
+        table = rows.data.to_dict()  # the rows as columns of plain values (a selection's included)
+        if self.data_format in CHAT_FORMATS:
+            column = self.cols.messages
+            rows.require(column, "messages_column")
+            role, text = ("from", "value") if self.data_format == "sharegpt" else ("role", "content")
+
+            def answered(chat: Any) -> bool:
+                last = chat[-1] if isinstance(chat, (list, tuple)) and chat and isinstance(chat[-1], dict) else {}
+                who = str(last.get(role, "")).strip().lower()
+                return (SHAREGPT_ROLES.get(who) if self.data_format == "sharegpt" else who) == "assistant"
+
+            table[column] = [list(c) if answered(c) else list(c or []) + [{role: "assistant" if role == "role" else "gpt", text: ""}]
+                             for c in table[column]]
+        elif self.cols.response not in table:
+            table[self.cols.response] = [""] * len(rows)
+        data = datasets.Dataset.from_dict(table)
+        return self._dataset(Rows(data, rows.name, rows.folder, rows.index, rows.origins), evaluated=False).prompts

@@ -11,8 +11,10 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from fedgalore.tasks.base import TaskError, TaskOptions, task_option
-from fedgalore.tasks.generic.data import (SITE_COLUMN, Rows, check_filled, concat_rows, data_fingerprint, limit_rows,
-                                          load_sources, site_sources, split_rows)
+from fedgalore.tasks.generic.adapter import AdapterSource, StartAdapter, is_adapter_folder, read_adapter, load_adapter
+from fedgalore.tasks.generic.csvfiles import CsvOptions
+from fedgalore.tasks.generic.data import (SITE_COLUMN, Rows, check_filled, concat_rows, data_fingerprint, drop_empty_rows,
+                                          limit_rows, load_sources, site_sources, split_rows)
 
 __all__ = ["FileTaskOptions", "FileTask"]
 
@@ -23,7 +25,8 @@ log = logging.getLogger(__name__)
 class FileTaskOptions(TaskOptions):
     """Options every generic task has (each task adds its own; docs/data.md lists them all)."""
 
-    model: str | None = task_option(None, "local model folder or hub id (null: the task's offline model)")
+    model: str | None = task_option(None, "local model folder or hub id (null: the task's offline model); or a PEFT "
+                                          "LoRA adapter folder (adapter_config.json): its base is loaded and the adapter applied")
     data: dict[str, str] | str | None = task_option(
         None, "a file (.csv .tsv .json .jsonl .parquet), a `datasets` save_to_disk folder, an image folder or a hub id; "
               "or {train: FILE, test: FILE, validation: FILE}")
@@ -33,6 +36,12 @@ class FileTaskOptions(TaskOptions):
     limit: int | None = task_option(None, "at most this many rows of each split (a seeded subset; null: all)")
     target_modules: tuple[str, ...] | None = task_option(
         None, "linear layers every method adapts (names or regexes); null: chosen per architecture")
+    csv: CsvOptions | None = task_option(
+        None, "how .csv/.tsv files are written: {delimiter, encoding, quotechar}; a field left out is sniffed from the file")
+    drop_empty: bool = task_option(
+        False, "drop rows whose used columns (text, label, prompt, ...) are empty or NaN, counted once; false: such a row is an error")
+    base_model: str | None = task_option(None, "the base model of a PEFT adapter given as model (a local folder or hub id); "
+                                               "null: the adapter's base_model_name_or_path")
 
     def __post_init__(self) -> None:
         if not 0 < self.test_fraction < 1:
@@ -62,10 +71,60 @@ class FileTask:
 
     @classmethod
     def input_paths(cls, options: FileTaskOptions | None) -> dict[str, Path]:
-        """The default model folder (:meth:`default_model`) when ``task.options.model`` is null; the
-        model and data paths the options name are fingerprinted from the options themselves
-        (:mod:`fedgalore.engine.identity`)."""
-        return {} if getattr(options, "model", None) else {"model": cls.default_model()}
+        """The default model folder (:meth:`default_model`) when ``task.options.model`` is null, and
+        the local base folder of a PEFT adapter given as ``model``; the model and data paths the
+        options name are fingerprinted from the options themselves (:mod:`fedgalore.engine.identity`)."""
+        model = getattr(options, "model", None)
+        if not model:
+            return {"model": cls.default_model()}
+        if is_adapter_folder(model):
+            try:
+                base = read_adapter(model, getattr(options, "base_model", None)).base
+            except TaskError:
+                return {}  # building the task says why
+            return {"base_model": Path(base)} if Path(base).is_dir() else {}
+        return {}
+
+    # ------------------------------------------------------------------ the model (or an adapter of it)
+    #: the PEFT adapter given as ``task.options.model`` (None: a model folder or hub id)
+    adapter: AdapterSource | None = None
+    #: the adapter's LoRA factors, set aside by :meth:`_apply_adapter` (None: no adapter)
+    start_adapter: StartAdapter | None = None
+
+    def _model_to_load(self, opts: FileTaskOptions) -> str:
+        """The checkpoint the task loads: ``task.options.model``, its base when it is a PEFT adapter
+        folder (:mod:`fedgalore.tasks.generic.adapter`; ``self.adapter`` set), else the offline model."""
+        if is_adapter_folder(opts.model):
+            self.adapter = read_adapter(str(opts.model), opts.base_model)
+            return self.adapter.base
+        if opts.base_model:
+            raise TaskError("task.options.base_model names the base of a PEFT adapter given as task.options.model, and "
+                            f"{opts.model or 'the default model'!r} is not an adapter folder (no adapter_config.json); leave base_model out")
+        return opts.model or str(self.default_model())
+
+    def _adapter_targets(self, opts: FileTaskOptions) -> tuple[str, ...] | None:
+        """``task.options.target_modules``, else the adapter's own target modules (None: the architecture's)."""
+        if opts.target_modules or self.adapter is None:
+            return opts.target_modules
+        return self.adapter.target_modules()
+
+    def _apply_adapter(self, model: Any) -> Any:
+        """``model`` (the built base) with the adapter loaded and taken apart (its LoRA factors in
+        ``self.start_adapter``; :func:`~fedgalore.tasks.generic.adapter.load_adapter`); as it is
+        without an adapter."""
+        if self.adapter is None:
+            return model
+        model, self.start_adapter = load_adapter(model, self.adapter)
+        self._say_once("adapter", "%s: starting from the PEFT adapter %s (rank %d, %d layers) on its base %s",
+                       self.name, self.adapter.folder, self.start_adapter.rank, len(self.start_adapter.factors),
+                       self.adapter.base)
+        return model
+
+    def _adapter_has_head(self) -> bool:
+        """Whether the starting adapter carries the head (its ``modules_to_save`` hold every head module)."""
+        saved = set((self.adapter.config.get("modules_to_save") or []) if self.adapter is not None else [])
+        heads = set(getattr(self, "head_modules", ()) or ())
+        return bool(heads) and heads <= saved
 
     def _read_rows(self, opts: FileTaskOptions, required: Sequence[tuple[str, str, str]]) -> dict[str, Rows]:
         """Every split's rows as read (:func:`~fedgalore.tasks.generic.data.load_sources`), the
@@ -78,13 +137,10 @@ class FileTask:
         self._data_fingerprint = data_fingerprint(opts.data, opts.data_config)
         sites = site_sources(opts.data)
         if sites is None:
-            raw = load_sources(opts.data, opts.data_config)
-            self._check_required(raw, required)
-            return raw
+            return self._check_required(load_sources(opts.data, opts.data_config, csv_options=opts.csv), required, opts)
         per: dict[str, dict[str, Rows]] = {}
         for name, one in sites.items():
-            per[name] = load_sources(one, opts.data_config)
-            self._check_required(per[name], required)
+            per[name] = self._check_required(load_sources(one, opts.data_config, csv_options=opts.csv), required, opts, site=name)
         with_validation = [n for n in per if "validation" in per[n]]
         if with_validation and len(with_validation) < len(per):
             raise TaskError(f"task.options.data.sites: sites {', '.join(with_validation)} have a validation split and the "
@@ -100,8 +156,8 @@ class FileTask:
         the ``required`` columns; the engine refuses to *train* on such a task anywhere else."""
         import datasets
 
-        raw = {} if opts.data is None else load_sources(opts.data, opts.data_config, need_train=False)
-        self._check_required(raw, required)
+        raw = {} if opts.data is None else load_sources(opts.data, opts.data_config, need_train=False, csv_options=opts.csv)
+        raw = self._check_required(raw, required, opts)
         self._data_fingerprint = "none" if opts.data is None else data_fingerprint(opts.data, opts.data_config)
         columns = sorted({c for c, _, _ in required} | set(next(iter(raw.values())).columns if raw else ()))
         raw["train"] = Rows(datasets.Dataset.from_dict({c: [] for c in columns}), "no training rows (data stays on the nodes)")
@@ -121,11 +177,33 @@ class FileTask:
         raise TaskError("task.options.labels is required when the task reads no training rows (the server of a Flower "
                         "deployment whose nodes bring the data): list the classes in id order")
 
-    @staticmethod
-    def _check_required(raw: dict[str, Rows], required: Sequence[tuple[str, str, str]]) -> None:
-        for rows in raw.values():
-            for column, option, what in required:
-                check_filled(rows.column(column, option), rows, column, what)
+    def _column_hint(self, rows: Rows) -> str:
+        """What to say after "has no column X; its columns: ..." (a task that knows data formats
+        names the one ``rows`` looks like); '' by default."""
+        return ""
+
+    def _check_required(self, raw: dict[str, Rows], required: Sequence[tuple[str, str, str]],
+                        opts: FileTaskOptions | None = None, site: str | None = None) -> dict[str, Rows]:
+        """``raw`` with the ``required`` columns checked present in every split, and filled: an
+        empty or NaN value is one line — or, with ``task.options.drop_empty``, its row is dropped
+        (counted in one line per source; ``site`` names the source's site in that line)."""
+        drop = bool(getattr(opts, "drop_empty", False))
+        out = {}
+        for split, rows in raw.items():
+            for column, option, _ in required:
+                rows.require(column, option, self._column_hint(rows))
+            if drop and len(rows):
+                columns = list(dict.fromkeys(c for c, _, _ in required))
+                rows, dropped = drop_empty_rows(rows, columns)
+                if dropped:
+                    where = f"site {site!r} {rows.name}" if site is not None else rows.name
+                    self._say_once(f"dropped:{where}", "%s: dropped %d of %d rows with an empty or NaN value in column(s) %s "
+                                   "(task.options.drop_empty)", where, dropped, len(rows) + dropped, ", ".join(columns))
+            else:
+                for column, option, what in required:
+                    check_filled(rows.column(column, option), rows, column, what, droppable=True)
+            out[split] = rows
+        return out
 
     def _split_rows(self, opts: FileTaskOptions, raw: dict[str, Rows], strata: str | None) -> dict[str, Rows]:
         """The splits: a test split drawn from the training rows when there is none (seeded,

@@ -4,7 +4,9 @@
 (``train`` required) naming one source per split. A source is
 
 * a file: ``.csv``, ``.tsv`` (``datasets``' csv reader; only an empty cell is missing — ``NA`` or
-  ``None`` stay text), ``.json`` (an array of records, or JSON lines), ``.jsonl``, ``.parquet``;
+  ``None`` stay text; delimiter, encoding and quote character as ``task.options.csv`` says, else
+  sniffed: :mod:`~fedgalore.tasks.generic.csvfiles`), ``.json`` (an array of records, or JSON
+  lines), ``.jsonl``, ``.parquet``;
 * a ``datasets`` ``save_to_disk`` folder: a ``Dataset``, or a ``DatasetDict`` whose ``train``,
   ``test`` and ``validation`` splits are used by name;
 * an image folder: one sub-folder of images per class, or ``train/``, ``test/`` (and
@@ -30,6 +32,7 @@ CSV's header is not a row).
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -39,9 +42,11 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 
 from fedgalore.tasks.base import TaskError, stratified_split
+from fedgalore.tasks.generic.csvfiles import CsvOptions, csv_reader_options, innermost_error
 
+log = logging.getLogger(__name__)
 __all__ = ["SPLITS", "SITE_COLUMN", "site_sources", "concat_rows", "FILE_EXTENSIONS", "IMAGE_EXTENSIONS", "Rows", "LabelSet", "load_sources", "data_fingerprint",
-           "split_rows", "limit_rows", "is_missing", "check_filled"]
+           "split_rows", "limit_rows", "is_missing", "check_filled", "drop_empty_rows", "CsvOptions"]
 
 SPLITS = ("train", "test", "validation")
 #: the column per-site data (``{sites: ...}``) adds: each row's site name
@@ -122,12 +127,12 @@ class Rows:
         pos, (start, name, index, _) = self._origin(i)
         return f"{int(index[pos - start]) + 1} of {name}"
 
-    def require(self, name: str, option: str) -> None:
+    def require(self, name: str, option: str, hint: str = "") -> None:
         """A missing column ``name`` is one line naming ``task.options.<option>`` and listing the
-        columns the source has."""
+        columns the source has (then ``hint``, when given: what the columns look like)."""
         if name not in self.data.column_names:
             raise TaskError(f"{self.name} has no column {name!r} (task.options.{option}); "
-                            f"its columns: {', '.join(self.data.column_names)}")
+                            f"its columns: {', '.join(self.data.column_names)}" + (f"; {hint}" if hint else ""))
 
     def column(self, name: str, option: str) -> list:
         """The values of column ``name`` as a list (:meth:`require` it first)."""
@@ -168,42 +173,82 @@ def _concat(parts: Sequence[tuple[str, Rows]], data: list, origins: list) -> Any
 
 
 def is_missing(value: Any) -> bool:
-    """An empty value: ``None``, a float NaN, or a string of only whitespace."""
+    """An empty value: ``None``, a float NaN, a string of only whitespace, or an empty list (a
+    chat without turns)."""
     if value is None:
         return True
     if isinstance(value, float) and math.isnan(value):
         return True
+    if isinstance(value, (list, tuple)):
+        return len(value) == 0
     return isinstance(value, str) and not value.strip()
 
 
-def check_filled(values: Sequence[Any], rows: Rows, column: str, what: str) -> None:
-    """One line naming the file, the column and the first row when any value is empty or NaN."""
+def check_filled(values: Sequence[Any], rows: Rows, column: str, what: str, droppable: bool = False) -> None:
+    """One line naming the file, the column and the first row when any value is empty or NaN
+    (``droppable``: the line also names ``task.options.drop_empty``)."""
     bad = [i for i, v in enumerate(values) if is_missing(v)]
     if bad:
         many = f"{len(bad)} rows have" if len(bad) > 1 else "a row has"
         raise TaskError(f"{rows.name}: {many} an empty or NaN {what} in column {column!r} (first: row {rows.row(bad[0])}); "
-                        "fill or drop those rows")
+                        "fill or drop those rows" + (", or set task.options.drop_empty: true" if droppable else ""))
+
+
+def drop_empty_rows(rows: Rows, columns: Sequence[str]) -> tuple[Rows, int]:
+    """``(rows without those whose value in any of ``columns`` is empty or NaN, how many were
+    dropped)``; the kept rows keep their row numbers. Dropping every row is one line."""
+    values = [list(rows.data[c]) for c in columns]
+    keep = [i for i in range(len(rows)) if not any(is_missing(v[i]) for v in values)]
+    if not keep:
+        raise TaskError(f"{rows.name}: every row has an empty or NaN value in column(s) {', '.join(map(repr, columns))}; "
+                        "nothing is left after task.options.drop_empty")
+    if len(keep) == len(rows):
+        return rows, 0
+    return rows.select(keep), len(rows) - len(keep)
 
 
 # ============================================================================ reading
-def _read_file(path: Path) -> Any:
+_SAID: set[tuple[str, str]] = set()
+
+
+def _say_csv_choice(path: Path, choice: Any) -> None:
+    """Log, once per file and choice, a sniffed delimiter or encoding other than the plain one."""
+    plain = {"delimiter": "\t" if path.suffix.lower() == ".tsv" else ",", "encoding": "utf-8"}
+    unusual = [k for k in choice.sniffed if getattr(choice, k) != plain[k]]
+    key = (str(path.resolve()), choice.describe())
+    if unusual and key not in _SAID:
+        _SAID.add(key)
+        log.warning("%s: read with %s (sniffed; task.options.csv: {delimiter, encoding} sets them)", path.name, choice.describe())
+
+
+def _read_file(path: Path, csv_options: CsvOptions | None = None) -> Any:
     import datasets
 
     from fedgalore.tasks.assets import cache_dir
 
     builder, kwargs = _READERS[path.suffix.lower()]
+    choice = None
+    if builder == "csv":
+        choice = csv_reader_options(path, csv_options)
+        kwargs = {**kwargs, "sep": choice.delimiter, "encoding": choice.encoding, "quotechar": choice.quotechar}
     try:
         with _quiet_datasets():
-            return datasets.load_dataset(builder, data_files=str(path), split="train",
+            rows = datasets.load_dataset(builder, data_files=str(path), split="train",
                                          cache_dir=str(cache_dir() / "datasets"), **kwargs)
     except Exception as exc:  # noqa: BLE001 - pyarrow / pandas parse errors of many types
         bad = _bad_json_line(path) if path.suffix.lower() in (".json", ".jsonl") else None
         if bad is not None:
             raise TaskError(f"could not read {path.name}: line {bad[0]} is not a JSON record ({bad[1]}); fix or drop that "
                             "line (.jsonl: one JSON object per line)") from None
-        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise TaskError(f"could not read {path.name} as {path.suffix.lower()} ({type(exc).__name__}: {line}); "
-                        "check the file's format") from None
+        cause = innermost_error(exc)  # the parser's own line, not datasets' "An error occurred while generating the dataset"
+        line = (str(cause).strip().splitlines() or [type(cause).__name__])[0][:200]
+        how = "check the file's format" if choice is None else (
+            f"read with {choice.describe(marked=True)}; "
+            "set task.options.csv: {delimiter, encoding, quotechar} if that is not how the file is written")
+        raise TaskError(f"could not read {path.name} as {path.suffix.lower()} ({type(cause).__name__}: {line}); {how}") from None
+    if choice is not None:
+        _say_csv_choice(path, choice)
+    return rows
 
 
 def _bad_json_line(path: Path) -> tuple[int, str] | None:
@@ -270,14 +315,14 @@ def _from_dataset_dict(dd: Any, name: str) -> dict[str, Rows]:
     return {s: Rows(dd[s], f"{name}[{s}]") for s in SPLITS if s in dd}
 
 
-def _read_local(path: Path, given: str) -> dict[str, Rows]:
+def _read_local(path: Path, given: str, csv_options: CsvOptions | None = None) -> dict[str, Rows]:
     """Every split one local source holds (a file holds one: ``train``)."""
     import datasets
 
     if path.is_file():
         if path.suffix.lower() not in _READERS:
             raise TaskError(f"task.options.data: {given!r} has an unsupported extension {path.suffix!r}; {_FIX_EXT}")
-        rows = _read_file(path)
+        rows = _read_file(path, csv_options)
         return {"train": Rows(rows, path.name, path.parent.resolve())}
     if _is_saved_dataset(path):
         with _quiet_datasets():
@@ -307,10 +352,10 @@ def _read_hub(source: str, config: str | None) -> dict[str, Rows]:
     return _from_dataset_dict(dd, f"hub:{source}")
 
 
-def _read_source(source: str, config: str | None) -> dict[str, Rows]:
+def _read_source(source: str, config: str | None, csv_options: CsvOptions | None = None) -> dict[str, Rows]:
     path = Path(source).expanduser()
     if path.exists():
-        return _read_local(path, source)
+        return _read_local(path, source, csv_options)
     suffix = path.suffix.lower()
     if path.is_absolute() or source.startswith((".", "~")) or suffix in _READERS or (suffix and "/" not in source) \
             or not _HUB_ID.fullmatch(source):
@@ -318,10 +363,13 @@ def _read_source(source: str, config: str | None) -> dict[str, Rows]:
     return _read_hub(source, config)
 
 
-def load_sources(data: str | Mapping[str, str], data_config: str | None = None, need_train: bool = True) -> dict[str, Rows]:
+def load_sources(data: str | Mapping[str, str], data_config: str | None = None, need_train: bool = True,
+                 csv_options: CsvOptions | None = None) -> dict[str, Rows]:
     """The rows of each split that ``data`` names (module doc): always ``train`` (unless
     ``need_train`` is False: a mapping of ``test`` / ``validation`` only); ``test`` and
-    ``validation`` when a source has them. Every split has at least one row."""
+    ``validation`` when a source has them. Every split has at least one row. ``csv_options``:
+    how ``.csv`` / ``.tsv`` files are read (:mod:`~fedgalore.tasks.generic.csvfiles`; null
+    fields sniffed)."""
     if data is None or (isinstance(data, str) and not data.strip()):
         raise TaskError("task.options.data is required: a file, a folder, or {train: FILE, test: FILE}")
     if isinstance(data, Mapping) and "sites" in data:
@@ -332,12 +380,12 @@ def load_sources(data: str | Mapping[str, str], data_config: str | None = None, 
             raise TaskError(f"task.options.data: a mapping has the keys train (required), test, validation; got {', '.join(map(str, data)) or 'none'}")
         out: dict[str, Rows] = {}
         for split, source in data.items():
-            held = _read_source(str(source), data_config)
+            held = _read_source(str(source), data_config, csv_options)
             if len(held) > 1 and split not in held:
                 raise TaskError(f"task.options.data.{split}: {source!r} holds the splits {', '.join(held)}, no {split!r}")
             out[split] = held[split] if len(held) > 1 else next(iter(held.values()))
     else:
-        out = _read_source(str(data), data_config)
+        out = _read_source(str(data), data_config, csv_options)
     for split, rows in out.items():
         if len(rows) == 0:
             raise TaskError(f"{rows.name} has no rows")

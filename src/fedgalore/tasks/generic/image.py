@@ -147,7 +147,7 @@ class GenericImageClassificationTask(FileTask, ImageClassificationTask):
         from transformers import AutoModelForImageClassification
 
         self.options = opts = options if options is not None else ImageClassificationOptions(**fields)
-        self.model_id = opts.model or str(self.default_model())
+        self.model_id = self._model_to_load(opts)  # an adapter folder's base (self.adapter)
         self.seed = opts.seed
         config = load_config(self.model_id)
         raw = self._read_rows(opts, [(opts.label_column, "label_column", "label")])
@@ -170,7 +170,7 @@ class GenericImageClassificationTask(FileTask, ImageClassificationTask):
         config.num_labels = len(self.classes)
         skel = skeleton(AutoModelForImageClassification, config)
         self.head_modules = classifier_head_modules(skel)
-        self.target_modules = pick_target_modules(skel, config.model_type, opts.target_modules, exclude=self.head_modules)
+        self.target_modules = pick_target_modules(skel, config.model_type, self._adapter_targets(opts), exclude=self.head_modules)
         self.model_type = config.model_type
 
     @staticmethod
@@ -233,7 +233,7 @@ class GenericImageClassificationTask(FileTask, ImageClassificationTask):
         if created:
             self._say_once("head", "image_classification: %s gets a new classification head for %d classes (%s; seeded by "
                            "task.options.seed=%d)", self.model_id, len(self.classes), ", ".join(self.head_modules), self.seed)
-        return model
+        return self._apply_adapter(model)
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
@@ -241,3 +241,9 @@ class GenericImageClassificationTask(FileTask, ImageClassificationTask):
                  image_column=self.options.image_column, label_column=self.options.label_column,
                  target_modules=list(self.target_modules), head_modules=list(self.head_modules), options=to_plain(self.options))
         return d
+
+    def prediction_examples(self, rows: Rows) -> ImageExamples:
+        """The images of ``rows``' ``image_column`` as model inputs, preprocessed as the task's own
+        (placeholder labels: the label column may be absent), for ``fedgalore predict``."""
+        sources = _image_sources(rows, self.options.image_column, self.options.verify_images)
+        return ImageExamples(sources, np.zeros(len(sources), dtype=np.int64), self.image_processor, self._train.mode)

@@ -19,10 +19,11 @@ from fedgalore.tasks.generic.architectures import (classifier_head_modules, load
                                                    require_tokenizer_files, skeleton)
 from fedgalore.tasks.generic.common import FileTask, FileTaskOptions
 from fedgalore.tasks.generic.data import LabelSet, Rows
+from fedgalore.tasks.quantize import check_quantization, prepare_quantized, quantized_load_kwargs
 from fedgalore.tasks.text_classification.base import TextClassificationTask, TextExamples, TokenizedDataset
 from fedgalore.typed import to_plain
 
-__all__ = ["TextClassificationOptions", "GenericTextClassificationTask"]
+__all__ = ["TextClassificationOptions", "GenericTextClassificationTask", "decide_regression"]
 
 _FLOAT_TYPES = ("float16", "float32", "float64", "double", "float")
 
@@ -36,19 +37,24 @@ class TextClassificationOptions(FileTaskOptions):
               "with its tokenizer; null: the offline MiniLM-L6")
     text_column: str = task_option("text", "column holding the text")
     text_columns: tuple[str, ...] | None = task_option(None, "two columns of a sentence pair, [first, second] (instead of text_column)")
-    label_column: str = task_option("label", "column holding the label: strings or integers (classes), floats (regression)")
+    label_column: str = task_option("label", "column holding the label: strings, integers or whole-number floats (classes), "
+                                             "numbers with a fractional part (regression)")
     labels: tuple[str, ...] | None = task_option(
         None, "the classes in id order (null: the training rows' distinct labels, sorted); needed when the server "
               "never sees a row (Flower with site-local data) or a site may lack a class")
     max_length: int = task_option(128, "tokens per example (longer texts are truncated)")
-    regression: bool | None = task_option(None, "null: a float label column is regression (MSE); true / false: say so")
+    regression: bool | None = task_option(None, "null: labels with a fractional part (0.25) are regression (MSE), whole "
+                                                "numbers (3 or 3.0) classes; true / false: say so")
     new_head: bool | None = task_option(
         None, "null: create a head when the checkpoint has none, keep one whose labels are the data's; "
               "true: a fresh seeded head; false: keep the checkpoint's head of the right size")
     cache: bool = task_option(True, "cache the tokenised sets in the fedgalore cache folder")
+    quantization: str | None = task_option(
+        None, "4bit | 8bit: the frozen base's linear layers quantised by bitsandbytes (CUDA; FedIT, FFA-LoRA, LoRA-FAIR); null: none")
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_quantization(self.quantization)
         if self.text_columns is not None and len(self.text_columns) not in (1, 2):
             raise TaskError(f"task.options.text_columns={list(self.text_columns)} must name 1 or 2 columns (a sentence pair)")
         if self.max_length < 8:
@@ -58,6 +64,33 @@ class TextClassificationOptions(FileTaskOptions):
 def _is_float_column(rows: Rows, column: str) -> bool:
     feature = rows.data.features.get(column)
     return getattr(feature, "dtype", None) in _FLOAT_TYPES
+
+
+def _fraction_example(rows: Rows, column: str) -> float | None:
+    """A label of a float column with a fractional part (the first), or None when every label is a
+    whole number (``0.0``, ``3.0``: classes stored as floats, e.g. by a spreadsheet or by pandas
+    around an empty cell)."""
+    for v in rows.data[column]:
+        if v is not None and not float(v).is_integer():
+            return float(v)
+    return None
+
+
+def decide_regression(rows: Rows, column: str, given: bool | None) -> tuple[bool, str | None]:
+    """``(regression?, the line to say once or None)`` for label column ``column`` of the training
+    rows: ``given`` (``task.options.regression``) when set; else regression only when a float
+    column holds a number with a fractional part — a float column of whole numbers is classes."""
+    if given is not None or not _is_float_column(rows, column):
+        return bool(given), None
+    frac = _fraction_example(rows, column)
+    if frac is not None:
+        return True, (f"text_classification: column {column!r} holds numbers with a fractional part (e.g. {frac:g}): "
+                      "regression (one output, MSE; metrics mse, pearson, spearman); set task.options.regression: false "
+                      "to treat its values as classes")
+    names = sorted({int(v) for v in rows.data[column] if v is not None})
+    shown = ", ".join(map(str, names[:8])) + (", ..." if len(names) > 8 else "")
+    return False, (f"text_classification: column {column!r} holds whole numbers stored as floats (3.0): {len(names)} "
+                   f"classes ({shown}); set task.options.regression: true for regression")
 
 
 def _scores(rows: Rows, column: str) -> np.ndarray:
@@ -90,7 +123,7 @@ class GenericTextClassificationTask(FileTask, TextClassificationTask):
         from transformers import AutoModelForSequenceClassification
 
         self.options = opts = options if options is not None else TextClassificationOptions(**fields)
-        self.model_id = model = opts.model or str(self.default_model())
+        self.model_id = model = self._model_to_load(opts)  # an adapter folder's base (self.adapter)
         config = load_config(model)
         require_tokenizer_files(model)
         text_option = "text_columns" if opts.text_columns else "text_column"
@@ -98,10 +131,9 @@ class GenericTextClassificationTask(FileTask, TextClassificationTask):
         label = opts.label_column
         required = [(c, text_option, "text") for c in self.text_columns] + [(label, "label_column", "label")]
         raw = self._read_rows(opts, required)
-        regression = opts.regression if opts.regression is not None else _is_float_column(raw["train"], label)
-        if regression and opts.regression is None:
-            self._say_once("regression", "text_classification: column %r holds numbers with fractions: regression (MSE; "
-                           "metrics Pearson / Spearman); set task.options.regression: false to treat them as classes", label)
+        regression, said = decide_regression(raw["train"], label, opts.regression)
+        if said:
+            self._say_once("regression", "%s", said)
         if self.no_train and regression:
             raise TaskError("regression needs training rows on the server (a nodes deployment supports classes only)")
         self._require_labels_without_rows(opts)
@@ -125,7 +157,7 @@ class GenericTextClassificationTask(FileTask, TextClassificationTask):
         config.num_labels = 1 if regression else len(names)
         skel = skeleton(AutoModelForSequenceClassification, config)
         self.head_modules = classifier_head_modules(skel)
-        self.target_modules = pick_target_modules(skel, config.model_type, opts.target_modules, exclude=self.head_modules)
+        self.target_modules = pick_target_modules(skel, config.model_type, self._adapter_targets(opts), exclude=self.head_modules)
         self.model_type = config.model_type
         self._pad_token_id = None
         if getattr(config, "pad_token_id", None) is None:  # decoders: pad with the end-of-sequence token
@@ -134,7 +166,9 @@ class GenericTextClassificationTask(FileTask, TextClassificationTask):
         if opts.cache:
             key = json.dumps({"data": self._data_fingerprint, "splits": {s: r.name for s, r in sorted(self._rows.items())},
                               "text": list(self.text_columns), "label": label, "labels": opts.labels, "test_fraction": opts.test_fraction,
-                              "seed": opts.seed, "limit": opts.limit, "data_config": opts.data_config})
+                              "seed": opts.seed, "limit": opts.limit, "data_config": opts.data_config,
+                              # how the files were read (only when set: the keys of caches made before these options stay)
+                              **({"csv": to_plain(opts.csv)} if opts.csv else {}), **({"drop_empty": True} if opts.drop_empty else {})})
         super().__init__(model, lambda: (self._examples("train"), self._examples("test")), names, max_length=opts.max_length,
                          seed=opts.seed, regression=regression,
                          metrics=("mse", "pearson", "spearman") if regression else ("accuracy", "macro_f1"),
@@ -183,14 +217,15 @@ class GenericTextClassificationTask(FileTask, TextClassificationTask):
                                   "problem_type": "regression" if self.regression else "single_label_classification"}
         if self._pad_token_id is not None:
             kwargs["pad_token_id"] = self._pad_token_id
+        kwargs.update(quantized_load_kwargs(self.options.quantization, torch.float32, self.head_modules))
         labels = [self.options.label_column] if self.regression else self.label_names()
         model, created = load_with_head(AutoModelForSequenceClassification, self.model_id, labels,
                                         head_modules=self.head_modules, checkpoint_labels=self._checkpoint_labels,
                                         new_head=self.options.new_head, seed=10_007 + self.seed, **kwargs)
-        if created:
+        if created and not self._adapter_has_head():
             self._say_once("head", "text_classification: %s gets a new head with %d output(s) (%s; seeded by task.options.seed=%d)",
                            self.model_id, len(labels), ", ".join(self.head_modules), self.seed)
-        return model
+        return self._apply_adapter(prepare_quantized(model, self.options.quantization))
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()

@@ -336,6 +336,30 @@ class TextClassificationTask(Task):
         out["loss"] = loss
         return out
 
+    def example_outputs(self, model: nn.Module, examples: Sequence[Any], batch_size: int) -> dict[str, np.ndarray]:
+        """Per-example logits, predictions and losses in one pass, longest rows first
+        (:func:`fedgalore.tasks.grouped.classifier_outputs`)."""
+        from fedgalore.tasks.grouped import classifier_outputs
+
+        return classifier_outputs(model, examples, batch_size, regression=self.regression, collate=self.collate)
+
+    def metrics_of_outputs(self, outputs: dict[str, np.ndarray]) -> dict[str, float]:
+        """:meth:`evaluate`'s metrics of the examples whose records ``outputs`` holds."""
+        from fedgalore.tasks.grouped import accuracy_of, macro_f1_of
+
+        fast = {"accuracy": lambda p, y, pos: accuracy_of(p, y), "macro_f1": lambda p, y, pos: macro_f1_of(p, y)}
+        out = {m: fast.get(m, _METRICS[m])(outputs["pred"], outputs["gold"], self.positive_label) for m in self.metric_names}
+        out["loss"] = float(np.mean(outputs["loss"]))
+        return out
+
+    def encode_texts(self, text: Sequence[str], text_pair: Sequence[str] | None = None) -> TokenizedDataset:
+        """Model inputs of raw texts (sentence pairs with ``text_pair``), tokenised as the task's own
+        (``max_length``, padding trimmed per batch), with placeholder labels: what ``fedgalore
+        predict`` feeds the model."""
+        labels = np.zeros(len(text), dtype=np.float32 if self.regression else np.int64)
+        ex = TextExamples([str(t) for t in text], labels, [str(t) for t in text_pair] if text_pair is not None else None)
+        return self._tokenize(ex, self.tokenizer())
+
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d.update(model=self.model_id, max_length=self.max_length, seed=self.seed, regression=self.regression, metrics=list(self.metric_names))

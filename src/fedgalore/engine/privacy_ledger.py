@@ -1,0 +1,323 @@
+"""Record-level DP in a run: each site's DP-SGD from the config, the server's per-site accountant, ``privacy.json``.
+
+:class:`SitePrivacy` is the side of every process that trains clients (:class:`~fedgalore.engine.
+runtime.Runtime`): it checks up front what would make the guarantee false or the run fail —
+``delta`` ≥ 1/n for a site, a model Opacus cannot make private, a loss that is not a mean over
+examples — and gives each client-round its Poisson batches and its :class:`~fedgalore.privacy.
+dpsgd.DPSGD` (σ per site: ``noise_multiplier``, or calibrated to ``target_epsilon``,
+:func:`~fedgalore.privacy.accounting.site_schedule`).
+
+:class:`PrivacyLedger` is the server's: every upload that came back — kept, rejected or from a
+retried attempt, since the server saw it — adds the site's ``(σ, q, steps)`` (the client's
+report, :meth:`DPSGD.stats`) to that site's history, kept in ``ServerState.meta["privacy"]`` so
+a checkpoint carries it and a resumed run continues the accountant exactly. After each round
+the sites that took part get their ε(δ) over everything they ran (Opacus' accountant,
+:func:`~fedgalore.privacy.accounting.epsilon`) and ``privacy.json`` is rewritten: per round and
+per release type (update, moment, basis, head, control variate, metrics, counts) whether it was
+clipped, its sensitivity and σ, and per site its ε. A run without DP writes that nothing was
+protected.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.federated.checkpoint import atomic_write_text
+from fedgalore.federated.client import optimizer_steps
+from fedgalore.federated.seeding import BATCHES, DP_NOISE, client_seed
+from fedgalore.privacy.accounting import SiteSchedule, epsilon, merge_history, site_schedule
+from fedgalore.privacy.config import RecordPrivacy
+from fedgalore.privacy.statement import (NOTHING_PROTECTED, mechanism, not_protected, record_statement,
+                                         release_record)
+from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, Payload
+
+__all__ = ["SitePrivacy", "PrivacyLedger", "PRIVACY_FILE", "release_kinds", "read_privacy", "privacy_plan", "LOSS_KEYS"]
+
+PRIVACY_FILE = "privacy.json"
+#: upload meta computed from raw training losses: withheld unless privacy.record.release_metrics
+LOSS_KEYS = ("loss_first", "loss_last", "loss_mean")
+
+
+def _seed(seq: np.random.SeedSequence) -> int:
+    return int(seq.generate_state(1, np.uint64)[0] >> np.uint64(1))
+
+
+class SitePrivacy:
+    """DP-SGD for the clients a runtime trains (module doc). Build with :meth:`build`."""
+
+    def __init__(self, cfg: FederatedConfig, record: RecordPrivacy, sizes: Sequence[int], steps: Sequence[int],
+                 support: dict[str, list[str]]) -> None:
+        self.cfg, self.record = cfg, record
+        self.sizes = [int(n) for n in sizes]
+        #: optimizer steps per round of each site
+        self.steps = [int(t) for t in steps]
+        #: which layers get Opacus' per-example rules and which torch.func (fedgalore.privacy.dpsgd.per_sample_support)
+        self.support = support
+        self._schedules: dict[int, SiteSchedule] = {}
+
+    @classmethod
+    def build(cls, cfg: FederatedConfig, task: Any, model: Any, sizes: Sequence[int],
+              micro_batches: Callable[[int], int]) -> "SitePrivacy | None":
+        """The runtime's DP-SGD, or None without ``privacy.record``. ``sizes``: each site's
+        examples; ``micro_batches(n)``: a site's micro-batches per round. A setting under which
+        the guarantee would not hold is a :class:`ConfigError` (one line saying what to change)."""
+        record = cfg.privacy.record
+        if record is None:
+            return None
+        try:
+            from fedgalore.privacy.dpsgd import per_sample_support, wrap_problem
+        except ImportError as exc:
+            raise ConfigError(f"privacy.record needs Opacus and dp-accounting ({exc.name} is missing); install them with "
+                              "pip install 'fedgalore[privacy]'") from None
+        if getattr(task, "loss_items", None) is not None:
+            raise ConfigError(f"privacy.record: task {task.name!r} averages its loss over tokens, so one example's gradient "
+                              "depends on the others' lengths and the clipping bound would not hold; record-level DP needs "
+                              "a per-example mean loss (text/image classification tasks)")
+        why = wrap_problem(model)
+        if why is not None:
+            raise ConfigError(f"privacy.record: Opacus cannot compute private per-example gradients for method "
+                              f"{cfg.method.name!r} on this model: {why}; freeze that layer or use another model")
+        live = [(n, i) for i, n in enumerate(sizes) if n > 0]
+        if live:
+            n, i = min(live)
+            if record.delta >= 1.0 / n:
+                raise ConfigError(f"privacy.record.delta={record.delta:g} must be below 1/n = {1.0 / n:.3g} for the smallest "
+                                  f"site ({n} examples, client {i}); set privacy.record.delta below that (e.g. 1e-5)")
+        k = max(int(cfg.train.grad_accum_steps), 1)
+        steps = [optimizer_steps(micro_batches(int(n)), k) for n in sizes]
+        return cls(cfg, record, sizes, steps, per_sample_support(model))
+
+    # ------------------------------------------------------------------ per site
+    def schedule(self, client: int) -> SiteSchedule:
+        """Site ``client``'s q, steps and σ (calibrated once per process for ``target_epsilon``)."""
+        if client not in self._schedules:
+            fed, tc = self.cfg.federation, self.cfg.train
+            m = len(self.sizes)
+            participation = (fed.clients_per_round or m) / m
+            self._schedules[client] = site_schedule(self.record, self.sizes[client], tc.batch_size, tc.grad_accum_steps,
+                                                    self.steps[client], fed.rounds, participation)
+        return self._schedules[client]
+
+    def batches(self, part: np.ndarray, client: int, round_idx: int, make: Callable[[list[int]], dict]) -> tuple[Callable, int]:
+        """This round's Poisson batches of a site whose examples are ``part`` (``T × k``
+        micro-batches, possibly empty: ``{}``); ``make(indices)`` builds a batch."""
+        sch = self.schedule(client)
+        seed = _seed(client_seed(self.cfg.seed, round_idx, client, BATCHES))
+        chunks = [part[c] for c in _poisson(len(part), sch.sample_rate, sch.steps_per_round,
+                                            max(int(self.cfg.train.grad_accum_steps), 1), seed)]
+
+        def gen():
+            for c in chunks:
+                yield make(c.tolist()) if len(c) else {}
+
+        return gen, len(chunks)
+
+    def client(self, client: int, round_idx: int) -> Any:
+        """The :class:`~fedgalore.privacy.dpsgd.DPSGD` of one client-round."""
+        from fedgalore.privacy.dpsgd import DPSGD
+
+        sch = self.schedule(client)
+        return DPSGD(noise_multiplier=sch.noise_multiplier, max_grad_norm=self.record.max_grad_norm,
+                     sample_rate=sch.sample_rate, num_examples=sch.num_examples,
+                     noise_seed=_seed(client_seed(self.cfg.seed, round_idx, client, DP_NOISE)),
+                     secure_mode=self.record.secure_mode)
+
+    def redact(self, upload: Payload) -> Payload:
+        """The upload without the raw training losses, unless ``release_metrics``."""
+        if self.record.release_metrics:
+            return upload
+        return Payload(upload.entries, {k: v for k, v in upload.meta.items() if k not in LOSS_KEYS})
+
+
+def _poisson(n: int, rate: float, steps: int, k: int, seed: int) -> list[np.ndarray]:
+    from fedgalore.privacy.dpsgd import poisson_steps
+
+    return poisson_steps(n, rate, steps, k, seed)
+
+
+def release_kinds(upload: Payload, heads: Sequence[str], scaffold: bool = False) -> list[str]:
+    """The release types in one upload (:data:`fedgalore.privacy.statement.RELEASE_KINDS`):
+    ``moment/…`` entries are second moments (with a basis unless seeded), GaLore records with a
+    data-driven term carry bases, entries of the head parameters (``heads``: raw names, also
+    found inside adapter wrappers' names) are the head, the rest updates; metrics and counts
+    ride in every upload's meta."""
+    kinds: set[str] = {"metrics", "counts"}
+    head_names = [h for h in heads]
+    for key, e in upload.entries.items():
+        if key.startswith("moment/"):
+            kinds.add("moment")
+            if isinstance(e, MomentView) and e.basis is not None:
+                kinds.add("basis")
+        elif any(key == h or key.endswith("." + h) or _wrapped_name(key) == h for h in head_names):
+            kinds.add("head")
+        else:
+            kinds.add("update")
+            if isinstance(e, GaLoreUpdate) and any(isinstance(t, LowRank) for t in e.terms):
+                kinds.add("basis")
+    if scaffold:
+        kinds.add("control_variate")
+    order = ("update", "moment", "basis", "head", "control_variate", "metrics", "counts")
+    return [k for k in order if k in kinds]
+
+
+def _wrapped_name(key: str) -> str:
+    """A PEFT name without its wrappers: ``base_model.model.classifier.modules_to_save.default.weight``
+    → ``classifier.weight``."""
+    parts = key.split(".")
+    if parts[:2] == ["base_model", "model"]:
+        parts = parts[2:]
+    out, i = [], 0
+    while i < len(parts):
+        if parts[i] in ("modules_to_save", "original_module") and i + 1 < len(parts):
+            i += 2 if parts[i] == "modules_to_save" else 1
+            continue
+        out.append(parts[i])
+        i += 1
+    return ".".join(out)
+
+
+def read_privacy(run_dir: str | Path) -> dict[str, Any] | None:
+    """A run's ``privacy.json`` (None when it has none or it does not parse)."""
+    try:
+        return json.loads((Path(run_dir) / PRIVACY_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+class PrivacyLedger:
+    """The server's record of what it saw and what it cost (module doc)."""
+
+    def __init__(self, cfg: FederatedConfig, heads: Sequence[str], names: Callable[[int], str],
+                 sizes: Sequence[int], support: dict[str, list[str]] | None = None) -> None:
+        self.cfg, self.record = cfg, cfg.privacy.record
+        self.heads, self.names, self.sizes, self.support = list(heads), names, list(sizes), support
+
+    @staticmethod
+    def _book(state: Any) -> dict[str, Any]:
+        return state.meta.setdefault("privacy", {"sites": {}, "epsilon": {}, "pending": {}, "rounds": [], "unaccounted": []})
+
+    def observe(self, state: Any, round_idx: int, attempt: int, results: Sequence[Any]) -> None:
+        """Count every upload that came back in one attempt of round ``round_idx`` (the server saw
+        it, whatever validation decides): its site's ``(σ, q, steps)`` joins that site's history."""
+        if self.record is None:
+            return
+        book = self._book(state)
+        for res in results:
+            if res.upload is None:  # no upload: nothing was released
+                continue
+            st = res.stats or {}
+            c = str(int(res.client))
+            if not isinstance(st.get("dp_steps"), (int, float)):
+                book["unaccounted"].append({"round": round_idx + 1, "client": int(res.client)})
+                continue
+            entry = [float(st["dp_noise_multiplier"]), float(st["dp_sample_rate"]), int(st["dp_steps"])]
+            book["sites"][c] = merge_history([*book["sites"].get(c, []), entry])
+            p = book["pending"].setdefault(c, {"steps": 0, "noise_multiplier": entry[0], "sample_rate": entry[1],
+                                               "attempts": []})
+            p["steps"] += entry[2]
+            p["attempts"].append(attempt)
+
+    def end_round(self, state: Any, round_idx: int, uploads: Sequence[Payload], run_dir: Path) -> dict[str, float]:
+        """Close round ``round_idx``: ε of the sites that took part, the round's release record,
+        ``privacy.json`` rewritten; returns what joins the round's metrics (``dp_epsilon``: the
+        largest ε of any site so far)."""
+        book = self._book(state)
+        kinds = release_kinds(uploads[0], self.heads, bool(self.cfg.train.scaffold)) if uploads else ["metrics", "counts"]
+        clip = self.cfg.federation.clip_update_norm
+        rec: dict[str, Any] = {"round": round_idx + 1,
+                               "releases": {k: release_record(k, self.record, clip) for k in kinds}}
+        out: dict[str, float] = {}
+        if self.record is not None:
+            sites = {}
+            for c, p in sorted(book["pending"].items(), key=lambda kv: int(kv[0])):
+                eps = epsilon(book["sites"][c], self.record.delta, self.record.accountant)
+                book["epsilon"][c] = eps
+                sites[c] = {"name": self.names(int(c)), "steps": p["steps"], "noise_multiplier": p["noise_multiplier"],
+                            "sample_rate": p["sample_rate"], "epsilon": eps}
+                if len(p["attempts"]) > 1 or any(a > 0 for a in p["attempts"]):
+                    sites[c]["attempts"] = p["attempts"]
+            book["pending"] = {}
+            rec["sites"] = sites
+            rec["epsilon_max"] = max(book["epsilon"].values(), default=0.0)
+            out["dp_epsilon"] = rec["epsilon_max"]
+        book["rounds"].append(rec)
+        self.write(run_dir, state)
+        return out
+
+    def document(self, state: Any) -> dict[str, Any]:
+        """``privacy.json`` (module doc)."""
+        book = state.meta.get("privacy") or {"sites": {}, "epsilon": {}, "rounds": [], "unaccounted": []}
+        r = self.record
+        if r is None:
+            return {"protected": False, "statement": NOTHING_PROTECTED, "mechanism": None,
+                    "not_protected": not_protected(None), "rounds": book.get("rounds", [])}
+        sites = {}
+        for c, hist in sorted(book["sites"].items(), key=lambda kv: int(kv[0])):
+            rounds = [rd["round"] for rd in book["rounds"] if c in (rd.get("sites") or {})]
+            sites[c] = {"name": self.names(int(c)), "num_examples": self.sizes[int(c)] if int(c) < len(self.sizes) else None,
+                        "rounds": rounds, "steps": sum(int(h[2]) for h in hist),
+                        "noise_multiplier": hist[-1][0], "sample_rate": hist[-1][1],
+                        "history": hist, "epsilon": book["epsilon"].get(c)}
+        eps = [v for v in book["epsilon"].values() if v is not None]
+        unprotected = not_protected(r)
+        if self.cfg.federation.client_eval:
+            unprotected.append("the per-site evaluation metrics of federation.client_eval (computed on the sites' held-out "
+                               "rows, not by DP-SGD)")
+        doc = {"protected": True, "statement": record_statement(r), "mechanism": mechanism(r, self.support),
+               "delta": r.delta, "epsilon_max": max(eps) if eps else 0.0,
+               "not_protected": unprotected, "sites": sites, "rounds": book["rounds"]}
+        if book.get("unaccounted"):
+            doc["unaccounted_uploads"] = book["unaccounted"]
+            doc["statement"] += (f" WARNING: {len(book['unaccounted'])} upload(s) came without a DP-SGD record (a client "
+                                 "that did not run DP-SGD); they are not protected.")
+        return doc
+
+    def write(self, run_dir: Path, state: Any) -> None:
+        """Rewrite ``<run_dir>/privacy.json`` (atomically)."""
+        doc = self.document(state)
+        atomic_write_text(Path(run_dir) / PRIVACY_FILE, json.dumps(_finite(doc), indent=1, ensure_ascii=False))
+
+
+def _finite(obj: Any) -> Any:
+    """∞ as the string "inf" (JSON has no infinity)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "inf" if obj > 0 else "nan"
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def privacy_plan(cfg: FederatedConfig, sizes: Sequence[int], steps: Callable[[int], int]) -> dict[str, Any]:
+    """What ``privacy.record`` will spend, before the run (``fedgalore plan``): per site (sites of
+    the same size share a row) q, steps per round, σ and ε(δ) over its planned rounds and over
+    every round; ``{"record": None}`` without DP. ``steps(n)``: optimizer steps per round of a site
+    with ``n`` examples."""
+    record = cfg.privacy.record
+    if record is None:
+        return {"record": None, "statement": NOTHING_PROTECTED}
+    fed, tc = cfg.federation, cfg.train
+    m = len(sizes)
+    participation = (fed.clients_per_round or m) / m
+    rows: dict[int, dict[str, Any]] = {}
+    for i, n in enumerate(sizes):
+        if int(n) not in rows:
+            sch = site_schedule(record, int(n), tc.batch_size, tc.grad_accum_steps, steps(int(n)), fed.rounds, participation)
+            rows[int(n)] = {"num_examples": int(n), "sites": 0, "sample_rate": sch.sample_rate,
+                            "steps_per_round": sch.steps_per_round, "noise_multiplier": sch.noise_multiplier,
+                            "planned_rounds": sch.planned_rounds, "epsilon_planned": sch.planned_epsilon(record),
+                            "epsilon_every_round": sch.epsilon_every_round(record)}
+        rows[int(n)]["sites"] += 1
+    table = sorted(rows.values(), key=lambda r: r["num_examples"])
+    return {"record": {"max_grad_norm": record.max_grad_norm, "noise_multiplier": record.noise_multiplier,
+                       "target_epsilon": record.target_epsilon, "delta": record.delta, "accountant": record.accountant,
+                       "calibration": record.calibration},
+            "participation": participation, "rounds": fed.rounds, "sites": table,
+            "epsilon_planned_max": max((r["epsilon_planned"] for r in table), default=0.0),
+            "epsilon_every_round_max": max((r["epsilon_every_round"] for r in table), default=0.0)}

@@ -1,0 +1,18 @@
+"""Differential privacy of what a site releases (docs/privacy.md; docs/design.md §9).
+
+* :mod:`~fedgalore.privacy.config` — ``privacy.record`` (record-level DP-SGD at each site), typed
+  and checked;
+* :mod:`~fedgalore.privacy.dpsgd` — DP-SGD through Opacus around each method's own optimizer
+  (``GradSampleModule`` per-example gradients, ``DPOptimizer`` clipping and noise, Poisson
+  sampling), used by :func:`fedgalore.federated.client.local_train`;
+* :mod:`~fedgalore.privacy.accounting` — ε(δ) per site with Opacus' RDP / PRV accountants,
+  cross-checked against Google's ``dp-accounting``; σ calibrated to a target ε;
+* :mod:`~fedgalore.privacy.statement` — what a run protected, in words (``privacy.json``, the
+  report and the model card).
+
+Opacus and dp-accounting are the optional extra ``privacy`` (``pip install 'fedgalore[privacy]'``);
+only a run with ``privacy.record`` imports them.
+"""
+from fedgalore.privacy.config import PrivacyConfig, RecordPrivacy
+
+__all__ = ["PrivacyConfig", "RecordPrivacy"]

@@ -1,0 +1,97 @@
+"""``privacy:`` in the run configuration: record-level DP-SGD at each site (docs/privacy.md).
+
+YAML::
+
+    privacy:
+      record:                    # DP-SGD at every site (Opacus); null / absent: no DP
+        max_grad_norm: 1.0       # C: each example's gradient is clipped to this L2 norm, every step
+        noise_multiplier: 1.0    # σ: Gaussian noise N(0, σ²C²) on the step's summed clipped gradients ...
+        # target_epsilon: 8.0    # ... or give ε and σ is calibrated per site (not both)
+        delta: 1.0e-5            # δ of the reported (ε, δ); must be < 1/n for every site's n examples
+        accountant: rdp          # rdp | prv (Opacus' accountants)
+        calibration: expected    # target_epsilon over the site's expected rounds (K/M·R) | every_round (all R)
+        secure_mode: false       # true: noise and sampling from OS entropy (not reproducible) + Opacus' secure noise
+        release_metrics: false   # true: the clients' training losses travel in the clear (not protected)
+
+Only the typed values and their checks live here; the mechanism is :mod:`fedgalore.privacy.dpsgd`,
+the accounting :mod:`fedgalore.privacy.accounting`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from fedgalore.typed import ConfigError
+
+__all__ = ["RecordPrivacy", "PrivacyConfig", "ACCOUNTANTS", "CALIBRATIONS"]
+
+ACCOUNTANTS = ("rdp", "prv")
+CALIBRATIONS = ("expected", "every_round")
+
+
+def _num(v: object) -> str:
+    return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
+
+
+@dataclass
+class RecordPrivacy:
+    """``privacy.record``: record-level differential privacy by DP-SGD at every site (module doc)."""
+
+    #: C: the per-example clipping norm (L2 over every tensor the site trains, per optimizer step)
+    max_grad_norm: float = 1.0
+    #: σ: the noise multiplier (the noise's std is σ·C on the summed clipped gradients); or target_epsilon
+    noise_multiplier: float | None = None
+    #: ε to spend per site over the planned rounds; σ is calibrated to it (instead of noise_multiplier)
+    target_epsilon: float | None = None
+    #: δ of the (ε, δ) guarantee; must be below 1/n for every site (n: its training examples)
+    delta: float = 1e-5
+    #: Opacus' accountant: rdp (Rényi DP, Mironov et al.) or prv (privacy random variables, Gopi et al.)
+    accountant: Literal["rdp", "prv"] = "rdp"
+    #: target_epsilon: plan for the site's expected participation (clients_per_round/num_clients of the rounds) or for every round
+    calibration: Literal["expected", "every_round"] = "expected"
+    #: true: the noise and the Poisson sampling draw from OS entropy (a run is no longer reproducible) and Opacus'
+    #: secure noise sampling is used; false: from generators seeded by the run's seed (reproducible, simulation)
+    secure_mode: bool = False
+    #: true: each client's training-loss statistics (raw, NOT protected) are uploaded; false: withheld
+    release_metrics: bool = False
+
+    def check(self, path: str = "privacy.record") -> None:
+        """Raise :class:`ConfigError` (one line, naming the key and the fix) on a bad value."""
+        c, s, e, d = self.max_grad_norm, self.noise_multiplier, self.target_epsilon, self.delta
+        if not (isinstance(c, (int, float)) and math.isfinite(c) and c > 0):
+            raise ConfigError(f"{path}.max_grad_norm={_num(c)} must be a positive number (the per-example clipping norm C, e.g. 1.0)")
+        if s is None and e is None:
+            raise ConfigError(f"{path} needs noise_multiplier (σ, e.g. 1.0) or target_epsilon (ε, e.g. 8); set one")
+        if s is not None and e is not None:
+            if s == 0:
+                raise ConfigError(f"{path}.noise_multiplier=0 adds no noise, so no target_epsilon={e:g} can be met; "
+                                  "drop noise_multiplier to calibrate σ to target_epsilon")
+            raise ConfigError(f"{path}: give noise_multiplier or target_epsilon, not both (σ fixed, or calibrated to ε)")
+        if s is not None and not (math.isfinite(s) and s >= 0):
+            raise ConfigError(f"{path}.noise_multiplier={_num(s)} must be a number >= 0 (0: clipping only, ε = ∞)")
+        if e is not None and not (math.isfinite(e) and e > 0):
+            raise ConfigError(f"{path}.target_epsilon={_num(e)} must be a positive number (e.g. 8)")
+        if not (isinstance(d, (int, float)) and math.isfinite(d) and 0 < d < 1):
+            raise ConfigError(f"{path}.delta={_num(d)} must be in (0, 1) and below 1/n for every site (e.g. 1e-5)")
+        if self.accountant not in ACCOUNTANTS:
+            raise ConfigError(f"{path}.accountant={self.accountant!r} must be one of {', '.join(ACCOUNTANTS)}")
+        if self.calibration not in CALIBRATIONS:
+            raise ConfigError(f"{path}.calibration={self.calibration!r} must be one of {', '.join(CALIBRATIONS)}")
+
+
+@dataclass
+class PrivacyConfig:
+    """``privacy``: what the federation protects. ``record``: DP-SGD at each site (None: nothing)."""
+
+    record: RecordPrivacy | None = None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any differential privacy is on."""
+        return self.record is not None
+
+    def check(self) -> None:
+        """Check every part (:meth:`RecordPrivacy.check`)."""
+        if self.record is not None:
+            self.record.check()
