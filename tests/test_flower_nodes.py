@@ -324,3 +324,35 @@ def test_resume_continues_a_killed_server_app_with_the_same_metrics(tmp_path, be
     other = config(tmp_path / "nodes", bert_dir, "fedgalore", "nodes")  # 2 rounds: another run
     with pytest.raises(ConfigError, match=r"resume=true: .* holds another run \(federation.rounds: 3 -> 2"):
         FedGaLoreStrategy(other, run_dir=run_dir, resume=True).start(LocalGrid(node_configs(data)))
+
+
+class TimedGrid(LocalGrid):
+    """A LocalGrid that records the timeout of every send (by message type)."""
+
+    def __init__(self, node_configs: dict[int, dict]) -> None:
+        super().__init__(node_configs)
+        self.timeouts: list[tuple[str, float]] = []
+
+    def send_and_receive(self, messages, *, timeout=None):
+        self.timeouts += [(str(m.metadata.message_type), timeout) for m in messages[:1]]
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+def test_first_contact_waits_for_the_nodes_cold_start(tmp_path, bert_dir):
+    """A node's first answer (its site) includes its cold start — installing the app, starting its
+    ClientApp, importing torch — so it waits ``join_timeout`` (default: the larger of the round
+    ``timeout`` and 300 s), not a short round timeout that would leave every node out before
+    round 1; the rounds themselves wait ``timeout``. The run config key is ``join-timeout``."""
+    from fedgalore.flower.strategy import FedGaLoreStrategy
+
+    data = site_files(tmp_path)
+    cfg = config(tmp_path / "nodes", bert_dir, "fedit", "nodes", rounds=1)
+    assert FedGaLoreStrategy(cfg, timeout=30).join_timeout == 300.0
+    assert FedGaLoreStrategy(cfg, timeout=900).join_timeout == 900.0
+    grid = TimedGrid(node_configs(data))
+    strategy = FedGaLoreStrategy(cfg, run_dir=tmp_path / "nodes" / "run", timeout=30, join_timeout=45)
+    strategy.settle_s = 0.0
+    strategy.start(grid)
+    kinds = dict(grid.timeouts[:1])
+    assert kinds == {str(MessageType.QUERY): 45.0}  # the site query: join_timeout
+    assert all(t == 30 for k, t in grid.timeouts if k == str(MessageType.TRAIN))  # the rounds: timeout

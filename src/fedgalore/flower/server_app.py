@@ -9,6 +9,9 @@ Run config keys (``[tool.flwr.app.config]`` in the Flower project's pyproject.to
 * ``run-dir`` — where the run directory goes (default: ``output.dir`` of the config);
 * ``timeout`` — seconds to wait for the replies of a round (and of a query or evaluation);
   a SuperNode that has not answered by then is dropped from that round (default 3600);
+* ``join-timeout`` — seconds to wait for a SuperNode's first answer (its site or partition id),
+  which includes its cold start: installing the app and starting its ClientApp (default: the
+  larger of ``timeout`` and 300);
 * ``resume`` — ``true``: continue the run in ``run-dir`` (or the config's default run directory)
   from its last checkpoint, as ``fedgalore run --resume`` does; the metrics equal those of an
   uninterrupted run (default ``false``; :meth:`FedGaLoreStrategy.start`).
@@ -86,7 +89,8 @@ def make_server_app(cfg=None, *, app_dir: str | Path | None = None, run_dir=None
             rd = run_dir if run_dir is not None else (rc.get("run-dir") or None)
             sink = progress if progress is not None else make_progress(c.output.progress)
             strategy = FedGaLoreStrategy(c, run_dir=rd, timeout=float(rc.get("timeout", 3600)), progress=sink,
-                                         resume=run_config_flag(rc, "resume"))
+                                         resume=run_config_flag(rc, "resume"),
+                                         join_timeout=float(rc["join-timeout"]) if "join-timeout" in rc else None)
             res = strategy.start(grid)
         except _user_errors() as exc:
             line = f"fedgalore: error: {_one_line(exc)}"

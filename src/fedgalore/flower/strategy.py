@@ -334,10 +334,15 @@ class FedGaLoreStrategy(Strategy):
     """fedgalore's method (T, A, S) as a Flower strategy; see the module docstring."""
 
     def __init__(self, cfg: FederatedConfig, *, run_dir: str | Path | None = None, timeout: float = 3600.0,
-                 progress: ProgressSink | None = None, resume: bool = False) -> None:
+                 progress: ProgressSink | None = None, resume: bool = False, join_timeout: float | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.timeout = float(timeout)
+        #: seconds to wait for a node's first answer (which site, which partition): it includes the
+        #: node's cold start (installing the app, starting its ClientApp, importing torch), so a
+        #: short round ``timeout`` must not drop every node before the first round (default: the
+        #: larger of ``timeout`` and 300 s)
+        self.join_timeout = float(join_timeout) if join_timeout is not None else max(self.timeout, 300.0)
         self.progress = progress
         #: continue the run in ``run_dir`` from its last checkpoint (:meth:`start`)
         self.resume = bool(resume)
@@ -407,7 +412,7 @@ class FedGaLoreStrategy(Strategy):
         reports: dict[str, dict] = {}
         failed: list[dict] = []
         answered: set[int] = set()
-        replies = list(grid.send_and_receive(msgs, timeout=self.timeout)) if msgs else []
+        replies = list(grid.send_and_receive(msgs, timeout=self.join_timeout)) if msgs else []
         sent_to = _sent_to(msgs)
         for rep in replies:
             node = _from_node(rep, sent_to)
@@ -431,15 +436,15 @@ class FedGaLoreStrategy(Strategy):
                              "label_counts": json.loads(str(who["label_counts"]))}
         for n in nodes:
             if int(n) not in answered:
-                failed.append({"round": 0, "node": int(n), "site": None, "error": f"no answer within timeout={self.timeout:g}s"})
+                failed.append({"round": 0, "node": int(n), "site": None, "error": f"no answer within join-timeout={self.join_timeout:g}s"})
         return reports, failed
 
     def ask_partition_ids(self, grid: Grid, nodes: Sequence[int]) -> dict[int, int]:
-        """``{partition-id: node}`` of the ``nodes`` that answered within ``timeout``."""
+        """``{partition-id: node}`` of the ``nodes`` that answered within ``join_timeout``."""
         msgs = [Message(content=RecordDict({"q": ConfigRecord({"ask": "partition-id"})}), dst_node_id=int(n),
                         message_type=MessageType.QUERY) for n in nodes]
         out: dict[int, int] = {}
-        for rep in grid.send_and_receive(msgs, timeout=self.timeout) if msgs else []:
+        for rep in grid.send_and_receive(msgs, timeout=self.join_timeout) if msgs else []:
             if not rep.has_error() and "whoami" in rep.content:
                 out[int(rep.content["whoami"]["partition-id"])] = int(rep.metadata.src_node_id)
         return out
