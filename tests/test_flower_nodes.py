@@ -342,11 +342,12 @@ def test_first_contact_waits_for_the_nodes_cold_start(tmp_path, bert_dir):
     """A node's first answer (its site) includes its cold start — installing the app, starting its
     ClientApp, importing torch — so it waits ``join_timeout`` (default: the larger of the round
     ``timeout`` and 300 s), not a short round timeout that would leave every node out before
-    round 1; the rounds themselves wait ``timeout``. The run config key is ``join-timeout``."""
+    round 1; so does the first round a node trains in (it builds the node's runtime: the model,
+    its data); later rounds wait ``timeout``. The run config key is ``join-timeout``."""
     from fedgalore.flower.strategy import FedGaLoreStrategy
 
     data = site_files(tmp_path)
-    cfg = config(tmp_path / "nodes", bert_dir, "fedit", "nodes", rounds=1)
+    cfg = config(tmp_path / "nodes", bert_dir, "fedit", "nodes", rounds=2)
     assert FedGaLoreStrategy(cfg, timeout=30).join_timeout == 300.0
     assert FedGaLoreStrategy(cfg, timeout=900).join_timeout == 900.0
     grid = TimedGrid(node_configs(data))
@@ -355,4 +356,5 @@ def test_first_contact_waits_for_the_nodes_cold_start(tmp_path, bert_dir):
     strategy.start(grid)
     kinds = dict(grid.timeouts[:1])
     assert kinds == {str(MessageType.QUERY): 45.0}  # the site query: join_timeout
-    assert all(t == 30 for k, t in grid.timeouts if k == str(MessageType.TRAIN))  # the rounds: timeout
+    train = [t for k, t in grid.timeouts if k == str(MessageType.TRAIN)]
+    assert train == [45.0, 30]  # round 1 (every node's first training): join_timeout; round 2: timeout

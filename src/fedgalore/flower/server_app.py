@@ -10,8 +10,10 @@ Run config keys (``[tool.flwr.app.config]`` in the Flower project's pyproject.to
 * ``timeout`` — seconds to wait for the replies of a round (and of a query or evaluation);
   a SuperNode that has not answered by then is dropped from that round (default 3600);
 * ``join-timeout`` — seconds to wait for a SuperNode's first answer (its site or partition id),
-  which includes its cold start: installing the app and starting its ClientApp (default: the
-  larger of ``timeout`` and 300);
+  which includes its cold start: installing the app and starting its ClientApp; and for a round
+  (or evaluation) in which a node trains (evaluates) for the first time in the run, which
+  includes building its runtime: loading the model, tokenising its data (default: the larger of
+  ``timeout`` and 300);
 * ``resume`` — ``true``: continue the run in ``run-dir`` (or the config's default run directory)
   from its last checkpoint, as ``fedgalore run --resume`` does; the metrics equal those of an
   uninterrupted run (default ``false``; :meth:`FedGaLoreStrategy.start`).

@@ -23,7 +23,9 @@ Nodes come and go: before each round and each federated evaluation the backend l
 SuperNodes it has not seen (a restarted SuperNode comes back under a new node id, or — with
 SuperNode authentication — under its registered one, holding nothing of the run) and moves a
 client to the node that reports its site or ``partition-id`` (:meth:`GridBackend.refresh_nodes`).
-A node that does not answer within ``timeout`` seconds is dropped from that round. ``resume``
+A node that does not answer within ``timeout`` seconds is dropped from that round (``join_timeout``
+for a wave with a node that has not yet trained or evaluated in this run: its first job builds its
+runtime). ``resume``
 continues a run from its run directory's last checkpoint (:meth:`FedGaLoreStrategy.start`).
 Every message's payload size is written to ``<run dir>/flower_messages.jsonl`` (what was put into
 each message, what the node says it received, what came back), so the ledger can be checked
@@ -103,6 +105,9 @@ class GridBackend(Backend):
         #: where each message's payload sizes are appended (set by FedGaLoreStrategy.start)
         self.log_path: Path | None = None
         self._round = 0  # the 1-based round of the last train wave (for the evaluation's records)
+        #: nodes that have answered a train or evaluate message of this run: their runtime (model,
+        #: data) is built; a wave that includes any other node waits ``join_timeout`` (:meth:`_wait`)
+        self.ready: set[int] = set()
         self._versions: dict[int, int | None] = {}  # what client_versions told the round loop this round
 
     def start(self, runtime: Runtime) -> None:
@@ -216,9 +221,11 @@ class GridBackend(Backend):
                 for c, node in self.node_of.items()]
         out: dict[str, dict[str, float]] = {}
         got: dict[int, int] = {}
-        replies = list(self.grid.send_and_receive(msgs, timeout=self.strategy.timeout))
+        replies = list(self.grid.send_and_receive(msgs, timeout=self._wait(self.node_of.values())))
         sent_to = _sent_to(msgs)
         for rep in replies:
+            if not rep.has_error():
+                self.ready.add(_from_node(rep, sent_to))
             if rep.has_error() or "metrics" not in rep.content:
                 log.warning("flower: node %s did not evaluate (%s)", _from_node(rep, sent_to),
                             rep.error.reason if rep.has_error() else "no metrics")
@@ -234,6 +241,16 @@ class GridBackend(Backend):
             self._log({"round": self._round, "type": "evaluate", "client": int(c), "node": int(node),
                        "sent": _array_bytes(arrays), "node_received": got.get(int(node))})
         return {s: out[s] for s in sorted(out)} or None
+
+    def _wait(self, nodes: Iterable[int]) -> float:
+        """Seconds a wave of messages to ``nodes`` waits for their replies: the round ``timeout``,
+        or ``join_timeout`` when one of them has not yet answered a train or evaluate message of
+        this run — its first one builds the node's runtime (loading the model, reading and
+        tokenising its data), which on a loaded machine takes longer than a short round timeout.
+        A node that never answers therefore costs one wave ``join_timeout`` once, then ``timeout``
+        per round (a restarted node, under a new id, is waited for as a new node)."""
+        cold = any(int(n) not in self.ready for n in nodes)
+        return max(self.strategy.timeout, self.strategy.join_timeout) if cold else self.strategy.timeout
 
     def _log(self, rec: dict) -> None:
         if self.log_path is not None:
@@ -263,7 +280,9 @@ class GridBackend(Backend):
         })
         arrays = {c: blob_to_record(b) for c, b in broadcast.items()} if isinstance(broadcast, dict) else blob_to_record(broadcast)
         messages = list(self.strategy.configure_train(server_round, arrays, config, self.grid))
-        replies = list(self.grid.send_and_receive(messages, timeout=self.strategy.timeout))
+        replies = list(self.grid.send_and_receive(messages, timeout=self._wait(int(m.metadata.dst_node_id) for m in messages)))
+        sent_to = _sent_to(messages)
+        self.ready.update(_from_node(r, sent_to) for r in replies if not r.has_error())
         client_of = {m.metadata.message_id: int(m.content["job"]["client"]) for m in messages if m.metadata.message_id}
         results = client_results([j.client for j in jobs], replies, client_of)
         for j in jobs:
