@@ -420,12 +420,18 @@ def test_docs_yaml_is_a_valid_config():
     readme = (repo / "README.md").read_text()
     section = readme[readme.index("## Privacy"):readme.index("## Python API")]
     docs = (repo / "docs/privacy.md").read_text()
-    for text in (section, docs):
-        (yaml,) = re.findall(r"```yaml\n(.*?)```", text, re.S)
+    blocks = [*re.findall(r"```yaml\n(.*?)```", section, re.S), *re.findall(r"```yaml\n(.*?)```", docs, re.S)]
+    assert len(blocks) == 3  # README: record; docs/privacy.md: record, client
+    for i, yaml in enumerate(blocks):
         path = Path(pytest.importorskip("tempfile").mkdtemp()) / "p.yaml"
         path.write_text(base + yaml)
-        rec = load_config(path).privacy.record
-        assert (rec.max_grad_norm, rec.noise_multiplier, rec.delta) == (1.0, 1.0, 1e-5)
+        priv = load_config(path).privacy
+        if i < 2:
+            rec = priv.record
+            assert (rec.max_grad_norm, rec.noise_multiplier, rec.delta) == (1.0, 1.0, 1e-5)
+        else:
+            c = priv.client
+            assert (c.clip, c.noise_multiplier, c.delta, c.noise, c.moments) == (0.1, 1.0, 1e-5, "central", "noised")
 
 
 @pytest.mark.slow
@@ -443,7 +449,8 @@ def test_docs_privacy_commands_run_as_written(tmp_path, monkeypatch, capsys):
     (tmp_path / "conf").symlink_to(REPO / "conf")
     monkeypatch.chdir(tmp_path)
     cmds = [c for c in commands("docs/privacy.md") if kind(c) == "cli"]
-    assert [c.split()[1] for c in cmds] == ["plan", "run", "report"]
+    assert [c.split()[1] for c in cmds] == ["plan", "run", "report", "plan", "run"]
+    client, cmds = cmds[3:], cmds[:3]  # the record-level commands, then the client-level ones
     for cmd in cmds:
         argv = _tiny(shlex.split(cmd)[1:], tmp_path)
         assert main(argv) == 0, f"{cmd}\n{capsys.readouterr().err[-2000:]}"
@@ -454,6 +461,17 @@ def test_docs_privacy_commands_run_as_written(tmp_path, monkeypatch, capsys):
             assert "Privacy (every method): record-level DP-SGD, ε ≤ " in out
     doc = _read(tmp_path / "runs" / "offline_text-fedgalore-dirichlet0.5-s0", "privacy.json")
     assert doc["protected"] and len(doc["rounds"]) == 3 and doc["mechanism"]["per_sample_gradients"]["opacus"] == ["Linear"]
+    (tmp_path / "client").mkdir()
+    (tmp_path / "client" / "conf").symlink_to(REPO / "conf")
+    monkeypatch.chdir(tmp_path / "client")
+    for cmd in client:
+        argv = _tiny(shlex.split(cmd)[1:], tmp_path / "client")
+        assert main(argv) == 0, f"{cmd}\n{capsys.readouterr().err[-2000:]}"
+        out = capsys.readouterr().out
+        if argv[0] == "plan":
+            assert "Client-level DP-FedAvg (central noise, C = 0.1, σ = 1; moments σ_m = 1, composed" in out
+    doc = _read(tmp_path / "client" / "runs" / "offline_text-fedgalore-dirichlet0.5-s0", "privacy.json")
+    assert doc["client"]["mechanism"]["level"] == "client" and len(doc["rounds"]) == 3
 
 
 def test_wrap_problem_names_trainable_buffers_and_frozen_batchnorm():

@@ -773,13 +773,32 @@ def _eps(x: float) -> str:
     return "∞" if not math.isfinite(x) else f"{x:.3g}"
 
 
+def _client_plan_lines(cp: dict[str, Any] | None) -> list[str]:
+    """The plan's lines for client-level DP (:func:`fedgalore.engine.privacy_ledger.client_plan`)."""
+    if not cp:
+        return []
+    if "error" in cp:
+        return [f"Client-level DP: **a run refuses this config:** {cp['error']}", ""]
+    how = (f"σ = {cp['noise_multiplier']:.4g} calibrated to ε = {cp['target_epsilon']:g}" if cp["target_epsilon"] is not None
+           and cp["calibrated"] else f"σ = {cp['noise_multiplier']:g}")
+    mom = f"; moments σ_m = {cp['moment_noise_multiplier']:.4g}, composed" if cp["moment_noise_multiplier"] is not None else ""
+    cap = (f" The run stops before a round would take ε past {cp['target_epsilon']:g}."
+           if cp["target_epsilon"] is not None else "")
+    return [f"Client-level DP-FedAvg ({cp['noise']} noise, C = {cp['clip']:g}, {how}{mom}; {cp['sampled']} of "
+            f"{cp['num_clients']} clients per round, replace-one, dp-accounting RDP, δ = {cp['delta']:g}): ε after round 1 "
+            f"{_eps(cp['epsilon_first_round'])}, after all {cp['rounds']} rounds **{_eps(cp['epsilon_planned'])}**.{cap}", ""]
+
+
 def format_privacy_plan(priv: dict[str, Any], max_rows: int = 12) -> list[str]:
     """The plan's privacy section (:func:`fedgalore.engine.privacy_ledger.privacy_plan`): the ε(δ)
     each site will spend, before the run."""
     rec = priv.get("record")
+    client = _client_plan_lines(priv.get("client"))
+    if rec is None and client:
+        return ["## Privacy", ""] + client
     if rec is None:
-        return ["## Privacy", "", "None: no differential privacy (privacy.record unset) — nothing the sites upload is "
-                "protected."]
+        return ["## Privacy", "", "None: no differential privacy (privacy.record and privacy.client unset) — nothing the "
+                "sites upload is protected."]
     how = (f"σ calibrated per site to ε = {rec['target_epsilon']:g} over its "
            f"{'expected' if rec['calibration'] == 'expected' else 'every'} round(s)" if rec["target_epsilon"] is not None
            else f"σ = {rec['noise_multiplier']:g}")

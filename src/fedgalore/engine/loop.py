@@ -175,7 +175,15 @@ class Federation:
         #: what the server saw and what it cost (privacy.json; the per-site accountant lives in state.meta["privacy"])
         rt = self.runtime
         self.privacy = PrivacyLedger(cfg, rt.head_params, rt.clients.name, [len(p) for p in rt.parts],
-                                     rt.privacy.support if rt.privacy is not None else None)
+                                     rt.privacy.support if rt.privacy is not None else None, rt.client_dp)
+        #: why the run stopped before its last round (privacy.client.target_epsilon spent), or None
+        self.stopped: str | None = None
+        if self.start_round < cfg.federation.rounds:
+            why = self.privacy.budget_stop(self.state, self.start_round)
+            if why is not None:
+                raise ConfigError(why.split("; the run stops")[0] + (
+                    "; nothing to resume — a larger budget needs a new run" if self.start_round else
+                    "; not even one round fits: raise privacy.client.target_epsilon or the noise"))
         self.privacy.write(self.run_dir, self.state)
         if self.backend.startup_records:  # e.g. SuperNodes whose data did not fit the task (kind nodes)
             self.files.append_round(0, self.backend.startup_records, Ledger())
@@ -204,8 +212,13 @@ class Federation:
             with sigterm_stops():  # SIGTERM: a clean stop, like Ctrl-C
                 for k in range(self.start_round, fed.rounds):
                     self._round(k)
-                    if self._checkpoint_due(k, t_start):
+                    if k + 1 < fed.rounds:  # privacy.client.target_epsilon: the next round must fit the budget
+                        self.stopped = self.privacy.budget_stop(self.state, k + 1)
+                    if self._checkpoint_due(k, t_start) or self.stopped:
                         self._checkpoint(k, t_start)
+                    if self.stopped:
+                        self.progress.message(self.stopped)
+                        break
                     heartbeat.beat(self._summary("running", self.wall_time_before + time.perf_counter() - t_start))
                 self._checkpoint_wait()  # the last checkpoint is durable before the run says it is complete
             heartbeat.stop()
@@ -290,7 +303,10 @@ class Federation:
             self.files.write_csv(self.history)
 
     def _summary(self, status: str, wall: float) -> dict[str, Any]:
-        return run_summary(self.cfg, self.task, self.history, self.ledger, status, wall, self.identity)
+        out = run_summary(self.cfg, self.task, self.history, self.ledger, status, wall, self.identity)
+        if self.stopped:
+            out["stopped"] = self.stopped
+        return out
 
     # ------------------------------------------------------------------ one round
     def _round(self, k: int) -> None:
@@ -368,6 +384,8 @@ class Federation:
             clients = sample_clients(cfg.seed, k, fed.num_clients, fed.clients_per_round, attempt)
             sizes = [len(self.runtime.parts[c]) for c in clients]
             weights = [s / sum(sizes) for s in sizes]
+            if self.runtime.client_dp is not None:  # privacy.client: uniform weights (the sum's sensitivity is C)
+                weights = self.runtime.client_dp.uniform(len(clients))
             self.progress.round_start(k, clients)
             rctx = RoundContext(k, fed.rounds, seed_k, clients, weights, cfg.diagnostics)
             blob = self._broadcast(k, rctx)
@@ -378,6 +396,8 @@ class Federation:
             self.privacy.observe(self.state, k, attempt, results)  # every upload the server saw counts (privacy.record)
             uploads, deltas, kept_w, kept_c = self._collect(k, attempt, rctx, results, weights, client_recs)
             if len(uploads) >= fed.min_clients:
+                if self.runtime.client_dp is not None:  # privacy.client, central noise: the server clips and noises
+                    uploads = self.runtime.client_dp.server_side(uploads, self._round_bcast, k, attempt)
                 total = sum(kept_w)
                 self.upload_keys = sorted(uploads[0].entries)
                 ctx = RoundContext(k, fed.rounds, seed_k, kept_c, [w / total for w in kept_w], cfg.diagnostics)
@@ -417,6 +437,7 @@ class Federation:
         backend gets the messages themselves (``replay``, and SCAFFOLD's per-client c − c_i) or,
         in an ``account`` simulation, the dense broadcast, which yields the same model."""
         bcast = self.method.broadcast(self.state, rctx)
+        self._round_bcast = bcast  # what the clients started from: client-level DP's public reference
         per_client = getattr(self.method, "client_broadcast", None)
         mode = self._downlink_mode()
         if mode == "replay":

@@ -32,8 +32,8 @@ from fedgalore.federated.client import optimizer_steps
 from fedgalore.federated.seeding import BATCHES, DP_NOISE, client_seed
 from fedgalore.privacy.accounting import SiteSchedule, epsilon, merge_history, site_schedule
 from fedgalore.privacy.config import RecordPrivacy
-from fedgalore.privacy.statement import (NOTHING_PROTECTED, mechanism, not_protected, record_statement,
-                                         release_record)
+from fedgalore.privacy.statement import (NOTHING_PROTECTED, client_mechanism, client_release_record, client_statement,
+                                         mechanism, not_protected, record_statement, release_record)
 from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, Payload
 
 __all__ = ["SitePrivacy", "PrivacyLedger", "PRIVACY_FILE", "release_kinds", "read_privacy", "privacy_plan", "LOSS_KEYS"]
@@ -193,9 +193,41 @@ class PrivacyLedger:
     """The server's record of what it saw and what it cost (module doc)."""
 
     def __init__(self, cfg: FederatedConfig, heads: Sequence[str], names: Callable[[int], str],
-                 sizes: Sequence[int], support: dict[str, list[str]] | None = None) -> None:
+                 sizes: Sequence[int], support: dict[str, list[str]] | None = None, release: Any = None) -> None:
         self.cfg, self.record = cfg, cfg.privacy.record
         self.heads, self.names, self.sizes, self.support = list(heads), names, list(sizes), support
+        #: client-level DP (fedgalore.engine.client_privacy.ClientRelease; None: off)
+        self.release = release
+
+    # ------------------------------------------------------------------ client-level (privacy.client)
+    @staticmethod
+    def _client_book(state: Any) -> dict[str, Any]:
+        return state.meta.setdefault("privacy_client", {"history": [], "pending": [], "epsilon": 0.0})
+
+    def _client_event(self, book: dict[str, Any], received: int, sampled: int) -> None:
+        """One release of the sampled clients' uploads: ``(σ of the round, K, 1)`` joins the history."""
+        book["pending"].append([self.release.round_multiplier(received), int(sampled), int(received)])
+
+    def client_epsilon(self, history: Sequence[Sequence[float]]) -> float:
+        """ε(δ) of the federation after ``history`` (fedgalore.privacy.client_dp.client_epsilon)."""
+        from fedgalore.privacy.client_dp import client_epsilon
+
+        return client_epsilon([(h[0], h[1], h[2]) for h in history], self.release.num_clients, self.release.client.delta)
+
+    def budget_stop(self, state: Any, round_idx: int) -> str | None:
+        """Why round ``round_idx`` must not start — its release would take ε past
+        ``privacy.client.target_epsilon`` — as one line; None when it fits (or no budget is set)."""
+        if self.release is None or self.release.client.target_epsilon is None:
+            return None
+        target = float(self.release.client.target_epsilon)
+        book = self._client_book(state)
+        k = self.release.sample
+        nxt = self.client_epsilon([*book["history"], [self.release.round_multiplier(k), k, 1]])
+        if nxt <= target * (1 + 1e-9):
+            return None
+        return (f"privacy budget: round {round_idx + 1} would take ε from {book['epsilon']:.3g} to {nxt:.3g} > "
+                f"privacy.client.target_epsilon={target:g} (δ = {self.release.client.delta:g}); the run stops after round "
+                f"{round_idx} (checkpointed)")
 
     @staticmethod
     def _book(state: Any) -> dict[str, Any]:
@@ -204,6 +236,10 @@ class PrivacyLedger:
     def observe(self, state: Any, round_idx: int, attempt: int, results: Sequence[Any]) -> None:
         """Count every upload that came back in one attempt of round ``round_idx`` (the server saw
         it, whatever validation decides): its site's ``(σ, q, steps)`` joins that site's history."""
+        if self.release is not None and self.release.client.noise == "distributed":
+            received = sum(1 for r in results if r.upload is not None)
+            if received:  # the clients released their noised uploads, whatever the server keeps
+                self._client_event(self._client_book(state), received, len(results))
         if self.record is None:
             return
         book = self._book(state)
@@ -245,6 +281,17 @@ class PrivacyLedger:
             rec["sites"] = sites
             rec["epsilon_max"] = max(book["epsilon"].values(), default=0.0)
             out["dp_epsilon"] = rec["epsilon_max"]
+        if self.release is not None:
+            cb = self._client_book(state)
+            if self.release.client.noise == "central":  # the server released the noised aggregate of the kept uploads
+                self._client_event(cb, len(uploads), self.release.sample)
+            events, cb["pending"] = cb["pending"], []
+            cb["history"] = _merge_client([*cb["history"], *[[e[0], e[1], 1] for e in events]])
+            cb["epsilon"] = self.client_epsilon(cb["history"])
+            rec["client"] = {"releases": [{"noise_multiplier": e[0], "sampled": e[1], "uploads": e[2]} for e in events],
+                             "epsilon": cb["epsilon"]}
+            rec["releases"] = {k: client_release_record(k, self.release) for k in kinds}
+            out["dp_client_epsilon"] = cb["epsilon"]
         book["rounds"].append(rec)
         self.write(run_dir, state)
         return out
@@ -253,6 +300,10 @@ class PrivacyLedger:
         """``privacy.json`` (module doc)."""
         book = state.meta.get("privacy") or {"sites": {}, "epsilon": {}, "rounds": [], "unaccounted": []}
         r = self.record
+        client = self._client_document(state) if self.release is not None else None
+        if r is None and client is not None:
+            return {"protected": True, "statement": client["statement"], "mechanism": None,
+                    "not_protected": client.pop("not_protected"), "client": client, "rounds": book.get("rounds", [])}
         if r is None:
             return {"protected": False, "statement": NOTHING_PROTECTED, "mechanism": None,
                     "not_protected": not_protected(None), "rounds": book.get("rounds", [])}
@@ -271,16 +322,50 @@ class PrivacyLedger:
         doc = {"protected": True, "statement": record_statement(r), "mechanism": mechanism(r, self.support),
                "delta": r.delta, "epsilon_max": max(eps) if eps else 0.0,
                "not_protected": unprotected, "sites": sites, "rounds": book["rounds"]}
+        if client is not None:
+            doc["not_protected"] = [x for x in doc["not_protected"] if not x.startswith("a site's data as a whole")]
+            doc["client"] = {k: v for k, v in client.items() if k != "not_protected"}
+            doc["statement"] += " " + client["statement"]
         if book.get("unaccounted"):
             doc["unaccounted_uploads"] = book["unaccounted"]
             doc["statement"] += (f" WARNING: {len(book['unaccounted'])} upload(s) came without a DP-SGD record (a client "
                                  "that did not run DP-SGD); they are not protected.")
         return doc
 
+    def _client_document(self, state: Any) -> dict[str, Any]:
+        """``privacy.json``'s ``client`` part: the mechanism, σ, the history and ε of the federation."""
+        rel, c = self.release, self.release.client
+        cb = state.meta.get("privacy_client") or {"history": [], "epsilon": 0.0}
+        unprotected = ["which sites took part in which round (DP does not hide participation)",
+                       "each site's number of examples (num_examples is sent exact; the round's weights are uniform, so it "
+                       "does not enter the aggregate)"]
+        if c.release_metrics:
+            unprotected.append("the clients' training losses (privacy.client.release_metrics: true sends them in the clear)")
+        if self.cfg.diagnostics and c.noise == "central":
+            unprotected.append("diagnostics.jsonl (diagnostics: true computes the drift and mismatch from the raw uploads)")
+        if self.cfg.federation.client_eval:
+            unprotected.append("the per-site evaluation metrics of federation.client_eval")
+        if not c.secure_mode:
+            unprotected.append("against anyone who knows the run's seed (the noise is seeded; privacy.client.secure_mode: false)")
+        return {"statement": client_statement(rel), "mechanism": client_mechanism(rel), "delta": c.delta,
+                "noise_multiplier": rel.sigma, "moment_noise_multiplier": rel.sigma_m,
+                "history": cb["history"], "epsilon": cb["epsilon"], "not_protected": unprotected}
+
     def write(self, run_dir: Path, state: Any) -> None:
         """Rewrite ``<run_dir>/privacy.json`` (atomically)."""
         doc = self.document(state)
         atomic_write_text(Path(run_dir) / PRIVACY_FILE, json.dumps(_finite(doc), indent=1, ensure_ascii=False))
+
+
+def _merge_client(history: Sequence[Sequence[float]]) -> list[list[float]]:
+    """Consecutive ``(σ, K, rounds)`` entries with the same σ and K merged (their rounds added)."""
+    out: list[list[float]] = []
+    for sigma, k, n in history:
+        if out and out[-1][0] == float(sigma) and out[-1][1] == int(k):
+            out[-1][2] += int(n)
+        else:
+            out.append([float(sigma), int(k), int(n)])
+    return out
 
 
 def _finite(obj: Any) -> Any:
@@ -300,8 +385,9 @@ def privacy_plan(cfg: FederatedConfig, sizes: Sequence[int], steps: Callable[[in
     every round; ``{"record": None}`` without DP. ``steps(n)``: optimizer steps per round of a site
     with ``n`` examples."""
     record = cfg.privacy.record
+    client = client_plan(cfg, len(sizes))
     if record is None:
-        return {"record": None, "statement": NOTHING_PROTECTED}
+        return {"record": None, "statement": NOTHING_PROTECTED} if client is None else {"record": None, "client": client}
     fed, tc = cfg.federation, cfg.train
     m = len(sizes)
     participation = (fed.clients_per_round or m) / m
@@ -315,9 +401,38 @@ def privacy_plan(cfg: FederatedConfig, sizes: Sequence[int], steps: Callable[[in
                             "epsilon_every_round": sch.epsilon_every_round(record)}
         rows[int(n)]["sites"] += 1
     table = sorted(rows.values(), key=lambda r: r["num_examples"])
-    return {"record": {"max_grad_norm": record.max_grad_norm, "noise_multiplier": record.noise_multiplier,
+    return {"client": client, "record": {"max_grad_norm": record.max_grad_norm, "noise_multiplier": record.noise_multiplier,
                        "target_epsilon": record.target_epsilon, "delta": record.delta, "accountant": record.accountant,
                        "calibration": record.calibration},
             "participation": participation, "rounds": fed.rounds, "sites": table,
             "epsilon_planned_max": max((r["epsilon_planned"] for r in table), default=0.0),
             "epsilon_every_round_max": max((r["epsilon_every_round"] for r in table), default=0.0)}
+
+
+def client_plan(cfg: FederatedConfig, num_clients: int) -> dict[str, Any] | None:
+    """What ``privacy.client`` will spend (``fedgalore plan``): σ (given or calibrated), σ_m, the
+    round's combined σ, ε(δ) after the first round and after every round of the run; a config a
+    run refuses carries its one-line reason in ``error``. None without client-level DP."""
+    c = cfg.privacy.client
+    if c is None:
+        return None
+    from fedgalore.engine.client_privacy import ClientRelease
+    from fedgalore.engine.resolve import method_options
+    from fedgalore.methods.base import method_class
+
+    out: dict[str, Any] = {"clip": c.clip, "noise": c.noise, "delta": c.delta, "target_epsilon": c.target_epsilon,
+                           "calibrated": c.noise_multiplier is None,
+                           "num_clients": int(num_clients), "rounds": cfg.federation.rounds}
+    try:
+        method = method_class(cfg.method.name)(cfg.method.rank, method_options(cfg))
+        rel = ClientRelease.build(cfg, method, num_clients)
+    except (ConfigError, ValueError) as exc:
+        return {**out, "error": str(exc)}
+    from fedgalore.privacy.client_dp import client_epsilon
+
+    sigma = rel.round_multiplier(rel.sample)
+    out.update({"sampled": rel.sample, "noise_multiplier": rel.sigma, "moment_noise_multiplier": rel.sigma_m,
+                "round_noise_multiplier": sigma, "aggregate": "mean" if rel.mean else "individual",
+                "epsilon_first_round": client_epsilon([(sigma, rel.sample, 1)], num_clients, c.delta),
+                "epsilon_planned": client_epsilon([(sigma, rel.sample, cfg.federation.rounds)], num_clients, c.delta)})
+    return out

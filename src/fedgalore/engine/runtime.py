@@ -24,6 +24,7 @@ import torch
 
 from fedgalore.engine.clients import Clients, resolve_clients, split_clients
 from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.engine.client_privacy import ClientRelease
 from fedgalore.engine.privacy_ledger import SitePrivacy
 from fedgalore.engine.resolve import method_options, resolve_method
 from fedgalore.engine.start_adapter import continues_adapter, merge_start_adapter, start_adapter_of
@@ -97,6 +98,8 @@ class Runtime:
         self.steps_per_round = max(mean_steps, 1)
         #: record-level DP-SGD of the clients this process trains (privacy.record; None: none)
         self.privacy = SitePrivacy.build(cfg, self.task, self.model, sizes, lambda n: self._steps_for(n, tc))
+        #: client-level DP (privacy.client; None: none): the clipping and noise of distributed noise run here
+        self.client_dp = ClientRelease.build(cfg, self.method, len(self.parts))
 
     def _check_rank(self, model: torch.nn.Module) -> None:
         mods = dict(model.named_modules())
@@ -209,6 +212,8 @@ class Runtime:
                     upload = Payload({**upload.entries, **ctx.scaffold.upload_entries()}, dict(upload.meta))
                 if self.privacy is not None:
                     upload = self.privacy.redact(upload)  # raw training losses stay home (privacy.record.release_metrics)
+                if self.client_dp is not None:  # privacy.client: clipped and (distributed) noised before it leaves
+                    upload = self.client_dp.client_side(upload, payload, job.round, job.client)
             blob = transfer(upload) if isinstance(broadcast, Payload) else encode(upload)
             return ClientResult(job.client, blob, None, time.perf_counter() - t0, dict(upload.meta))
         except ClientError as exc:

@@ -86,6 +86,31 @@ class Method(abc.ABC):
     #: other methods change the weights themselves and need an extraction (``--rank``)
     explicit_adapters: ClassVar[bool] = False
 
+    #: how A combines what the uploads release, for client-level DP (``privacy.client``,
+    #: fedgalore.privacy.client_dp): ``mean`` — each released tensor is averaged with the round's
+    #: weights (uniform under client-level DP), so noise on the sum protects the aggregate;
+    #: ``individual`` — A uses each upload on its own (stacking, products), so each upload must
+    #: carry the whole noise
+    dp_aggregate: ClassVar[str] = "individual"
+    #: whether every upload entry is a change from what the client started with (zero when it did
+    #: not train); else entries are absolute values whose untrained value is the broadcast's
+    uploads_changes: ClassVar[bool] = False
+
+    def release_reference(self, broadcast: Payload | None, key: str) -> Any:
+        """The public value upload entry ``key`` would have if the client had not trained: the
+        broadcast's entry of the same name (methods that upload absolute factors and heads), or
+        None — zero — for :attr:`uploads_changes` methods. Client-level DP clips and noises the
+        upload's change from it (fedgalore.privacy.client_dp); it is public, so it affects the
+        utility only, never the guarantee."""
+        if self.uploads_changes or broadcast is None:
+            return None
+        return broadcast.entries.get(key)
+
+    def client_dp_problem(self, moments: str) -> str | None:
+        """Why this method (with its options) cannot run under client-level DP, as one line that
+        names the option to change, or None. ``moments``: ``privacy.client.moments``."""
+        return None
+
     def __init__(self, rank: int = 8, options: MethodOptions | None = None) -> None:
         if rank <= 0:
             raise MethodError(f"rank must be a positive integer, got {rank}")

@@ -44,6 +44,10 @@ class DenseTargetsMethod(Method):
     server holds them densely: FedAvg-Full and the FedGaLore family. The server state lives on the
     host whatever the model's device; payloads are built from host tensors."""
 
+    #: every upload entry (targets, others, head) is a change ΔW_i averaged by A
+    dp_aggregate = "mean"
+    uploads_changes = True
+
     def setup(self, model, target_modules, head_params):
         self.targets = [m + ".weight" for m in target_modules]
         self.heads = list(head_params)

@@ -373,6 +373,24 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         self.average_heads(state, uploads, weights)
         return applied
 
+    def client_dp_problem(self, moments: str) -> str | None:
+        """Under client-level DP every basis a client's upload uses must be public: the projector
+        must be the seeded ``random`` one (a data-driven RSVD/SVD basis is the top singular vectors
+        of the client's gradient) and the moment views on the seeded R_k. A synchronised variant
+        needs its moment release (``moments: noised``); FedGaLore⁻ releases none."""
+        o = self.options
+        if o.projector != "random":
+            return (f"privacy.client needs public (seeded) bases, but method.options.projector={o.projector!r} sends "
+                    "data-driven bases (the top singular vectors of the client's gradient); set method.options.projector: "
+                    "random")
+        if self.synced and o.view_basis != "seeded":
+            return (f"privacy.client: method.options.view_basis={o.view_basis!r} puts the moment views on a basis fitted to "
+                    "the clients' data; set method.options.view_basis: seeded")
+        if self.synced and moments == "withheld":
+            return (f"privacy.client.moments=withheld: method {self.name!r} synchronises second moments from the clients' "
+                    "uploads; use method fedgalore_minus (no moment release), or privacy.client.moments: noised")
+        return None
+
     def validate_upload(self, state, upload, ctx):
         """Seeded bases must come from this round's seed chain (moment views: the round's view
         basis R_k under ``view_basis='seeded'``); ranks must not exceed r; second-moment

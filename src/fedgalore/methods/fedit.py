@@ -39,6 +39,8 @@ __all__ = ["FedIT"]
 @register
 class FedIT(LoraMethod):
     name = "fedit"
+    #: A averages the uploaded factors and heads (client-level DP: noise on their sum)
+    dp_aggregate = "mean"
     summary = "LoRA A,B + head with AdamW; server averages A and B separately (Zhang et al.)"
     optimizer_kind = "adamw"
     supports_scaffold = True

@@ -32,6 +32,8 @@ __all__ = ["FFALoRA"]
 @register
 class FFALoRA(LoraMethod):
     name = "ffa_lora"
+    #: A averages the uploaded factors and heads (client-level DP: noise on their sum)
+    dp_aggregate = "mean"
     summary = "LoRA B + head with SGD, A frozen and shared by seed; server averages B (exact)"
     optimizer_kind = "sgd"
     options_class = LoraSGDOptions

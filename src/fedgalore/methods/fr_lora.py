@@ -89,6 +89,8 @@ class FRLoRAOptions(LoraOptions):
 @register
 class FRLoRA(FactoredDownlink, LoraMethod):
     name = "fr_lora"
+    #: A averages the uploaded factors and heads (client-level DP: noise on their sum)
+    dp_aggregate = "mean"
     summary = "PiSSA-init LoRA (A frozen) + head with AdamW; server adds s(B̄Ā − B0A0) to the residual base, resets adapters"
     optimizer_kind = "adamw"
     options_class = FRLoRAOptions

@@ -99,6 +99,8 @@ class LoRAFAIROptions(LoraSGDOptions):
 @register
 class LoRAFAIR(FedIT):
     name = "lora_fair"
+    #: A's correction uses each client's product B_iA_i: each upload is used on its own
+    dp_aggregate = "individual"
     summary = "LoRA A,B + head with SGD; server averages factors and corrects B̄ so (B̄+ΔB)Ā ≈ Σp_iB_iA_i"
     optimizer_kind = "sgd"
     options_class = LoRAFAIROptions

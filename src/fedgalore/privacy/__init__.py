@@ -7,12 +7,15 @@
   sampling), used by :func:`fedgalore.federated.client.local_train`;
 * :mod:`~fedgalore.privacy.accounting` — ε(δ) per site with Opacus' RDP / PRV accountants,
   cross-checked against Google's ``dp-accounting``; σ calibrated to a target ε;
+* :mod:`~fedgalore.privacy.client_dp` — client-level DP across sites (DP-FedAvg): clipping and
+  noising an upload's change, central or distributed noise, the federation's accountant
+  (dp-accounting RDP, sampling without replacement) and its calibration;
 * :mod:`~fedgalore.privacy.statement` — what a run protected, in words (``privacy.json``, the
   report and the model card).
 
 Opacus and dp-accounting are the optional extra ``privacy`` (``pip install 'fedgalore[privacy]'``);
-only a run with ``privacy.record`` imports them.
+only a run with ``privacy.record`` or ``privacy.client`` imports them.
 """
-from fedgalore.privacy.config import PrivacyConfig, RecordPrivacy
+from fedgalore.privacy.config import ClientPrivacy, PrivacyConfig, RecordPrivacy
 
-__all__ = ["PrivacyConfig", "RecordPrivacy"]
+__all__ = ["ClientPrivacy", "PrivacyConfig", "RecordPrivacy"]

@@ -1,4 +1,5 @@
-"""``privacy:`` in the run configuration: record-level DP-SGD at each site (docs/privacy.md).
+"""``privacy:`` in the run configuration: record-level DP-SGD at each site and client-level DP
+across sites (docs/privacy.md).
 
 YAML::
 
@@ -13,6 +14,18 @@ YAML::
         secure_mode: false       # true: noise and sampling from OS entropy (not reproducible) + Opacus' secure noise
         release_metrics: false   # true: the clients' training losses travel in the clear (not protected)
 
+      client:                    # DP-FedAvg across sites: whole uploads clipped, Gaussian noise on their sum
+        clip: 0.1                # C: each client's upload change (its update, its head) clipped to this L2 norm
+        noise_multiplier: 1.0    # σ: the sum of the clipped changes carries N(0, σ²C²) ...
+        # target_epsilon: 8.0    # ... or give ε and σ is calibrated to spend it over the run's rounds; with both, ε caps the run
+        delta: 1.0e-5            # δ; must be below 1/M (M: the number of sites)
+        noise: central           # central: the server adds the noise | distributed: each client adds σ/√K of it
+        moments: noised          # FedGaLore's second moments: noised (a second release, composed) | withheld
+        moment_clip: 1.0         # C_m: each client's moment block clipped to this L2 norm (moments: noised)
+        moment_noise_multiplier: null   # σ_m (null: σ)
+        secure_mode: false       # true: noise from OS entropy (not reproducible)
+        release_metrics: false   # true: the clients' training losses travel in the clear (not protected)
+
 Only the typed values and their checks live here; the mechanism is :mod:`fedgalore.privacy.dpsgd`,
 the accounting :mod:`fedgalore.privacy.accounting`.
 """
@@ -24,10 +37,12 @@ from typing import Literal
 
 from fedgalore.typed import ConfigError
 
-__all__ = ["RecordPrivacy", "PrivacyConfig", "ACCOUNTANTS", "CALIBRATIONS"]
+__all__ = ["RecordPrivacy", "ClientPrivacy", "PrivacyConfig", "ACCOUNTANTS", "CALIBRATIONS", "CLIENT_NOISE", "MOMENT_RELEASES"]
 
 ACCOUNTANTS = ("rdp", "prv")
 CALIBRATIONS = ("expected", "every_round")
+CLIENT_NOISE = ("central", "distributed")
+MOMENT_RELEASES = ("noised", "withheld")
 
 
 def _num(v: object) -> str:
@@ -81,17 +96,77 @@ class RecordPrivacy:
 
 
 @dataclass
+class ClientPrivacy:
+    """``privacy.client``: client-level differential privacy across sites (DP-FedAvg, McMahan et
+    al. 2018): each client's upload change is clipped to ``clip``, the sum carries Gaussian noise
+    N(0, σ²C²), the federation's accountant composes the rounds (fedgalore.privacy.client_dp)."""
+
+    #: C: the L2 norm each client's whole upload change (update and head, every tensor it sends) is clipped to
+    clip: float = 0.1
+    #: σ: the noise on the sum of the clipped changes has std σ·C; or target_epsilon
+    noise_multiplier: float | None = None
+    #: ε to spend over the run's rounds (σ calibrated to it); with noise_multiplier too: a cap that stops the run
+    target_epsilon: float | None = None
+    #: δ of the (ε, δ) guarantee; must be below 1/M (M: the number of sites)
+    delta: float = 1e-5
+    #: central: the server clips and adds the noise (trusted server) | distributed: each client clips and adds
+    #: N(0, σ²C²/K) to its own upload (K: clients per round), so the sum carries σ — what secure aggregation needs
+    noise: Literal["central", "distributed"] = "central"
+    #: FedGaLore's second-moment upload: noised (clipped to moment_clip, noised, composed with the update) | withheld
+    moments: Literal["noised", "withheld"] = "noised"
+    #: C_m: the L2 norm each client's moment blocks (all of them together) are clipped to
+    moment_clip: float = 1.0
+    #: σ_m of the moment release (null: the update's σ)
+    moment_noise_multiplier: float | None = None
+    #: true: noise from OS entropy (not reproducible); false: seeded by the run's seed, round and client
+    secure_mode: bool = False
+    #: true: each client's training-loss statistics (raw, NOT protected) are uploaded; false: withheld
+    release_metrics: bool = False
+
+    def check(self, path: str = "privacy.client") -> None:
+        """Raise :class:`ConfigError` (one line, naming the key and the fix) on a bad value."""
+        c, s, e, d = self.clip, self.noise_multiplier, self.target_epsilon, self.delta
+        if not (isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c > 0):
+            raise ConfigError(f"{path}.clip={_num(c)} must be a positive number (the L2 norm each client's upload change "
+                              "is clipped to, e.g. 0.1)")
+        if s is None and e is None:
+            raise ConfigError(f"{path} needs noise_multiplier (σ, e.g. 1.0) or target_epsilon (ε, e.g. 8); set one")
+        if s is not None and not (math.isfinite(s) and s >= 0):
+            raise ConfigError(f"{path}.noise_multiplier={_num(s)} must be a number >= 0 (0: clipping only, ε = ∞)")
+        if s is not None and s == 0 and e is not None:
+            raise ConfigError(f"{path}.noise_multiplier=0 adds no noise, so target_epsilon={e:g} cannot be met; drop "
+                              "noise_multiplier to calibrate σ to target_epsilon")
+        if e is not None and not (math.isfinite(e) and e > 0):
+            raise ConfigError(f"{path}.target_epsilon={_num(e)} must be a positive number (e.g. 8)")
+        if not (isinstance(d, (int, float)) and math.isfinite(d) and 0 < d < 1):
+            raise ConfigError(f"{path}.delta={_num(d)} must be in (0, 1) and below 1/M for M sites (e.g. 1e-5)")
+        if self.noise not in CLIENT_NOISE:
+            raise ConfigError(f"{path}.noise={self.noise!r} must be one of {', '.join(CLIENT_NOISE)}")
+        if self.moments not in MOMENT_RELEASES:
+            raise ConfigError(f"{path}.moments={self.moments!r} must be one of {', '.join(MOMENT_RELEASES)}")
+        mc, ms = self.moment_clip, self.moment_noise_multiplier
+        if not (isinstance(mc, (int, float)) and not isinstance(mc, bool) and math.isfinite(mc) and mc > 0):
+            raise ConfigError(f"{path}.moment_clip={_num(mc)} must be a positive number (e.g. 1.0)")
+        if ms is not None and not (math.isfinite(ms) and ms > 0):
+            raise ConfigError(f"{path}.moment_noise_multiplier={_num(ms)} must be a positive number (null: the update's σ)")
+
+
+@dataclass
 class PrivacyConfig:
-    """``privacy``: what the federation protects. ``record``: DP-SGD at each site (None: nothing)."""
+    """``privacy``: what the federation protects. ``record``: DP-SGD at each site; ``client``:
+    DP-FedAvg across sites (None: nothing)."""
 
     record: RecordPrivacy | None = None
+    client: ClientPrivacy | None = None
 
     @property
     def enabled(self) -> bool:
         """Whether any differential privacy is on."""
-        return self.record is not None
+        return self.record is not None or self.client is not None
 
     def check(self) -> None:
-        """Check every part (:meth:`RecordPrivacy.check`)."""
+        """Check every part (:meth:`RecordPrivacy.check`, :meth:`ClientPrivacy.check`)."""
         if self.record is not None:
             self.record.check()
+        if self.client is not None:
+            self.client.check()

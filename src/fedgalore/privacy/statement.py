@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from fedgalore.privacy.config import RecordPrivacy
 
 __all__ = ["NOTHING_PROTECTED", "RELEASE_KINDS", "record_statement", "not_protected", "release_record", "summary_line",
-           "mechanism"]
+           "mechanism", "client_statement", "client_mechanism", "client_release_record"]
 
 NOTHING_PROTECTED = ("Nothing was protected: no differential privacy was on (privacy.record unset). Every upload "
                      "(updates, second moments, data-driven bases, the head, metrics, counts) reached the server as "
@@ -78,7 +78,7 @@ def not_protected(record: RecordPrivacy | None) -> list[str]:
     if record is None:
         return ["everything: no differential privacy was on"]
     out = ["which sites took part in which round (DP does not hide participation)",
-           "a site's data as a whole (record-level DP protects rows; client-level DP, issue 41's second part, is not on)",
+           "a site's data as a whole (record-level DP protects rows; client-level DP, privacy.client, is not on)",
            "each site's number of examples (num_examples is sent exact; the site's size is treated as public)"]
     if record.release_metrics:
         out.append("the clients' training losses (privacy.record.release_metrics: true sends them in the clear)")
@@ -122,6 +122,21 @@ def summary_line(doc: Mapping[str, Any] | None, upto_round: int | None = None) -
         return "privacy: not recorded (a run from before privacy.json)"
     if not doc.get("protected"):
         return "privacy: none — nothing was protected (no differential privacy)"
+    client = doc.get("client")
+    client_line = ""
+    if client:
+        eps = client.get("epsilon")
+        if upto_round is not None:
+            done = [r for r in doc.get("rounds") or [] if int(r.get("round", 0)) <= int(upto_round) and "client" in r]
+            eps = done[-1]["client"].get("epsilon") if done else 0.0
+        cm = client.get("mechanism") or {}
+        eps_s = _fmt_eps(float(eps)) if isinstance(eps, (int, float)) else str(eps)
+        client_line = (f"client-level DP-FedAvg ({cm.get('noise')} noise, C = {cm.get('clip')}, σ = "
+                       f"{float(client.get('noise_multiplier') or 0):.3g}): ε ≤ {eps_s} for the federation at δ = "
+                       f"{client.get('delta'):g}{f' by round {upto_round}' if upto_round is not None else ''}"
+                       + ("" if cm.get("secure_mode") else "; noise seeded from the run's seed"))
+        if not doc.get("mechanism"):
+            return "privacy: " + client_line
     mech = doc.get("mechanism") or {}
     eps = doc.get("epsilon_max")
     sites = doc.get("sites") or {}
@@ -137,4 +152,73 @@ def summary_line(doc: Mapping[str, Any] | None, upto_round: int | None = None) -
     return (f"privacy: record-level DP-SGD at each site (Opacus, Poisson sampling, {accountant} accountant): "
             f"ε ≤ {_fmt_eps(float(eps)) if eps is not None else '?'} per site at δ = {delta:g} "
             f"{f'by round {upto_round} ' if upto_round is not None else ''}(max over {len(sites)} site(s) that trained; C = {mech.get('max_grad_norm', float('nan')):g}, {sigma}"
-            + ("" if mech.get("secure_mode") else "; noise seeded from the run's seed") + ")")
+            + ("" if mech.get("secure_mode") else "; noise seeded from the run's seed") + ")"
+            + (f"; {client_line}" if client_line else ""))
+
+
+# ---------------------------------------------------------------------- client-level (privacy.client)
+# ``release`` below: the run's fedgalore.engine.client_privacy.ClientRelease (its ``client`` config,
+# σ, σ_m, K, M and whether A is a mean), read by attribute so this module stays below the engine.
+
+def client_mechanism(release: Any) -> dict[str, Any]:
+    """The client-level mechanism as ``privacy.json`` records it."""
+    c = release.client
+    how = ("each client adds N(0, σ²C²/K) to its own clipped change (distributed), so the sum of the K uploads carries "
+           "N(0, σ²C²) — under secure aggregation the server sees that sum only; without it, each upload alone carries "
+           "σ/√K" if release.mean else "each client adds N(0, σ²C²) to its own clipped change (distributed): the method's "
+           "aggregate uses each upload on its own") if c.noise == "distributed" else (
+        "the server clips each upload and adds one N(0, σ²C²) draw to the sum (central; a trusted server)" if release.mean
+        else "the server clips each upload and adds N(0, σ²C²) to each (central; the method's aggregate uses each upload on "
+             "its own)")
+    return {
+        "level": "client",
+        "name": "DP-FedAvg (McMahan et al. 2018) with fixed clipping: each client's upload change clipped to C, "
+                "Gaussian noise on the sum, uniform weights",
+        "clip": c.clip, "noise": c.noise, "how": how,
+        "noise_multiplier": release.sigma, "target_epsilon": c.target_epsilon,
+        "calibrated": c.noise_multiplier is None,
+        "moments": (f"noised: each client's second-moment blocks clipped to C_m = {c.moment_clip:g}, N(0, σ_m²C_m²) each, "
+                    f"σ_m = {release.sigma_m:.4g}; composed with the update as one Gaussian of σ = (σ⁻² + σ_m⁻²)^(-1/2); "
+                    "AJIVE on the individual noised views is post-processing") if release.sigma_m is not None
+        else "not released (withheld, or a method without a moment upload)",
+        "delta": c.delta,
+        "accountant": "dp-accounting RDP: sampling K of M clients without replacement (Wang et al. 2019), replace-one "
+                      "adjacency (sensitivity 2C), composed over the rounds",
+        "adjacency": "replace one site's data (all of it) by another's; M is public",
+        "sampling": f"K = {release.sample} of M = {release.num_clients} clients per round, uniformly without replacement",
+        "secure_mode": c.secure_mode,
+    }
+
+
+def client_statement(release: Any) -> str:
+    """The statement of a run with client-level DP."""
+    c = release.client
+    how = (f"σ = {release.sigma:.4g} calibrated to ε = {c.target_epsilon:g} over the run's rounds" if c.noise_multiplier is None
+           else f"σ = {release.sigma:g}" + (f", the run stopped before ε exceeds {c.target_epsilon:g}" if c.target_epsilon else ""))
+    text = (f"Client-level differential privacy (DP-FedAvg) across sites: each client's whole upload change clipped to "
+            f"C = {c.clip:g}, Gaussian noise on their sum ({c.noise}; {how}), uniform weights. Each site's data as a whole "
+            f"is protected at (ε, δ = {c.delta:g}) with ε in 'client' (dp-accounting RDP, K of M sampled without "
+            "replacement, replace-one adjacency).")
+    if release.sigma_m is not None:
+        text += f" FedGaLore's second moments are a second release (C_m = {c.moment_clip:g}, σ_m = {release.sigma_m:.4g}), composed."
+    if not c.secure_mode:
+        text += " The noise is seeded from the run's seed (reproducible): the guarantee holds only against parties who do not know it."
+    return text
+
+
+def client_release_record(kind: str, release: Any) -> dict[str, Any]:
+    """One release type of a round under client-level DP."""
+    c = release.client
+    if kind == "counts":
+        return {"protected": False, "clipped": False, "sensitivity": None, "noise_multiplier": None,
+                "how": "num_examples exact (not used by the uniform-weight aggregate); the site's size is treated as public"}
+    if kind == "metrics":
+        return {"protected": not c.release_metrics, "clipped": False, "sensitivity": None, "noise_multiplier": None,
+                "how": "raw training losses in the clear (privacy.client.release_metrics: true)" if c.release_metrics
+                else "withheld: the training losses and the optimizer's diagnostics stay at the site; only the counts travel"}
+    if kind == "moment":
+        return {"protected": True, "clipped": True, "sensitivity": 2 * c.moment_clip,
+                "noise_multiplier": release.sigma_m, "how": f"{_WHAT['moment']}: clipped to C_m, noised (composed)"}
+    return {"protected": True, "clipped": True, "sensitivity": 2 * c.clip, "noise_multiplier": release.sigma,
+            "how": f"{_WHAT.get(kind, kind)}: the client's change clipped jointly with its other tensors to C, Gaussian "
+                   "noise (sensitivity 2C under replace-one)"}

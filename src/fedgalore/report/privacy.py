@@ -1,7 +1,8 @@
 """The report's privacy line: what each method's runs protected, from their ``privacy.json``.
 
 A run with record-level DP (``privacy.record``) states ε (the largest over its sites), δ, C, σ
-and the accountant; a run without DP says that nothing was protected; a run from before
+and the accountant; one with client-level DP (``privacy.client``) ε of the federation, δ, C, σ and
+the noise; a run without DP says that nothing was protected; a run from before
 ``privacy.json`` says it was not recorded (docs/privacy.md).
 """
 from __future__ import annotations
@@ -22,6 +23,30 @@ def _method_text(docs: list[dict[str, Any] | None]) -> str:
         return "none — nothing was protected"
     if not all(d.get("protected") for d in docs):
         return "mixed — some runs without DP"
+    parts = []
+    if all(d.get("mechanism") for d in docs):
+        parts.append(_record_text(docs))
+    if all(d.get("client") for d in docs):
+        parts.append(_client_text(docs))
+    return "; ".join(parts) if parts else "mixed — record-level and client-level DP in different runs"
+
+
+def _client_text(docs: list[dict[str, Any]]) -> str:
+    """Client-level DP-FedAvg: ε of the federation (the largest over the runs), δ, C, σ, the noise."""
+    client = [d["client"] for d in docs]
+    eps = [float(c["epsilon"]) if isinstance(c.get("epsilon"), (int, float)) else math.inf for c in client]
+    e = max(eps)
+    mech = [c.get("mechanism") or {} for c in client]
+    sig = sorted({float(c.get("noise_multiplier") or 0) for c in client})
+    sigma = "σ " + (f"{sig[0]:.3g}" if len(sig) == 1 else f"{sig[0]:.3g}–{sig[-1]:.3g}")
+    return (f"client-level DP-FedAvg ({'/'.join(sorted({str(m.get('noise')) for m in mech}))} noise), ε ≤ "
+            f"{'∞' if not math.isfinite(e) else f'{e:.3g}'} for the federation at δ = "
+            f"{'/'.join(f'{x:g}' for x in sorted({float(c['delta']) for c in client}))} "
+            f"(C {'/'.join(f'{x:g}' for x in sorted({float(m['clip']) for m in mech}))}, {sigma})")
+
+
+def _record_text(docs: list[dict[str, Any]]) -> str:
+    """Record-level DP-SGD: ε (the largest over the sites of the runs), δ, C, σ, the accountant."""
     mech = [d.get("mechanism") or {} for d in docs]
     eps = [float(d.get("epsilon_max", math.nan)) for d in docs]
     e = max(eps)
