@@ -240,3 +240,44 @@ def test_report_model_card_and_plan_state_the_client_privacy(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "Client-level DP-FedAvg (central noise, C = 0.5, σ = 1; 3 of 6 clients per round" in out
     assert f"after all 2 rounds **{eps:.3g}**" in out
+
+
+def test_adaptive_clipping_follows_the_norm_quantile(tmp_path):
+    """Andrew et al.: with every client's change far above C, the noised share of bits is ≈ 0 and C
+    grows by exp(lr·γ) per round; the update's σ_Δ = (σ⁻² − (2σ_b)⁻²)^(-1/2) so the round's release
+    is one Gaussian of σ (ε as for fixed clipping); the bits leave the sites noised."""
+    from fedgalore.engine.client_privacy import ClientRelease
+
+    cfg = cdp_cfg(tmp_path, "fedavg_full", rounds=3, clip=1e-4, noise_multiplier=1.0,
+                  adaptive_clipping={"target_quantile": 0.5, "lr": 0.2, "count_noise_multiplier": 0.01 + 0.5})
+    run = fedgalore.run(cfg)
+    doc = json.loads((run.run_dir / "privacy.json").read_text())
+    clips = [r["client"]["clip"] for r in doc["rounds"]]
+    shares = [r["client"]["clip_bits_share"] for r in doc["rounds"]]
+    assert clips[0] == pytest.approx(1e-4)
+    for c0, c1, b in zip(clips, clips[1:], shares):
+        assert c1 == pytest.approx(c0 * math.exp(-0.2 * (b - 0.5)), rel=1e-9)  # the geometric rule on the noised share
+        assert abs(b) < 0.51 * 3  # no client within 1e-4: the share is noise around 0 (σ_b/k per upload)
+    assert clips[-1] > clips[0]
+    assert doc["client"]["update_noise_multiplier"] == pytest.approx((1.0 - (2 * 0.51) ** -2) ** -0.5)
+    assert doc["client"]["history"] == [[1.0, 3, 3]]  # bits inside σ: the accountant's σ is the configured one
+    assert [h["dp_clip"] for h in run.history] == pytest.approx(clips)
+    # distributed: each client's bit carries σ_b/√K of noise, and leaves the site noised
+    dist = cdp_cfg(tmp_path / "d", "fedavg_full", noise="distributed", adaptive_clipping={"count_noise_multiplier": 2.0})
+    from fedgalore.engine.resolve import method_options
+    from fedgalore.methods.base import method_class
+
+    rel = ClientRelease(dist, dist.privacy.client, method_class("fedavg_full")(4, method_options(dist)), 6)
+    bits = [rel.client_side(Payload({"w": Dense(torch.full((4,), 10.0))}, {"num_examples": 1}),
+                            Payload({}, {"dp_clip": 0.5}), 0, c).meta["dp_clip_bit"] for c in range(400)]
+    assert float(torch.tensor(bits).mean()) == pytest.approx(0.0, abs=0.25)  # ‖Δ‖ = 20 > C = 0.5: bit 0, plus noise
+    assert float(torch.tensor(bits).std()) == pytest.approx(2.0 / math.sqrt(3), rel=0.1)
+
+
+def test_adaptive_clipping_bad_input(tmp_path):
+    with pytest.raises(ConfigError, match="count_noise_multiplier=0.4 must exceed σ/2 = 1"):
+        cdp_cfg(tmp_path, noise_multiplier=2.0, adaptive_clipping={"count_noise_multiplier": 0.4})
+    with pytest.raises(ConfigError, match="target_quantile=1.5 must be in"):
+        cdp_cfg(tmp_path, adaptive_clipping={"target_quantile": 1.5})
+    with pytest.raises(ConfigError, match="needs noise"):
+        cdp_cfg(tmp_path, noise_multiplier=0.0, adaptive_clipping={})

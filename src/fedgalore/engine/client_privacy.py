@@ -36,7 +36,7 @@ from fedgalore.protocol.payload import Payload
 __all__ = ["ClientRelease", "KEPT_META"]
 
 #: numeric upload meta that is released under client-level DP: counts fixed by the config and the job
-KEPT_META = ("num_examples", "client", "round", "steps", "held_version", "version")
+KEPT_META = ("num_examples", "client", "round", "steps", "held_version", "version", "dp_clip_bit")
 #: the server's own noise stream (central noise): client_seed's client id 2³¹ + attempt (no client has it)
 _SERVER = 2 ** 31
 
@@ -62,6 +62,18 @@ class ClientRelease:
         self.sigma = self._sigma()
         #: σ_m of the moment release (None: none)
         self.sigma_m = (client.moment_noise_multiplier or self.sigma) if self.moments else None
+        a = client.adaptive_clipping
+        #: σ_b of the clip bits' sum (adaptive clipping; None: fixed clip)
+        self.sigma_b = (a.count_noise_multiplier or max(self.sample / 20.0, self.sigma)) if a is not None else None
+        #: σ_Δ: the update's own noise multiplier — σ, less the share the bits take (Andrew et al. 2021,
+        #: Thm. 1: releasing the update with σ_Δ and the bits with σ_b is one Gaussian of σ when
+        #: σ_Δ = (σ⁻² − (2σ_b)⁻²)^(-1/2); the bit's sensitivity is 1, the update's 2C, under replace-one)
+        self.sigma_update = self.sigma
+        if self.sigma_b is not None and self.sigma > 0:
+            if 2 * self.sigma_b <= self.sigma:
+                raise ConfigError(f"privacy.client.adaptive_clipping.count_noise_multiplier={self.sigma_b:g} must exceed "
+                                  f"σ/2 = {self.sigma / 2:.4g} (σ calibrated to target_epsilon); raise it or leave it null")
+            self.sigma_update = (self.sigma ** -2 - (2 * self.sigma_b) ** -2) ** -0.5
 
     @classmethod
     def build(cls, cfg: FederatedConfig, method: Any, num_clients: int) -> "ClientRelease | None":
@@ -116,10 +128,10 @@ class ClientRelease:
         return combined_multiplier(parts)
 
     # ------------------------------------------------------------------ the mechanism
-    def _clip(self, upload: Payload, broadcast: Payload | None):
+    def _clip(self, upload: Payload, broadcast: Payload | None, clip: float):
         c = self.client
         try:
-            return clip_upload(upload, lambda key: self.method.release_reference(broadcast, key), c.clip,
+            return clip_upload(upload, lambda key: self.method.release_reference(broadcast, key), clip,
                                c.moment_clip, withhold_moments=not self.moments)
         except DataDrivenBasis as exc:
             raise ConfigError(f"privacy.client: the upload carries a data-driven basis ({exc}); client-level DP needs "
@@ -135,36 +147,45 @@ class ClientRelease:
                                         if k in KEPT_META or not isinstance(v, (int, float)) or isinstance(v, bool)})
 
     def client_side(self, upload: Payload, broadcast: Payload | None, round_idx: int, client: int) -> Payload:
-        """``noise: distributed``: the upload as the client releases it — its change clipped, its
-        own share of the noise added (N(0, σ²C²/K) on a mean method, N(0, σ²C²) otherwise; the
-        moments N(0, σ_m²C_m²)), the raw training losses withheld. ``central``: only the losses
-        withheld (the server clips and noises)."""
+        """``noise: distributed``: the upload as the client releases it — its change clipped to the
+        round's C (the broadcast's ``dp_clip``), its own share of the noise added (N(0, σ_Δ²C²/K) on
+        a mean method, N(0, σ_Δ²C²) otherwise; the moments N(0, σ_m²C_m²)), with adaptive clipping
+        its bit ``1[‖Δ‖ ≤ C]`` noised likewise (``dp_clip_bit``), the raw training losses and
+        diagnostics withheld. ``central``: only the withholding (the server clips and noises)."""
         upload = self._redact(upload)
         if self.client.noise != "distributed":
             return upload
-        refs, changes, _ = self._clip(upload, broadcast)
+        clip = float(broadcast.meta.get("dp_clip", self.client.clip)) if broadcast is not None else self.client.clip
+        refs, changes, stats = self._clip(upload, broadcast, clip)
         g = _generator(client_seed(self.cfg.seed, round_idx, client, DP_CLIENT_NOISE), self.client.secure_mode)
-        c = self.client
-        std_u = self.sigma * c.clip / (math.sqrt(self.sample) if self.mean else 1.0)
-        std_m = (self.sigma_m or 0.0) * c.moment_clip
+        share = math.sqrt(self.sample) if self.mean else 1.0
+        std_u = self.sigma_update * clip / share
+        std_m = (self.sigma_m or 0.0) * self.client.moment_clip
 
         def noise(slot, shape):
             std = std_m if is_moment(slot[0]) else std_u
             return torch.randn(shape, generator=g, dtype=torch.float32) * std if std > 0 else None
 
-        return add_noise(upload, refs, changes, noise)
+        out = add_noise(upload, refs, changes, noise)
+        if self.sigma_b is not None:
+            bit = float(stats.get("update_norm", 0.0) <= clip)
+            out.meta["dp_clip_bit"] = bit + float(torch.randn((), generator=g)) * self.sigma_b / share
+        return out
 
     def server_side(self, uploads: Sequence[Payload], broadcast: Payload | None, round_idx: int,
-                    attempt: int = 0) -> list[Payload]:
-        """``noise: central``: the uploads A aggregates — each clipped, one N(0, σ²C²) draw on the
-        sum split over them (a mean method) or N(0, σ²C²) each (individual); the moments
-        N(0, σ_m²C_m²) each. ``distributed``: unchanged (the clients did it)."""
+                    attempt: int = 0, clip: float | None = None) -> list[Payload]:
+        """``noise: central``: the uploads A aggregates — each clipped to ``clip`` (the round's C),
+        one N(0, σ_Δ²C²) draw on the sum split over them (a mean method) or N(0, σ_Δ²C²) each
+        (individual); the moments N(0, σ_m²C_m²) each; with adaptive clipping each upload's bit
+        ``1[‖Δ‖ ≤ C]`` plus its share z_b/k of one N(0, σ_b²) draw (``dp_clip_bit``: their sum is
+        the noised count). ``distributed``: unchanged (the clients did it)."""
         if self.client.noise != "central" or not uploads:
             return list(uploads)
         c = self.client
-        clipped = [self._clip(u, broadcast) for u in uploads]
+        clip = float(c.clip if clip is None else clip)
+        clipped = [self._clip(u, broadcast, clip) for u in uploads]
         g = _generator(client_seed(self.cfg.seed, round_idx, _SERVER + int(attempt), DP_CLIENT_NOISE), c.secure_mode)
-        std_u, std_m = self.sigma * c.clip, (self.sigma_m or 0.0) * c.moment_clip
+        std_u, std_m = self.sigma_update * clip, (self.sigma_m or 0.0) * c.moment_clip
         shared = (shared_noise([ch for _, ch, _ in clipped], std_u, g, lambda s: not is_moment(s[0]))
                   if self.mean and std_u > 0 else [{} for _ in clipped])
         out = []
@@ -176,7 +197,21 @@ class ClientRelease:
                     return mine.get(slot)
                 return torch.randn(shape, generator=g, dtype=torch.float32) * std_u if std_u > 0 else None
             out.append(add_noise(u, refs, changes, noise))
+        if self.sigma_b is not None:
+            z_b = float(torch.randn((), generator=g)) * self.sigma_b
+            for o, (_, _, stats) in zip(out, clipped):
+                o.meta["dp_clip_bit"] = float(stats.get("update_norm", 0.0) <= clip) + z_b / len(out)
         return out
+
+    def next_clip(self, clip: float, bits: Sequence[float]) -> float:
+        """Andrew et al.'s geometric update: ``C·exp(−lr·(b̃ − γ))`` with b̃ the noised share of
+        clients within C (the sum of the uploads' noised bits over their number); ``clip`` itself
+        without adaptive clipping or bits."""
+        a = self.client.adaptive_clipping
+        if a is None or not bits:
+            return float(clip)
+        share = sum(bits) / len(bits)
+        return float(clip) * math.exp(-a.lr * (share - a.target_quantile))
 
     def uniform(self, k: int) -> list[float]:
         """The round's weights under client-level DP: ``1/k`` each."""

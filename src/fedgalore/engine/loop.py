@@ -397,7 +397,8 @@ class Federation:
             uploads, deltas, kept_w, kept_c = self._collect(k, attempt, rctx, results, weights, client_recs)
             if len(uploads) >= fed.min_clients:
                 if self.runtime.client_dp is not None:  # privacy.client, central noise: the server clips and noises
-                    uploads = self.runtime.client_dp.server_side(uploads, self._round_bcast, k, attempt)
+                    uploads = self.runtime.client_dp.server_side(uploads, self._round_bcast, k, attempt,
+                                                                 self.privacy.current_clip(self.state))
                 total = sum(kept_w)
                 self.upload_keys = sorted(uploads[0].entries)
                 ctx = RoundContext(k, fed.rounds, seed_k, kept_c, [w / total for w in kept_w], cfg.diagnostics)
@@ -437,6 +438,8 @@ class Federation:
         backend gets the messages themselves (``replay``, and SCAFFOLD's per-client c − c_i) or,
         in an ``account`` simulation, the dense broadcast, which yields the same model."""
         bcast = self.method.broadcast(self.state, rctx)
+        if self.runtime.client_dp is not None:  # privacy.client: the round's clip norm (adaptive clipping moves it)
+            bcast = Payload(bcast.entries, {**bcast.meta, "dp_clip": self.privacy.current_clip(self.state)})
         self._round_bcast = bcast  # what the clients started from: client-level DP's public reference
         per_client = getattr(self.method, "client_broadcast", None)
         mode = self._downlink_mode()

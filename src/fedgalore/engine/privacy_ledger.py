@@ -208,6 +208,12 @@ class PrivacyLedger:
         """One release of the sampled clients' uploads: ``(σ of the round, K, 1)`` joins the history."""
         book["pending"].append([self.release.round_multiplier(received), int(sampled), int(received)])
 
+    def current_clip(self, state: Any) -> float | None:
+        """The clip norm C of the next round (adaptive clipping moves it; else ``privacy.client.clip``)."""
+        if self.release is None:
+            return None
+        return float(self._client_book(state).get("clip", self.release.client.clip))
+
     def client_epsilon(self, history: Sequence[Sequence[float]]) -> float:
         """ε(δ) of the federation after ``history`` (fedgalore.privacy.client_dp.client_epsilon)."""
         from fedgalore.privacy.client_dp import client_epsilon
@@ -288,8 +294,15 @@ class PrivacyLedger:
             events, cb["pending"] = cb["pending"], []
             cb["history"] = _merge_client([*cb["history"], *[[e[0], e[1], 1] for e in events]])
             cb["epsilon"] = self.client_epsilon(cb["history"])
+            clip = self.current_clip(state)
             rec["client"] = {"releases": [{"noise_multiplier": e[0], "sampled": e[1], "uploads": e[2]} for e in events],
-                             "epsilon": cb["epsilon"]}
+                             "epsilon": cb["epsilon"], "clip": clip}
+            if self.release.client.adaptive_clipping is not None:  # Andrew et al.: C follows the noised bits' share
+                bits = [float(u.meta["dp_clip_bit"]) for u in uploads if isinstance(u.meta.get("dp_clip_bit"), (int, float))]
+                cb["clip"] = self.release.next_clip(clip, bits)
+                rec["client"]["clip_next"] = cb["clip"]
+                rec["client"]["clip_bits_share"] = sum(bits) / len(bits) if bits else None
+            out["dp_clip"] = clip
             rec["releases"] = {k: client_release_record(k, self.release) for k in kinds}
             out["dp_client_epsilon"] = cb["epsilon"]
         book["rounds"].append(rec)
@@ -349,6 +362,8 @@ class PrivacyLedger:
             unprotected.append("against anyone who knows the run's seed (the noise is seeded; privacy.client.secure_mode: false)")
         return {"statement": client_statement(rel), "mechanism": client_mechanism(rel), "delta": c.delta,
                 "noise_multiplier": rel.sigma, "moment_noise_multiplier": rel.sigma_m,
+                "update_noise_multiplier": rel.sigma_update, "count_noise_multiplier": rel.sigma_b,
+                "clip": cb.get("clip", c.clip),
                 "history": cb["history"], "epsilon": cb["epsilon"], "not_protected": unprotected}
 
     def write(self, run_dir: Path, state: Any) -> None:

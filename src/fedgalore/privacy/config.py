@@ -23,6 +23,7 @@ YAML::
         moments: noised          # FedGaLore's second moments: noised (a second release, composed) | withheld
         moment_clip: 1.0         # C_m: each client's moment block clipped to this L2 norm (moments: noised)
         moment_noise_multiplier: null   # σ_m (null: σ)
+        adaptive_clipping: null  # {target_quantile: 0.5, lr: 0.2, count_noise_multiplier: null}: C follows a norm quantile
         secure_mode: false       # true: noise from OS entropy (not reproducible)
         release_metrics: false   # true: the clients' training losses travel in the clear (not protected)
 
@@ -37,7 +38,7 @@ from typing import Literal
 
 from fedgalore.typed import ConfigError
 
-__all__ = ["RecordPrivacy", "ClientPrivacy", "PrivacyConfig", "ACCOUNTANTS", "CALIBRATIONS", "CLIENT_NOISE", "MOMENT_RELEASES"]
+__all__ = ["RecordPrivacy", "ClientPrivacy", "AdaptiveClipping", "PrivacyConfig", "ACCOUNTANTS", "CALIBRATIONS", "CLIENT_NOISE", "MOMENT_RELEASES"]
 
 ACCOUNTANTS = ("rdp", "prv")
 CALIBRATIONS = ("expected", "every_round")
@@ -96,6 +97,30 @@ class RecordPrivacy:
 
 
 @dataclass
+class AdaptiveClipping:
+    """``privacy.client.adaptive_clipping``: the clip norm follows a quantile of the clients'
+    update norms (Andrew et al. 2021, "Differentially private learning with adaptive clipping",
+    geometric update): each round every client reports whether its change's norm was at most C
+    (a bit, noised in the sum with σ_b), and C ← C·exp(−lr·(b̃ − target_quantile))."""
+
+    #: γ: the share of clients whose change should be within C (e.g. 0.5: the median norm)
+    target_quantile: float = 0.5
+    #: η_C: the geometric learning rate of C
+    lr: float = 0.2
+    #: σ_b: the noise std of the sum of the bits (null: max(K/20, σ) — Andrew et al.'s K/20, at least σ)
+    count_noise_multiplier: float | None = None
+
+    def check(self, path: str) -> None:
+        q, lr, sb = self.target_quantile, self.lr, self.count_noise_multiplier
+        if not (isinstance(q, (int, float)) and 0 < q < 1):
+            raise ConfigError(f"{path}.target_quantile={_num(q)} must be in (0, 1) (e.g. 0.5: the median update norm)")
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+            raise ConfigError(f"{path}.lr={_num(lr)} must be a positive number (e.g. 0.2)")
+        if sb is not None and not (math.isfinite(sb) and sb > 0):
+            raise ConfigError(f"{path}.count_noise_multiplier={_num(sb)} must be a positive number (null: max(K/20, σ))")
+
+
+@dataclass
 class ClientPrivacy:
     """``privacy.client``: client-level differential privacy across sites (DP-FedAvg, McMahan et
     al. 2018): each client's upload change is clipped to ``clip``, the sum carries Gaussian noise
@@ -118,6 +143,8 @@ class ClientPrivacy:
     moment_clip: float = 1.0
     #: σ_m of the moment release (null: the update's σ)
     moment_noise_multiplier: float | None = None
+    #: the clip norm adapted to a quantile of the update norms (``clip`` is its start); null: fixed
+    adaptive_clipping: AdaptiveClipping | None = None
     #: true: noise from OS entropy (not reproducible); false: seeded by the run's seed, round and client
     secure_mode: bool = False
     #: true: each client's training-loss statistics (raw, NOT protected) are uploaded; false: withheld
@@ -149,6 +176,16 @@ class ClientPrivacy:
             raise ConfigError(f"{path}.moment_clip={_num(mc)} must be a positive number (e.g. 1.0)")
         if ms is not None and not (math.isfinite(ms) and ms > 0):
             raise ConfigError(f"{path}.moment_noise_multiplier={_num(ms)} must be a positive number (null: the update's σ)")
+        if self.adaptive_clipping is not None:
+            a = self.adaptive_clipping
+            a.check(f"{path}.adaptive_clipping")
+            if s is not None and s > 0 and a.count_noise_multiplier is not None and 2 * a.count_noise_multiplier <= s:
+                raise ConfigError(f"{path}.adaptive_clipping.count_noise_multiplier={a.count_noise_multiplier:g} must exceed σ/2 "
+                                  f"= {s / 2:g}: the bits' noise takes its share of σ (Andrew et al.: σ_Δ = (σ⁻² − (2σ_b)⁻²)^(-1/2)); "
+                                  "raise it or leave it null")
+            if s == 0:
+                raise ConfigError(f"{path}.adaptive_clipping needs noise (noise_multiplier > 0): with σ = 0 the bits would "
+                                  "travel in the clear; use a fixed clip")
 
 
 @dataclass

@@ -175,6 +175,12 @@ def client_mechanism(release: Any) -> dict[str, Any]:
         "name": "DP-FedAvg (McMahan et al. 2018) with fixed clipping: each client's upload change clipped to C, "
                 "Gaussian noise on the sum, uniform weights",
         "clip": c.clip, "noise": c.noise, "how": how,
+        "adaptive_clipping": None if c.adaptive_clipping is None else {
+            "target_quantile": c.adaptive_clipping.target_quantile, "lr": c.adaptive_clipping.lr,
+            "count_noise_multiplier": release.sigma_b, "update_noise_multiplier": release.sigma_update,
+            "how": "Andrew et al. 2021: each client's bit 1[‖Δ_i‖ ≤ C] summed with N(0, σ_b²), C ← C·exp(−lr·(b̃ − γ)); "
+                   "the update's noise σ_Δ = (σ⁻² − (2σ_b)⁻²)^(-1/2), so update and bits together are one Gaussian of σ "
+                   "(its privacy cost is inside σ)"},
         "noise_multiplier": release.sigma, "target_epsilon": c.target_epsilon,
         "calibrated": c.noise_multiplier is None,
         "moments": (f"noised: each client's second-moment blocks clipped to C_m = {c.moment_clip:g}, N(0, σ_m²C_m²) each, "
@@ -195,8 +201,10 @@ def client_statement(release: Any) -> str:
     c = release.client
     how = (f"σ = {release.sigma:.4g} calibrated to ε = {c.target_epsilon:g} over the run's rounds" if c.noise_multiplier is None
            else f"σ = {release.sigma:g}" + (f", the run stopped before ε exceeds {c.target_epsilon:g}" if c.target_epsilon else ""))
+    clip = (f"C (adaptive from {c.clip:g}, target quantile {c.adaptive_clipping.target_quantile:g})"
+            if c.adaptive_clipping is not None else f"C = {c.clip:g}")
     text = (f"Client-level differential privacy (DP-FedAvg) across sites: each client's whole upload change clipped to "
-            f"C = {c.clip:g}, Gaussian noise on their sum ({c.noise}; {how}), uniform weights. Each site's data as a whole "
+            f"{clip}, Gaussian noise on their sum ({c.noise}; {how}), uniform weights. Each site's data as a whole "
             f"is protected at (ε, δ = {c.delta:g}) with ε in 'client' (dp-accounting RDP, K of M sampled without "
             "replacement, replace-one adjacency).")
     if release.sigma_m is not None:
