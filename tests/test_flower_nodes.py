@@ -358,3 +358,39 @@ def test_first_contact_waits_for_the_nodes_cold_start(tmp_path, bert_dir):
     assert kinds == {str(MessageType.QUERY): 45.0}  # the site query: join_timeout
     train = [t for k, t in grid.timeouts if k == str(MessageType.TRAIN)]
     assert train == [45.0, 30]  # round 1 (every node's first training): join_timeout; round 2: timeout
+
+
+def test_client_level_dp_on_nodes_equals_the_simulation(tmp_path, bert_dir):
+    """privacy.client with distributed noise over the Grid: each node clips its own upload to the
+    round's clip norm (which travels in the broadcast; adaptive clipping moves it) and adds its
+    share of the noise before the upload leaves — the same numbers as the files simulation, and
+    the same privacy.json accountant."""
+    from fedgalore.flower.strategy import FedGaLoreStrategy
+
+    data = site_files(tmp_path)
+    priv = {"client": {"clip": 0.5, "noise_multiplier": 1.0, "noise": "distributed", "delta": 1e-3,
+                       "adaptive_clipping": {"count_noise_multiplier": 1.0}}}
+
+    def private(cfg):
+        d = cfg.to_dict()
+        d["privacy"] = priv
+        d["method"]["options"] = {"projector": "random", "view_basis": "seeded"}
+        return FederatedConfig.from_dict(d)
+
+    sim = fedgalore.run(private(config(tmp_path / "sim", bert_dir, "fedgalore", "files", {"sites": data})))
+    strategy = FedGaLoreStrategy(private(config(tmp_path / "nodes", bert_dir, "fedgalore", "nodes")),
+                                 run_dir=tmp_path / "nodes" / "run")
+    strategy.settle_s = 0.0
+    dep = strategy.start(LocalGrid(node_configs(data)))
+    assert dep.summary["status"] == "finished"
+    a, b = read_jsonl(Path(sim.run_dir) / "metrics.jsonl"), read_jsonl(Path(dep.run_dir) / "metrics.jsonl")
+    assert len(a) == len(b) == 2
+    for x, y in zip(a, b):
+        assert y["eval/client_mean_loss"] == pytest.approx(x["eval/client_mean_loss"], abs=1e-5)
+        assert y["dp_client_epsilon"] == pytest.approx(x["dp_client_epsilon"], rel=1e-12)
+        assert y["dp_clip"] == pytest.approx(x["dp_clip"], rel=1e-6)
+    assert b[1]["dp_clip"] != pytest.approx(0.5)  # adaptive: moved after round 1 by the nodes' noised bits
+    doc = json.loads((Path(dep.run_dir) / "privacy.json").read_text())
+    assert doc["client"]["mechanism"]["noise"] == "distributed" and doc["client"]["history"][0][1] == 3
+    recs = [r for r in read_jsonl(Path(dep.run_dir) / "clients.jsonl") if r.get("round") == 1]
+    assert recs and not any("loss_mean" in r for r in recs)  # the losses stayed on the nodes

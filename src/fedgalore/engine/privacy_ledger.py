@@ -16,6 +16,14 @@ the sites that took part get their ε(δ) over everything they ran (Opacus' acco
 per release type (update, moment, basis, head, control variate, metrics, counts) whether it was
 clipped, its sensitivity and σ, and per site its ε. A run without DP writes that nothing was
 protected.
+
+Client-level DP (``privacy.client``; the mechanism is fedgalore.engine.client_privacy): the same
+ledger keeps the federation's accountant in ``ServerState.meta["privacy_client"]`` — one
+``(σ of the round, K, rounds)`` history entry per release (the server's noised aggregate under
+central noise; every attempt whose noised uploads came back under distributed noise), ε(δ) after
+each round, the adaptive clip norm — writes privacy.json's ``client`` part, and
+:meth:`PrivacyLedger.budget_stop` tells the round loop when the next round would exceed
+``target_epsilon``.
 """
 from __future__ import annotations
 
