@@ -1,0 +1,228 @@
+"""Client-level DP across sites (DP-FedAvg): accuracy against ε for each method (issue 41, part 4).
+
+Questions: does noise in FedGaLore's r·n seeded-basis coordinates beat noise in LoRA's factors
+(FedIT: r·(m+n); FFA-LoRA: B only, m·r) or in the dense m·n (FedAvg-Full)? Is FedGaLore's
+second-moment release (a second, composed Gaussian release) worth its share of the budget
+against FedGaLore⁻ (no moment release)?
+
+Federation (CPU, nothing to download): ``tiny_text`` (a random-weight 2-layer BERT, hidden 32, on
+its learnable 4-class synthetic task) split over M = 100 sites by Dirichlet(0.3) labels (at
+least 2 examples each), K = 20 sampled per round (q = 0.2), R = 30 rounds of one local epoch,
+batch 16, rank 4, 10 % of the training pool held out for validation.
+
+Status (2026-11-28): the driver is built and not yet run through. First probe cells, seed 0:
+FedIT at lr 1e-2 reaches 59.5 % test without DP and stays at chance (22.6 %) at ε = 8 (σ = 3.21,
+σ_Δ = 3.71 with the adaptive clip's bits; the noise on the mean is σ_Δ·C/K ≈ 0.19·C per
+coordinate over ~1,150 coordinates). A wider federation (M = 500 sites holding 2 classes each,
+K = 100) left even FedGaLore without DP at chance in 30 rounds (sites of ~22 examples). The
+budget may need to change before the grid runs; the cells' JSON records the config that made them.
+DP: ``privacy.client`` with central noise, σ calibrated to
+ε ∈ {1, 3, 8} at δ = 1e-5 over the 30 rounds (dp-accounting RDP, K of M without replacement,
+replace-one), adaptive clipping (start C = 0.05, target quantile 0.5, lr 0.2 — so no method's
+clip norm is hand-tuned); ε = ∞ is the same federation without DP. FedGaLore runs on seeded
+bases (``projector: random``, ``view_basis: seeded``): ``fedgalore`` releases its moments too
+(σ_m = σ, so each release carries √2 × the noise of a single one at the same ε), ``fedgalore_minus``
+releases none.
+
+Rates. Each method's learning rate is chosen on seed 0's *validation* accuracy (mean over the last
+5 rounds) from :data:`RATES`, once without DP and once at ε = 8 (the DP rate is then used for every
+ε); seeds 1–3 (not used for choosing) give the reported test accuracy, mean ± std.
+
+Resuming: each finished run is ``benchmarks/results/dp_client/cells/<label>.json`` (the config
+that made it, per round test/validation accuracy, ε, the clip norm, wall time); a stage skips
+cells whose JSON is there with the same config. ``--shard i/n`` runs every n-th cell (two
+single-threaded processes: ``--shard 0/2`` and ``--shard 1/2``).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dp_client.py probe [--shard 0/2]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dp_client.py seeds [--shard 0/2]
+    .venv/bin/python benchmarks/dp_client.py report      # results/dp_client/dp_client.{json,md}
+    options: --methods fedgalore,fedit   --quick (M = 20, K = 5, 6 rounds, into benchmarks/runs/dp_client_quick)
+"""
+# fedgalore-bench: not-in-all (a study with stages; run it by name)
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "dp_client"
+RUNS = ROOT / "benchmarks" / "runs" / "dp_client"
+CELL_VERSION = 1
+METHODS = {
+    "fedgalore": {"name": "fedgalore", "options": {"projector": "random", "view_basis": "seeded"}},
+    "fedgalore_minus": {"name": "fedgalore_minus", "options": {"projector": "random"}},
+    "fedit": {"name": "fedit", "options": {}},
+    "ffa_lora": {"name": "ffa_lora", "options": {}},
+    "fedavg_full": {"name": "fedavg_full", "options": {}},
+}
+RATES = {"fedgalore": [3e-3, 1e-2, 3e-2], "fedgalore_minus": [3e-3, 1e-2, 3e-2], "fedit": [3e-3, 1e-2, 3e-2],
+         "ffa_lora": [1e-2, 3e-2, 1e-1], "fedavg_full": [1e-3, 3e-3, 1e-2]}
+EPSILONS = [None, 8.0, 3.0, 1.0]  # None: no DP (ε = ∞)
+HELD_OUT_SEEDS = [1, 2, 3]
+LAST = 5  # validation / test accuracy: mean over the last LAST evaluated rounds
+
+
+def budget(quick: bool) -> dict:
+    if quick:
+        return {"num_clients": 20, "clients_per_round": 5, "rounds": 6, "n_train": 1000}
+    return {"num_clients": 100, "clients_per_round": 20, "rounds": 30, "n_train": 6000}
+
+
+def config_dict(method: str, lr: float, eps: float | None, seed: int, quick: bool) -> dict:
+    b = budget(quick)
+    d = {
+        "name": "dpc", "seed": seed,
+        "task": {"name": "tiny_text", "options": {"n_train": b["n_train"], "n_test": 512}},
+        "method": {"name": METHODS[method]["name"], "rank": 4, "options": dict(METHODS[method]["options"])},
+        "federation": {"num_clients": b["num_clients"], "clients_per_round": b["clients_per_round"], "rounds": b["rounds"],
+                       "partition": {"kind": "dirichlet", "alpha": 0.3, "min_size": 2, "max_retries": 1000}, "validation_fraction": 0.1,
+                       "eval_every": 1},
+        "train": {"lr": lr, "batch_size": 16, "local_epochs": 1, "weight_decay": 0.0},
+        "output": {"progress": "quiet", "checkpoint_every": 10},
+        "diagnostics": False,
+    }
+    if eps is not None:
+        d["privacy"] = {"client": {"clip": 0.05, "target_epsilon": eps, "delta": 1e-5, "noise": "central",
+                                   "adaptive_clipping": {"target_quantile": 0.5, "lr": 0.2}}}
+    return d
+
+
+def label(method: str, lr: float, eps: float | None, seed: int) -> str:
+    return f"{method}_lr{lr:g}_eps{'inf' if eps is None else f'{eps:g}'}_s{seed}"
+
+
+def cell_path(name: str, quick: bool) -> Path:
+    return (RESULTS.parent / "dp_client_quick" if quick else RESULTS) / "cells" / f"{name}.json"
+
+
+def run_cell(method: str, lr: float, eps: float | None, seed: int, quick: bool) -> dict:
+    """Run one cell (or read its JSON when it is there with the same config)."""
+    name = label(method, lr, eps, seed)
+    path = cell_path(name, quick)
+    cfg_d = config_dict(method, lr, eps, seed, quick)
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old.get("version") == CELL_VERSION and old.get("config") == cfg_d:
+            return old
+    import torch
+
+    import fedgalore
+    from fedgalore.engine.config import FederatedConfig
+
+    torch.set_num_threads(1)
+    out = (RUNS.parent / "dp_client_quick" if quick else RUNS) / name
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    cfg = FederatedConfig.from_dict({**cfg_d, "output": {**cfg_d["output"], "dir": str(out)}})
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = fedgalore.run(cfg)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    rounds = [{"round": h["round"], "test": h.get("eval/accuracy"), "val": h.get("eval/val_accuracy"),
+               "epsilon": h.get("dp_client_epsilon"), "clip": h.get("dp_clip")} for h in res.history]
+    priv = json.loads((res.run_dir / "privacy.json").read_text())
+    cell = {"version": CELL_VERSION, "config": cfg_d, "method": method, "lr": lr, "epsilon_target": eps, "seed": seed,
+            "rounds": rounds, "sigma": (priv.get("client") or {}).get("noise_multiplier"),
+            "update_sigma": (priv.get("client") or {}).get("update_noise_multiplier"),
+            "epsilon": (priv.get("client") or {}).get("epsilon"),
+            "test_last": _last(rounds, "test"), "val_last": _last(rounds, "val"), "wall_s": wall, "cpu_s": cpu,
+            "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                        "loadavg_1m": os.getloadavg()[0]}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cell, indent=1))
+    print(f"done {name}: test {cell['test_last']:.3f} val {cell['val_last']:.3f} ε {cell['epsilon']} ({wall:.0f} s)", flush=True)
+    return cell
+
+
+def _last(rounds: list[dict], key: str) -> float:
+    vals = [r[key] for r in rounds if isinstance(r.get(key), (int, float))][-LAST:]
+    return float(sum(vals) / len(vals)) if vals else float("nan")
+
+
+def _shard(cells: list, shard: str | None) -> list:
+    if not shard:
+        return cells
+    i, n = (int(x) for x in shard.split("/"))
+    return cells[i::n]
+
+
+def chosen_rate(method: str, dp: bool, quick: bool) -> float | None:
+    """The rate of ``method`` with the best seed-0 validation accuracy (ties: the smaller rate),
+    without DP or at ε = 8; None while a probe cell is missing."""
+    eps = 8.0 if dp else None
+    vals = []
+    for lr in RATES[method]:
+        p = cell_path(label(method, lr, eps, 0), quick)
+        if not p.exists():
+            return None
+        vals.append((-json.loads(p.read_text())["val_last"], lr))
+    return min(vals)[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stage", choices=["probe", "seeds", "report"])
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--shard", default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    methods = args.methods.split(",")
+    if args.stage == "probe":
+        cells = [(m, lr, eps, 0) for m in methods for eps in (None, 8.0) for lr in RATES[m]]
+        for c in _shard(cells, args.shard):
+            run_cell(*c, quick=args.quick)
+    elif args.stage == "seeds":
+        cells = []
+        for m in methods:
+            for eps in EPSILONS:
+                lr = chosen_rate(m, eps is not None, args.quick)
+                if lr is None:
+                    sys.exit(f"{m}: the probe is not complete; run the probe stage first")
+                cells += [(m, lr, eps, s) for s in HELD_OUT_SEEDS]
+        for c in _shard(cells, args.shard):
+            run_cell(*c, quick=args.quick)
+    else:
+        report(methods, args.quick)
+
+
+def report(methods: list[str], quick: bool) -> None:
+    rows, table = [], []
+    for m in methods:
+        row = {"method": m, "rate_no_dp": chosen_rate(m, False, quick), "rate_dp": chosen_rate(m, True, quick)}
+        for eps in EPSILONS:
+            lr = row["rate_dp"] if eps is not None else row["rate_no_dp"]
+            if lr is None:
+                continue
+            cells = [cell_path(label(m, lr, eps, s), quick) for s in HELD_OUT_SEEDS]
+            got = [json.loads(p.read_text()) for p in cells if p.exists()]
+            key = "inf" if eps is None else f"{eps:g}"
+            if got:
+                acc = [100 * c["test_last"] for c in got]
+                row[key] = {"test_mean": statistics.mean(acc), "test_std": statistics.stdev(acc) if len(acc) > 1 else 0.0,
+                            "seeds": [c["seed"] for c in got], "sigma": got[0]["sigma"],
+                            "epsilon": [c["epsilon"] for c in got], "wall_s": statistics.mean(c["wall_s"] for c in got)}
+        rows.append(row)
+        cellstr = []
+        for eps in EPSILONS:
+            r = row.get("inf" if eps is None else f"{eps:g}")
+            cellstr.append("–" if r is None else f"{r['test_mean']:.1f} ± {r['test_std']:.1f}" + (
+                "" if len(r["seeds"]) == 3 else f" ({len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''})"))
+        table.append(f"| {m} | {row['rate_no_dp']} / {row['rate_dp']} | " + " | ".join(cellstr) + " |")
+    out = RESULTS.parent / ("dp_client_quick" if quick else "dp_client")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "dp_client.json").write_text(json.dumps({"budget": budget(quick), "rows": rows}, indent=1))
+    md = ["| method | rate (no DP / DP) | ε = ∞ | ε = 8 | ε = 3 | ε = 1 |", "|---|---|---:|---:|---:|---:|", *table]
+    (out / "dp_client.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
