@@ -281,3 +281,13 @@ def test_adaptive_clipping_bad_input(tmp_path):
         cdp_cfg(tmp_path, adaptive_clipping={"target_quantile": 1.5})
     with pytest.raises(ConfigError, match="needs noise"):
         cdp_cfg(tmp_path, noise_multiplier=0.0, adaptive_clipping={})
+
+
+def test_the_round_line_shows_the_federations_epsilon():
+    from fedgalore.progress import _train_loss
+
+    assert _train_loss({"train_loss": float("nan"), "dp_client_epsilon": 4.2}) == \
+        "client-level DP ε = 4.2 (train losses withheld)"
+    assert _train_loss({"train_loss": 0.5, "dp_client_epsilon": 4.2, "dp_epsilon": 1.0}) == \
+        "train loss 0.5000 | DP ε ≤ 1 | client-level DP ε = 4.2"
+    assert _train_loss({"train_loss": 0.5}) == "train loss 0.5000"

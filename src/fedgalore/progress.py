@@ -35,12 +35,18 @@ def _evals(record: dict[str, Any], limit: int = 3) -> str:
 
 
 def _train_loss(record: dict[str, Any]) -> str:
-    """``train loss X``; under privacy.record (losses withheld by the sites) the ε spent so far instead."""
+    """``train loss X``; under privacy.record / privacy.client (losses withheld by the sites) the ε
+    spent so far instead (per site, record-level; the federation's, client-level)."""
     loss = record.get("train_loss", float("nan"))
-    eps = record.get("dp_epsilon")
-    if isinstance(eps, (int, float)) and not (isinstance(loss, (int, float)) and math.isfinite(loss)):
-        return f"DP ε ≤ {eps:.3g} (train losses withheld)"
-    return f"train loss {loss:.4f}" + (f" | DP ε ≤ {eps:.3g}" if isinstance(eps, (int, float)) else "")
+    parts = []
+    if isinstance(record.get("dp_epsilon"), (int, float)):
+        parts.append(f"DP ε ≤ {record['dp_epsilon']:.3g}")
+    if isinstance(record.get("dp_client_epsilon"), (int, float)):
+        parts.append(f"client-level DP ε = {record['dp_client_epsilon']:.3g}")
+    eps = " | ".join(parts)
+    if eps and not (isinstance(loss, (int, float)) and math.isfinite(loss)):
+        return f"{eps} (train losses withheld)"
+    return f"train loss {loss:.4f}" + (f" | {eps}" if eps else "")
 
 
 def _hms(seconds: float) -> str:
