@@ -291,3 +291,20 @@ def test_the_round_line_shows_the_federations_epsilon():
     assert _train_loss({"train_loss": 0.5, "dp_client_epsilon": 4.2, "dp_epsilon": 1.0}) == \
         "train loss 0.5000 | DP ε ≤ 1 | client-level DP ε = 4.2"
     assert _train_loss({"train_loss": 0.5}) == "train loss 0.5000"
+
+
+def test_record_and_client_level_together(tmp_path):
+    """Both levels on: each site's per-record ε and the federation's ε, both release records kept."""
+    cfg = cdp_cfg(tmp_path, "fedit", rounds=1)
+    d = cfg.to_dict()
+    d["privacy"]["record"] = {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}
+    from fedgalore.engine.config import FederatedConfig
+
+    run = fedgalore.run(FederatedConfig.from_dict(d))
+    doc = json.loads((run.run_dir / "privacy.json").read_text())
+    assert doc["mechanism"]["level"] == "record" and doc["client"]["mechanism"]["level"] == "client"
+    rnd = doc["rounds"][0]
+    assert rnd["releases"]["update"]["sensitivity"] == 1.0 and rnd["releases"]["update"]["noise_multiplier"] == "per site"
+    assert rnd["client"]["releases_by_kind"]["update"]["sensitivity"] == 1.0  # 2C, C = 0.5
+    assert run.history[-1]["dp_epsilon"] > 0 and run.history[-1]["dp_client_epsilon"] > 0
+    assert "client-level DP, privacy.client, is not on" not in json.dumps(doc["not_protected"])

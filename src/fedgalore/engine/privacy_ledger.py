@@ -311,7 +311,11 @@ class PrivacyLedger:
                 rec["client"]["clip_next"] = cb["clip"]
                 rec["client"]["clip_bits_share"] = sum(bits) / len(bits) if bits else None
             out["dp_clip"] = clip
-            rec["releases"] = {k: client_release_record(k, self.release) for k in kinds}
+            by_kind = {k: client_release_record(k, self.release) for k in kinds}
+            if self.record is None:
+                rec["releases"] = by_kind
+            else:  # both levels: the record-level records stay in "releases", the client-level ones beside them
+                rec["client"]["releases_by_kind"] = by_kind
             out["dp_client_epsilon"] = cb["epsilon"]
         book["rounds"].append(rec)
         self.write(run_dir, state)
