@@ -583,12 +583,13 @@ def test_node_killed_mid_round_rejoins_and_trains(deploy, tmp_path, bert_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_node_that_never_answers_is_dropped_after_timeout(deploy, tmp_path, bert_dir):
-    """SIGSTOP site2's SuperNode after round 1: round 2 waits `timeout` seconds for it, then goes on
-    with the two others; its evaluation is missing; the others' numbers are the simulation's."""
+    """SIGSTOP site2's SuperNode after round 1: round 2 waits `timeout` seconds for it (or until the
+    SuperLink reports the node gone, whichever comes first), then goes on with the two others; its
+    evaluation is missing; the others' numbers are the simulation's."""
     d = deploy(False)
-    # 45 s: round 1 is every node's cold start of training (loading the model, tokenising its data), which
-    # took over 30 s on a 2-core machine with a second test worker busy; below the ~60 s after which the
-    # SuperLink itself reports a stopped node as gone (with 90 s the drop came at 61 s, from Flower)
+    # round 1 (every node's cold start of training) waits join-timeout (300 s), not this; 45 s leaves the two
+    # healthy nodes' round 2 room on a loaded 2-core machine. The SuperLink's own heartbeat check may drop the
+    # stopped node first (seen 42-61 s after SIGSTOP): either drop is accepted below
     victim, client, timeout = "site2", 2, 45
     run_dir = tmp_path / "run"
     p = d.run_async("fedit", run_dir, rounds=2, timeout=timeout, min_clients=2, log="run.log")
@@ -599,10 +600,17 @@ def test_node_that_never_answers_is_dropped_after_timeout(deploy, tmp_path, bert
     assert p.returncode == 0, out[-4000:]
     dep = metrics(run_dir)
     assert [m["dropped"] for m in dep] == [[], [client]]
-    assert timeout <= dep[1]["time_clients"] < timeout + 30  # dropped after the timeout, not before
     assert victim not in dep[1]["client_eval"]["clients"]
     err = [r for r in read_jsonl(run_dir / "clients.jsonl") if r.get("error")]
     assert [(r["round"], r["client"]) for r in err] == [(2, client)]
+    waited = dep[1]["time_clients"]
+    if "Node Unavailable" in err[0]["error"]:
+        # the SuperLink noticed the stopped node first: its heartbeat is missed for 2 × its interval (seen
+        # 42–61 s after SIGSTOP on a loaded 2-core machine); the round still did not wait past the timeout
+        assert "heartbeat" in err[0]["error"] and 20 <= waited < timeout + 30
+    else:
+        assert "no reply from the SuperNode" in err[0]["error"]
+        assert timeout <= waited < timeout + 30  # dropped after the timeout, not before
     sim = simulate(tmp_path / "sim", bert_dir, "fedit", d.data, missing={(1, client)}, min_clients=2)
     assert_same_metrics(sim.history[:1], dep[:1])
     assert_same_metrics(sim.history[1:], dep[1:], sites=("site0", "site1"))
