@@ -140,12 +140,11 @@ class ClientRelease:
     def _redact(self, upload: Payload) -> Payload:
         """The upload's meta without what the client computed from its data (training losses, the
         optimizer's diagnostics: not protected by client-level DP), unless ``release_metrics``;
-        the counts (:data:`KEPT_META`), DP-SGD's own record (``dp_*``: σ, q, steps — fixed by the
-        config, what the per-site accountant needs) and non-numeric fields stay."""
+        the counts (:data:`KEPT_META`) and DP-SGD's own record (``dp_*``: σ, q, steps — fixed by the
+        config, what the per-site accountant needs) stay; any other field, numeric or not, is withheld."""
         if self.client.release_metrics:
             return upload
-        return Payload(upload.entries, {k: v for k, v in upload.meta.items() if k in KEPT_META or k.startswith("dp_")
-                                        or not isinstance(v, (int, float)) or isinstance(v, bool)})
+        return Payload(upload.entries, {k: v for k, v in upload.meta.items() if k in KEPT_META or k.startswith("dp_")})
 
     def client_side(self, upload: Payload, broadcast: Payload | None, round_idx: int, client: int) -> Payload:
         """``noise: distributed``: the upload as the client releases it — its change clipped to the

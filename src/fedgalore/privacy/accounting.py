@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 from fedgalore.privacy.config import RecordPrivacy
 
-__all__ = ["History", "merge_history", "epsilon", "reference_epsilon", "calibrate_noise", "SiteSchedule",
+__all__ = ["History", "merge_history", "epsilon", "reference_epsilon", "calibrate_noise", "bisect_noise", "SiteSchedule",
            "site_schedule", "sample_rate"]
 
 #: (noise multiplier σ, sampling rate q, steps)
@@ -155,6 +155,13 @@ def calibrate_noise(target_epsilon: float, delta: float, rate: float, steps: int
     lo = 0.8 * hi
     while eps(lo) <= target_epsilon:  # (all orders allow much less noise: widen downwards)
         hi, lo = lo, 0.8 * lo
+    return bisect_noise(eps, target_epsilon, lo, hi, tolerance)
+
+
+def bisect_noise(eps, target_epsilon: float, lo: float, hi: float, tolerance: float) -> float:
+    """The smallest noise multiplier in ``(lo, hi]`` found by bisection whose ``eps(σ)`` is at most
+    ``target_epsilon`` and within ``tolerance`` of it (``eps`` decreasing in σ; ``eps(hi)`` must
+    meet the target): shared by the record-level and client-level calibrations."""
     while target_epsilon - eps(hi) > tolerance and hi - lo > 1e-6 * hi:
         mid = 0.5 * (lo + hi)
         if eps(mid) <= target_epsilon:

@@ -43,6 +43,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from fedgalore.privacy.accounting import bisect_noise
 from fedgalore.protocol.payload import Dense, Entry, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank
 
 __all__ = ["DataDrivenBasis", "slots", "is_moment", "clip_upload", "add_noise", "shared_noise", "combined_multiplier",
@@ -240,10 +241,4 @@ def calibrate_client_noise(target_epsilon: float, delta: float, population: int,
         if hi > 1e4:
             raise ValueError(f"no noise multiplier reaches ε={target_epsilon:g} at δ={delta:g} over {rounds} rounds of "
                              f"{sample} of {population} clients")
-    while target_epsilon - eps(hi) > tolerance and hi - lo > 1e-6 * hi:
-        mid = 0.5 * (lo + hi)
-        if eps(mid) <= target_epsilon:
-            hi = mid
-        else:
-            lo = mid
-    return hi
+    return bisect_noise(eps, target_epsilon, lo, hi, tolerance)
