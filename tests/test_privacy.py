@@ -449,7 +449,7 @@ def test_docs_privacy_commands_run_as_written(tmp_path, monkeypatch, capsys):
     (tmp_path / "conf").symlink_to(REPO / "conf")
     monkeypatch.chdir(tmp_path)
     cmds = [c for c in commands("docs/privacy.md") if kind(c) == "cli"]
-    assert [c.split()[1] for c in cmds] == ["plan", "run", "report", "plan", "run"]
+    assert [c.split()[1] for c in cmds] == ["plan", "run", "report", "plan", "run", "run"]
     client, cmds = cmds[3:], cmds[:3]  # the record-level commands, then the client-level ones
     for cmd in cmds:
         argv = _tiny(shlex.split(cmd)[1:], tmp_path)
@@ -472,6 +472,10 @@ def test_docs_privacy_commands_run_as_written(tmp_path, monkeypatch, capsys):
             assert "Client-level DP-FedAvg (central noise, C = 0.1, σ = 1; moments σ_m = 1, composed" in out
     doc = _read(tmp_path / "client" / "runs" / "offline_text-fedgalore-dirichlet0.5-s0", "privacy.json")
     assert doc["client"]["mechanism"]["level"] == "client" and len(doc["rounds"]) == 3
+    # sync: aggregate — no second release: σ_m none, the statement says where v̄ came from
+    doc = _read(tmp_path / "client" / "runs_aggregate" / "offline_text-fedgalore-dirichlet0.5-s0", "privacy.json")
+    assert doc["client"]["moment_noise_multiplier"] is None and len(doc["rounds"]) == 3
+    assert doc["client"]["mechanism"]["moments"].startswith("not released: FedGaLore's v̄ is built from the noised aggregate")
 
 
 def test_wrap_problem_names_trainable_buffers_and_frozen_batchnorm():

@@ -56,8 +56,8 @@ class ClientRelease:
         fed = cfg.federation
         #: K: clients sampled per round
         self.sample = int(fed.clients_per_round or num_clients)
-        #: whether the uploads release second moments (FedGaLore's synchronised variants)
-        self.moments = bool(getattr(method, "synced", False)) and client.moments == "noised"
+        #: whether the uploads release second moments (FedGaLore's synchronised variants but sync: aggregate)
+        self.moments = bool(getattr(method, "uploads_moments", getattr(method, "synced", False))) and client.moments == "noised"
         self.mean = getattr(method, "dp_aggregate", "individual") == "mean"
         self.sigma = self._sigma()
         #: σ_m of the moment release (None: none)

@@ -127,14 +127,16 @@ from fedgalore.optim.projector import PROJ_TYPES
 from fedgalore.protocol import downlink
 from fedgalore.protocol.bases import basis_seed
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
-from fedgalore.sync.moments import MODES as _SYNC_MODES
+from fedgalore.sync.moments import MODES as _MOMENT_SYNC_MODES
 from fedgalore.sync.batched import synchronize_moments_many
 
 _PROTOCOLS = ("paper", "aligned")
 _SCHEDULES = ("epoch", "share", "steps")
 _VIEW_BASES = ("seeded", "consensus")
+#: S's modes: the moment sync's (fedgalore.sync.moments), and ``aggregate`` (v̄ from the aggregated update)
+_SYNC_MODES = _MOMENT_SYNC_MODES + ("aggregate",)
 #: per-client numbers the optimizer reports (upload meta) and the round's diagnostics average
-_CLIENT_DIAGS = ("warm_clamped", "prior_retained", "warm_kept", "view_step_share", "upload_kept", "v_warm_cold_ratio",
+_CLIENT_DIAGS = ("warm_clamped", "prior_retained", "warm_kept", "warm_rescale", "view_step_share", "upload_kept", "v_warm_cold_ratio",
                  "client_update_norm_precond", "client_update_norm_cold", "update_ratio_above")
 #: per-client numbers the round reports as their maximum over clients (the worst client)
 _CLIENT_MAX_DIAGS = ("update_ratio_max", "update_ratio_p99")
@@ -195,7 +197,10 @@ class FedGaLoreOptions(MethodOptions):
         "compensated", "bf16/fp16 weights: compensated (keep what each step's rounding lost, 2 bytes per entry, and add it "
                        "back), master (an fp32 master copy, 4 bytes per entry) or off (the rounding is lost: the client's "
                        "weights move less than the update it uploads)")
-    sync: Literal[_SYNC_MODES] | None = option(None, "second-moment sync S (null: ajive; the ablations pin theirs)")
+    sync: Literal[_SYNC_MODES] | None = option(
+        None, "second-moment sync S (null: ajive; the ablations pin theirs). aggregate: no moment upload; the server "
+              "builds v̄'s shape on R_k from the round's aggregated update (zero extra release under privacy.client) "
+              "and each client puts it at its own gradient scale")
     joint_rank: int | Literal["auto"] | None = option(None, "AJIVE joint rank k (null: the rank r; auto: Wedin/random-direction bounds)")
     sync_center: bool = option(True, "AJIVE centres each view (the mean joins the synchronised state)")
     sync_batched: bool = option(True, "run S on same-shape matrices together (batched linear algebra, the same "
@@ -246,6 +251,18 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
                               "(V C / c is no longer an average of old estimates): use moment_transfer='squared', "
                               "or moment_protocol='paper'")
         schedule = o.projector_schedule if o.projector.endswith("_then_random") else "steps"  # one phase: nothing to switch
+        if sync == "aggregate":
+            if o.moment_protocol != "aligned":
+                raise MethodError("sync='aggregate' puts a shape prior at each client's own gradient scale, which needs the "
+                                  "aligned protocol's estimates: use moment_protocol='aligned' (or another sync)")
+            if o.view_basis not in (None, "seeded"):
+                raise MethodError("sync='aggregate' builds v̄ on the round's seeded basis R_k (no client views to fit a "
+                                  "consensus basis to): use view_basis='seeded' (or leave it null)")
+            view_basis = "seeded"
+            if o.projector != "random" and not (o.projector.endswith("_then_random") and schedule != "steps"):
+                raise MethodError("sync='aggregate' reads v̄ from the aggregated update's block on R_k, which only a round "
+                                  "that ends on R_k has: use projector='random', or a *_then_random projector with "
+                                  "projector_schedule epoch or share")
         if schedule != "steps" and o.adaptive_scope == "global":
             raise MethodError("adaptive_scope='global' counts data-driven refreshes across rounds, which only the steps "
                               "schedule has: set projector_schedule: steps (or adaptive_scope: round)")
@@ -255,6 +272,11 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
     @property
     def synced(self) -> bool:
         return self.options.sync != "none"
+
+    @property
+    def uploads_moments(self) -> bool:
+        """Whether clients upload second-moment views (every synchronised mode but ``aggregate``)."""
+        return self.synced and self.options.sync != "aggregate"
 
     def _galore_group(self, named: list[tuple[str, nn.Parameter]], diagnostics: bool = True, seeded_from_step: int = -1) -> dict[str, Any]:
         """The client optimizer's GaLore group. ``diagnostics`` (the run's switch): the shadow
@@ -281,6 +303,7 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             "bias_correction": "weight" if self.aligned else "steps",
             "cap_to_cold": self.aligned and o.cold_cap,
             "track_cold": self.synced and not o.galore_torch_compat and diagnostics,
+            "warm_scale": "gradient" if o.sync == "aggregate" else "absolute",
         }
 
     @property
@@ -340,6 +363,10 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
                 if view is not None:
                     if not isinstance(view, MomentView):
                         raise MethodError(f"broadcast entry moment/{n} is a {type(view).__name__}, expected a MomentView")
+                    if self.options.sync == "aggregate":
+                        # a shape without evidence of its own: the evidence a client's round of these
+                        # steps would carry, 1 − β₂^T (the optimizer rescales it to this client's gradient)
+                        view = replace(view, weight=torch.full((view.rank,), 1.0 - tc.betas[1] ** max(total, 1)))
                     opt.load_second_moment(n, view)
         opt.mark()
         stats = local_train(model, opt, ctx, params.values())
@@ -348,7 +375,7 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         for n in self.heads:
             entries[n] = Dense(params[n].detach().float().cpu() - start[n].float())
         meta: dict[str, Any] = {"num_examples": ctx.num_examples, **stats}
-        if self.synced:
+        if self.uploads_moments:
             seeded = self.options.view_basis == "seeded"
             # Algorithm 1 line 10: the raw buffer (paper); the estimate with its evidence (aligned).
             # A client that ends the round on R_k (epoch schedule) sends it as it is: no move.
@@ -386,9 +413,10 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         if self.synced and o.view_basis != "seeded":
             return (f"privacy.client: method.options.view_basis={o.view_basis!r} puts the moment views on a basis fitted to "
                     "the clients' data; set method.options.view_basis: seeded")
-        if self.synced and moments == "withheld":
+        if self.uploads_moments and moments == "withheld":
             return (f"privacy.client.moments=withheld: method {self.name!r} synchronises second moments from the clients' "
-                    "uploads; use method fedgalore_minus (no moment release), or privacy.client.moments: noised")
+                    "uploads; use method fedgalore_minus (no moment release), method.options.sync: aggregate (v̄ from the "
+                    "noised aggregate: no release), or privacy.client.moments: noised")
         return None
 
     def validate_upload(self, state, upload, ctx):
@@ -413,6 +441,8 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             mv = upload.entries.get(f"moment/{n}")
             if mv is None:
                 continue
+            if not self.uploads_moments:
+                return f"moment/{n}: sync={self.options.sync!r} takes no second-moment upload"
             if not isinstance(mv, MomentView):
                 return f"moment/{n}: expected a MomentView, got {type(mv).__name__}"
             if self.options.view_basis == "seeded":
@@ -449,6 +479,8 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         if not self.synced:
             return _round_client_diagnostics(uploads)  # FedGaLore⁻: the projector schedule's share only
         diags: dict[str, list[float]] = {}
+        if self.options.sync == "aggregate":
+            return self._finish_diagnostics(self._sync_from_aggregate(state, uploads, weights, ctx), uploads)
         with warnings.catch_warnings():
             # client views are exactly rank r, so AJIVE lowers ranks it cannot use every round;
             # expected, and recorded in the diagnostics (joint_rank, state_rank)
@@ -472,11 +504,57 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
                 for k, v in res.diagnostics.items():
                     if isinstance(v, (int, float)):
                         diags.setdefault(k, []).append(float(v))
-        out = {k: sum(v) / len(v) for k, v in diags.items()}
+        return self._finish_diagnostics({k: sum(v) / len(v) for k, v in diags.items()}, uploads)
+
+    @staticmethod
+    def _finish_diagnostics(out: dict[str, float], uploads: Sequence[Payload]) -> dict[str, float]:
+        """S's own diagnostics with the round's client numbers and the warm/cold update-norm ratio."""
         out.update(_round_client_diagnostics(uploads))
         if out.get("client_update_norm_cold"):
             out["update_norm_vs_cold"] = out["client_update_norm_precond"] / out["client_update_norm_cold"]
         return out
+
+
+    def _sync_from_aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float],
+                             ctx: RoundContext) -> dict[str, float]:
+        """``sync: aggregate`` — S from what A already released (ours; the paper's S pools client views).
+
+        For each target the aggregated coefficient block on the round's seeded basis R_k,
+        ``C̄ = Σ_i p̃_i C_i`` (the R_k term of each client's record; every client ends the round on
+        R_k under ``projector: random`` or the epoch/share schedule), gives the state
+        ``v̄ = C̄∘C̄ / mean(C̄∘C̄) + floor`` on R_k (``floor = 1e-3``: no coordinate without a prior) —
+        a *shape*: Adam's update M̂/√V̂ is scale-free, so the aggregate carries no gradient units;
+        each client puts it at its own scale at its first step (``GaLoreAdamW`` ``warm_scale=
+        "gradient"``) with the evidence its round's steps would carry. Under ``privacy.client`` the
+        uploads were clipped and noised before A, so v̄ is post-processing of the released sum:
+        no second release, nothing added to ε (the noise's own E[z²] flattens the shape towards
+        uniform, i.e. towards FedGaLore⁻; it is not subtracted). A target with no R_k term in any
+        upload keeps its previous state (``aggregate_missing`` counts them)."""
+        missing = 0
+        for n in self.targets:
+            seed = basis_seed(ctx.round_seed, n, 0)
+            total: torch.Tensor | None = None
+            side, shape = "right", None
+            for u, w in zip(uploads, weights):
+                for t in u[n].terms:  # type: ignore[union-attr]
+                    if isinstance(t, SeededLowRank) and t.seed == seed:
+                        part = t.coef.float() * float(w)
+                        total = part if total is None else total + part
+                        side, shape = t.side, t.shape
+            if total is None or shape is None:
+                missing += 1
+                continue
+            sq = total * total
+            mean = float(sq.mean())
+            if not (mean > 0 and math.isfinite(mean)):
+                missing += 1
+                continue
+            state.moments[n] = MomentView(sq / mean + _AGGREGATE_FLOOR, side, tuple(shape), None, seed, None)
+        return {"aggregate_missing": float(missing)}
+
+
+#: ``sync: aggregate``: the floor added to the normalised shape (mean 1), so no coordinate is without a prior
+_AGGREGATE_FLOOR = 1e-3
 
 
 def _share_basis(view: MomentView, update: GaLoreUpdate) -> MomentView:
@@ -504,11 +582,12 @@ def _round_client_diagnostics(uploads: Sequence[Payload]) -> dict[str, float]:
 
 
 def _client_diagnostics(per_param: dict[str, dict[str, float]]) -> dict[str, float]:
-    """One client's moment diagnostics over its GaLore matrices: means of the warm-start shares,
+    """One client's moment diagnostics over its GaLore matrices: means of the warm-start shares
+    (and of ``sync: aggregate``'s rescale factors),
     the projector schedule's share of steps on ``R_k`` and the upload's kept share, the median of
     the per-matrix V̂/V̂_cold medians, and the update norms over all matrices."""
     out: dict[str, float] = {}
-    for key in ("warm_clamped", "prior_retained", "warm_kept", "view_step_share", "upload_kept"):
+    for key in ("warm_clamped", "prior_retained", "warm_kept", "warm_rescale", "view_step_share", "upload_kept"):
         vals = [d[key] for d in per_param.values() if key in d]
         if vals:
             out[key] = sum(vals) / len(vals)

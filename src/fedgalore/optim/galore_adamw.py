@@ -46,6 +46,11 @@ the optimizer's creation and at :meth:`GaLoreAdamW.mark`, fed the same gradients
 first-step ratio ``|U| / |U_cold|`` reaches ``sqrt(1 + c0 / (1 - b2))`` otherwise, issue 33). The
 prior still lowers steps where it is larger than the fresh estimate.
 
+``warm_scale="gradient"`` (``"weight"`` only; FedGaLore's ``sync: aggregate``): a warm prior
+whose numbers carry no gradient units (its *shape* across coordinates) is rescaled at the first
+step after it was applied, ``V ← V · mean(R∘R) / mean(V / c)`` with ``R`` that step's projected
+gradient, before the step's own update of ``V``; ``"absolute"`` (default) takes the prior as it is.
+
 Projector kinds (group key ``projector``): ``identity`` (basis ``I`` of the projected side's
 full dimension, ``rank`` ignored, never refreshed: exactly AdamW when ``scale = 1``), ``svd``, ``rsvd``, ``random`` (seeded Haar), ``svd_then_random`` and
 ``rsvd_then_random`` (the paper's SVD-to-random schedule, App. E: the first
@@ -123,6 +128,8 @@ BIAS_CORRECTIONS = ("steps", "weight")
 ADAPTIVE_SCOPES = ("round", "global")
 NONFINITE_POLICIES = ("raise", "skip")
 LOW_PRECISION = ("compensated", "master", "off")
+#: group key ``warm_scale``: a warm prior taken as it is, or its shape at the client's gradient scale
+WARM_SCALES = ("absolute", "gradient")
 
 #: Defaults filled into every group that has ``rank`` (the official package's keys first).
 GALORE_DEFAULTS: dict[str, Any] = {
@@ -146,6 +153,10 @@ GALORE_DEFAULTS: dict[str, Any] = {
     "seeded_from_step": -1,
     # bf16 / fp16 GaLore weights: how the update reaches them (module doc, "Low-precision weights")
     "low_precision": "compensated",
+    # a warm start's scale: absolute (the synchronised estimate as it is) | gradient (its shape at
+    # the client's own scale: rescaled at the first step so its mean is that of R∘R; FedGaLore's
+    # sync: aggregate, whose state carries no gradient scale)
+    "warm_scale": "absolute",
 }
 
 
@@ -296,6 +307,20 @@ def _project_step(g: torch.Tensor, basis: torch.Tensor, side: str) -> tuple[torc
         if op is not None:
             return _onednn_project(op, g, basis, side), True
     return project(g, basis, side), _matmul_propagates(g.device)
+
+
+def _rescale_warm(v: torch.Tensor, c: Optional[torch.Tensor], r: torch.Tensor, state: dict[str, Any]) -> None:
+    """``warm_scale="gradient"``: the warm prior's estimate ``V/c`` keeps its shape and takes the
+    client's own scale, ``V ← V · mean(R∘R) / mean(V/c)`` with ``R`` this (the round's first)
+    projected gradient — a prior that carries no gradient units (FedGaLore's ``sync: aggregate``:
+    the squared aggregated update, normalised) becomes one in them. A zero prior or a zero
+    gradient leaves ``V`` as it is; ``warm_diag["warm_rescale"]`` records the factor."""
+    est = v if c is None else v / c.clamp(min=torch.finfo(v.dtype).tiny)
+    mean_est, mean_r2 = float(est.mean()), float((r * r).mean())
+    factor = mean_r2 / mean_est if mean_est > 0 and mean_r2 > 0 and math.isfinite(mean_r2 / mean_est) else 1.0
+    if factor != 1.0:
+        v.mul_(factor)
+    state.setdefault("warm_diag", {})["warm_rescale"] = factor
 
 
 def _decay_back_project(w: torch.Tensor, u: torch.Tensor, basis: Optional[torch.Tensor], side: str, decay: float, coef: float) -> None:
@@ -473,6 +498,10 @@ class GaLoreAdamW(Optimizer):
             raise ValueError(f"adaptive_proj_steps must be an int >= 0, got {group['adaptive_proj_steps']!r}")
         if group["low_precision"] not in LOW_PRECISION:
             raise ValueError(f"unknown low_precision {group['low_precision']!r}; expected one of {LOW_PRECISION}")
+        if group["warm_scale"] not in WARM_SCALES:
+            raise ValueError(f"unknown warm_scale {group['warm_scale']!r}; expected one of {WARM_SCALES}")
+        if group["warm_scale"] == "gradient" and group["bias_correction"] != "weight":
+            raise ValueError("warm_scale='gradient' rescales a warm prior's estimate V/c: it needs bias_correction='weight'")
         switch = group["seeded_from_step"]
         if not _is_int(switch) or switch < -1:
             raise ValueError(f"seeded_from_step must be an int >= 0 (or -1: off), got {switch!r}")
@@ -791,6 +820,8 @@ class GaLoreAdamW(Optimizer):
         b1, b2 = group["betas"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
         w8, cv = state.get("v_weight"), state.get("cold_v")
+        if state.pop("warm_rescale", 0):
+            _rescale_warm(v, w8, r, state)
         if eps == 0.0 and bool(((v == 0) & (r == 0)).any()):
             # V stays 0 where both are 0, so M / (sqrt(V̂) + 0) is 0/0: a non-finite update from finite input
             if self._nonfinite_update(p, group, state):
@@ -1148,6 +1179,8 @@ class GaLoreAdamW(Optimizer):
         # share of the synchronised buffer's norm (‖v̄‖_F, aligned: of c̄∘v̄) the move onto the first basis keeps
         diag["warm_kept"] = float(state["exp_avg_sq"].norm()) / before if before > 0 else 1.0
         state["warm_diag"] = diag
+        if group["warm_scale"] == "gradient":
+            state["warm_rescale"] = 1  # at the next step's projected gradient (_rescale_warm)
 
     def load_second_moment(self, name: str, view: MomentView) -> None:
         """Warm-start ``V`` of parameter ``name`` from a synchronised state ``v̄`` (paper Alg. 1,
