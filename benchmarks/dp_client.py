@@ -38,7 +38,11 @@ that made it, per round test/validation accuracy, ε, the clip norm, wall time);
 cells whose JSON is there with the same config. ``--shard i/n`` runs every n-th cell (two
 single-threaded processes: ``--shard 0/2`` and ``--shard 1/2``).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dp_client.py probe [--shard 0/2]
+Record level (``--level record``; cells in ``results/dp_record_study/``): DP-SGD at each site
+(``privacy.record``) on few large sites, every method on its default bases — see
+:func:`record_config_dict`; the same stages, rates chosen the same way (:data:`RECORD_RATES`).
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dp_client.py probe [--shard 0/2] [--level record]
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dp_client.py seeds [--shard 0/2]
     .venv/bin/python benchmarks/dp_client.py report      # results/dp_client/dp_client.{json,md}
     options: --methods fedgalore,fedit   --quick (M = 20, K = 5, 6 rounds, into benchmarks/runs/dp_client_quick)
@@ -69,19 +73,49 @@ METHODS = {
     "fedavg_full": {"name": "fedavg_full", "options": {}},
 }
 RATES = {"fedgalore": [1e-1, 3e-1, 1.0], "fedgalore_minus": [1e-1, 3e-1, 1.0], "fedgalore_agg": [1e-1, 3e-1, 1.0],
-         "fedit": [1e-2, 3e-2, 1e-1], "ffa_lora": [1e-1, 3e-1, 1.0], "fedavg_full": [3e-3, 1e-2, 3e-2]}
+         "fedit": [1e-2, 3e-2, 1e-1], "fedavg_full": [3e-3, 1e-2, 3e-2],
+         # FFA-LoRA: 0.1–1 first (at chance, with and without DP), then 1e-3–1e-2
+         "ffa_lora": [1e-3, 3e-3, 1e-2, 1e-1, 3e-1, 1.0]}
 EPSILONS = [None, 8.0, 3.0, 1.0]  # None: no DP (ε = ∞)
 HELD_OUT_SEEDS = [1, 2, 3]
 LAST = 2  # validation / test accuracy: mean over the last LAST evaluated rounds (every 5th round: rounds 25, 30)
 
 
+#: ``--level record``: DP-SGD at each site (privacy.record) instead — few large sites, data-driven bases allowed
+RECORD_METHODS = {
+    "fedgalore": {"name": "fedgalore", "options": {}},
+    "fedgalore_minus": {"name": "fedgalore_minus", "options": {}},
+    "fedit": {"name": "fedit", "options": {}},
+    "ffa_lora": {"name": "ffa_lora", "options": {}},
+    "fedavg_full": {"name": "fedavg_full", "options": {}},
+}
+RECORD_RATES = {"fedgalore": [3e-3, 1e-2, 3e-2], "fedgalore_minus": [3e-3, 1e-2, 3e-2], "fedit": [3e-3, 1e-2, 3e-2],
+                "ffa_lora": [1e-2, 3e-2, 1e-1], "fedavg_full": [1e-3, 3e-3, 1e-2]}
+#: "client" (default) or "record"; set by --level
+LEVEL = "client"
+
+
+def methods_table() -> dict:
+    return RECORD_METHODS if LEVEL == "record" else METHODS
+
+
+def rates_table() -> dict:
+    return RECORD_RATES if LEVEL == "record" else RATES
+
+
 def budget(quick: bool) -> dict:
+    if LEVEL == "record":
+        if quick:
+            return {"num_clients": 4, "clients_per_round": 2, "rounds": 2, "n_train": 2000, "batch_size": 64, "eval_every": 1}
+        return {"num_clients": 8, "clients_per_round": 4, "rounds": 10, "n_train": 24000, "batch_size": 256, "eval_every": 2}
     if quick:
         return {"num_clients": 20, "clients_per_round": 5, "rounds": 6, "n_train": 1000}
     return {"num_clients": 1000, "clients_per_round": 100, "rounds": 30, "n_train": 20000}
 
 
 def config_dict(method: str, lr: float, eps: float | None, seed: int, quick: bool) -> dict:
+    if LEVEL == "record":
+        return record_config_dict(method, lr, eps, seed, quick)
     b = budget(quick)
     d = {
         "name": "dpc", "seed": seed,
@@ -100,12 +134,41 @@ def config_dict(method: str, lr: float, eps: float | None, seed: int, quick: boo
     return d
 
 
+def record_config_dict(method: str, lr: float, eps: float | None, seed: int, quick: bool) -> dict:
+    """Record-level cells: 8 sites of a Dirichlet(0.3) label split of 24,000 examples (~2,700
+    training examples each), 4 per round, 10 rounds of one local epoch of batch 256 (Poisson
+    q ≈ 0.09 under DP), every method on its default bases (DP-SGD makes the gradient private, so
+    RSVD bases and the moments are post-processing); ``privacy.record`` with C = 1 and σ
+    calibrated (``calibration: every_round``) so that a site sampled in every round stays within ε."""
+    b = budget(quick)
+    m = RECORD_METHODS[method]
+    d = {
+        "name": "dpr", "seed": seed,
+        "task": {"name": "tiny_text", "options": {"n_train": b["n_train"], "n_test": 512}},
+        "method": {"name": m["name"], "rank": 4, "options": dict(m["options"])},
+        "federation": {"num_clients": b["num_clients"], "clients_per_round": b["clients_per_round"], "rounds": b["rounds"],
+                       "partition": {"kind": "dirichlet", "alpha": 0.3, "min_size": 200, "max_retries": 1000},
+                       "validation_fraction": 0.1, "eval_every": b["eval_every"]},
+        "train": {"lr": lr, "batch_size": b["batch_size"], "local_epochs": 1, "weight_decay": 0.0},
+        "output": {"progress": "quiet", "checkpoint_every": 10},
+        "diagnostics": False,
+    }
+    if eps is not None:
+        d["privacy"] = {"record": {"max_grad_norm": 1.0, "target_epsilon": eps, "delta": 1e-5, "calibration": "every_round"}}
+    return d
+
+
 def label(method: str, lr: float, eps: float | None, seed: int) -> str:
     return f"{method}_lr{lr:g}_eps{'inf' if eps is None else f'{eps:g}'}_s{seed}"
 
 
+def results_dir(quick: bool) -> Path:
+    base = "dp_record_study" if LEVEL == "record" else "dp_client"
+    return RESULTS.parent / (base + "_quick" if quick else base)
+
+
 def cell_path(name: str, quick: bool) -> Path:
-    return (RESULTS.parent / "dp_client_quick" if quick else RESULTS) / "cells" / f"{name}.json"
+    return results_dir(quick) / "cells" / f"{name}.json"
 
 
 def run_cell(method: str, lr: float, eps: float | None, seed: int, quick: bool) -> dict:
@@ -123,7 +186,7 @@ def run_cell(method: str, lr: float, eps: float | None, seed: int, quick: bool) 
     from fedgalore.engine.config import FederatedConfig
 
     torch.set_num_threads(1)
-    out = (RUNS.parent / "dp_client_quick" if quick else RUNS) / name
+    out = RUNS.parent / results_dir(quick).name / name
     if out.exists():
         import shutil
 
@@ -145,9 +208,7 @@ def run_cell(method: str, lr: float, eps: float | None, seed: int, quick: bool) 
                "epsilon": h.get("dp_client_epsilon"), "clip": h.get("dp_clip")} for h in res.history]
     priv = json.loads((res.run_dir / "privacy.json").read_text())
     cell = {"version": CELL_VERSION, "config": cfg_d, "method": method, "lr": lr, "epsilon_target": eps, "seed": seed,
-            "rounds": rounds, "sigma": (priv.get("client") or {}).get("noise_multiplier"),
-            "update_sigma": (priv.get("client") or {}).get("update_noise_multiplier"),
-            "epsilon": (priv.get("client") or {}).get("epsilon"),
+            "rounds": rounds, **_privacy_numbers(priv),
             "test_last": _last(rounds, "test"), "val_last": _last(rounds, "val"), "wall_s": wall, "cpu_s": cpu,
             "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
                         "loadavg_1m": os.getloadavg()[0]}}
@@ -155,6 +216,18 @@ def run_cell(method: str, lr: float, eps: float | None, seed: int, quick: bool) 
     path.write_text(json.dumps(cell, indent=1))
     print(f"done {name}: test {cell['test_last']:.3f} val {cell['val_last']:.3f} ε {cell['epsilon']} ({wall:.0f} s)", flush=True)
     return cell
+
+
+def _privacy_numbers(priv: dict) -> dict:
+    """σ and ε of a run from its privacy.json: the federation's (client level: σ, σ_Δ with the
+    clip bits' share taken, σ_m of the moment release) or the largest over the sites (record level)."""
+    if LEVEL == "record":
+        sites = priv.get("sites") or {}
+        sig = [s.get("noise_multiplier") for s in sites.values() if isinstance(s, dict)]
+        return {"sigma": max((x for x in sig if x is not None), default=None), "epsilon": priv.get("epsilon_max")}
+    c = priv.get("client") or {}
+    return {"sigma": c.get("noise_multiplier"), "update_sigma": c.get("update_noise_multiplier"),
+            "moment_sigma": c.get("moment_noise_multiplier"), "epsilon": c.get("epsilon")}
 
 
 def _last(rounds: list[dict], key: str) -> float:
@@ -174,7 +247,7 @@ def chosen_rate(method: str, dp: bool, quick: bool) -> float | None:
     without DP or at ε = 8; None while a probe cell is missing."""
     eps = 8.0 if dp else None
     vals = []
-    for lr in RATES[method]:
+    for lr in rates_table()[method]:
         p = cell_path(label(method, lr, eps, 0), quick)
         if not p.exists():
             return None
@@ -186,13 +259,20 @@ def chosen_rate(method: str, dp: bool, quick: bool) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("stage", choices=["probe", "seeds", "report"])
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--level", choices=["client", "record"], default="client",
+                    help="client: DP-FedAvg across sites (privacy.client); record: DP-SGD at each site (privacy.record)")
+    ap.add_argument("--methods", default=None, help="comma-separated (default: every method of the level)")
     ap.add_argument("--shard", default=None)
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    methods = args.methods.split(",")
+    global LEVEL
+    LEVEL = args.level
+    methods = args.methods.split(",") if args.methods else list(methods_table())
+    unknown = [m for m in methods if m not in methods_table()]
+    if unknown:
+        sys.exit(f"--methods: {', '.join(unknown)} not in the {LEVEL} study ({', '.join(methods_table())})")
     if args.stage == "probe":
-        cells = [(m, lr, eps, 0) for m in methods for eps in (None, 8.0) for lr in RATES[m]]
+        cells = [(m, lr, eps, 0) for m in methods for eps in (None, 8.0) for lr in rates_table()[m]]
         for c in _shard(cells, args.shard):
             run_cell(*c, quick=args.quick)
     elif args.stage == "seeds":
@@ -232,11 +312,11 @@ def report(methods: list[str], quick: bool) -> None:
             cellstr.append("–" if r is None else f"{r['test_mean']:.1f} ± {r['test_std']:.1f}" + (
                 "" if len(r["seeds"]) == 3 else f" ({len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''})"))
         table.append(f"| {m} | {row['rate_no_dp']} / {row['rate_dp']} | " + " | ".join(cellstr) + " |")
-    out = RESULTS.parent / ("dp_client_quick" if quick else "dp_client")
+    out = results_dir(quick)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "dp_client.json").write_text(json.dumps({"budget": budget(quick), "rows": rows}, indent=1))
+    (out / f"{out.name.removesuffix('_quick')}.json").write_text(json.dumps({"level": LEVEL, "budget": budget(quick), "rows": rows}, indent=1))
     md = ["| method | rate (no DP / DP) | ε = ∞ | ε = 8 | ε = 3 | ε = 1 |", "|---|---|---:|---:|---:|---:|", *table]
-    (out / "dp_client.md").write_text("\n".join(md) + "\n")
+    (out / f"{out.name.removesuffix('_quick')}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
 
