@@ -74,8 +74,8 @@ METHODS = {
 }
 RATES = {"fedgalore": [1e-1, 3e-1, 1.0], "fedgalore_minus": [1e-1, 3e-1, 1.0], "fedgalore_agg": [1e-1, 3e-1, 1.0],
          "fedit": [1e-2, 3e-2, 1e-1], "fedavg_full": [3e-3, 1e-2, 3e-2],
-         # FFA-LoRA: 0.1–1 first (at chance, with and without DP), then 1e-3–1e-2
-         "ffa_lora": [1e-3, 3e-3, 1e-2, 1e-1, 3e-1, 1.0]}
+         # FFA-LoRA trains B and the head with SGD: its rate is train.sgd_lr (train.lr is not used)
+         "ffa_lora": [0.3, 1.0, 3.0]}
 EPSILONS = [None, 8.0, 3.0, 1.0]  # None: no DP (ε = ∞)
 HELD_OUT_SEEDS = [1, 2, 3]
 LAST = 2  # validation / test accuracy: mean over the last LAST evaluated rounds (every 5th round: rounds 25, 30)
@@ -90,7 +90,7 @@ RECORD_METHODS = {
     "fedavg_full": {"name": "fedavg_full", "options": {}},
 }
 RECORD_RATES = {"fedgalore": [3e-3, 1e-2, 3e-2], "fedgalore_minus": [3e-3, 1e-2, 3e-2], "fedit": [3e-3, 1e-2, 3e-2],
-                "ffa_lora": [1e-2, 3e-2, 1e-1], "fedavg_full": [1e-3, 3e-3, 1e-2]}
+                "ffa_lora": [0.1, 0.3, 1.0], "fedavg_full": [1e-3, 3e-3, 1e-2]}
 #: "client" (default) or "record"; set by --level
 LEVEL = "client"
 
@@ -128,6 +128,8 @@ def config_dict(method: str, lr: float, eps: float | None, seed: int, quick: boo
         "output": {"progress": "quiet", "checkpoint_every": 10},
         "diagnostics": False,
     }
+    if METHODS[method]["name"] == "ffa_lora":  # SGD: the rate is train.sgd_lr
+        d["train"]["sgd_lr"] = lr
     if eps is not None:
         d["privacy"] = {"client": {"clip": 1.0, "target_epsilon": eps, "delta": 1e-5, "noise": "central",
                                    "adaptive_clipping": {"target_quantile": 0.5, "lr": 0.2}}}
@@ -153,6 +155,8 @@ def record_config_dict(method: str, lr: float, eps: float | None, seed: int, qui
         "output": {"progress": "quiet", "checkpoint_every": 10},
         "diagnostics": False,
     }
+    if m["name"] == "ffa_lora":
+        d["train"]["sgd_lr"] = lr
     if eps is not None:
         d["privacy"] = {"record": {"max_grad_norm": 1.0, "target_epsilon": eps, "delta": 1e-5, "calibration": "every_round"}}
     return d
@@ -311,13 +315,43 @@ def report(methods: list[str], quick: bool) -> None:
             r = row.get("inf" if eps is None else f"{eps:g}")
             cellstr.append("–" if r is None else f"{r['test_mean']:.1f} ± {r['test_std']:.1f}" + (
                 "" if len(r["seeds"]) == 3 else f" ({len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''})"))
-        table.append(f"| {m} | {row['rate_no_dp']} / {row['rate_dp']} | " + " | ".join(cellstr) + " |")
+        sig = row.get("8", {}).get("sigma")
+        releases = 2 if LEVEL == "client" and m == "fedgalore" else 1
+        sigstr = "–" if sig is None else f"{sig:.3g}" + (" (× 2 releases)" if releases == 2 else "")
+        table.append(f"| {m} | {row['rate_no_dp']} / {row['rate_dp']} | {sigstr} | " + " | ".join(cellstr) + " |")
     out = results_dir(quick)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{out.name.removesuffix('_quick')}.json").write_text(json.dumps({"level": LEVEL, "budget": budget(quick), "rows": rows}, indent=1))
-    md = ["| method | rate (no DP / DP) | ε = ∞ | ε = 8 | ε = 3 | ε = 1 |", "|---|---|---:|---:|---:|---:|", *table]
+    md = ["| method | rate (no DP / DP) | σ at ε = 8 | ε = ∞ | ε = 8 | ε = 3 | ε = 1 |", "|---|---|---|---:|---:|---:|---:|", *table]
     (out / f"{out.name.removesuffix('_quick')}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
+    _plot(rows, out / f"{out.name.removesuffix('_quick')}.png")
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    """Test accuracy (mean ± std over the held-out seeds) against ε, one line per method; ε = ∞ at the right."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = {1.0: 0, 3.0: 1, 8.0: 2, None: 3}
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for row in rows:
+        pts = [(xs[e], row[k]) for e in EPSILONS if (k := "inf" if e is None else f"{e:g}") in row]
+        if not pts:
+            continue
+        ax.errorbar([x for x, _ in pts], [r["test_mean"] for _, r in pts], yerr=[r["test_std"] for _, r in pts],
+                    marker="o", capsize=3, label=row["method"])
+    ax.set_xticks(list(xs.values()), ["1", "3", "8", "∞"])
+    ax.set_xlabel("ε (δ = 1e-5)")
+    ax.set_ylabel("test accuracy % (held-out seeds)")
+    ax.set_title(f"{LEVEL}-level DP: accuracy against ε")
+    ax.axhline(25, color="grey", lw=0.8, ls=":")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,11 @@ the rules for the moment and its evidence: :mod:`fedgalore.protocol.second_momen
   B: ``seeded`` (R_k, as the paper) or ``consensus`` (the top-r principal subspace of the clients'
   own data-driven bases, computed by the server and broadcast with v̄).
 
+``sync: aggregate`` (ours, for client-level DP; :meth:`FedGaLore._sync_from_aggregate`): no
+moment upload at all — v̄'s *shape* on R_k is the squared aggregated update block, each client
+puts it at its own gradient scale at its first step (``GaLoreAdamW`` ``warm_scale="gradient"``);
+under ``privacy.client`` that is post-processing of the noised sum (no second release).
+
 Per round the diagnostics record, averaged over the round's clients: ``warm_clamped`` (share of
 warm-start entries clamped at 0), ``prior_retained`` (aligned: share of the prior weight that
 the move to the first basis kept), ``v_warm_cold_ratio`` (median of V̂ / V̂_cold at the round's
@@ -513,7 +518,6 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         if out.get("client_update_norm_cold"):
             out["update_norm_vs_cold"] = out["client_update_norm_precond"] / out["client_update_norm_cold"]
         return out
-
 
     def _sync_from_aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float],
                              ctx: RoundContext) -> dict[str, float]:
