@@ -75,7 +75,7 @@ METHODS = {
 RATES = {"fedgalore": [1e-1, 3e-1, 1.0], "fedgalore_minus": [1e-1, 3e-1, 1.0], "fedgalore_agg": [1e-1, 3e-1, 1.0],
          "fedit": [1e-2, 3e-2, 1e-1], "fedavg_full": [3e-3, 1e-2, 3e-2],
          # FFA-LoRA trains B and the head with SGD: its rate is train.sgd_lr (train.lr is not used)
-         "ffa_lora": [0.3, 1.0, 3.0]}
+         "ffa_lora": [0.3, 1.0, 3.0, 10.0]}
 EPSILONS = [None, 8.0, 3.0, 1.0]  # None: no DP (ε = ∞)
 HELD_OUT_SEEDS = [1, 2, 3]
 LAST = 2  # validation / test accuracy: mean over the last LAST evaluated rounds (every 5th round: rounds 25, 30)
