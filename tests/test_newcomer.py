@@ -91,7 +91,7 @@ def test_unknown_method_option_is_still_one_line(tmp_path, capsys) -> None:
     line = _error(capsys, ["run", "--config", cfg, "method.options.update_proj_gap=often", "--progress", "quiet"])
     assert line == "fedgalore: error: method 'fedgalore': option update_proj_gap must be an integer, got 'often'"
     line = _error(capsys, ["run", "--config", cfg, "method.name=fedit", "method.options.sync=avg", "--progress", "quiet"])
-    assert line == "fedgalore: error: method 'fedgalore': option sync='avg' must be one of 'none', 'mean', 'mean_svd', 'ajive'"
+    assert line == "fedgalore: error: method 'fedgalore': option sync='avg' must be one of 'none', 'mean', 'mean_svd', 'ajive', 'aggregate'"
 
 
 def test_method_options_can_be_cleared() -> None:
