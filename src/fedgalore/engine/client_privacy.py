@@ -58,6 +58,9 @@ class ClientRelease:
         self.sample = int(fed.clients_per_round or num_clients)
         #: whether the uploads release second moments (FedGaLore's synchronised variants but sync: aggregate)
         self.moments = bool(getattr(method, "uploads_moments", getattr(method, "synced", False))) and client.moments == "noised"
+        #: whether the method synchronises second moments without uploading any (FedGaLore's sync:
+        #: aggregate): its state is post-processing of the noised sum
+        self.moments_from_aggregate = bool(getattr(method, "synced", False)) and not getattr(method, "uploads_moments", True)
         self.mean = getattr(method, "dp_aggregate", "individual") == "mean"
         self.sigma = self._sigma()
         #: σ_m of the moment release (None: none)

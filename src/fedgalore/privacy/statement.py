@@ -187,7 +187,7 @@ def client_mechanism(release: Any) -> dict[str, Any]:
                     f"σ_m = {release.sigma_m:.4g}; composed with the update as one Gaussian of σ = (σ⁻² + σ_m⁻²)^(-1/2); "
                     "AJIVE on the individual noised views is post-processing") if release.sigma_m is not None
         else ("not released: FedGaLore's v̄ is built from the noised aggregate (sync: aggregate; post-processing, "
-              "no cost)" if _from_aggregate(release) else "not released (withheld, or a method without a moment upload)"),
+              "no cost)" if getattr(release, "moments_from_aggregate", False) else "not released (withheld, or a method without a moment upload)"),
         "delta": c.delta,
         "accountant": "dp-accounting RDP: sampling K of M clients without replacement (Wang et al. 2019), replace-one "
                       "adjacency (sensitivity 2C), composed over the rounds",
@@ -210,7 +210,7 @@ def client_statement(release: Any) -> str:
             "replacement, replace-one adjacency).")
     if release.sigma_m is not None:
         text += f" FedGaLore's second moments are a second release (C_m = {c.moment_clip:g}, σ_m = {release.sigma_m:.4g}), composed."
-    elif _from_aggregate(release):
+    elif getattr(release, "moments_from_aggregate", False):
         text += " FedGaLore's second-moment state is built from the noised aggregate (post-processing: nothing added to ε)."
     if not c.secure_mode:
         text += " The noise is seeded from the run's seed (reproducible): the guarantee holds only against parties who do not know it."
@@ -233,9 +233,3 @@ def client_release_record(kind: str, release: Any) -> dict[str, Any]:
     return {"protected": True, "clipped": True, "sensitivity": 2 * c.clip, "noise_multiplier": release.sigma,
             "how": f"{_WHAT.get(kind, kind)}: the client's change clipped jointly with its other tensors to C, Gaussian "
                    "noise (sensitivity 2C under replace-one)"}
-
-
-def _from_aggregate(release: Any) -> bool:
-    """Whether the run's method synchronises from the aggregate (FedGaLore's ``sync: aggregate``)."""
-    options = getattr(release.method, "options", None)
-    return getattr(options, "sync", None) == "aggregate"
