@@ -554,7 +554,10 @@ def test_node_killed_mid_round_rejoins_and_trains(deploy, tmp_path, bert_dir):
     victim, client = "site1", 1
     first = d.node_id(victim)
     run_dir = tmp_path / "run"
-    p = d.run_async("fedgalore", run_dir, rounds=3, timeout=45, min_clients=2, log="run.log")
+    # 90 s: a round of the healthy nodes took over 45 s beside another deployment test on a 2-core CI machine
+    # (every attempt of round 3 then missed it); the SuperLink's heartbeat check may drop the killed node
+    # first (~42-61 s): either drop is accepted below
+    p = d.run_async("fedgalore", run_dir, rounds=3, timeout=90, min_clients=2, log="run.log")
     d.wait_for(lambda: re.search(r"ROUND 2\]\s*\n.*Receiving: train message", d.log(f"{victim}.log")) is not None, 600,
                "site1 to receive round 2's job", p)
     d.kill_node(victim)
@@ -568,7 +571,8 @@ def test_node_killed_mid_round_rejoins_and_trains(deploy, tmp_path, bert_dir):
     dep = metrics(run_dir)
     assert [m["dropped"] for m in dep] == [[], [client], []]
     errors = [r for r in read_jsonl(run_dir / "clients.jsonl") if r.get("error")]
-    assert [(r["round"], r["client"]) for r in errors] == [(2, client)] and "no reply from the SuperNode" in errors[0]["error"]
+    assert [(r["round"], r["client"]) for r in errors] == [(2, client)]
+    assert "no reply from the SuperNode" in errors[0]["error"] or "Node Unavailable" in errors[0]["error"], errors
     wire = assert_ledger_is_the_wire(run_dir)
     r3 = {w["client"]: w for w in wire if w["type"] == "train" and w["round"] == 3}
     assert r3[client]["node"] == second and r3[client]["upload"] > 0 and r3[client]["node_received"] == r3[client]["sent"]

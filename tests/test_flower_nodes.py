@@ -360,6 +360,44 @@ def test_first_contact_waits_for_the_nodes_cold_start(tmp_path, bert_dir):
     assert train == [45.0, 30]  # round 1 (every node's first training): join_timeout; round 2: timeout
 
 
+class BusyGrid(TimedGrid):
+    """A TimedGrid whose nodes miss the first ``late`` train waves of round ``busy_in``: every
+    reply comes after the wave's timeout (nodes still busy with an earlier job)."""
+
+    def __init__(self, node_configs: dict[int, dict], busy_in: int, late: int) -> None:
+        super().__init__(node_configs)
+        self.busy_in, self.late = busy_in, late
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        out = super().send_and_receive(messages, timeout=timeout)
+        if messages and messages[0].metadata.message_type == MessageType.TRAIN and \
+                messages[0].metadata.group_id == str(self.busy_in) and self.late > 0:
+            self.late -= 1
+            return []
+        return out
+
+
+def test_a_retried_round_waits_twice_as_long_at_each_retry(tmp_path, bert_dir):
+    """A round with too few uploads is retried (federation.min_clients); a SuperNode handles one
+    message at a time, so a node that missed the wait is still busy with the last attempt's job
+    and a retry with the same wait would miss it again. Each retry of a round doubles the wait
+    (timeout · 2^attempt); the next round starts again from ``timeout``."""
+    from fedgalore.flower.strategy import FedGaLoreStrategy
+
+    data = site_files(tmp_path)
+    cfg = config(tmp_path / "nodes", bert_dir, "fedit", "nodes", rounds=3, min_clients=2, max_round_retries=2)
+    grid = BusyGrid(node_configs(data), busy_in=2, late=2)
+    strategy = FedGaLoreStrategy(cfg, run_dir=tmp_path / "nodes" / "run", timeout=30, join_timeout=45)
+    strategy.settle_s = 0.0
+    res = strategy.start(grid)
+    assert res.summary["status"] == "finished"
+    train = [t for k, t in grid.timeouts if k == str(MessageType.TRAIN)]
+    assert train == [45.0, 30, 60, 120, 30]  # round 1 cold; round 2: 30, then 2 retries; round 3: 30 again
+    errors = [(r["round"], r.get("attempt")) for r in read_jsonl(tmp_path / "nodes" / "run" / "clients.jsonl") if r.get("error")]
+    assert len(errors) == 2 * 3 and {r for r, _ in errors} == {2}  # 3 clients missed 2 attempts of round 2
+
+
 def test_client_level_dp_on_nodes_equals_the_simulation(tmp_path, bert_dir):
     """privacy.client with distributed noise over the Grid: each node clips its own upload to the
     round's clip norm (which travels in the broadcast; adaptive clipping moves it) and adds its

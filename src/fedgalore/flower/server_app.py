@@ -8,7 +8,8 @@ Run config keys (``[tool.flwr.app.config]`` in the Flower project's pyproject.to
 * ``overrides`` — space-separated ``key=value`` overrides (``"federation.rounds=2 seed=1"``);
 * ``run-dir`` — where the run directory goes (default: ``output.dir`` of the config);
 * ``timeout`` — seconds to wait for the replies of a round (and of a query or evaluation);
-  a SuperNode that has not answered by then is dropped from that round (default 3600);
+  a SuperNode that has not answered by then is dropped from that round (default 3600); a round
+  retried for too few valid uploads (``federation.min_clients``) waits twice as long at each retry;
 * ``join-timeout`` — seconds to wait for a SuperNode's first answer (its site or partition id),
   which includes its cold start: installing the app and starting its ClientApp; and for a round
   (or evaluation) in which a node trains (evaluates) for the first time in the run, which

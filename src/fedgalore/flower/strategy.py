@@ -25,7 +25,8 @@ SuperNode authentication — under its registered one, holding nothing of the ru
 client to the node that reports its site or ``partition-id`` (:meth:`GridBackend.refresh_nodes`).
 A node that does not answer within ``timeout`` seconds is dropped from that round (``join_timeout``
 for a wave with a node that has not yet trained or evaluated in this run: its first job builds its
-runtime). ``resume``
+runtime); a round retried for too few uploads waits twice as long at each retry
+(:meth:`GridBackend._retry_wait`). ``resume``
 continues a run from its run directory's last checkpoint (:meth:`FedGaLoreStrategy.start`).
 Every message's payload size is written to ``<run dir>/flower_messages.jsonl`` (what was put into
 each message, what the node says it received, what came back), so the ledger can be checked
@@ -109,6 +110,8 @@ class GridBackend(Backend):
         #: data) is built; a wave that includes any other node waits ``join_timeout`` (:meth:`_wait`)
         self.ready: set[int] = set()
         self._versions: dict[int, int | None] = {}  # what client_versions told the round loop this round
+        #: (round, attempt) of the last train wave: a wave for the same round is a retry (:meth:`_retry_wait`)
+        self._wave: tuple[int, int] = (-1, 0)
 
     def start(self, runtime: Runtime) -> None:
         """Find the SuperNode of every client; the jobs carry the resolved config and partition
@@ -252,6 +255,18 @@ class GridBackend(Backend):
         cold = any(int(n) not in self.ready for n in nodes)
         return max(self.strategy.timeout, self.strategy.join_timeout) if cold else self.strategy.timeout
 
+    def _retry_wait(self, round_: int, wait: float) -> float:
+        """The wait of a train wave, doubled for every retry of the same round: ``wait · 2^a`` at
+        attempt ``a``. A retry follows a wave whose replies did not come in time; a SuperNode
+        handles one message at a time, so a node that was merely slow is still working on the
+        last attempt's job when the retry's arrives, and a retry that waited only ``timeout``
+        again would miss it again, every attempt (seen on a loaded 2-core machine: three attempts
+        of 45 s, no reply from any of three healthy nodes). A node that is really gone costs
+        ``timeout · (2^(r+1) − 1)`` over ``r`` retries instead of ``timeout · (r + 1)``."""
+        last, attempt = self._wave
+        self._wave = (round_, attempt + 1 if round_ == last else 0)
+        return wait * 2 ** self._wave[1]
+
     def _log(self, rec: dict) -> None:
         if self.log_path is not None:
             append_jsonl(self.log_path, rec)
@@ -280,7 +295,8 @@ class GridBackend(Backend):
         })
         arrays = {c: blob_to_record(b) for c, b in broadcast.items()} if isinstance(broadcast, dict) else blob_to_record(broadcast)
         messages = list(self.strategy.configure_train(server_round, arrays, config, self.grid))
-        replies = list(self.grid.send_and_receive(messages, timeout=self._wait(int(m.metadata.dst_node_id) for m in messages)))
+        wait = self._retry_wait(jobs[0].round if jobs else -1, self._wait(int(m.metadata.dst_node_id) for m in messages))
+        replies = list(self.grid.send_and_receive(messages, timeout=wait))
         sent_to = _sent_to(messages)
         self.ready.update(_from_node(r, sent_to) for r in replies if not r.has_error())
         client_of = {m.metadata.message_id: int(m.content["job"]["client"]) for m in messages if m.metadata.message_id}
