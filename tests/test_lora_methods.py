@@ -328,3 +328,25 @@ def test_resume_equals_uninterrupted(tmp_path: Path, name: str):
     strip = lambda hs: [{k: v for k, v in h.items() if not k.startswith("time")} for h in hs]  # noqa: E731
     assert strip(resumed.history) == strip(full.history)
     assert resumed.summary["final"] == full.summary["final"]
+
+
+@pytest.mark.parametrize("fresh_init", ["per_client", "shared"])
+def test_flora_release_reference_is_the_fresh_adapter_the_client_started_from(task, fresh_init):
+    """Client-level DP clips FLoRA's change from what the client started from: (B = 0, its fresh
+    A), rebuilt from public seeds out of the upload's shapes and client id and the broadcast's round
+    seed — exactly the A the client drew — so the released change is the training's, not ‖A₀‖
+    (which would fill the clip bound)."""
+    meth, model, targets, heads_ = prepared(task, "flora", fresh_init=fresh_init)
+    state = meth.init_server_state(model)
+    bc = meth.broadcast(state, RoundContext(0, 2, 1234, [1], [1.0]))  # the round seed client_ctx's jobs carry
+    up = meth.client_update(model, bc, client_ctx(task, targets, heads_, client=1, steps=1))
+    meth.init_adapters(model, meth.fresh_seed(int(bc.meta["round_seed"]), 1))  # what client 1 started from
+    for m in targets:
+        ref = meth.release_reference(bc, pair_key(m), up)
+        assert torch.equal(ref.right, meth.lora_a(model, m).detach().float())
+        assert not ref.left.any() and ref.left.shape == up[pair_key(m)].left.shape
+        change = (up[pair_key(m)].right.float() - ref.right).abs()
+        assert 0 < float(change.max()) <= 1e-2 * 1.01  # the change is one Adam step's (≤ lr per entry), not A₀
+    head = heads_[0]
+    assert torch.equal(meth.release_reference(bc, head, up).tensor, bc[head].tensor)  # the head: the broadcast's
+    assert meth.release_reference(bc, pair_key(targets[0])) is None  # without the upload: zero, as before

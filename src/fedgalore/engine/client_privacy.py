@@ -134,7 +134,7 @@ class ClientRelease:
     def _clip(self, upload: Payload, broadcast: Payload | None, clip: float):
         c = self.client
         try:
-            return clip_upload(upload, lambda key: self.method.release_reference(broadcast, key), clip,
+            return clip_upload(upload, lambda key: self.method.release_reference(broadcast, key, upload), clip,
                                c.moment_clip, withhold_moments=not self.moments)
         except DataDrivenBasis as exc:
             raise ConfigError(f"privacy.client: the upload carries a data-driven basis ({exc}); client-level DP needs "

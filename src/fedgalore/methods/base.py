@@ -96,12 +96,13 @@ class Method(abc.ABC):
     #: not train); else entries are absolute values whose untrained value is the broadcast's
     uploads_changes: ClassVar[bool] = False
 
-    def release_reference(self, broadcast: Payload | None, key: str) -> Any:
+    def release_reference(self, broadcast: Payload | None, key: str, upload: Payload | None = None) -> Any:
         """The public value upload entry ``key`` would have if the client had not trained: the
         broadcast's entry of the same name (methods that upload absolute factors and heads), or
         None — zero — for :attr:`uploads_changes` methods. Client-level DP clips and noises the
         upload's change from it (fedgalore.privacy.client_dp); it is public, so it affects the
-        utility only, never the guarantee."""
+        utility only, never the guarantee. ``upload`` (its shapes and public meta — client, round)
+        lets a method rebuild what it starts from out of public seeds (FLoRA's fresh adapters)."""
         if self.uploads_changes or broadcast is None:
             return None
         return broadcast.entries.get(key)

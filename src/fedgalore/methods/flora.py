@@ -14,6 +14,12 @@ A  stacking: ``B_st = [B_1 … B_K]`` (m×Kr), ``A_st = [p_1A_1; …; p_KA_K]`` 
    is unchanged). The head is averaged size-weighted. Adapters are re-initialised next round.
 S  none.
 
+Under client-level DP (fedgalore.privacy.client_dp) the released change of a pair is measured
+from what the client started from — ``(B = 0, A = its fresh A)``, rebuilt on the server from the
+public seeds (:meth:`FLoRA.release_reference`) — not from zero: the fresh ``A``'s own norm
+(~‖U(−1/√n, 1/√n)‖, far above a round's change) would otherwise fill the clip bound and scale the
+trained change away. It is public, so the guarantee is the same.
+
 Communication: up ``LowRank(B_i, A_i)`` + head. Down (option ``downlink``, default ``auto`` →
 ``factored``; fedgalore.methods.downlink_mixin): a client that holds the model of version ``h``
 gets the stacked factors ``(s·B_st, A_st)`` of every round since ``h`` — the paper's broadcast,
@@ -34,7 +40,7 @@ from torch import nn
 from fedgalore.federated.seeding import mixed_seed
 from fedgalore.methods.base import option, register
 from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
-from fedgalore.methods.lora_common import LoraMethod, LoraOptions, check_weights, lifted, w_key
+from fedgalore.methods.lora_common import LoraMethod, LoraOptions, check_weights, kaiming_uniform, lifted, pair_key, w_key
 from fedgalore.protocol.payload import LowRank, Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 
@@ -59,6 +65,22 @@ class FLoRA(FactoredDownlink, LoraMethod):
         if self.options.fresh_init == "shared":
             return mixed_seed(self.adapter_seed, round_seed)
         return mixed_seed(self.adapter_seed, round_seed, client)
+
+    def release_reference(self, broadcast: Payload | None, key: str, upload: Payload | None = None) -> Any:
+        """The untrained value of upload entry ``key``: for an adapter pair ``(B = 0, A₀)`` with
+        ``A₀`` the client's fresh ``A`` — :meth:`init_adapters`' draws for every target in order
+        from ``fresh_seed(round_seed, client)``, shapes from the upload, the round seed from the
+        broadcast's meta, the client from the upload's (public meta: both are released, and
+        fixed by the config and the job); else the base rule (the head: the broadcast's)."""
+        if upload is None or broadcast is None or "round_seed" not in broadcast.meta or "client" not in upload.meta:
+            return super().release_reference(broadcast, key, upload)
+        keys = {pair_key(m): m for m in self.targets}
+        if key not in keys:
+            return super().release_reference(broadcast, key, upload)
+        g = torch.Generator().manual_seed(self.fresh_seed(int(broadcast.meta["round_seed"]), int(upload.meta["client"])))
+        fresh = {m: kaiming_uniform(tuple(upload[pair_key(m)].right.shape), g) for m in self.targets}
+        b = upload[key].left
+        return LowRank(torch.zeros(b.shape, dtype=torch.float32), fresh[keys[key]])
 
     def init_server_state(self, model: nn.Module) -> ServerState:
         params = {w_key(m): self.base_weight(model, m).detach().float().cpu().clone() for m in self.targets}
