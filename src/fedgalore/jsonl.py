@@ -1,11 +1,12 @@
-"""JSON-lines records (metrics, clients, ledger, diagnostics): one JSON object per line."""
+"""JSON-lines records (metrics, clients, ledger, diagnostics): one JSON object per line; and the
+run directory's single JSON files read the same forgiving way (:func:`read_json`)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_jsonl", "append_jsonl"]
+__all__ = ["read_jsonl", "append_jsonl", "read_json"]
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -28,3 +29,13 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def append_jsonl(path: Path, rec: dict[str, Any]) -> None:
     with open(path, "a") as fh:
         fh.write(json.dumps(rec, sort_keys=True) + "\n")
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path`` (a run's summary.json, privacy.json, lock): None when the file
+    is absent, unreadable, torn (a killed writer) or not an object."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 from fedgalore.engine.config import ConfigError
 from fedgalore.federated.checkpoint import kept_rounds
-from fedgalore.jsonl import read_jsonl
+from fedgalore.jsonl import read_json, read_jsonl
 
 __all__ = ["LOCK_FILE", "FINISHED", "is_finished", "HEARTBEAT_S", "RunBusy", "Terminated", "RunLock", "Heartbeat", "RunState", "run_state",
            "live_note", "pid_alive", "sigterm_stops", "utc_now"]
@@ -102,11 +102,7 @@ def pid_alive(pid: int, proc_start: str | None = None) -> bool:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    return read_json(path) or {}
 
 
 def _age(when: str | None) -> str:

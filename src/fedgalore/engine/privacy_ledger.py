@@ -38,6 +38,7 @@ from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.federated.checkpoint import atomic_write_text
 from fedgalore.federated.client import optimizer_steps
 from fedgalore.federated.seeding import BATCHES, DP_NOISE, client_seed
+from fedgalore.jsonl import read_json
 from fedgalore.privacy.accounting import SiteSchedule, epsilon, merge_history, site_schedule
 from fedgalore.privacy.config import RecordPrivacy
 from fedgalore.privacy.statement import (NOTHING_PROTECTED, client_mechanism, client_release_record, client_statement,
@@ -191,10 +192,7 @@ def _wrapped_name(key: str) -> str:
 
 def read_privacy(run_dir: str | Path) -> dict[str, Any] | None:
     """A run's ``privacy.json`` (None when it has none or it does not parse)."""
-    try:
-        return json.loads((Path(run_dir) / PRIVACY_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
+    return read_json(Path(run_dir) / PRIVACY_FILE)
 
 
 class PrivacyLedger:

@@ -41,7 +41,7 @@ from fedgalore.engine.liveness import is_finished, run_state
 from fedgalore.engine.partition_files import partition_record, write_partition_files
 from fedgalore.engine.runtime import Runtime
 from fedgalore.federated.checkpoint import atomic_write_text
-from fedgalore.jsonl import append_jsonl, read_jsonl
+from fedgalore.jsonl import append_jsonl, read_json, read_jsonl
 from fedgalore.optim import cpu_kernels
 from fedgalore.protocol.payload import Ledger
 from fedgalore.tasks.base import Task
@@ -235,10 +235,7 @@ def _another(diffs: Sequence[Difference]) -> str:
 
 def saved_summary(run_dir: Path) -> dict[str, Any]:
     """The run directory's ``summary.json`` ({} when absent or unreadable)."""
-    try:
-        return json.loads((run_dir / "summary.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
+    return read_json(run_dir / "summary.json") or {}
 
 
 def extension_problem(cfg: FederatedConfig, rounds: int, completed: int) -> str | None:
