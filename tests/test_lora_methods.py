@@ -350,3 +350,32 @@ def test_flora_release_reference_is_the_fresh_adapter_the_client_started_from(ta
     head = heads_[0]
     assert torch.equal(meth.release_reference(bc, head, up).tensor, bc[head].tensor)  # the head: the broadcast's
     assert meth.release_reference(bc, pair_key(targets[0])) is None  # without the upload: zero, as before
+
+
+class _Said(ProgressSink):
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def message(self, text: str) -> None:
+        self.lines.append(text)
+
+
+@pytest.mark.parametrize("name,sgd_lr,option,said", [
+    ("ffa_lora", None, None, "method ffa_lora trains with SGD at lr 0.02 (the default); train.lr=0.01 is not used"),
+    ("lora_fair", None, 0.5, "method lora_fair trains with SGD at lr 0.5 (option sgd_lr); train.lr=0.01 is not used"),
+    ("ffa_lora", 0.3, None, None),  # train.sgd_lr set: nothing to say
+    ("fedit", None, None, None),  # AdamW reads train.lr
+])
+def test_an_sgd_method_says_that_train_lr_is_not_its_rate(tmp_path, name, sgd_lr, option, said):
+    """FFA-LoRA and LoRA-FAIR train with SGD at train.sgd_lr (else option sgd_lr, else 2e-2): a
+    sweep of train.lr alone would change nothing, so the run says which rate it uses."""
+    from fedgalore.engine.loop import Federation
+
+    cfg = loop_cfg(tmp_path, name, rounds=1)
+    cfg.train.sgd_lr = sgd_lr
+    if option is not None:
+        cfg.method.options["sgd_lr"] = option
+    sink = _Said()
+    Federation(cfg, progress=sink)
+    notes = [line for line in sink.lines if "trains with SGD" in line]
+    assert notes == ([] if said is None else [said + " — set train.sgd_lr to choose its rate"])

@@ -152,6 +152,8 @@ class Federation:
             self.progress.message(f"method {cfg.method.name}: a per-client (factored) downlink needs clients that keep "
                                   f"their model between rounds; the {self.backend.name} backend's do not, so every "
                                   "client receives the dense model (set method.options.downlink=dense to silence this)")
+        for note in self.method.start_notes(cfg.train):
+            self.progress.message(note)
         self._validation = self.runtime.validation_set()
         self.ledger = Ledger()
         self.history: list[dict[str, Any]] = []

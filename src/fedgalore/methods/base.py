@@ -107,6 +107,11 @@ class Method(abc.ABC):
             return None
         return broadcast.entries.get(key)
 
+    def start_notes(self, train: Any) -> list[str]:
+        """One-line notes the run prints when it starts, about how this method reads the
+        ``train`` config (e.g. a setting it does not use). Default: none."""
+        return []
+
     def client_dp_problem(self, moments: str) -> str | None:
         """Why this method (with its options) cannot run under client-level DP, as one line that
         names the option to change, or None. ``moments``: ``privacy.client.moments``."""

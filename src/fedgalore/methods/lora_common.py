@@ -306,6 +306,15 @@ class LoraMethod(Method):
         groups = [{"params": adapters, "lr": lr}, {"params": heads, "lr": head_lr}]
         return torch.optim.SGD([g for g in groups if g["params"]], momentum=tc.sgd_momentum, weight_decay=wd)
 
+    def start_notes(self, train: Any) -> list[str]:
+        """An SGD method (FFA-LoRA, LoRA-FAIR) does not read ``train.lr``: when ``train.sgd_lr`` is
+        not set, say which rate it trains at, so a sweep of ``train.lr`` is not silently a no-op."""
+        if self.optimizer_kind != "sgd" or train.sgd_lr is not None:
+            return []
+        lr, where = (self.options.sgd_lr, "option sgd_lr") if self.options.sgd_lr is not None else (DEFAULT_SGD_LR, "the default")
+        return [f"method {self.name} trains with SGD at lr {float(lr):g} ({where}); train.lr={float(train.lr):g} is not "
+                "used — set train.sgd_lr to choose its rate"]
+
     def load_broadcast(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> None:
         """Put the broadcast (and any per-round re-initialisation) into the client model."""
         raise NotImplementedError
