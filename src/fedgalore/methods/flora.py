@@ -77,10 +77,14 @@ class FLoRA(FactoredDownlink, LoraMethod):
         keys = {pair_key(m): m for m in self.targets}
         if key not in keys:
             return super().release_reference(broadcast, key, upload)
-        g = torch.Generator().manual_seed(self.fresh_seed(int(broadcast.meta["round_seed"]), int(upload.meta["client"])))
-        fresh = {m: kaiming_uniform(tuple(upload[pair_key(m)].right.shape), g) for m in self.targets}
+        seed = self.fresh_seed(int(broadcast.meta["round_seed"]), int(upload.meta["client"]))
+        cached = getattr(self, "_fresh_cache", None)
+        if cached is None or cached[0] != seed:  # every target's A at once (one generator, targets in order)
+            g = torch.Generator().manual_seed(seed)
+            cached = self._fresh_cache = (seed, {m: kaiming_uniform(tuple(upload[pair_key(m)].right.shape), g)
+                                                 for m in self.targets})
         b = upload[key].left
-        return LowRank(torch.zeros(b.shape, dtype=torch.float32), fresh[keys[key]])
+        return LowRank(torch.zeros(b.shape, dtype=torch.float32), cached[1][keys[key]])
 
     def init_server_state(self, model: nn.Module) -> ServerState:
         params = {w_key(m): self.base_weight(model, m).detach().float().cpu().clone() for m in self.targets}
