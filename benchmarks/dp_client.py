@@ -41,6 +41,12 @@ single-threaded processes: ``--shard 0/2`` and ``--shard 1/2``).
 Record level (``--level record``; cells in ``results/dp_record_study/``): DP-SGD at each site
 (``privacy.record``) on few large sites, every method on its default bases — see
 :func:`record_config_dict`; the same stages, rates chosen the same way (:data:`RECORD_RATES`).
+The record budget was redesigned once on seed-0 probes: 8 Dirichlet-0.3 sites of ~2,700
+examples, 4 per round, batch 256 (q ≈ 0.09), 10 rounds — without DP FedGaLore reached 75 % at
+best (rates 3e-3 … 3e-1), and at ε = 8 every AdamW method at every rate from 1e-3 (FedAvg-Full
+3e-4) to 3e-1 sat at chance (25–26 %; FedGaLore 3e-3: 33 %, FFA-LoRA at 3: 35 %): a site's
+batch is too small for the noise. Four sites of ~5,400 examples, all in every round, batch 512:
+without DP FedGaLore (0.1) reaches 99 %, at ε = 8 FFA-LoRA (3) 62 % and rising.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dp_client.py probe [--shard 0/2] [--level record]
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/dp_client.py seeds [--shard 0/2]
@@ -89,8 +95,12 @@ RECORD_METHODS = {
     "ffa_lora": {"name": "ffa_lora", "options": {}},
     "fedavg_full": {"name": "fedavg_full", "options": {}},
 }
-RECORD_RATES = {"fedgalore": [3e-3, 1e-2, 3e-2], "fedgalore_minus": [3e-3, 1e-2, 3e-2], "fedit": [3e-3, 1e-2, 3e-2],
-                "ffa_lora": [0.1, 0.3, 1.0], "fedavg_full": [1e-3, 3e-3, 1e-2]}
+#: the second budget's grids (the first budget's probe, in the module doc, put the AdamW methods' best rates
+#: without DP at 1e-2 … 1e-1 and showed lower rates no better under DP)
+#: (3e-1 added after FedGaLore's best, with and without DP, came at 1e-1, the grid's top)
+RECORD_RATES = {"fedgalore": [3e-3, 1e-2, 3e-2, 1e-1, 3e-1], "fedgalore_minus": [3e-3, 1e-2, 3e-2, 1e-1, 3e-1],
+                "fedit": [3e-3, 1e-2, 3e-2, 1e-1, 3e-1], "ffa_lora": [0.3, 1.0, 3.0, 10.0],
+                "fedavg_full": [1e-3, 3e-3, 1e-2, 3e-2]}
 #: "client" (default) or "record"; set by --level
 LEVEL = "client"
 
@@ -107,7 +117,7 @@ def budget(quick: bool) -> dict:
     if LEVEL == "record":
         if quick:
             return {"num_clients": 4, "clients_per_round": 2, "rounds": 2, "n_train": 2000, "batch_size": 64, "eval_every": 1}
-        return {"num_clients": 8, "clients_per_round": 4, "rounds": 10, "n_train": 24000, "batch_size": 256, "eval_every": 2}
+        return {"num_clients": 4, "clients_per_round": 4, "rounds": 10, "n_train": 24000, "batch_size": 512, "eval_every": 2}
     if quick:
         return {"num_clients": 20, "clients_per_round": 5, "rounds": 6, "n_train": 1000}
     return {"num_clients": 1000, "clients_per_round": 100, "rounds": 30, "n_train": 20000}
@@ -137,11 +147,11 @@ def config_dict(method: str, lr: float, eps: float | None, seed: int, quick: boo
 
 
 def record_config_dict(method: str, lr: float, eps: float | None, seed: int, quick: bool) -> dict:
-    """Record-level cells: 8 sites of a Dirichlet(0.3) label split of 24,000 examples (~2,700
-    training examples each), 4 per round, 10 rounds of one local epoch of batch 256 (Poisson
-    q ≈ 0.09 under DP), every method on its default bases (DP-SGD makes the gradient private, so
-    RSVD bases and the moments are post-processing); ``privacy.record`` with C = 1 and σ
-    calibrated (``calibration: every_round``) so that a site sampled in every round stays within ε."""
+    """Record-level cells: 4 sites of a Dirichlet(0.3) label split of 24,000 examples (~5,400
+    training examples each), all 4 in every round, 10 rounds of one local epoch of batch 512
+    (Poisson q ≈ 0.09 under DP), every method on its default bases (DP-SGD makes the gradient
+    private, so RSVD bases and the moments are post-processing); ``privacy.record`` with C = 1 and
+    σ calibrated (``calibration: every_round``: every site is in every round)."""
     b = budget(quick)
     m = RECORD_METHODS[method]
     d = {
