@@ -40,7 +40,7 @@ from torch import nn
 from fedgalore.federated.seeding import mixed_seed
 from fedgalore.methods.base import option, register
 from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
-from fedgalore.methods.lora_common import LoraMethod, LoraOptions, check_weights, kaiming_uniform, lifted, pair_key, w_key
+from fedgalore.methods.lora_common import LoraMethod, LoraOptions, check_weights, lifted, pair_key, w_key
 from fedgalore.protocol.payload import LowRank, Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 
@@ -61,6 +61,9 @@ class FLoRA(FactoredDownlink, LoraMethod):
     optimizer_kind = "adamw"
     options_class = FLoRAOptions
 
+    #: (seed, every target's fresh A) of the last upload :meth:`release_reference` rebuilt
+    _fresh: tuple[int, dict[str, torch.Tensor]] | None = None
+
     def fresh_seed(self, round_seed: int, client: int) -> int:
         if self.options.fresh_init == "shared":
             return mixed_seed(self.adapter_seed, round_seed)
@@ -68,8 +71,8 @@ class FLoRA(FactoredDownlink, LoraMethod):
 
     def release_reference(self, broadcast: Payload | None, key: str, upload: Payload | None = None) -> Any:
         """The untrained value of upload entry ``key``: for an adapter pair ``(B = 0, A₀)`` with
-        ``A₀`` the client's fresh ``A`` — :meth:`init_adapters`' draws for every target in order
-        from ``fresh_seed(round_seed, client)``, shapes from the upload, the round seed from the
+        ``A₀`` the client's fresh ``A`` — :meth:`fresh_a`, as :meth:`init_adapters` drew it, from
+        ``fresh_seed(round_seed, client)``, shapes from the upload, the round seed from the
         broadcast's meta, the client from the upload's (public meta: both are released, and
         fixed by the config and the job); else the base rule (the head: the broadcast's)."""
         if upload is None or broadcast is None or "round_seed" not in broadcast.meta or "client" not in upload.meta:
@@ -78,13 +81,10 @@ class FLoRA(FactoredDownlink, LoraMethod):
         if key not in keys:
             return super().release_reference(broadcast, key, upload)
         seed = self.fresh_seed(int(broadcast.meta["round_seed"]), int(upload.meta["client"]))
-        cached = getattr(self, "_fresh_cache", None)
-        if cached is None or cached[0] != seed:  # every target's A at once (one generator, targets in order)
-            g = torch.Generator().manual_seed(seed)
-            cached = self._fresh_cache = (seed, {m: kaiming_uniform(tuple(upload[pair_key(m)].right.shape), g)
-                                                 for m in self.targets})
+        if self._fresh is None or self._fresh[0] != seed:  # every target's A at once: one draw per upload, not per key
+            self._fresh = (seed, self.fresh_a({m: upload[pair_key(m)].right.shape for m in self.targets}, seed))
         b = upload[key].left
-        return LowRank(torch.zeros(b.shape, dtype=torch.float32), cached[1][keys[key]])
+        return LowRank(torch.zeros(b.shape, dtype=torch.float32), self._fresh[1][keys[key]])
 
     def init_server_state(self, model: nn.Module) -> ServerState:
         params = {w_key(m): self.base_weight(model, m).detach().float().cpu().clone() for m in self.targets}

@@ -265,13 +265,19 @@ class LoraMethod(Method):
             self.assign(self.lora_a(model, m), a)
             self.assign(self.lora_b(model, m), b)
 
+    def fresh_a(self, shapes: Mapping[str, Sequence[int]], seed: int) -> dict[str, torch.Tensor]:
+        """Every target's fresh ``A ~ U(−1/√n, 1/√n)`` (shape ``shapes[target]``), drawn from one
+        local generator seeded ``seed``, targets in order: what :meth:`init_adapters` puts into a
+        model, and what FLoRA's client-level DP reference rebuilds from an upload's shapes."""
+        g = torch.Generator().manual_seed(seed)
+        return {m: kaiming_uniform(tuple(shapes[m]), g) for m in self.targets}
+
     @torch.no_grad()
     def init_adapters(self, model: nn.Module, seed: int) -> None:
-        """``A ~ U(−1/√n, 1/√n)`` from a local generator (targets in order), ``B = 0``."""
-        g = torch.Generator().manual_seed(seed)
+        """``A`` from :meth:`fresh_a`, ``B = 0``."""
+        fresh = self.fresh_a({m: tuple(self.lora_a(model, m).shape) for m in self.targets}, seed)
         for module in self.targets:
-            a = self.lora_a(model, module)
-            self.assign(a, kaiming_uniform(tuple(a.shape), g))
+            self.assign(self.lora_a(model, module), fresh[module])
             self.lora_b(model, module).zero_()
 
     def prepare(self, model: nn.Module) -> None:
