@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
+from fedgalore.federated.guards import AttackConfig, RobustConfig, SecureAggregationConfig
 from fedgalore.federated.partition import PartitionConfig
 from fedgalore.federated.partitioners import infers_clients
 from fedgalore.federated.server_opt import ServerOptimizerConfig
@@ -103,6 +104,13 @@ class FederationConfig:
     client_eval_every: int | None = None
     #: what the server does with the aggregate (fedgalore.federated.server_opt; default fedavg: keep it)
     server_optimizer: ServerOptimizerConfig = field(default_factory=ServerOptimizerConfig)
+    #: Flower SecAgg+: the server sees only the weighted sum of the uploads (fedgalore.federated.guards;
+    #: Flower deployments; null: off)
+    secure_aggregation: SecureAggregationConfig | None = None
+    #: robust aggregation against a hostile site: trimmed_mean | median | krum | norm_filter (null: off)
+    robust: RobustConfig | None = None
+    #: simulations only: hostile clients whose uploads are scaled or sign-flipped (to measure federation.robust)
+    attack: AttackConfig | None = None
 
 
 @dataclass
@@ -243,7 +251,62 @@ class FederatedConfig:
                 raise ConfigError(f"federation.server_optimizer.name={f.server_optimizer.name} changes the update the "
                                   "factored downlink sends; set method.options.downlink=dense (or server_optimizer.name=fedavg)")
             self._check_adapter_needs()
+        self._check_guards()
         return self
+
+    def _check_guards(self) -> None:
+        """``federation.secure_aggregation`` and ``federation.robust`` (fedgalore.federated.guards):
+        their values, what they exclude, and — for a method registered here — whether the method's
+        aggregation allows them (:meth:`~fedgalore.methods.base.Method.secure_aggregation_problem`,
+        :meth:`~fedgalore.methods.base.Method.robust_problem`). Every refusal is one line naming the
+        option; the method's comes before the backend's (SecAgg+ runs in Flower deployments only)."""
+        f, name = self.federation, self.method.name
+        if f.attack is not None:
+            f.attack.check()
+            _check(self.backend.name != "flower",
+                   "federation.attack simulates hostile sites; a Flower deployment's sites are real ones — set "
+                   "federation.attack=null")
+            _check(f.num_clients is None or all(c < f.num_clients for c in f.attack.clients),
+                   f"federation.attack.clients={f.attack.clients} names a client outside 0..{(f.num_clients or 1) - 1}")
+        known = name in available_methods()
+        cls = method_class(name) if known else None
+        if f.robust is not None:
+            r = f.robust.check()
+            _check(f.secure_aggregation is None,
+                   "federation.robust compares the clients' individual uploads, which federation.secure_aggregation hides "
+                   "from the server; use one of the two (set the other to null)")
+            _check(self.privacy.client is None,
+                   "federation.robust with privacy.client: a robust rule lets one site change which other uploads count, so "
+                   "the noised sum's sensitivity is no longer privacy.client.clip; use one of the two")
+            per_round = f.clients_per_round or f.num_clients
+            _check(per_round is None or per_round >= r.min_clients(),
+                   f"federation.robust.kind={r.kind} with num_malicious={r.num_malicious} needs at least {r.min_clients()} "
+                   f"clients per round (K − f − 2 >= 1 and to_keep <= K); raise federation.clients_per_round or lower "
+                   f"num_malicious")
+            if cls is not None:
+                why = cls.robust_problem(r.kind)
+                _check(why is None, str(why))
+        if f.secure_aggregation is not None:
+            f.secure_aggregation.check()
+            if cls is not None:
+                opts = cls.resolve_options(self.method.typed_options(), self.method.rank)
+                why = cls.secure_aggregation_problem(opts)
+                _check(why is None, str(why))
+            for key in ("max_update_norm", "clip_update_norm"):
+                _check(getattr(f, key) is None,
+                       f"federation.{key} checks each client's update, which federation.secure_aggregation hides from the "
+                       f"server (SecAgg+'s clipping_range bounds every value instead); set federation.{key}=null")
+            _check(not self.train.scaffold,
+                   "train.scaffold: SCAFFOLD's control variates are per-client state the server must read, which "
+                   "federation.secure_aggregation hides; turn train.scaffold off")
+            c = self.privacy.client
+            _check(c is None or c.noise == "distributed",
+                   "privacy.client.noise=central has the server clip each upload, which federation.secure_aggregation "
+                   "hides from it; set privacy.client.noise: distributed (each site clips and noises its own upload)")
+            _check(self.backend.name == "flower",
+                   f"federation.secure_aggregation runs Flower's SecAgg+ between SuperNodes, and backend {self.backend.name!r} "
+                   "has none; run the job as a Flower app (flwr run examples/flower/app, docs in examples/flower/README.md) "
+                   "or set federation.secure_aggregation=null")
 
     def _check_adapter_needs(self) -> None:
         """``task.options.quantization`` and ``export.every_round`` need a method whose global model is

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from fedgalore.engine.attack import hostile_upload
 from fedgalore.engine.backends import Backend, make_backend
 from fedgalore.engine.client_eval import evaluate_clients, summarize_clients
 from fedgalore.engine.config import ConfigError, FederatedConfig
@@ -49,6 +50,7 @@ from fedgalore.engine.liveness import FINISHED, Heartbeat, RunLock, Terminated, 
 from fedgalore.engine.privacy_ledger import PrivacyLedger
 from fedgalore.engine.resolve import check_device, config_for_method
 from fedgalore.engine.round_adapters import save_round_adapter
+from fedgalore.engine.robust_stage import apply_robust
 from fedgalore.engine.rundir import RunDirectory, choose_run_dir, run_summary
 from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
 from fedgalore.engine.validation import expected_keys, norm_problem, update_norm, validate_upload
@@ -89,6 +91,7 @@ class _Round:
     client_recs: list[dict[str, Any]]
     time_clients: float
     controls: dict[int, dict[str, Any]] = field(default_factory=dict)  # SCAFFOLD: each kept client's c_i⁺
+    robust: dict[str, float] = field(default_factory=dict)  # federation.robust's counts (robust_kept, robust_excluded)
 
 
 class Federation:
@@ -326,7 +329,7 @@ class Federation:
         sync_diag = self.method.synchronize(self.state, rnd.uploads, rnd.ctx.weights, rnd.ctx)  # S
         t_server = time.perf_counter() - t_server
         t_diag = time.perf_counter()
-        diag = {"round": k + 1, **sync_diag, **self._diagnostics(applied, rnd)}
+        diag = {"round": k + 1, **sync_diag, **self._diagnostics(applied, rnd), **rnd.robust}
         t_diag = time.perf_counter() - t_diag
         evals, t_eval = self._evaluate(k)
         if self.cfg.export.every_round:  # this round's PEFT adapter (fedgalore.engine.round_adapters)
@@ -393,11 +396,21 @@ class Federation:
             blob = self._broadcast(k, rctx)
             jobs = [ClientJob(k, fed.rounds, c, seed_k) for c in clients]
             t1 = time.perf_counter()
-            results = self.backend.run_clients(blob, jobs, self.progress)
+            if fed.secure_aggregation is not None:  # SecAgg+: the server gets the weighted mean of the uploads only
+                ints = [1 if self.runtime.client_dp is not None else s for s in sizes]
+                results, summed = self.backend.run_clients_summed(blob, jobs, ints, self.progress)
+            else:
+                results, summed = self.backend.run_clients(blob, jobs, self.progress), None
             t_clients += time.perf_counter() - t1
             self.privacy.observe(self.state, k, attempt, results)  # every upload the server saw counts (privacy.record)
-            uploads, deltas, kept_w, kept_c = self._collect(k, attempt, rctx, results, weights, client_recs)
-            if len(uploads) >= fed.min_clients:
+            if fed.secure_aggregation is not None:
+                uploads, deltas, kept_w, kept_c = self._collect_summed(k, attempt, rctx, results, summed, client_recs)
+            else:
+                uploads, deltas, kept_w, kept_c = self._collect(k, attempt, rctx, results, weights, client_recs)
+            robust_diag: dict[str, float] = {}
+            if fed.robust is not None and uploads:  # a hostile site's upload dropped or outvoted before A
+                uploads, deltas, kept_w, kept_c, robust_diag = self._robust(k, attempt, uploads, deltas, kept_w, kept_c, client_recs)
+            if uploads and len(kept_c) >= fed.min_clients:
                 if self.runtime.client_dp is not None:  # privacy.client, central noise: the server clips and noises
                     uploads = self.runtime.client_dp.server_side(uploads, self._round_bcast, k, attempt,
                                                                  self.privacy.current_clip(self.state))
@@ -406,9 +419,9 @@ class Federation:
                 ctx = RoundContext(k, fed.rounds, seed_k, kept_c, [w / total for w in kept_w], cfg.diagnostics)
                 controls = {c: self._controls.pop(c) for c in kept_c if c in self._controls}
                 self._controls = {}
-                return _Round(ctx, uploads, deltas, clients, client_recs, t_clients, controls)
+                return _Round(ctx, uploads, deltas, clients, client_recs, t_clients, controls, robust_diag)
             self.progress.message(
-                f"round {k + 1}: only {len(uploads)} valid upload(s) < federation.min_clients={fed.min_clients}"
+                f"round {k + 1}: only {len(kept_c) if uploads else 0} valid upload(s) < federation.min_clients={fed.min_clients}"
                 + ("; retrying with a new sample" if attempt < fed.max_round_retries else "")
             )
         self.files.append_round(k + 1, client_recs, self.ledger)  # keep the evidence of why the round failed
@@ -417,6 +430,25 @@ class Federation:
             f"round {k + 1} failed {fed.max_round_retries + 1} time(s): fewer than {fed.min_clients} valid uploads "
             f"(first error: {first}); the last complete round is checkpointed — fix the cause and resume"
         )
+
+    def _robust(self, k: int, attempt: int, uploads: list[Payload], deltas: list[dict[str, Any]], kept_w: list[float],
+                kept_c: list[int], client_recs: list[dict[str, Any]]):
+        """``federation.robust`` on one attempt's valid uploads (fedgalore.engine.robust_stage): the
+        dropped clients' records get ``robust_excluded``; a coordinate-wise statistic comes back as
+        the one upload A applies, with weight 1 (its clients all counted in it)."""
+        out = apply_robust(self.cfg.federation.robust, self.method, self.state, uploads)
+        for i, why in out.excluded.items():
+            c = kept_c[i]
+            for rec in reversed(client_recs):
+                if rec["round"] == k + 1 and rec["attempt"] == attempt and rec["client"] == c:
+                    rec["robust_excluded"] = why
+                    break
+            self.progress.message(f"round {k + 1}: client {self.runtime.clients.name(c)} excluded by federation.robust ({why})")
+        if out.combined is not None:
+            return [out.combined], [{}], [1.0], [kept_c[i] for i in out.keep], out.diag
+        keep = out.keep
+        return ([uploads[i] for i in keep], [deltas[i] for i in keep], [kept_w[i] for i in keep], [kept_c[i] for i in keep],
+                out.diag)
 
     def _downlink_mode(self) -> str | None:
         """How a method's per-client (factored) downlink runs on this backend: ``replay`` (the
@@ -491,6 +523,38 @@ class Federation:
             return blob(bcast)
         return {c: blob(m) for c, m in train.items()}
 
+    def _collect_summed(self, k: int, attempt: int, rctx: RoundContext, results: list[ClientResult], summed: Payload | None,
+                        client_recs: list[dict[str, Any]]) -> tuple[list[Payload], list[dict[str, Any]], list[float], list[int]]:
+        """Secure aggregation's collect: the clients' records (no individual upload exists on the
+        server) and the one summed upload — validated as any upload (finite, shapes, keys, the
+        method's checks; a rejected sum drops the whole attempt) — that A applies with weight 1. The
+        ledger counts, per client, what the server received from its node in every SecAgg+ stage."""
+        received = getattr(self.backend, "secure_received", {})
+        node_of = getattr(self.backend, "node_of", {})
+        kept_c = [r.client for r in results if r.error is None and (r.stats or {}).get("secagg_summed")]
+        reason = None
+        if summed is not None and kept_c:
+            reason = validate_upload(self.method, self.state, summed, rctx, expected_keys(self.upload_keys, [summed]))
+        for res in results:
+            rec = {"round": k + 1, "attempt": attempt, "client": res.client, "time": res.time,
+                   "num_examples": len(self.runtime.parts[res.client]), "secure_aggregation": True}
+            if self.runtime.clients.names is not None:
+                rec["client_name"] = self.runtime.clients.name(res.client)
+            got = received.get(node_of.get(res.client))
+            if got:
+                self.ledger.record(k + 1, res.client, "up", Payload(), int(got))
+            if res.error is None and reason is not None:
+                res.error = f"rejected: the secure sum: {reason}"
+            if res.error is None:
+                rec.update({kk: v for kk, v in (res.stats or {}).items() if isinstance(v, (int, float)) and kk not in rec})
+            else:
+                rec["error"] = res.error.splitlines()[0]
+                self.progress.message(f"round {k + 1}: client {self.runtime.clients.name(res.client)} dropped ({rec['error']})")
+            client_recs.append(rec)
+        if summed is None or reason is not None or not kept_c:
+            return [], [], [], []
+        return [summed], [{}], [1.0], kept_c
+
     def _collect(self, k: int, attempt: int, rctx: RoundContext, results: list[ClientResult], weights: list[float],
                  client_recs: list[dict[str, Any]]) -> tuple[list[Payload], list[dict[str, Any]], list[float], list[int]]:
         """Decode, validate (and optionally clip) the uploads of one attempt; returns the kept
@@ -510,6 +574,8 @@ class Federation:
                 except PayloadError as exc:
                     res.error = f"undecodable upload: {exc}"
                 self.ledger.record(k + 1, res.client, "up", up if up is not None else Payload(), res.upload)
+            if up is not None and fed.attack is not None and res.client in fed.attack.clients:  # a simulated hostile site
+                up = hostile_upload(fed.attack, self.method, up, self._round_bcast)
             if up is not None and self.cfg.train.scaffold:  # c_i⁺ (counted up above) is the server's, not A's
                 up, self._controls[res.client] = split_entries(up, NEW_CI)
                 ci = self._controls[res.client]

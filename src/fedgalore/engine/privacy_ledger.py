@@ -249,14 +249,14 @@ class PrivacyLedger:
         """Count every upload that came back in one attempt of round ``round_idx`` (the server saw
         it, whatever validation decides): its site's ``(σ, q, steps)`` joins that site's history."""
         if self.release is not None and self.release.client.noise == "distributed":
-            received = sum(1 for r in results if r.upload is not None)
+            received = sum(1 for r in results if _released(r))
             if received:  # the clients released their noised uploads, whatever the server keeps
                 self._client_event(self._client_book(state), received, len(results))
         if self.record is None:
             return
         book = self._book(state)
         for res in results:
-            if res.upload is None:  # no upload: nothing was released
+            if not _released(res):  # no upload: nothing was released
                 continue
             st = res.stats or {}
             c = str(int(res.client))
@@ -461,3 +461,9 @@ def client_plan(cfg: FederatedConfig, num_clients: int) -> dict[str, Any] | None
                 "epsilon_first_round": client_epsilon([(sigma, rel.sample, 1)], num_clients, c.delta),
                 "epsilon_planned": client_epsilon([(sigma, rel.sample, cfg.federation.rounds)], num_clients, c.delta)})
     return out
+
+
+def _released(res: Any) -> bool:
+    """Whether a client's upload left its site: an upload came back, or (secure aggregation) it went
+    into the round's masked sum."""
+    return res.upload is not None or bool((res.stats or {}).get("secagg_summed"))

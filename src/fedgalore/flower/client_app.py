@@ -44,6 +44,7 @@ from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
 from fedgalore.flower.codec import blob_to_record, record_to_blob  # noqa: E402
+from fedgalore.flower.secagg import secagg_mod  # noqa: E402
 
 __all__ = ["app", "train", "whoami", "evaluate", "site_options"]
 
@@ -216,31 +217,62 @@ def evaluate(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"metrics": ConfigRecord(res)}), reply_to=msg)
 
 
-@app.train()
+@app.train(mods=[secagg_mod])
 def train(msg: Message, context: Context) -> Message:
     """Run T for the job's client on the broadcast (this node's downlink store applied first) and
-    reply the upload, the version now held and the bytes received."""
-    from fedgalore.engine.runtime import ClientJob
-
+    reply the upload, the version now held and the bytes received. Under secure aggregation
+    (a SecAgg+ collect stage: the job arrives as Flower's FitIns, fedgalore.flower.secagg) the reply
+    is Flower's FitRes — the upload as the summed arrays, the weight as its example count — which
+    Flower's ``secaggplus_mod`` masks before it leaves the node."""
+    if "fitins.config" in msg.content.config_records:
+        return _train_secagg(msg, context)
     job = msg.content["job"]
-    client = int(job["client"])
-    pid = context.node_config.get("partition-id")
+    result, upload = _run_job(job, record_to_blob(msg.content["broadcast"]), context, _received(msg, "broadcast"))
     content = RecordDict()
-    if pid is not None and int(pid) != client:
-        result = {"client": client, "error": f"node holds partition {pid}, asked to train client {client}", "time": 0.0, "stats": "{}"}
-    else:
-        rt = _runtime(job, context.node_config)
-        key = str(job["key"])
-        store = _load_store(context, key, rt)
-        res = rt.execute(
-            ClientJob(int(job["round"]), int(job["total_rounds"]), client, int(str(job["round_seed"]))),
-            record_to_blob(msg.content["broadcast"]),
-            client_state=store,
-        )
-        held = _save_store(context, key, store)
-        if res.upload is not None:
-            content["upload"] = blob_to_record(res.upload)
-        result = {"client": client, "error": res.error or "", "time": float(res.time), "stats": json.dumps(res.stats, default=float),
-                  "held_version": held, "received": _received(msg, "broadcast")}
+    if upload is not None:
+        content["upload"] = blob_to_record(upload)
     content["result"] = ConfigRecord(result)
     return Message(content, reply_to=msg)
+
+
+def _run_job(job, broadcast: bytes, context: Context, received: int) -> tuple[dict, bytes | None]:
+    """``(result record, upload blob)`` of one train job on this node."""
+    from fedgalore.engine.runtime import ClientJob
+
+    client = int(job["client"])
+    pid = context.node_config.get("partition-id")
+    if pid is not None and int(pid) != client:
+        return {"client": client, "error": f"node holds partition {pid}, asked to train client {client}", "time": 0.0, "stats": "{}"}, None
+    rt = _runtime(job, context.node_config)
+    key = str(job["key"])
+    store = _load_store(context, key, rt)
+    res = rt.execute(ClientJob(int(job["round"]), int(job["total_rounds"]), client, int(str(job["round_seed"]))), broadcast,
+                     client_state=store)
+    held = _save_store(context, key, store)
+    result = {"client": client, "error": res.error or "", "time": float(res.time), "stats": json.dumps(res.stats, default=float),
+              "held_version": held, "received": received}
+    return result, res.upload
+
+
+def _train_secagg(msg: Message, context: Context) -> Message:
+    """The SecAgg+ collect stage's training: the job and broadcast come as Flower's FitIns (the
+    broadcast is fedgalore's encoded payload, one tensor); the reply is Flower's FitRes with the
+    upload as :func:`fedgalore.flower.secagg.summable`'s arrays, ``num_examples`` = the job's
+    ``secagg_weight`` and the layout and result record in the (clear) metrics. A client that could
+    not train raises: its node drops out of the SecAgg+ round, and Flower recovers its masks."""
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
+    from flwr.compat.common import recorddict_compat as compat
+
+    from fedgalore.flower.secagg import summable
+    from fedgalore.protocol.payload import decode
+
+    fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
+    job = dict(fitins.config)
+    blob = bytes(fitins.parameters.tensors[0])
+    result, upload = _run_job(job, blob, context, len(blob))
+    if upload is None or result["error"]:
+        raise RuntimeError(f"client {result['client']} could not train: {result['error'] or 'no upload'}")
+    arrays, layout = summable(decode(upload))
+    metrics = {**result, "layout": layout}
+    res = FitRes(Status(Code.OK, "ok"), ndarrays_to_parameters(arrays), int(job["secagg_weight"]), metrics)
+    return Message(compat.fitres_to_recorddict(res, keep_input=True), reply_to=msg)

@@ -271,6 +271,76 @@ class GridBackend(Backend):
         if self.log_path is not None:
             append_jsonl(self.log_path, rec)
 
+    def run_clients_summed(self, broadcast: bytes | dict[int, bytes], jobs: list[ClientJob], weights: list[int],
+                           progress: ProgressSink | None = None) -> tuple[list[ClientResult], object]:
+        """One round under Flower's SecAgg+ (fedgalore.flower.secagg.secure_round): each client's
+        node is sent its broadcast and job as the workflow's FitIns, trains, and uploads its arrays
+        masked; the server learns their weighted mean (``weights``: each client's integer weight) and
+        each client's result record in the clear. A node lost in any stage is handled as Flower
+        handles it (its masks recovered from its neighbours' shares); its client counts as dropped."""
+        from fedgalore.flower.secagg import from_summed, secure_round
+
+        self.refresh_nodes()
+        for j in jobs:
+            if progress is not None:
+                progress.client_start(j.round, j.client, self.runtime.batches(j.client, j.round)[1])
+        server_round = jobs[0].round + 1 if jobs else 0
+        sa = self.runtime.cfg.federation.secure_aggregation
+        instructions: dict[int, tuple[bytes, dict]] = {}
+        for j, w in zip(jobs, weights):
+            node = int(self.node_of[j.client])
+            if node in instructions:
+                raise RuntimeError(f"secure aggregation: clients {instructions[node][1]['client']} and {j.client} are on one "
+                                   "SuperNode; SecAgg+ masks per node — run one SuperNode per client")
+            blob = broadcast[j.client] if isinstance(broadcast, dict) else broadcast
+            instructions[node] = (blob, {**self.job, "round": j.round, "total_rounds": j.total_rounds,
+                                         "round_seed": str(j.round_seed), "client": int(j.client), "secagg_weight": int(w)})
+        max_weight = float(sa.max_weight) if sa.max_weight is not None else float(max(weights, default=1))
+        wait = self._retry_wait(jobs[0].round if jobs else -1, self._wait(instructions))
+        waves = _SecureWaves(self.grid)
+        try:
+            sr = secure_round(waves, sa, instructions, server_round=server_round, max_weight=max_weight, timeout=wait)
+        except Exception as exc:  # noqa: BLE001 - the protocol failed: the round's clients are dropped, the loop retries
+            log.warning("flower: SecAgg+ round %s failed: %s", server_round, exc)
+            from fedgalore.flower.secagg import SecureRound
+
+            sr = SecureRound(halted=f"SecAgg+ failed: {type(exc).__name__}: {exc}".splitlines()[0])
+        by_client = {int(r["client"]): (node, r) for node, r in sr.results.items()}
+        self.ready.update(sr.results)
+        results: list[ClientResult] = []
+        summed = [c for c in by_client if sr.mean is not None]
+        for j in jobs:
+            node = int(self.node_of[j.client])
+            self.held[j.client] = None
+            if j.client not in by_client:
+                why = waves.held_back.get(node) or sr.halted or "no masked upload from its SuperNode in the SecAgg+ round (dropped, timed out or failed to train)"
+                results.append(ClientResult(j.client, None, f"secure aggregation: {why}"))
+                continue
+            _, r = by_client[j.client]
+            held = int(r.get("held_version", -1))
+            self.held[j.client] = held if held >= 0 else None
+            stats = {**json.loads(str(r.get("stats", "{}"))), "secagg_summed": j.client in summed}
+            results.append(ClientResult(j.client, None, str(r.get("error", "")) or None, float(r.get("time", 0.0)), stats))
+        mean = None
+        if sr.mean is not None and by_client:
+            layout = str(next(iter(by_client.values()))[1]["layout"])
+            mean = from_summed(layout, sr.mean)
+        self._round = server_round
+        for j in jobs:
+            node = int(self.node_of[j.client])
+            self._log({"round": server_round, "type": "train_secagg", "client": int(j.client), "node": node,
+                       "sent": len(instructions[node][0]), "server_received": waves.received.get(node),
+                       "masked_head": waves.masked.get(node), "summed": j.client in summed,
+                       "held_back": waves.held_back.get(node)})
+        for r, j in zip(results, jobs):
+            if progress is not None:
+                progress.client_end(j.round, j.client, {"time": r.time, "error": r.error, **r.stats})
+        up = sum(waves.received.values())
+        sent = sum(len(b) for b, _ in instructions.values())
+        self.last_round_bytes = {"broadcast": sent, "uploads": up, "total": sent + up}
+        self.secure_received = dict(waves.received)
+        return results, mean
+
     def client_versions(self, method, clients: list[int]) -> dict[int, int | None]:
         """What each node holds: the version it last reported, W_0 (0) for a node that has not
         trained in this run, None (dense) after a missing reply or a node that kept nothing."""
@@ -325,6 +395,61 @@ class GridBackend(Backend):
         sent = sum(len(broadcast[j.client]) for j in jobs) if isinstance(broadcast, dict) else len(broadcast) * len(jobs)
         self.last_round_bytes = {"broadcast": sent, "uploads": up, "total": sent + up}
         return results
+
+
+class _SecureWaves:
+    """The Grid as the SecAgg+ workflow sees it, with two things added (a wrapper: every call goes to
+    the real Grid). (1) Each collect-stage reply is checked before Flower sums it: a reply whose
+    layout (fedgalore.flower.secagg.summable, in its clear metrics) differs from the round's majority
+    would be summed element by element with arrays of other shapes, so it is held back — to the
+    workflow that node dropped out, and Flower recovers its masks. (2) What the server received from
+    each node in every stage is kept for flower_messages.jsonl: bytes, and for the masked vector a
+    few of its first values (masked: uniform over the modulus, not the client's update)."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self.received: dict[int, int] = {}
+        self.masked: dict[int, list[int]] = {}
+        self.held_back: dict[int, str] = {}
+        self.stage_nodes: list[set[int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.grid, name)
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from flwr.common import bytes_to_ndarray
+        from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+
+        messages = list(messages)
+        replies = list(self.grid.send_and_receive(messages, timeout=timeout))
+        sent_to = _sent_to(messages)
+        ok = [r for r in replies if not r.has_error()]
+        self.stage_nodes.append({_from_node(r, sent_to) for r in ok})
+        for r in ok:
+            node = _from_node(r, sent_to)
+            cfg = r.content.config_records.get(RECORD_KEY_CONFIGS)
+            size = sum(len(v) if isinstance(v, (bytes, str)) else sum(len(x) for x in v if isinstance(x, (bytes, str)))
+                       for v in (cfg.values() if cfg is not None else []) if isinstance(v, (bytes, str, list)))
+            self.received[node] = self.received.get(node, 0) + size
+            if cfg is not None and Key.MASKED_PARAMETERS in cfg:
+                first = bytes_to_ndarray(cfg[Key.MASKED_PARAMETERS][1] if len(cfg[Key.MASKED_PARAMETERS]) > 1
+                                         else cfg[Key.MASKED_PARAMETERS][0]).ravel()
+                self.masked[node] = [int(x) for x in first[:4]]
+        layouts = {}
+        for r in ok:
+            if "fitres.metrics" in r.content.config_records:
+                layouts[_from_node(r, sent_to)] = str(r.content.config_records["fitres.metrics"].get("layout", ""))
+        if len(set(layouts.values())) > 1:
+            votes: dict[str, int] = {}
+            for lay in layouts.values():
+                votes[lay] = votes.get(lay, 0) + 1
+            major = max(votes, key=lambda k: (votes[k], k))
+            bad = {n for n, lay in layouts.items() if lay != major}
+            for n in bad:
+                self.held_back[n] = ("its upload's layout differs from the round's majority (e.g. another number of GaLore "
+                                     "refreshes): SecAgg+ sums arrays of one layout; give every client the same train.local_steps")
+            replies = [r for r in replies if r.has_error() or _from_node(r, sent_to) not in bad]
+        return replies
 
 
 def _reply_result(msg: Message) -> ClientResult | None:

@@ -117,6 +117,44 @@ class Method(abc.ABC):
         names the option to change, or None. ``moments``: ``privacy.client.moments``."""
         return None
 
+    #: the uploads are dense tensors in the global parameters' own coordinates, so a coordinate-wise
+    #: statistic over clients (``federation.robust.kind`` trimmed_mean / median) is an update
+    coordinate_uploads: ClassVar[bool] = False
+
+    @classmethod
+    def secure_aggregation_problem(cls, options: MethodOptions) -> str | None:
+        """Why this method, with its resolved ``options``, cannot run under secure aggregation
+        (``federation.secure_aggregation``: the server learns only ``Σ_i w_i x_i / Σ_i w_i`` of the
+        uploads ``x_i``), as one line naming the option, or None. Supported exactly when A and S
+        read the uploads only through that weighted mean — ``A(x_1..x_K; p) = A(Σ p_i x_i; 1)`` —
+        which :attr:`dp_aggregate` ``mean`` declares; a method whose A uses each upload on its own
+        (stacking, products, a fit per client) is refused."""
+        if cls.dp_aggregate == "mean":
+            return None
+        return (f"federation.secure_aggregation: method {cls.name!r} combines each client's upload on its own (its "
+                "aggregation is not a weighted sum of the uploads), which secure aggregation hides from the server; use "
+                "fedavg_full, fedit, ffa_lora, fr_lora or fedgalore on seeded bases, or set federation.secure_aggregation=null")
+
+    @classmethod
+    def robust_problem(cls, kind: str) -> str | None:
+        """Why ``federation.robust.kind`` cannot apply to this method, or None. Coordinate-wise
+        statistics need :attr:`coordinate_uploads`; Krum and the norm filter compare the clients'
+        effective updates ΔW_i (:meth:`update_terms`), which every method has."""
+        if kind in ("trimmed_mean", "median") and not cls.coordinate_uploads:
+            return (f"federation.robust.kind={kind} is a coordinate-wise statistic of dense uploads, and method "
+                    f"{cls.name!r} uploads factors (two clients' factor coordinates are not the same coordinates); use "
+                    "kind krum or norm_filter, which compare the updates ΔW_i themselves")
+        return None
+
+    def update_terms(self, state: ServerState, upload: Payload) -> dict[str, list[Any]]:
+        """Each adapted matrix's effective update ΔW_i as additive terms
+        (:class:`fedgalore.federated.robust.Term`: dense, or factored ``L R``) — what robust
+        aggregation compares, through inner products of factors, never forming ``m × n`` where
+        the factors suffice. Default: the dense :meth:`client_deltas`."""
+        from fedgalore.federated.robust import dense_term
+
+        return {k: [dense_term(d)] for k, d in self.client_deltas(state, upload).items()}
+
     def __init__(self, rank: int = 8, options: MethodOptions | None = None) -> None:
         if rank <= 0:
             raise MethodError(f"rank must be a positive integer, got {rank}")

@@ -130,6 +130,9 @@ class FedAvgFull(DenseTargetsMethod):
         self.average_heads(state, uploads, weights)
         return applied
 
+    #: every upload entry is a dense tensor in the parameter's own coordinates (federation.robust trimmed_mean / median)
+    coordinate_uploads = True
+
     def client_deltas(self, state, upload):
         return {n: upload[n].materialize().float() for n in self.targets}
 

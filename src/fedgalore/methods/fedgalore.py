@@ -115,6 +115,7 @@ import torch
 from torch import nn
 
 from fedgalore.federated.client import epoch_switch_step, local_train, optimizer_steps
+from fedgalore.federated.robust import update_terms as robust_update_terms
 from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
 from fedgalore.methods.base import MethodError, MethodOptions, load_params, named_params, option, register
 from fedgalore.methods.fedavg_full import DenseTargetsMethod
@@ -478,6 +479,34 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
 
     def client_deltas(self, state, upload):
         return {n: upload[n].materialize(state.params[n]) for n in self.targets}  # type: ignore[call-arg]
+
+    def update_terms(self, state, upload):
+        """Each record ``ΔW_i = a_i W_k + Σ_q term_iq`` as its factored terms plus the decay's
+        dense term on ``W_k`` (federation.robust compares them through their factors)."""
+        return {n: robust_update_terms(upload[n], state.params[n]) for n in self.targets}
+
+    @classmethod
+    def secure_aggregation_problem(cls, options) -> str | None:
+        """Under secure aggregation the server sees only ``Σ p_i x_i``: the update records are such
+        a sum only on *public* seeded bases (``projector: random``: every client's refresh ``q`` uses
+        the same seeded basis, so the coefficient blocks add up; a data-driven basis is the client's
+        own and would be released in the clear), and S must read the uploads through that sum:
+        ``none`` (FedGaLore⁻), ``aggregate`` (v̄ from the aggregated R_k block) or ``mean`` under
+        ``moment_protocol: paper`` (Σ p_i ṽ_i on R_k). AJIVE fits a joint subspace to each view,
+        and the aligned protocol's mean pools views by each client's evidence (a ratio of sums)."""
+        o = options
+        if o.projector != "random":
+            return (f"federation.secure_aggregation sums the clients' update records, which add up only on public seeded "
+                    f"bases; method.options.projector={o.projector!r} gives each client its own data-driven basis (sent in "
+                    "the clear); set method.options.projector: random")
+        if o.sync in ("ajive", "mean_svd"):
+            return (f"federation.secure_aggregation: method.options.sync={o.sync} fits a subspace to each client's moment view, "
+                    "which secure aggregation hides; use sync: aggregate (v̄ from the summed update), method fedgalore_minus, "
+                    "or sync: mean with moment_protocol: paper")
+        if o.sync == "mean" and o.moment_protocol != "paper":
+            return ("federation.secure_aggregation: sync=mean under moment_protocol=aligned pools the views by each client's "
+                    "evidence (a ratio of sums, not a sum); use moment_protocol: paper, sync: aggregate, or method fedgalore_minus")
+        return None
 
     # ------------------------------------------------------------------ S
     def synchronize(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext):

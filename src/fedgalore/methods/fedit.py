@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from fedgalore.federated.robust import factored_term
 from fedgalore.methods.base import register
 from fedgalore.protocol.payload import Dense, LowRank, Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
@@ -103,6 +104,15 @@ class FedIT(LoraMethod):
         for m in self.targets:
             b, a = self.upload_pair(upload, m)
             out[w_key(m)] = lifted(b, a, self.scaling) - lifted(state.params[b_key(m)], state.params[a_key(m)], self.scaling)
+        return out
+
+    def update_terms(self, state: ServerState, upload: Payload) -> dict[str, list]:
+        """``s(B_iA_i − B̄Ā)`` as two factored terms (federation.robust compares them through their factors)."""
+        out = {}
+        for m in self.targets:
+            b, a = self.upload_pair(upload, m)
+            out[w_key(m)] = [factored_term(self.scaling * b, a),
+                             factored_term(-self.scaling * state.params[b_key(m)].float(), state.params[a_key(m)].float())]
         return out
 
     @torch.no_grad()

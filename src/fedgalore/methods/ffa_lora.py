@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from fedgalore.federated.robust import factored_term
 from fedgalore.methods.base import register
 from fedgalore.methods.lora_common import LoraMethod, LoraSGDOptions, a_key, b_key, check_weights, weighted_sum, w_key
 from fedgalore.protocol.payload import Dense, Payload
@@ -87,6 +88,11 @@ class FFALoRA(LoraMethod):
             w_key(m): self.scaling * ((self.upload_tensor(upload, b_key(m)) - state.params[b_key(m)]) @ state.extras[a_key(m)])
             for m in self.targets
         }
+
+    def update_terms(self, state: ServerState, upload: Payload) -> dict[str, list]:
+        """``s(B_i − B̄)A`` as one factored term (federation.robust)."""
+        return {w_key(m): [factored_term(self.scaling * (self.upload_tensor(upload, b_key(m)) - state.params[b_key(m)].float()),
+                                         state.extras[a_key(m)].float())] for m in self.targets}
 
     @torch.no_grad()
     def load_global(self, model: nn.Module, state: ServerState) -> None:

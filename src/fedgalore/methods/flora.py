@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from fedgalore.federated.seeding import mixed_seed
+from fedgalore.federated.robust import factored_term
 from fedgalore.methods.base import option, register
 from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
 from fedgalore.methods.lora_common import LoraMethod, LoraOptions, check_weights, lifted, pair_key, w_key
@@ -129,6 +130,14 @@ class FLoRA(FactoredDownlink, LoraMethod):
     def client_deltas(self, state: ServerState, upload: Payload) -> dict[str, torch.Tensor]:
         """``s·B_iA_i`` (the adapters started at ``B = 0``)."""
         return {w_key(m): lifted(*self.upload_pair(upload, m), self.scaling) for m in self.targets}
+
+    def update_terms(self, state: ServerState, upload: Payload) -> dict[str, list]:
+        """``s·B_iA_i`` as one factored term (federation.robust)."""
+        out = {}
+        for m in self.targets:
+            b, a = self.upload_pair(upload, m)
+            out[w_key(m)] = [factored_term(self.scaling * b, a)]
+        return out
 
     @torch.no_grad()
     def load_global(self, model: nn.Module, state: ServerState) -> None:

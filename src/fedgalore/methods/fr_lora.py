@@ -42,6 +42,7 @@ from typing import Any, Literal, Sequence
 import torch
 from torch import nn
 
+from fedgalore.federated.robust import factored_term
 from fedgalore.methods.base import option, register
 from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
 from fedgalore.protocol.payload import Dense, LowRank, Payload
@@ -193,6 +194,24 @@ class FRLoRA(FactoredDownlink, LoraMethod):
             - lifted(state.extras[b_key(m)], state.extras[a_key(m)], self.scaling)
             for m in self.targets
         }
+
+    def update_terms(self, state: ServerState, upload: Payload) -> dict[str, list]:
+        """``s(B_iA_i − B0A0)`` as two factored terms (federation.robust)."""
+        out = {}
+        for m in self.targets:
+            b, a = self.client_factors(state, upload, m)
+            out[w_key(m)] = [factored_term(self.scaling * b.float(), a.float()),
+                             factored_term(-self.scaling * state.extras[b_key(m)].float(), state.extras[a_key(m)].float())]
+        return out
+
+    @classmethod
+    def secure_aggregation_problem(cls, options) -> str | None:
+        """Size-weighted FR-LoRA is a weighted sum of the uploads; ``uniform_average`` weighs every
+        upload 1/K whatever the weights SecAgg+ sums with."""
+        if options.uniform_average:
+            return ("federation.secure_aggregation sums the uploads with each client's example count, and "
+                    "method.options.uniform_average=true weighs them 1/K; set method.options.uniform_average: false")
+        return super().secure_aggregation_problem(options)
 
     @torch.no_grad()
     def load_global(self, model: nn.Module, state: ServerState) -> None:

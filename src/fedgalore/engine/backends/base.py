@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from typing import Any
 
 from fedgalore.engine.events import ProgressSink
 from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
@@ -63,6 +64,15 @@ class Backend(abc.ABC):
     #: records for the run's clients.jsonl from before the first round (round 0: nodes left out, and
     #: why); a backend that has some sets its own list (a tuple here: never shared and mutated)
     startup_records: Sequence[dict] = ()
+
+    def run_clients_summed(self, broadcast, jobs: list[ClientJob], weights: list[int],
+                           progress: ProgressSink | None = None) -> "tuple[list[ClientResult], Any]":
+        """Secure aggregation (``federation.secure_aggregation``): train the jobs and return
+        ``(results, summed)`` — each client's result without its upload (``stats["secagg_summed"]``
+        true when its upload is in the sum) and the uploads' weighted mean ``Σ w_i x_i / Σ w_i``
+        (``weights``: the integers w_i) as one Payload, or None. Only a deployment that runs a
+        secure-aggregation protocol has it (fedgalore.flower.strategy.GridBackend)."""
+        raise NotImplementedError(f"backend {self.name!r} runs no secure aggregation")
 
     def client_versions(self, method, clients: list[int]) -> dict[int, int | None]:
         """The model version each client's own store holds (``method.held_version``), for a
