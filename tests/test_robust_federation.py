@@ -55,6 +55,11 @@ def test_a_scaled_site_ruins_fedavg_and_every_defence_holds_accuracy(tmp_path):
     assert len(hostile) == 8 and all("Krum keeps" in r["robust_excluded"] for r in hostile)
     diag = read_jsonl(res.run_dir / "diagnostics.jsonl")
     assert all(d["robust_kept"] == 4 and d["robust_excluded"] == 2 for d in diag)
+    from fedgalore.report import build_report
+
+    rep = build_report(res.run_dir, tmp_path / "report", plots=False)
+    assert "client 0 in 8 of 8 rounds" in (tmp_path / "report" / "excluded.md").read_text()
+    assert rep["comparison"]["robust_excluded"][res.run_dir.name]["0"] == 8
 
 
 def test_a_scaled_lora_site_is_filtered_by_its_factored_norm(tmp_path):

@@ -82,7 +82,7 @@ def test_every_method_is_supported_or_refused_in_one_line(tmp_path):
     for m, o in SUPPORTED:
         FederatedConfig.from_dict(cfg_dict(tmp_path, m, o))
     for m, o, words in REFUSED:
-        for backend in ("flower", "sequential"):  # the method's refusal comes before the backend's
+        for backend in ("flower", "sequential"):  # the method's refusal (config) comes before the backend's (run)
             with pytest.raises(ConfigError) as e:
                 FederatedConfig.from_dict(cfg_dict(tmp_path, m, o, backend=backend))
             msg = str(e.value)
@@ -106,8 +106,11 @@ def test_central_client_dp_and_non_flower_backends_are_refused(tmp_path):
         FederatedConfig.from_dict(d)
     d["privacy"]["client"]["noise"] = "distributed"
     FederatedConfig.from_dict(d)
-    with pytest.raises(ConfigError, match="runs Flower's SecAgg\\+ between SuperNodes, and backend 'sequential'"):
-        FederatedConfig.from_dict(cfg_dict(tmp_path, "fedavg_full", backend="sequential"))
+    import fedgalore
+
+    with pytest.raises(ConfigError, match="runs Flower's SecAgg\\+ between SuperNodes, and the sequential backend has none"):
+        fedgalore.run(FederatedConfig.from_dict(cfg_dict(tmp_path, "fedavg_full", backend="sequential")))
+    assert not (tmp_path / "sa").exists() or not list((tmp_path / "sa").glob("*/checkpoints"))  # refused before the model loads
     bad = cfg_dict(tmp_path, "fedavg_full")
     bad["federation"]["secure_aggregation"] = {"num_shares": 3, "reconstruction_threshold": 3}
     with pytest.raises(ConfigError, match="reconstruction_threshold=3 must be below num_shares=3"):
@@ -242,3 +245,31 @@ def test_a_node_lost_after_sharing_its_keys_is_survived(tmp_path):
     lost = [r for r in recs if r["client"] == 2]
     assert lost and "secure aggregation" in lost[0]["error"]
     assert sorted(r["client"] for r in recs if "error" not in r) == [0, 1]
+
+
+def test_distributed_client_dp_under_secagg_accounts_the_lost_nodes_noise(tmp_path, caplog):
+    """privacy.client with distributed noise: each site adds N(0, σ²C²/K) before masking, so the SecAgg+
+    sum carries σ; a node lost mid-round leaves σ·√(2/3), which the accountant counts and the log says."""
+    pytest.importorskip("dp_accounting")
+    grid = SecAggGrid({101 + i: {"partition-id": i, "num-partitions": 3} for i in range(3)}, lose=103, lose_at=7)
+    d = cfg_dict(tmp_path, "fedavg_full", min_clients=2, max_round_retries=0, num_clients=3)
+    d["privacy"] = {"client": {"clip": 0.5, "noise_multiplier": 1.0, "delta": 1e-3, "noise": "distributed"}}
+    from fedgalore.flower.strategy import FedGaLoreStrategy
+
+    with caplog.at_level("WARNING", logger="fedgalore"):
+        res = FedGaLoreStrategy(FederatedConfig.from_dict(d), run_dir=tmp_path / "dp").start(grid)
+    assert res.summary["rounds_completed"] == 2
+    assert "2 of 3 clients' noised uploads reached the sum; it carries noise multiplier 0.8165 instead of 1" in caplog.text
+    priv = json.loads((tmp_path / "dp" / "privacy.json").read_text())
+    assert "0.8165" in json.dumps(priv) or any(abs(float(x) - (2 / 3) ** 0.5) < 1e-4 for x in _numbers(priv))
+
+
+def _numbers(obj):
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _numbers(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            yield from _numbers(v)
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        yield obj

@@ -259,7 +259,8 @@ class FederatedConfig:
         their values, what they exclude, and — for a method registered here — whether the method's
         aggregation allows them (:meth:`~fedgalore.methods.base.Method.secure_aggregation_problem`,
         :meth:`~fedgalore.methods.base.Method.robust_problem`). Every refusal is one line naming the
-        option; the method's comes before the backend's (SecAgg+ runs in Flower deployments only)."""
+        option; the method's comes before the backend's (SecAgg+ runs in Flower deployments only:
+        :class:`~fedgalore.engine.loop.Federation` refuses any other backend before the model loads)."""
         f, name = self.federation, self.method.name
         if f.attack is not None:
             f.attack.check()
@@ -303,10 +304,6 @@ class FederatedConfig:
             _check(c is None or c.noise == "distributed",
                    "privacy.client.noise=central has the server clip each upload, which federation.secure_aggregation "
                    "hides from it; set privacy.client.noise: distributed (each site clips and noises its own upload)")
-            _check(self.backend.name == "flower",
-                   f"federation.secure_aggregation runs Flower's SecAgg+ between SuperNodes, and backend {self.backend.name!r} "
-                   "has none; run the job as a Flower app (flwr run examples/flower/app, docs in examples/flower/README.md) "
-                   "or set federation.secure_aggregation=null")
 
     def _check_adapter_needs(self) -> None:
         """``task.options.quantization`` and ``export.every_round`` need a method whose global model is

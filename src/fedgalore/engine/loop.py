@@ -138,6 +138,10 @@ class Federation:
         """Everything after the directory is chosen and locked: backend, runtime (model and data),
         the server state (fresh, or the newest checkpoint's with ``resume``), the static files."""
         self.backend = backend if backend is not None else make_backend(cfg.backend.name, cfg.backend.options)
+        if cfg.federation.secure_aggregation is not None and not self.backend.secure_aggregation:
+            raise ConfigError(f"federation.secure_aggregation runs Flower's SecAgg+ between SuperNodes, and the "
+                              f"{self.backend.name} backend has none; run the job as a Flower app (examples/flower/README.md, "
+                              "\"Secure aggregation (SecAgg+)\") or set federation.secure_aggregation=null")
         nodes = None
         if cfg.federation.partition.kind == "nodes":  # each node brings its own data: ask them who they are
             nodes = self.backend.node_clients(cfg)

@@ -28,6 +28,7 @@ each round, the adaptive clip norm — writes privacy.json's ``client`` part, an
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -211,8 +212,15 @@ class PrivacyLedger:
         return state.meta.setdefault("privacy_client", {"history": [], "pending": [], "epsilon": 0.0})
 
     def _client_event(self, book: dict[str, Any], received: int, sampled: int) -> None:
-        """One release of the sampled clients' uploads: ``(σ of the round, K, 1)`` joins the history."""
-        book["pending"].append([self.release.round_multiplier(received), int(sampled), int(received)])
+        """One release of the sampled clients' uploads: ``(σ of the round, K, 1)`` joins the history.
+        Fewer noised uploads than sampled (dropouts; under secure aggregation, nodes lost in the
+        SecAgg+ round) leave the sum σ·√(k/K): accounted so, and said in the log."""
+        sigma = self.release.round_multiplier(received)
+        if received < sampled:
+            logging.getLogger("fedgalore").warning(
+                "privacy.client: %d of %d clients' noised uploads reached the sum; it carries noise multiplier %.4g "
+                "instead of %.4g (accounted)", received, sampled, sigma, self.release.round_multiplier(sampled))
+        book["pending"].append([sigma, int(sampled), int(received)])
 
     def current_clip(self, state: Any) -> float | None:
         """The clip norm C of the next round (adaptive clipping moves it; else ``privacy.client.clip``)."""

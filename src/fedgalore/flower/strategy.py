@@ -89,6 +89,8 @@ class GridBackend(Backend):
     #: downlink's chain is sent from the version each node reported holding.
     simulated = False
     keeps_client_state = True
+    #: federation.secure_aggregation: Flower's SecAgg+ (:meth:`run_clients_summed`)
+    secure_aggregation = True
 
     def __init__(self, strategy: "FedGaLoreStrategy", grid: Grid) -> None:
         self.strategy, self.grid = strategy, grid
@@ -428,9 +430,7 @@ class _SecureWaves:
         for r in ok:
             node = _from_node(r, sent_to)
             cfg = r.content.config_records.get(RECORD_KEY_CONFIGS)
-            size = sum(len(v) if isinstance(v, (bytes, str)) else sum(len(x) for x in v if isinstance(x, (bytes, str)))
-                       for v in (cfg.values() if cfg is not None else []) if isinstance(v, (bytes, str, list)))
-            self.received[node] = self.received.get(node, 0) + size
+            self.received[node] = self.received.get(node, 0) + _content_bytes(r.content)
             if cfg is not None and Key.MASKED_PARAMETERS in cfg:
                 first = bytes_to_ndarray(cfg[Key.MASKED_PARAMETERS][1] if len(cfg[Key.MASKED_PARAMETERS]) > 1
                                          else cfg[Key.MASKED_PARAMETERS][0]).ravel()
@@ -450,6 +450,18 @@ class _SecureWaves:
                                      "refreshes): SecAgg+ sums arrays of one layout; give every client the same train.local_steps")
             replies = [r for r in replies if r.has_error() or _from_node(r, sent_to) not in bad]
         return replies
+
+
+def _content_bytes(content: RecordDict) -> int:
+    """The payload bytes of a message's records: every array's data, and the bytes and strings of
+    every config record (SecAgg+ sends keys, shares and masked vectors there)."""
+    n = sum(_array_bytes(a) for a in content.array_records.values())
+    for rec in content.config_records.values():
+        for v in rec.values():
+            for x in (v if isinstance(v, list) else [v]):
+                if isinstance(x, (bytes, str)):
+                    n += len(x)
+    return n
 
 
 def _reply_result(msg: Message) -> ClientResult | None:

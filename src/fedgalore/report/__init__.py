@@ -199,7 +199,8 @@ def build_report(
 
     Returns ``{"out": Path, "files": [Path, ...], "comparison": dict}``; the files are
     ``comparison.json``, ``table.md``, ``table.tex``, ``client_eval.md`` (runs with
-    ``federation.client_eval``) and ``plots/*.png|pdf`` under ``out_dir`` (default: ``path`` itself).
+    ``federation.client_eval``), ``excluded.md`` (runs whose ``federation.robust`` excluded uploads)
+    and ``plots/*.png|pdf`` under ``out_dir`` (default: ``path`` itself).
     """
     from fedgalore.report import client_eval, privacy, tables
 
@@ -216,7 +217,14 @@ def build_report(
             row["run_dir"] = Path(row["run_dir"]).resolve().relative_to(out.resolve()).as_posix()
         except ValueError:
             pass
+    from fedgalore.report import guards
+
+    comp["robust_excluded"] = guards.exclusion_counts(runs)  # federation.robust: which client, how many rounds
     files = tables.write_tables(comp, out)
+    excluded = guards.exclusions_markdown(runs)
+    if excluded is not None:
+        (out / "excluded.md").write_text(excluded + "\n")
+        files.append(out / "excluded.md")
     per_client = client_eval.client_eval_markdown(runs)
     if per_client is not None:  # runs with federation.client_eval
         (out / "client_eval.md").write_text(per_client + "\n")

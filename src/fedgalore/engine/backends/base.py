@@ -65,6 +65,9 @@ class Backend(abc.ABC):
     #: why); a backend that has some sets its own list (a tuple here: never shared and mutated)
     startup_records: Sequence[dict] = ()
 
+    #: whether :meth:`run_clients_summed` runs a secure-aggregation protocol (``federation.secure_aggregation``)
+    secure_aggregation: bool = False
+
     def run_clients_summed(self, broadcast, jobs: list[ClientJob], weights: list[int],
                            progress: ProgressSink | None = None) -> "tuple[list[ClientResult], Any]":
         """Secure aggregation (``federation.secure_aggregation``): train the jobs and return
