@@ -127,14 +127,14 @@ def _payload(g: torch.Generator, scale: float = 1.0) -> Payload:
                                             SeededLowRank(t(2, 6), 12, "left", (5, 6))), (5, 6)),
         "moment/upd": MomentView(t(5, 2).abs(), "right", (5, 6), seed=11),
         "head": Dense(t(4).to(torch.bfloat16)),
-    }, {"round": 1, "kind": "x", "loss": 0.3})
+    }, {"round": 1, "kind": "x", "loss": 0.3, "dp_clip_bit": 0.25 * scale})
 
 
 def test_summable_round_trip_is_exact_for_every_entry_kind():
     p = _payload(torch.Generator().manual_seed(0))
     arrays, layout = summable(p)
     q = from_summed(layout, arrays)
-    assert set(q.entries) == set(p.entries) and q.meta == {"kind": "x"}  # numeric meta (client statistics) stays home
+    assert set(q.entries) == set(p.entries) and q.meta == {"dp_clip_bit": 0.25}  # the client's own meta (statistics, names) stays home
     for k, e in p.entries.items():
         f = q.entries[k]
         assert type(f) is type(e)
@@ -143,7 +143,7 @@ def test_summable_round_trip_is_exact_for_every_entry_kind():
         w0 = torch.ones(5, 6)
         got, want = (f.materialize(w0), e.materialize(w0)) if isinstance(e, GaLoreUpdate) else (f.materialize(), e.materialize())
         assert got.dtype == want.dtype and torch.equal(got, want)
-    assert "11" in layout and "0.3" not in layout  # public seeds travel in the clear, values do not
+    assert "11" in layout and "0.3" not in layout and '"x"' not in layout  # public seeds travel in the clear, values do not
 
 
 def test_weighted_mean_of_carried_uploads_is_the_mean_of_the_updates():
@@ -160,6 +160,8 @@ def test_weighted_mean_of_carried_uploads_is_the_mean_of_the_updates():
     want = aggregate_galore_updates([p.entries["upd"] for p in ps], [x / sum(w) for x in w], torch.eye(5, 6))
     assert torch.allclose(q.entries["upd"].materialize(torch.eye(5, 6)), want, atol=1e-6)
     assert q.entries["upd"].decay == pytest.approx(sum(wi * p.entries["upd"].decay for wi, p in zip(w, ps)) / sum(w))
+    # client-level DP's noised clip bit is summed too (adaptive clipping reads the mean share)
+    assert q.meta["dp_clip_bit"] == pytest.approx(sum(wi * p.meta["dp_clip_bit"] for wi, p in zip(w, ps)) / sum(w))
 
 
 # ----------------------------------------------------------------------------- a federation under SecAgg+
@@ -245,6 +247,48 @@ def test_a_node_lost_after_sharing_its_keys_is_survived(tmp_path):
     lost = [r for r in recs if r["client"] == 2]
     assert lost and "secure aggregation" in lost[0]["error"]
     assert sorted(r["client"] for r in recs if "error" not in r) == [0, 1]
+
+
+def test_a_client_whose_layout_differs_is_held_back_before_flower_sums(tmp_path, monkeypatch):
+    """Client 2 uploads one array more than the others (as a FedGaLore site with another number of
+    refreshes would): its collect-stage reply is held back before Flower adds it (numpy would
+    broadcast or fail), Flower recovers its masks as for a lost node, the round sums clients 0 and 1,
+    and client 2's record says why."""
+    from fedgalore.flower import secagg
+
+    real = secagg.summable
+
+    def odd(payload):
+        arrays, layout = real(payload)
+        if "client 2" in str(payload.meta.get("who", "")):
+            return arrays + [np.zeros(3)], layout.replace('"tensors": [', '"tensors": ["extra", ', 1)
+        return arrays, layout
+
+    import fedgalore.flower.client_app as ca
+    from fedgalore.engine.runtime import Runtime
+
+    real_exec = Runtime.execute
+
+    def tagged(self, job, broadcast, client_state=None):
+        res = real_exec(self, job, broadcast, client_state=client_state)
+        if res.upload is not None:
+            from fedgalore.protocol.payload import decode, encode
+
+            p = decode(res.upload)
+            res.upload = encode(Payload(p.entries, {**p.meta, "who": f"client {job.client}"}))
+        return res
+
+    monkeypatch.setattr(Runtime, "execute", tagged)
+    monkeypatch.setattr(secagg, "summable", odd)
+    assert ca is not None
+    res, sdir = run_flower(tmp_path, "fedavg_full", {}, secure=True, rounds=1, min_clients=2, max_round_retries=0)
+    assert res.summary["rounds_completed"] == 1
+    recs = read_jsonl(sdir / "clients.jsonl")
+    assert sorted(r["client"] for r in recs if "error" not in r) == [0, 1]
+    bad = [r for r in recs if r["client"] == 2][0]
+    assert "layout differs from the round's majority" in bad["error"]
+    msgs = [r for r in read_jsonl(sdir / "flower_messages.jsonl") if r["type"] == "train_secagg"]
+    assert [r["client"] for r in msgs if r["held_back"]] == [2]
 
 
 def test_distributed_client_dp_under_secagg_accounts_the_lost_nodes_noise(tmp_path, caplog):

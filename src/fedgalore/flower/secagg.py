@@ -37,6 +37,10 @@ from fedgalore.protocol.payload import Payload, PayloadError, flatten_entries, u
 
 __all__ = ["summable", "from_summed", "secagg_mod", "secure_round", "SecureRound", "PAYLOAD_TYPE", "is_secagg"]
 
+#: upload meta that is summed with the arrays (its mean is what the server uses): client-level DP's
+#: noised clip bit (adaptive clipping counts the noised share of clients within C). Every other meta
+#: field (a client's own statistics) stays on the site; its result record carries what it reports.
+SUMMED_META = ("dp_clip_bit",)
 #: the ``tensor_type`` of the broadcast inside a SecAgg+ FitIns (one tensor: fedgalore's encoded payload)
 PAYLOAD_TYPE = "fedgalore.payload"
 _DTYPES = {"torch.float32": torch.float32, "torch.float64": torch.float64, "torch.bfloat16": torch.bfloat16,
@@ -46,9 +50,9 @@ _DTYPES = {"torch.float32": torch.float32, "torch.float64": torch.float64, "torc
 # ---------------------------------------------------------------------- the summed vector
 def summable(payload: Payload) -> tuple[list[np.ndarray], str]:
     """``(arrays, layout)``: every tensor of ``payload`` as a float64 array, in the layout's order,
-    then each GaLore record's ``decay`` as a one-element array; the layout (JSON) holds the entries'
-    structure and public values (kinds, shapes, seeds, sides) and the string-valued meta. Inverse
-    on the sum: :func:`from_summed`."""
+    then each GaLore record's ``decay`` and each :data:`SUMMED_META` value as a one-element array;
+    the layout (JSON) holds the entries' structure and public values (kinds, shapes, seeds, sides)
+    and the names of those summed fields — no value. Inverse on the sum: :func:`from_summed`."""
     specs, tensors = flatten_entries(payload.entries)
     keys = sorted(tensors)
     arrays = [tensors[k].detach().to(torch.float64).numpy() for k in keys]
@@ -71,13 +75,15 @@ def summable(payload: Payload) -> tuple[list[np.ndarray], str]:
 
     for name in sorted(specs):
         lift(specs[name], name)
+    summed_meta = [k for k in SUMMED_META if isinstance(payload.meta.get(k), (int, float))]
+    arrays += [np.asarray([float(payload.meta[k])], dtype=np.float64) for k in summed_meta]
     layout = {
         "entries": specs,
         "tensors": keys,
         "dtypes": {k: str(tensors[k].dtype) for k in keys},
         "shapes": {k: list(tensors[k].shape) for k in keys},
         "decays": decays,
-        "meta": {k: v for k, v in payload.meta.items() if isinstance(v, str)},
+        "meta": summed_meta,
     }
     return arrays, json.dumps(layout, sort_keys=True)
 
@@ -86,14 +92,15 @@ def from_summed(layout: str, arrays: Sequence[np.ndarray]) -> Payload:
     """The Payload of layout ``layout`` holding ``arrays`` (the workflow's weighted mean):
     tensors back in their dtypes and shapes, each GaLore record's decay back in its record."""
     lay = json.loads(layout)
-    keys, decays = list(lay["tensors"]), list(lay["decays"])
-    if len(arrays) != len(keys) + len(decays):
-        raise PayloadError(f"secure aggregate: {len(arrays)} arrays for a layout of {len(keys) + len(decays)}")
+    keys, decays, metas = list(lay["tensors"]), list(lay["decays"]), list(lay["meta"])
+    if len(arrays) != len(keys) + len(decays) + len(metas):
+        raise PayloadError(f"secure aggregate: {len(arrays)} arrays for a layout of {len(keys) + len(decays) + len(metas)}")
     tensors = {}
     for k, a in zip(keys, arrays):
         t = torch.from_numpy(np.array(a, dtype=np.float64)).reshape(lay["shapes"][k])
         tensors[k] = t.to(_DTYPES.get(lay["dtypes"][k], torch.float32))
-    decay = {k: float(np.asarray(a).reshape(-1)[0]) for k, a in zip(decays, arrays[len(keys):])}
+    decay = {k: float(np.asarray(a).reshape(-1)[0]) for k, a in zip(decays, arrays[len(keys):len(keys) + len(decays)])}
+    meta = {k: float(np.asarray(a).reshape(-1)[0]) for k, a in zip(metas, arrays[len(keys) + len(decays):])}
 
     def restore(spec: Any) -> None:
         if isinstance(spec, dict):
@@ -107,7 +114,7 @@ def from_summed(layout: str, arrays: Sequence[np.ndarray]) -> Payload:
 
     specs = lay["entries"]
     restore(specs)
-    return Payload(unflatten_entries(specs, tensors), dict(lay["meta"]))
+    return Payload(unflatten_entries(specs, tensors), meta)
 
 
 # ---------------------------------------------------------------------- client side

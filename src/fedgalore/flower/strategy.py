@@ -413,7 +413,6 @@ class _SecureWaves:
         self.received: dict[int, int] = {}
         self.masked: dict[int, list[int]] = {}
         self.held_back: dict[int, str] = {}
-        self.stage_nodes: list[set[int]] = []
 
     def __getattr__(self, name):
         return getattr(self.grid, name)
@@ -426,7 +425,6 @@ class _SecureWaves:
         replies = list(self.grid.send_and_receive(messages, timeout=timeout))
         sent_to = _sent_to(messages)
         ok = [r for r in replies if not r.has_error()]
-        self.stage_nodes.append({_from_node(r, sent_to) for r in ok})
         for r in ok:
             node = _from_node(r, sent_to)
             cfg = r.content.config_records.get(RECORD_KEY_CONFIGS)
