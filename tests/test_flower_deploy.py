@@ -593,10 +593,11 @@ def test_node_that_never_answers_is_dropped_after_timeout(deploy, tmp_path, bert
     SuperLink reports the node gone, whichever comes first), then goes on with the two others; its
     evaluation is missing; the others' numbers are the simulation's."""
     d = deploy(False)
-    # round 1 (every node's cold start of training) waits join-timeout (300 s), not this; 45 s leaves the two
-    # healthy nodes' round 2 room on a loaded 2-core machine. The SuperLink's own heartbeat check may drop the
-    # stopped node first (seen 42-61 s after SIGSTOP): either drop is accepted below
-    victim, client, timeout = "site2", 2, 45
+    # round 1 (every node's cold start of training) waits join-timeout (300 s), not this; 90 s leaves the two
+    # healthy nodes' round 2 room on a loaded 2-core machine (45 s did not, beside the SecAgg+ deployment test:
+    # round 2 was retried). The SuperLink's own heartbeat check may drop the stopped node first (seen 42-61 s
+    # after SIGSTOP): either drop is accepted below
+    victim, client, timeout = "site2", 2, 90
     run_dir = tmp_path / "run"
     p = d.run_async("fedit", run_dir, rounds=2, timeout=timeout, min_clients=2, log="run.log")
     d.wait_for(lambda: len(metrics(run_dir)) >= 1, 600, "round 1", p)
@@ -666,43 +667,39 @@ def test_killed_server_app_resumes_with_the_same_metrics(deploy, tmp_path, bert_
 @pytest.mark.timeout(1500)
 def test_secagg_deployment_masks_the_uploads_and_survives_a_lost_node(deploy, tmp_path, bert_dir):
     """examples/flower/README.md "Secure aggregation (SecAgg+)": the README's command on the three
-    SuperNodes, FedGaLore on seeded bases with the sync from the aggregate, 3 rounds. site1's
-    SuperNode is SIGKILLed once it has received round 2's training stage (after sharing its keys) and
-    restarted: Flower's unmask stage removes its masks, round 2 sums the two others, and site1 trains
-    again in round 3 under its new node id. Round 1's model is the simulation's (no SecAgg+) within
-    the quantisation error (3.8e-6 per value: the sites' losses on it agree to 1e-4); what the server
-    received from each node is masked (values beyond the 2^22 quantisation range)."""
+    SuperNodes, FedGaLore on seeded bases with the sync from the aggregate, 2 rounds. site1's
+    SuperNode is SIGKILLed once it has received round 2's training stage (after sharing its keys):
+    Flower's unmask stage removes its masks and round 2 sums the two others. Round 1's model is the
+    simulation's (no SecAgg+) within the quantisation error (3.8e-6 per value: the sites' losses on
+    it agree to 1e-4); what the server received from each node is masked (values beyond the 2^22
+    quantisation range). (A restarted node rejoining is test_node_killed_mid_round_rejoins_and_trains';
+    two rounds keep this test's Flower process start-ups — four per node per round — within CI's time.)"""
     (cmd,) = readme_commands(SECAGG_SECTION)
     assert step(cmd) == "run" and "federation.secure_aggregation.num_shares=3" in cmd
     d = deploy(False)
     victim, client = "site1", 1
-    first = d.node_id(victim)
     run_dir = tmp_path / "run"
-    p = d.run_async("fedgalore", run_dir, rounds=3, timeout=90, min_clients=2, log="run.log", run_cmd=cmd)
+    p = d.run_async("fedgalore", run_dir, rounds=2, timeout=90, min_clients=2, log="run.log", run_cmd=cmd)
     # round 2's third train message is the SecAgg+ collect stage (setup, share keys, collect, unmask)
     d.wait_for(lambda: len(re.findall(r"ROUND 2\]\s*\n.*Receiving: train message", d.log(f"{victim}.log"))) >= 3, 900,
                "site1 to receive round 2's training stage", p)
     d.kill_node(victim)
-    d.restart_node(victim)
-    second = d.node_id(victim, after=1)
     d.wait_for(lambda: p.poll() is not None, 900, "the run")
     out = d.log("run.log")
     assert p.returncode == 0, out[-4000:]
     dep = metrics(run_dir)
-    assert [m["dropped"] for m in dep] == [[], [client], []]
+    assert [m["dropped"] for m in dep] == [[], [client]]
     errors = [r for r in read_jsonl(run_dir / "clients.jsonl") if r.get("error")]
     assert [(r["round"], r["client"]) for r in errors] == [(2, client)] and "secure aggregation" in errors[0]["error"]
     wire = [w for w in read_jsonl(run_dir / "flower_messages.jsonl") if w["type"] == "train_secagg"]
     assert [(w["round"], w["client"]) for w in wire if not w["summed"]] == [(2, client)]
     assert all(max(w["masked_head"]) >= 2**22 for w in wire if w["summed"])  # masked: no quantised value reaches 2^22
-    r3 = {w["client"]: w for w in wire if w["round"] == 3}
-    assert r3[client]["node"] == second != first and r3[client]["summed"]
     ledger = read_jsonl(run_dir / "ledger.jsonl")
     assert all(r["bytes"] > 0 for r in ledger) and {(r["round"], r["client"]) for r in ledger if r["direction"] == "up"} == {
         (w["round"], w["client"]) for w in wire if w["server_received"]}
     # the same federation without SecAgg+, in one process: round 1's model agrees to the quantisation error
-    # (3 rounds, site1 missing round 2, as deployed: the learning-rate schedule spans the run's rounds)
-    sim_cfg = pipeline(bert_dir, "fedgalore", "files", {"sites": d.data}, rounds=3, min_clients=2)
+    # (2 rounds, site1 missing round 2, as deployed: the learning-rate schedule spans the run's rounds)
+    sim_cfg = pipeline(bert_dir, "fedgalore", "files", {"sites": d.data}, rounds=2, min_clients=2)
     sim_cfg["method"]["options"] = {"projector": "random", "sync": "aggregate"}
     sim = Federation(FederatedConfig.from_dict({**sim_cfg, "output": {"dir": str(tmp_path / "sim"), "progress": "quiet"}}),
                      backend=MissingClients({(1, client)})).run()
