@@ -296,12 +296,15 @@ def test_distributed_client_dp_under_secagg_accounts_the_lost_nodes_noise(tmp_pa
     pytest.importorskip("dp_accounting")
     grid = SecAggGrid({101 + i: {"partition-id": i, "num-partitions": 3} for i in range(3)}, lose=103, lose_at=7)
     d = cfg_dict(tmp_path, "fedavg_full", min_clients=2, max_round_retries=0, num_clients=3)
-    d["privacy"] = {"client": {"clip": 0.5, "noise_multiplier": 1.0, "delta": 1e-3, "noise": "distributed"}}
+    d["privacy"] = {"client": {"clip": 0.5, "noise_multiplier": 1.0, "delta": 1e-3, "noise": "distributed",
+                               "adaptive_clipping": {"target_quantile": 0.5}}}
     from fedgalore.flower.strategy import FedGaLoreStrategy
 
     with caplog.at_level("WARNING", logger="fedgalore"):
         res = FedGaLoreStrategy(FederatedConfig.from_dict(d), run_dir=tmp_path / "dp").start(grid)
     assert res.summary["rounds_completed"] == 2
+    # each site's noised clip bit goes into the masked sum only, never into its clear result record
+    assert not any("dp_clip_bit" in r for r in read_jsonl(tmp_path / "dp" / "clients.jsonl"))
     assert "2 of 3 clients' noised uploads reached the sum; it carries noise multiplier 0.8165 instead of 1" in caplog.text
     priv = json.loads((tmp_path / "dp" / "privacy.json").read_text())
     assert "0.8165" in json.dumps(priv) or any(abs(float(x) - (2 / 3) ** 0.5) < 1e-4 for x in _numbers(priv))

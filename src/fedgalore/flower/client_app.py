@@ -263,7 +263,7 @@ def _train_secagg(msg: Message, context: Context) -> Message:
     from flwr.common import Code, FitRes, Status, ndarrays_to_parameters
     from flwr.compat.common import recorddict_compat as compat
 
-    from fedgalore.flower.secagg import summable
+    from fedgalore.flower.secagg import SUMMED_META, summable
     from fedgalore.protocol.payload import decode
 
     fitins = compat.recorddict_to_fitins(msg.content, keep_input=True)
@@ -273,6 +273,8 @@ def _train_secagg(msg: Message, context: Context) -> Message:
     if upload is None or result["error"]:
         raise RuntimeError(f"client {result['client']} could not train: {result['error'] or 'no upload'}")
     arrays, layout = summable(decode(upload))
-    metrics = {**result, "layout": layout}
+    # what is summed (client-level DP's noised clip bit) must not also travel in the clear result record
+    stats = {k: v for k, v in json.loads(result["stats"]).items() if k not in SUMMED_META}
+    metrics = {**result, "stats": json.dumps(stats), "layout": layout}
     res = FitRes(Status(Code.OK, "ok"), ndarrays_to_parameters(arrays), int(job["secagg_weight"]), metrics)
     return Message(compat.fitres_to_recorddict(res, keep_input=True), reply_to=msg)
