@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 from fedgalore.federated import robust
 from fedgalore.federated.guards import RobustConfig
@@ -105,7 +105,3 @@ def apply_robust(cfg: RobustConfig, method: Method, state: ServerState, uploads:
     out.diag.update({"robust_kept": float(len(keep)), "robust_excluded": float(len(out.excluded))})
     return out
 
-
-def describe(outcome: RobustOutcome, clients: Sequence[int]) -> dict[int, Any]:
-    """client id → reason, for the round's client records."""
-    return {int(clients[i]): why for i, why in outcome.excluded.items()}

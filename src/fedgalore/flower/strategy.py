@@ -310,7 +310,7 @@ class GridBackend(Backend):
         by_client = {int(r["client"]): (node, r) for node, r in sr.results.items()}
         self.ready.update(sr.results)
         results: list[ClientResult] = []
-        summed = [c for c in by_client if sr.mean is not None]
+        summed = set(by_client) if sr.mean is not None else set()  # clients whose masked upload is in the mean
         for j in jobs:
             node = int(self.node_of[j.client])
             self.held[j.client] = None
