@@ -36,6 +36,7 @@ from fedgalore.federated.partitioners import infers_clients
 from fedgalore.federated.server_opt import ServerOptimizerConfig
 from fedgalore.methods.base import MethodOptions, available_methods, method_class, parse_options, split_options
 from fedgalore.privacy.config import PrivacyConfig, RecordPrivacy
+from fedgalore.federated.data_parallel import devices_problem
 from fedgalore.protocol.state import TrainConfig
 from fedgalore.typed import ConfigError, from_plain, to_plain
 
@@ -241,6 +242,8 @@ class FederatedConfig:
                f"train.prox_mu={t.prox_mu} must be >= 0 (FedProx's μ; 0 = off, e.g. train.prox_mu=0.01)")
         f.server_optimizer.check()
         self.privacy.check()
+        why = devices_problem(t.devices_per_client, self.privacy.record is not None, self.device)
+        _check(why is None, why or "")
         if self.method.name in available_methods():  # a method registered later (a Ray plugin) is checked when built
             opts = self.method.typed_options()
             if t.scaffold and not method_class(self.method.name).supports_scaffold:

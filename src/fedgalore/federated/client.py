@@ -126,6 +126,22 @@ def _add_prox_grad(params: list[torch.Tensor], anchor: list[torch.Tensor], mu: f
             p.grad.add_(prox.to(p.grad.dtype))
 
 
+def end_of_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], anchor: list[torch.Tensor] | None,
+                mu: float, grad_clip: float | None, scaffold: Any, zero: Any = None) -> None:
+    """Once the step's gradient is in ``p.grad``: FedProx's term, global-norm clipping, the optimizer
+    step, zeroing the gradients (through ``zero``: DP-SGD's wrapper), SCAFFOLD's correction — the
+    order of the module doc. Every rank of a site with several devices runs it too
+    (:mod:`fedgalore.federated.data_parallel`)."""
+    if anchor is not None:
+        _add_prox_grad(params, anchor, mu)
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    (zero if zero is not None else optimizer).zero_grad(set_to_none=True)
+    if scaffold is not None:
+        scaffold.after_step(optimizer)
+
+
 def _set_lr(optimizer: torch.optim.Optimizer, factor: float) -> None:
     for g in optimizer.param_groups:
         g.setdefault("initial_lr", g["lr"])
@@ -165,45 +181,46 @@ def local_train(
     losses: list[float] = []
     micro = 0
     batches = iter(ctx.batches())
-    for t in itertools.count():
-        group = list(itertools.islice(batches, k))
-        if not group:
-            break
-        _set_lr(optimizer, lr_factor(offset + t, total, tc.warmup_ratio, tc.schedule))
-        counts = [loss_items(ctx.loss_fn, b) if b else 0 for b in group] if k > 1 else [1]
-        n_total = sum(counts)
-        step_loss = 0.0
-        for batch, n in zip(group, counts):
-            if n == 0 or not batch:  # nothing to average over (no response token; an empty Poisson draw): no term
-                micro += 1
-                continue
-            batch = {key: v.to(ctx.device) for key, v in batch.items()}
-            loss = ctx.loss_fn(model, batch)
-            value = float(loss.detach())
-            if not math.isfinite(value):
-                optimizer.zero_grad(set_to_none=True)
-                raise ClientError(f"client {ctx.client}: non-finite loss {value} at local step {t} (micro-batch {micro})")
-            weight = n / n_total
-            # DP-SGD: each micro-batch's own mean (Opacus turns it into per-example gradients)
-            (loss if weight == 1.0 or private is not None else loss * weight).backward()
-            step_loss += weight * value
-            if ctx.on_step is not None:
-                ctx.on_step(micro, value)
-            micro += 1
-        if n_total == 0 and private is None:
-            continue
+    site = None  # a site with several devices: ranks 1..N-1 (module doc of fedgalore.federated.data_parallel)
+    n_dev = int(getattr(tc, "devices_per_client", 1) or 1)
+    if n_dev > 1:
         if private is not None:
-            private.privatise()  # p.grad <- the clipped, noised mean; the raw gradient never reaches the optimizer
-        if anchor is not None:
-            _add_prox_grad(params, anchor, mu)
-        if tc.grad_clip is not None and private is None:
-            torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-        optimizer.step()
-        (optimizer if private is None else private).zero_grad(set_to_none=True)
-        if scaffold is not None:
-            scaffold.after_step(optimizer)
-        if private is None or any(group):  # (an all-empty DP step has no loss)
-            losses.append(step_loss)
+            raise ClientError(f"client {ctx.client}: train.devices_per_client={n_dev} cannot run record-level DP-SGD")
+        from fedgalore.federated.data_parallel import site_workers
+
+        site = site_workers(n_dev, ctx.device)
+        site.begin(model, optimizer, ctx.loss_fn, params, scaffold, mu, tc.grad_clip,
+                   seed=(int(ctx.round_seed) * 1009 + int(ctx.client)) % (1 << 62))
+    try:
+        for t in itertools.count():
+            group = list(itertools.islice(batches, k))
+            if not group:
+                break
+            factor = lr_factor(offset + t, total, tc.warmup_ratio, tc.schedule)
+            _set_lr(optimizer, factor)
+            if site is not None:
+                values, per, n_total = site.step(ctx.loss_fn, group, model, params, factor, lambda b: loss_items(ctx.loss_fn, b))
+                step_loss = 0.0
+                for value, n in zip(values, per):
+                    if n == 0:
+                        micro += 1
+                        continue
+                    if not math.isfinite(value):
+                        optimizer.zero_grad(set_to_none=True)
+                        raise ClientError(f"client {ctx.client}: non-finite loss {value} at local step {t} (micro-batch {micro})")
+                    step_loss += n / n_total * value
+                    if ctx.on_step is not None:
+                        ctx.on_step(micro, value)
+                    micro += 1
+                if n_total == 0:
+                    continue
+                end_of_step(optimizer, params, anchor, mu, tc.grad_clip, scaffold)
+                losses.append(step_loss)
+                continue
+            micro = _one_process_step(model, optimizer, ctx, group, t, k, micro, losses, params, anchor, mu, scaffold, private)
+    finally:
+        if site is not None:
+            site.end()
     model.eval()
     if private is not None:
         private.detach()
@@ -218,3 +235,39 @@ def local_train(
     if private is not None:
         out.update(private.stats())
     return out
+
+
+def _one_process_step(model: nn.Module, optimizer: torch.optim.Optimizer, ctx: ClientContext, group: list, t: int, k: int,
+                      micro: int, losses: list[float], params: list[torch.Tensor], anchor: list[torch.Tensor] | None,
+                      mu: float, scaffold: Any, private: Any) -> int:
+    """Local step ``t`` in this process: the micro-batches' forward and backward passes, then
+    :func:`end_of_step`; appends the step's loss to ``losses`` and returns the micro-batch counter."""
+    tc = ctx.train
+    counts = [loss_items(ctx.loss_fn, b) if b else 0 for b in group] if k > 1 else [1]
+    n_total = sum(counts)
+    step_loss = 0.0
+    for batch, n in zip(group, counts):
+        if n == 0 or not batch:  # nothing to average over (no response token; an empty Poisson draw): no term
+            micro += 1
+            continue
+        batch = {key: v.to(ctx.device) for key, v in batch.items()}
+        loss = ctx.loss_fn(model, batch)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            optimizer.zero_grad(set_to_none=True)
+            raise ClientError(f"client {ctx.client}: non-finite loss {value} at local step {t} (micro-batch {micro})")
+        weight = n / n_total
+        # DP-SGD: each micro-batch's own mean (Opacus turns it into per-example gradients)
+        (loss if weight == 1.0 or private is not None else loss * weight).backward()
+        step_loss += weight * value
+        if ctx.on_step is not None:
+            ctx.on_step(micro, value)
+        micro += 1
+    if n_total == 0 and private is None:
+        return micro
+    if private is not None:
+        private.privatise()  # p.grad <- the clipped, noised mean; the raw gradient never reaches the optimizer
+    end_of_step(optimizer, params, anchor, mu, tc.grad_clip if private is None else None, scaffold, private)
+    if private is None or any(group):  # (an all-empty DP step has no loss)
+        losses.append(step_loss)
+    return micro

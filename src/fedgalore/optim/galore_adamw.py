@@ -449,6 +449,14 @@ class GaLoreAdamW(Optimizer):
         }
         super().__init__(params, defaults)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling keeps the parameter names (``torch.optim.Optimizer`` pickles only defaults,
+        state and groups): a site's other ranks get the optimizer with the model in one pickle
+        (:mod:`fedgalore.federated.data_parallel`)."""
+        state = super().__getstate__()
+        state["_names"], state["_by_name"] = self._names, self._by_name
+        return state
+
     # ------------------------------------------------------------------ groups and names
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group, fill GaLore defaults when it has ``rank``, validate, and name its params."""

@@ -40,6 +40,10 @@ class TrainConfig:
     prox_mu: float = 0.0
     #: SCAFFOLD control variates (Karimireddy et al. 2020, option II; fedgalore.federated.scaffold)
     scaffold: bool = False
+    #: processes (devices) that train one client: N > 1 cuts every step's batch into N row shards and
+    #: sums the gradients across them (data parallel; fedgalore.federated.data_parallel): gloo on the
+    #: CPU, NCCL on cuda:d..d+N-1. 1 = one process.
+    devices_per_client: int = 1
 
 
 @dataclass
