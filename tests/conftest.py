@@ -38,3 +38,27 @@ def vit_dir(tmp_path_factory):
     from tiny_assets import save_tiny_vit
 
     return save_tiny_vit(tmp_path_factory.mktemp("tiny-vit"))
+
+
+# ----------------------------------------------------------------------------- test order (CI time)
+# `make test` runs pytest-xdist with --dist loadgroup (Makefile). The Flower deployment tests (the
+# `deploy` fixture: a SuperLink, SuperNodes and one ClientApp process per message) mostly wait on
+# processes, heartbeats and timeouts; they form one group that a worker starts with and runs one
+# after another, so two never share the machine's cores and their timing asserts keep their
+# margins. Every other test is its own unit, longest first (tests/durations.json: seconds measured
+# by `pytest --durations`; a test missing there counts as short), so the run does not end on a long
+# test started late. The order changes no result; a stale durations file only schedules worse.
+_DURATIONS_FILE = __import__("pathlib").Path(__file__).with_name("durations.json")
+_DURATIONS: dict = __import__("json").loads(_DURATIONS_FILE.read_text()) if _DURATIONS_FILE.is_file() else {}
+DEPLOY_GROUP = "flower-deploy"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist adds the group to the node ids
+def pytest_collection_modifyitems(config, items):
+    deploy = [it for it in items if "deploy" in getattr(it, "fixturenames", ())]
+    for it in deploy:
+        it.add_marker(pytest.mark.xdist_group(DEPLOY_GROUP))
+    ids = {id(it) for it in deploy}
+    rest = [it for it in items if id(it) not in ids]
+    longest = lambda it: -float(_DURATIONS.get(it.nodeid, 0.0))  # noqa: E731  (sorted() keeps ties in file order)
+    items[:] = sorted(deploy, key=longest) + sorted(rest, key=longest)
