@@ -21,8 +21,8 @@ demo: setup
 # portable kernels, MKL and oneDNN at most AVX2; issue 29): a test that would pass with one kind of kernels only fails on every machine.
 # Three pytest-xdist workers on CI's two cores (TEST_WORKERS=0: one process), each single-threaded (tests/conftest.py):
 # one starts with the Flower deployment tests, which mostly wait on processes and timeouts, and runs them one after
-# another (their xdist group); the other two take the rest, longest first (tests/durations.json), so the run
-# does not end on a long test started late
+# another (one unit of work: tests/conftest.py makes the scheduler); the other two take the rest, longest first
+# (tests/durations.json), so the run does not end on a long test started late
 TEST_WORKERS ?= 3
 XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
 test: setup

@@ -50,9 +50,10 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from fedgalore.federated.step_end import _set_lr, end_of_step
 from fedgalore.protocol.state import ClientContext
 
-__all__ = ["lr_factor", "local_train", "ClientError", "optimizer_steps", "loss_items", "epoch_switch_step"]
+__all__ = ["lr_factor", "local_train", "ClientError", "optimizer_steps", "loss_items", "epoch_switch_step", "end_of_step"]
 
 
 class ClientError(RuntimeError):
@@ -113,39 +114,6 @@ def loss_items(loss_fn: Callable[..., Any], batch: dict[str, torch.Tensor]) -> i
         return int(counter(batch))
     first = next(iter(batch.values()), None)
     return int(first.shape[0]) if first is not None and first.dim() > 0 else 1
-
-
-@torch.no_grad()
-def _add_prox_grad(params: list[torch.Tensor], anchor: list[torch.Tensor], mu: float) -> None:
-    """∇ of μ/2‖θ − θ_global‖², i.e. μ(θ − θ_global), added to every trainable parameter's gradient (FedProx)."""
-    for p, a in zip(params, anchor):
-        prox = (p.detach() - a) * mu
-        if p.grad is None:
-            p.grad = prox.to(p.dtype)
-        else:
-            p.grad.add_(prox.to(p.grad.dtype))
-
-
-def end_of_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], anchor: list[torch.Tensor] | None,
-                mu: float, grad_clip: float | None, scaffold: Any, zero: Any = None) -> None:
-    """Once the step's gradient is in ``p.grad``: FedProx's term, global-norm clipping, the optimizer
-    step, zeroing the gradients (through ``zero``: DP-SGD's wrapper), SCAFFOLD's correction — the
-    order of the module doc. Every rank of a site with several devices runs it too
-    (:mod:`fedgalore.federated.data_parallel`)."""
-    if anchor is not None:
-        _add_prox_grad(params, anchor, mu)
-    if grad_clip is not None:
-        torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    optimizer.step()
-    (zero if zero is not None else optimizer).zero_grad(set_to_none=True)
-    if scaffold is not None:
-        scaffold.after_step(optimizer)
-
-
-def _set_lr(optimizer: torch.optim.Optimizer, factor: float) -> None:
-    for g in optimizer.param_groups:
-        g.setdefault("initial_lr", g["lr"])
-        g["lr"] = g["initial_lr"] * factor
 
 
 def local_train(

@@ -325,7 +325,7 @@ def _report(errors: Any, rank: int) -> None:
 def _helper_main(rank: int, n: int, port: int, backend: str, device: str, threads: int, inbox: Any, errors: Any,
                  timeout_s: float) -> None:
     """Rank ``rank``'s loop: build a replica per job, run its shards each step, stop on ``stop``."""
-    from fedgalore.federated.client import _set_lr, end_of_step  # the same rules as rank 0
+    from fedgalore.federated.step_end import _set_lr, end_of_step  # the same rules as rank 0
 
     torch.set_num_threads(max(1, int(threads)))
     dev = torch.device(device)

@@ -99,6 +99,13 @@ hence the default. ``fedgalore plan`` counts the bytes.
 ``eps = 0`` with a coordinate whose second moment and projected gradient are both 0 makes the
 update 0/0: it is caught before the state changes and handled by the ``nonfinite`` policy.
 
+The pieces (issue 43): this module holds the ``torch.optim`` shell (groups, names, state, checkpoint
+loading) and the step itself (its kernels and the moments); the rest are small modules that act on
+one matrix's state dict — :mod:`fedgalore.optim.schedule` (when a basis is refreshed and which basis
+it gets), :mod:`fedgalore.optim.update_record` (the exact record ``W_T − W_0``),
+:mod:`fedgalore.optim.moment_exchange` (the upload ``ṽ`` and the warm start from ``v̄``) and
+:mod:`fedgalore.optim.step_diagnostics` (``|U| / |U_cold|``).
+
 Optimizer state holds tensors and plain Python numbers only (side is stored as ``0=right,
 1=left``), so ``state_dict()`` loads with ``torch.load(weights_only=True)``. GaLore state
 (moments, bases, update record) is always fp32, also for bf16 parameters.
@@ -114,10 +121,14 @@ import torch
 from torch.optim import Optimizer
 
 import fedgalore.optim.cpu_kernels as cpu_kernels
-from fedgalore.optim.projector import PROJ_TYPES, change_of_basis, project, resolve_side, rsvd_basis, svd_basis
+import fedgalore.optim.moment_exchange as moment_exchange
+import fedgalore.optim.schedule as schedule
+import fedgalore.optim.step_diagnostics as step_diagnostics
+import fedgalore.optim.update_record as update_record
+from fedgalore.optim.projector import PROJ_TYPES, change_of_basis, project, resolve_side
 from fedgalore.protocol import second_moment as sm
-from fedgalore.protocol.bases import SIDES, basis_seed, seeded_basis
-from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, SeededLowRank
+from fedgalore.protocol.bases import SIDES, seeded_basis
+from fedgalore.protocol.payload import GaLoreUpdate, MomentView
 
 __all__ = ["GaLoreAdamW", "GaLoreStateEntry", "rebuild_delta", "PROJECTORS", "MOMENT_TRANSFERS", "ADAPTIVE_SCOPES", "NONFINITE_POLICIES",
            "GALORE_DEFAULTS", "LOW_PRECISION"]
@@ -194,30 +205,9 @@ def rebuild_delta(update: GaLoreUpdate, w0: Optional[torch.Tensor] = None) -> to
     return update.materialize(None if w0 is None else w0.detach().cpu())
 
 
-def _ratio_summary(hist: torch.Tensor, top: float, above: int, n: int) -> dict[str, float]:
-    """Max, 99th percentile and share above 1 of the ``|U| / |U_cold|`` histogram (see
-    :meth:`GaLoreAdamW._observe_ratio`)."""
-    cum = torch.cumsum(hist, 0)
-    k = int(torch.searchsorted(cum, torch.tensor(math.ceil(0.99 * int(cum[-1])), dtype=cum.dtype)))  # first bin reaching 99 %
-    p99 = top if k >= len(_RATIO_EDGES) else min(top, float(2.0 ** _RATIO_EDGES[k]))
-    return {"update_ratio_max": top, "update_ratio_p99": p99, "update_ratio_above": above / n}
-
-
 def _mul(side: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Apply a change of basis ``C`` to projected coordinates: ``X C`` (right) / ``C X`` (left)."""
     return (lambda x, c: x @ c) if side == "right" else (lambda x, c: c @ x)
-
-
-def _record_norm(coefs: list[torch.Tensor], bases: list[torch.Tensor], side: str) -> float:
-    """``‖Σ_q C_q P_q‖_F`` (right) / ``‖Σ_q P_q C_q‖_F`` (left) from ``r × r`` basis overlaps."""
-    total = 0.0
-    for i, (ci, pi) in enumerate(zip(coefs, bases)):
-        for j, (cj, pj) in enumerate(zip(coefs, bases)):
-            if side == "right":
-                total += float(((ci @ (pi @ pj.T)) * cj).sum())
-            else:
-                total += float(((pi.T @ pj) @ cj * ci).sum())
-    return math.sqrt(max(total, 0.0))
 
 
 # ------------------------------------------------------------------ step kernels
@@ -232,8 +222,6 @@ ONEDNN_MIN_NUMEL = 1 << 18
 #: GEMM updates rows the decay pass has just brought into cache; 0 turns the blocking off.
 BLOCK_BYTES = 1 << 20
 _KERNELS: dict[Any, Any] = {}
-#: upper bin edges of the |U| / |U_cold| histogram (log2 ratios, 1/64 apart over [-8, 8])
-_RATIO_EDGES = torch.arange(-8 * 64, 8 * 64 + 1, dtype=torch.float32) / 64.0
 
 
 def _onednn_project(op: Callable[..., torch.Tensor], g: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
@@ -307,20 +295,6 @@ def _project_step(g: torch.Tensor, basis: torch.Tensor, side: str) -> tuple[torc
         if op is not None:
             return _onednn_project(op, g, basis, side), True
     return project(g, basis, side), _matmul_propagates(g.device)
-
-
-def _rescale_warm(v: torch.Tensor, c: Optional[torch.Tensor], r: torch.Tensor, state: dict[str, Any]) -> None:
-    """``warm_scale="gradient"``: the warm prior's estimate ``V/c`` keeps its shape and takes the
-    client's own scale, ``V ← V · mean(R∘R) / mean(V/c)`` with ``R`` this (the round's first)
-    projected gradient — a prior that carries no gradient units (FedGaLore's ``sync: aggregate``:
-    the squared aggregated update, normalised) becomes one in them. A zero prior or a zero
-    gradient leaves ``V`` as it is; ``warm_diag["warm_rescale"]`` records the factor."""
-    est = v if c is None else v / c.clamp(min=torch.finfo(v.dtype).tiny)
-    mean_est, mean_r2 = float(est.mean()), float((r * r).mean())
-    factor = mean_r2 / mean_est if mean_est > 0 and mean_r2 > 0 and math.isfinite(mean_r2 / mean_est) else 1.0
-    if factor != 1.0:
-        v.mul_(factor)
-    state.setdefault("warm_diag", {})["warm_rescale"] = factor
 
 
 def _decay_back_project(w: torch.Tensor, u: torch.Tensor, basis: Optional[torch.Tensor], side: str, decay: float, coef: float) -> None:
@@ -610,51 +584,22 @@ class GaLoreAdamW(Optimizer):
     def _has_basis(self, group: dict[str, Any], state: dict[str, Any]) -> bool:
         return group["projector"] == "identity" or "basis" in state
 
-    def _basis_kind(self, group: dict[str, Any], q: int, step: int = 0) -> str:
-        """Kind of the basis refresh ``q`` (at local step ``step``) picks: the projector's own
-        kind; for ``*_then_random`` the data-driven kind until the switch — before local step
-        ``seeded_from_step`` (epoch schedule), else for the first ``adaptive_proj_steps``
-        refreshes — and ``"random"`` after it (``"view"``: the round's view basis ``R_k``,
-        epoch schedule)."""
-        kind = group["projector"]
-        if kind.endswith("_then_random"):
-            if group["seeded_from_step"] >= 0:
-                return kind.split("_")[0] if step < group["seeded_from_step"] else "view"
-            idx = q + (group["global_refresh_offset"] if group["adaptive_scope"] == "global" else 0)
-            return kind.split("_")[0] if idx < group["adaptive_proj_steps"] else "random"
-        return kind
+    # ------------------------------------------------------------------ projector schedule (fedgalore.optim.schedule)
+    @staticmethod
+    def _basis_kind(group: dict[str, Any], q: int, step: int = 0) -> str:
+        return schedule.basis_kind(group, q, step)
 
     @staticmethod
     def _refresh_due(group: dict[str, Any], state: dict[str, Any]) -> bool:
-        """Whether this step starts with a refresh: at the first step; then every ``τ =
-        update_proj_gap`` steps — under the epoch schedule (``seeded_from_step = s``) only
-        before step ``s``, once at step ``s`` (the switch to ``R_k``), and never after it, so
-        the round ends on ``R_k``."""
-        if "basis" not in state:
-            return True
-        t, switch = state["step"], group["seeded_from_step"]
-        if switch >= 0 and group["projector"].endswith("_then_random"):
-            if t >= switch:
-                return t == switch and not state.get("on_view", 0)
-        return t % group["update_proj_gap"] == 0
+        return schedule.refresh_due(group, state)
 
     def _refresh(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], g32: torch.Tensor) -> None:
         """New basis at local refresh ``q``; moment transfer / pending warm start; record term."""
         name = self._names[p]
-        m, n = p.shape
         side = SIDES[state["side"]]
-        rank = state["rank"]
         q = state["refresh"]
-        kind = self._basis_kind(group, q, state["step"])
-        seed = -1
-        if kind in ("random", "view"):  # "view": the round's R_k, seed basis_seed(s_k, name, 0) whatever q
-            seed = basis_seed(group["projection_seed"], name, 0 if kind == "view" else q)
-            new = seeded_basis(seed, m, n, rank, side).to(p.device)
-        elif kind == "rsvd":
-            rseed = basis_seed(group["projection_seed"], name + "#rsvd", q)
-            new = rsvd_basis(g32, rank, side, rseed, group["rsvd_oversample"], group["rsvd_niter"])
-        else:
-            new = svd_basis(g32, rank, side)
+        kind = schedule.basis_kind(group, q, state["step"])
+        new, seed = schedule.new_basis(kind, group, name, q, g32, state["rank"], side, p.device)
         old = state.get("basis")
         if state["rec_on"]:
             self._close_term(state)
@@ -664,7 +609,7 @@ class GaLoreAdamW(Optimizer):
             self._transfer(state, group, side, change_of_basis(old, new, side))
         state["basis"] = new
         state["basis_seed"] = seed
-        state["on_view"] = int(seed >= 0 and seed == basis_seed(group["projection_seed"], name, 0))
+        state["on_view"] = int(seed >= 0 and seed == schedule.view_seed(group, name))
         state["basis_refresh"] = q
         state["refresh"] = q + 1
         if state["rec_on"]:
@@ -829,7 +774,7 @@ class GaLoreAdamW(Optimizer):
         m, v = state["exp_avg"], state["exp_avg_sq"]
         w8, cv = state.get("v_weight"), state.get("cold_v")
         if state.pop("warm_rescale", 0):
-            _rescale_warm(v, w8, r, state)
+            moment_exchange.rescale_warm(v, w8, r, state)
         if eps == 0.0 and bool(((v == 0) & (r == 0)).any()):
             # V stays 0 where both are 0, so M / (sqrt(V̂) + 0) is 0/0: a non-finite update from finite input
             if self._nonfinite_update(p, group, state):
@@ -892,7 +837,7 @@ class GaLoreAdamW(Optimizer):
             if state["rec_on"] and "rec_cold" in state:  # U_cold only feeds the record
                 cold = (m, cv.sqrt().add_(eps * cc), coef * cc)
             if group["track_cold"]:
-                self._observe_ratio(state, v, w8, cv, c2, cc, cap, eps)
+                step_diagnostics.observe_ratio(state, v, w8, cv, c2, cc, cap, eps)
         w = self._working_weight(p, group, state)
         _decay_back_project(w, u, basis, side, decay, coef_u)
         self._store_weight(p, group, state, w)
@@ -930,97 +875,27 @@ class GaLoreAdamW(Optimizer):
             else:
                 state["comp"] = lost.to(p.dtype)
 
-    def _observe_ratio(self, state: dict[str, Any], v: torch.Tensor, w8: Optional[torch.Tensor], cv: torch.Tensor,
-                       c2: float, cc: float, cap: float, eps: float) -> None:
-        """Diagnostics (``track_cold``): this step's ``|U| / |U_cold| = D_cold / D`` on every
-        coordinate (the first moments are shared, so the ratio of the updates is that of their
-        denominators ``D = sqrt(V̂) + eps``), gathered into the round's maximum, the share above 1
-        and a histogram of ``log2`` ratios (bins of 1/64 over ``[-8, 8]``, upper edges inclusive)
-        from which :meth:`update_ratio_summary` reads the 99th percentile."""
-        if w8 is not None:
-            est = v / w8
-            if cap:
-                est = torch.maximum(est, cv * cap)
-        else:
-            est = v / (c2 * c2)
-        ratio = ((cv.sqrt() / cc + eps) / (est.sqrt() + eps)).flatten()
-        ratio = torch.nan_to_num(ratio, nan=1.0, posinf=2.0**9)
-        if "ratio_hist" not in state:
-            state["ratio_hist"] = torch.zeros(len(_RATIO_EDGES) + 1, dtype=torch.int64)
-            state["ratio_max"], state["ratio_above"], state["ratio_n"] = 0.0, 0, 0
-        idx = torch.bucketize(ratio.log2().float().cpu(), _RATIO_EDGES)
-        state["ratio_hist"] += torch.bincount(idx, minlength=len(_RATIO_EDGES) + 1)
-        state["ratio_max"] = max(state["ratio_max"], float(ratio.max()))
-        state["ratio_above"] += int((ratio > 1.0 + 1e-6).sum())
-        state["ratio_n"] += ratio.numel()
-
-    # ------------------------------------------------------------------ update record
+    # ------------------------------------------------------------------ update record (fedgalore.optim.update_record)
     def _open_term(self, state: dict[str, Any], group: dict[str, Any]) -> None:
-        state["rec_coef"] = torch.zeros_like(state["exp_avg"])
-        state["rec_n"] = 0
-        if "cold_v" in state and group["track_cold"]:  # the cold update feeds the diagnostics only
-            state["rec_cold"] = torch.zeros_like(state["exp_avg"])
+        update_record.open_term(state, group["track_cold"])
 
-    def _close_term(self, state: dict[str, Any]) -> None:
-        if "rec_coef" not in state:
-            return
-        coef = state.pop("rec_coef")
-        cold = state.pop("rec_cold", None)
-        if state.pop("rec_n") > 0:
-            term = {"coef": coef, "factor": 1.0, "seed": state["basis_seed"]}
-            if state["basis_seed"] < 0 and "basis" in state:
-                term["basis"] = state["basis"]
-            if cold is not None:
-                term["cold"] = cold
-            state["rec_terms"].append(term)
+    @staticmethod
+    def _close_term(state: dict[str, Any]) -> None:
+        update_record.close_term(state)
 
-    def _record(
-        self, state: dict[str, Any], u: torch.Tensor, alpha: float, decay: float, after: bool,
-        cold: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None,
-    ) -> None:
-        """Keep ``ΔW = (a_t - 1) W0 + Σ_q f_q C_q P_q`` exact under decay ``d_t = 1 - lr_t wd``.
-
-        torch order (decay, then update): ``C <- d C + alpha U``; compat order (update, then
-        decay): ``C <- d (C + alpha U)``. Every step ``a <- d a`` and each closed term's factor
-        ``f_q <- d f_q``. With ``track_cold`` the shadow coefficients follow the torch-order rule
-        with the cold-start direction ``U_cold = M / D_cold``, given as ``cold = (M, D_cold,
-        alpha_cold)`` (one fused ``addcdiv_``, no ``U_cold`` tensor).
-        """
-        c = state["rec_coef"]
-        if after:
-            c.add_(u, alpha=alpha)
-            if decay != 1.0:
-                c.mul_(decay)
-        else:
-            if decay != 1.0:
-                c.mul_(decay)
-            c.add_(u, alpha=alpha)
-        if cold is not None and "rec_cold" in state:
-            cc = state["rec_cold"]
-            if decay != 1.0:
-                cc.mul_(decay)
-            cc.addcdiv_(cold[0], cold[1], value=cold[2])
-        state["rec_n"] += 1
-        if decay != 1.0:
-            state["rec_A"] *= decay
-            for term in state["rec_terms"]:
-                term["factor"] *= decay
+    @staticmethod
+    def _record(state: dict[str, Any], u: torch.Tensor, alpha: float, decay: float, after: bool,
+                cold: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> None:
+        update_record.record(state, u, alpha, decay, after, cold)
 
     def mark(self) -> None:
         """Start recording the exact low-rank update ``W_T - W_0`` of every GaLore parameter
-        (and, with ``track_cold``, restart the shadow cold second moment)."""
+        (:mod:`fedgalore.optim.update_record`; with ``track_cold``, restart the shadow cold second moment)."""
         for _, p, group in self._galore_items():
             state = self._init_state(p, group)
-            state["rec_on"] = 1
-            state["rec_A"] = 1.0
-            state["rec_terms"] = []
-            state.pop("rec_coef", None)
-            state.pop("rec_n", None)
-            state.pop("rec_cold", None)
             if "cold_v" in state:
                 self._reset_cold(state)
-            if self._has_basis(group, state):
-                self._open_term(state, group)
+            update_record.start(state, self._has_basis(group, state), group["track_cold"])
 
     def export_update(self) -> dict[str, GaLoreUpdate]:
         """Per GaLore parameter name, ``ΔW = decay·W0 + Σ_q term_q`` since :meth:`mark`.
@@ -1035,26 +910,7 @@ class GaLoreAdamW(Optimizer):
             state = self.state.get(p, {})
             if not state.get("rec_on"):
                 raise RuntimeError(f"export_update() without mark() for parameter {name!r}")
-            shape = (int(p.shape[0]), int(p.shape[1]))
-            side = SIDES[state["side"]]
-            terms: list[Any] = []
-            current = []
-            if "rec_coef" in state and state["rec_n"] > 0:
-                cur = {"coef": state["rec_coef"], "factor": 1.0, "seed": state["basis_seed"]}
-                if "basis" in state and state["basis_seed"] < 0:
-                    cur["basis"] = state["basis"]
-                current = [cur]
-            for term in list(state["rec_terms"]) + current:
-                coef = (term["coef"] * term["factor"]).detach().cpu()
-                if term["seed"] >= 0:
-                    terms.append(SeededLowRank(coef, int(term["seed"]), side, shape))
-                    continue
-                basis = term.get("basis")
-                if basis is None:  # identity projector
-                    basis = torch.eye(shape[1] if side == "right" else shape[0])
-                basis = basis.detach().float().cpu().clone()
-                terms.append(LowRank(coef, basis) if side == "right" else LowRank(basis, coef))
-            out[name] = GaLoreUpdate(float(state["rec_A"]) - 1.0, tuple(terms), shape)
+            out[name] = update_record.export(state, (int(p.shape[0]), int(p.shape[1])), SIDES[state["side"]])
         return out
 
     # ------------------------------------------------------------------ state export / warm start
@@ -1065,15 +921,8 @@ class GaLoreAdamW(Optimizer):
         return state.get("basis")
 
     def _v_weight(self, group: dict[str, Any], state: dict[str, Any]) -> torch.Tensor:
-        """Prior weight ``c`` of each projected coordinate, shaped to broadcast against ``V``."""
-        if "v_weight" in state:
-            return state["v_weight"]
-        side = SIDES[state["side"]]
-        v = state["exp_avg_sq"]
-        d = v.shape[1] if side == "right" else v.shape[0]
-        shape = (1, d) if side == "right" else (d, 1)
-        value = 1.0 - group["betas"][1] ** state["v_step"] if state["v_step"] > 0 else 0.0
-        return torch.full(shape, value, dtype=torch.float32, device=v.device)
+        """Prior weight ``c`` of each projected coordinate (:func:`fedgalore.optim.moment_exchange.v_weight`)."""
+        return moment_exchange.v_weight(state, SIDES[state["side"]], group["betas"][1])
 
     def export_state(self) -> dict[str, GaLoreStateEntry]:
         """Per GaLore parameter name: projected moments, shape/side and basis identity."""
@@ -1110,7 +959,7 @@ class GaLoreAdamW(Optimizer):
             raise KeyError(f"unknown parameter name {name!r}")
         p = self._by_name[name]
         group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
-        return basis_seed(int(group["projection_seed"]), name, 0)
+        return schedule.view_seed(group, name)
 
     def export_moments(self, view_seeds: Optional[dict[str, int]] = None, buffer: bool = False) -> dict[str, MomentView]:
         """Per GaLore parameter, the projected second moment as a :class:`MomentView` (paper
@@ -1130,65 +979,19 @@ class GaLoreAdamW(Optimizer):
         out: dict[str, MomentView] = {}
         for name, p, group in self._galore_items():
             state = self._init_state(p, group)
-            side = SIDES[state["side"]]
             basis = self._current_basis(p, group, state)
             if basis is None:
                 raise ValueError(f"parameter {name!r} has no basis yet (no optimizer step happened)")
-            shape = (int(p.shape[0]), int(p.shape[1]))
-            per_coordinate = "v_weight" in state
-            v, w = state["exp_avg_sq"], self._v_weight(group, state)
-            seed: Optional[int] = int(state["basis_seed"]) if state["basis_seed"] >= 0 else None
             target = None if view_seeds is None else view_seeds.get(name)
-            out_basis: Optional[torch.Tensor] = None if seed is not None else basis
-            kept = 1.0  # share of ‖V‖_F the move onto the view basis keeps (1: no move)
-            if target is not None and target != seed:
-                rank = v.shape[1] if side == "right" else v.shape[0]
-                new = seeded_basis(int(target), shape[0], shape[1], rank, side).to(v.device)
-                before = float(v.norm())
-                v, w = sm.move(v, w, change_of_basis(basis, new, side), side, group["moment_transfer"], per_coordinate)
-                kept = float(v.norm()) / before if before > 0 else 1.0
-                seed, out_basis = int(target), None
-            state["upload_kept"] = kept
-            moment, weight = (v, None) if buffer else (sm.estimate(v, w), w.detach().flatten().float().cpu().clone())
-            out[name] = MomentView(
-                moment.detach().float().cpu().clone(), side, shape,
-                None if out_basis is None else out_basis.detach().float().cpu().clone(), seed, weight,
-            )
+            out[name] = moment_exchange.export_view(state, group, SIDES[state["side"]], (int(p.shape[0]), int(p.shape[1])),
+                                                    basis, target, buffer)
         return out
 
-    def _apply_warm(self, state: dict[str, Any], group: dict[str, Any], side: str, new: torch.Tensor) -> None:
-        """Start ``V`` from the pending synchronised state, for the basis ``new`` now in use.
-
-        ``x`` holds the coordinates of ``v̄`` on basis ``b``, ``c`` their evidence;
-        ``C = change_of_basis(b, new)``. ``bias_correction="steps"`` (Algorithm 1 line 3 as
-        written): ``V = max(x C, 0)`` (:func:`fedgalore.protocol.second_moment.warm_paper`), and
-        the bias correction keeps counting this optimizer's steps. ``"weight"``: ``V = max(x, 0)∘c``
-        with evidence ``c``, both moved to ``new`` by ``moment_transfer`` exactly as an in-round
-        refresh (:func:`~fedgalore.protocol.second_moment.warm_aligned`; ``C = I`` when ``new`` is
-        ``b``: the lift is inverted exactly).
-        """
-        x, b, c = state.pop("warm_v"), state.pop("warm_basis"), state.pop("warm_weight")
-        cb = change_of_basis(b, new, side)
-        diag: dict[str, float] = {}
-        if group["bias_correction"] == "steps":
-            diag["warm_clamped"] = float((sm.apply_change(x, cb, side) < 0).float().mean())
-            state["exp_avg_sq"] = sm.warm_paper(x, cb, side).contiguous()
-            before = float(x.norm())
-        else:
-            diag["warm_clamped"] = float((x < 0).float().mean())
-            v, w = sm.warm_aligned(x, c, cb, side, group["moment_transfer"])
-            d = x.shape[1] if side == "right" else x.shape[0]
-            ev = sm.as_evidence(c, side, d, x)
-            total = float(ev.sum())
-            diag["prior_retained"] = float(w.sum()) / total if total > 0 else 0.0
-            state["exp_avg_sq"] = v.contiguous()
-            state["v_weight"] = w.contiguous()
-            before = float((x.clamp(min=0.0) * ev).norm())
-        # share of the synchronised buffer's norm (‖v̄‖_F, aligned: of c̄∘v̄) the move onto the first basis keeps
-        diag["warm_kept"] = float(state["exp_avg_sq"].norm()) / before if before > 0 else 1.0
-        state["warm_diag"] = diag
-        if group["warm_scale"] == "gradient":
-            state["warm_rescale"] = 1  # at the next step's projected gradient (_rescale_warm)
+    @staticmethod
+    def _apply_warm(state: dict[str, Any], group: dict[str, Any], side: str, new: torch.Tensor) -> None:
+        """Start ``V`` from the pending synchronised state on the basis ``new``
+        (:func:`fedgalore.optim.moment_exchange.apply_warm`: the two rules)."""
+        moment_exchange.apply_warm(state, group, side, new)
 
     def load_second_moment(self, name: str, view: MomentView) -> None:
         """Warm-start ``V`` of parameter ``name`` from a synchronised state ``v̄`` (paper Alg. 1,
@@ -1208,29 +1011,8 @@ class GaLoreAdamW(Optimizer):
             raise ValueError(f"parameter {name!r} is not a GaLore parameter")
         state = self._init_state(p, group)
         side = SIDES[state["side"]]
-        m, n = p.shape
-        x = view.moment
-        if view.side != side or tuple(view.shape) != (m, n):
-            raise ValueError(
-                f"load_second_moment({name!r}): a {view.side}-side view of a {tuple(view.shape)} matrix does not fit "
-                f"this {side}-side {m}x{n} parameter"
-            )
-        if x.dim() != 2 or (side == "right" and x.shape[0] != m) or (side == "left" and x.shape[1] != n):
-            raise ValueError(f"load_second_moment({name!r}): moment of shape {tuple(x.shape)} does not fit a {m}x{n} {side}-side view")
-        r = view.rank
-        basis = view.basis_matrix()
-        if tuple(basis.shape) != ((r, n) if side == "right" else (m, r)):
-            raise ValueError(f"load_second_moment({name!r}): basis {tuple(basis.shape)} does not match rank {r}")
-        weight = view.weight
-        if weight is not None and tuple(weight.shape) != (r,):
-            raise ValueError(f"load_second_moment({name!r}): weight must have shape ({r},), got {tuple(weight.shape)}")
-        tensors = [t.detach().to(device=p.device, dtype=torch.float32) for t in (x, basis)]
-        w8 = None if weight is None else weight.detach().to(device=p.device, dtype=torch.float32)
-        if not all(bool(torch.isfinite(t).all()) for t in tensors + ([w8] if w8 is not None else [])):
-            raise FloatingPointError(f"load_second_moment({name!r}): non-finite values")
-        if w8 is not None and bool((w8 < 0).any()):
-            raise ValueError(f"load_second_moment({name!r}): negative prior weights")
-        state["warm_v"], state["warm_basis"], state["warm_weight"] = tensors[0], tensors[1], w8
+        x, basis, w8 = moment_exchange.check_view(name, view, side, (int(p.shape[0]), int(p.shape[1])), p.device)
+        state["warm_v"], state["warm_basis"], state["warm_weight"] = x, basis, w8
         current = self._current_basis(p, group, state)
         if current is not None:
             self._apply_warm(state, group, side, current)
@@ -1251,22 +1033,17 @@ class GaLoreAdamW(Optimizer):
                 d["upload_kept"] = float(state["upload_kept"])
             if group["track_cold"] and "cold_v" in state and state.get("rec_on") and state.get("cold_step", 0) > 0:
                 side = SIDES[state["side"]]
-                terms = list(state["rec_terms"])
-                if state.get("rec_n", 0) > 0:
-                    cur = {"coef": state["rec_coef"], "factor": 1.0, "seed": state["basis_seed"], "cold": state["rec_cold"]}
-                    if "basis" in state:
-                        cur["basis"] = state["basis"]
-                    terms.append(cur)
+                terms = update_record.all_terms(state, with_cold=True)
                 bases = [self._term_basis(p, group, state, t) for t in terms]
-                d["update_norm"] = _record_norm([t["coef"] * t["factor"] for t in terms], bases, side)
-                d["update_norm_cold"] = _record_norm([t["cold"] * t["factor"] for t in terms], bases, side)
+                d["update_norm"] = update_record.record_norm([t["coef"] * t["factor"] for t in terms], bases, side)
+                d["update_norm_cold"] = update_record.record_norm([t["cold"] * t["factor"] for t in terms], bases, side)
                 b2 = group["betas"][1]
                 warm_hat = state["exp_avg_sq"] / self._v_weight(group, state).clamp(min=torch.finfo(torch.float32).tiny)
                 cold_hat = state["cold_v"] / (1.0 - b2 ** state["cold_step"])
                 ok = cold_hat > 0
                 d["v_ratio_median"] = float((warm_hat[ok] / cold_hat[ok]).median()) if bool(ok.any()) else float("nan")
             if state.get("ratio_n", 0) > 0:
-                d.update(_ratio_summary(state["ratio_hist"], state["ratio_max"], state["ratio_above"], state["ratio_n"]))
+                d.update(step_diagnostics.ratio_summary(state["ratio_hist"], state["ratio_max"], state["ratio_above"], state["ratio_n"]))
             out[name] = d
         return out
 
@@ -1283,7 +1060,7 @@ class GaLoreAdamW(Optimizer):
             if st.get("ratio_n", 0) > 0:
                 hist = st["ratio_hist"].clone() if hist is None else hist + st["ratio_hist"]
                 top, above, n = max(top, st["ratio_max"]), above + st["ratio_above"], n + st["ratio_n"]
-        return {} if hist is None else _ratio_summary(hist, top, above, n)
+        return {} if hist is None else step_diagnostics.ratio_summary(hist, top, above, n)
 
     def _term_basis(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], term: dict[str, Any]) -> torch.Tensor:
         if term.get("basis") is not None:
