@@ -19,12 +19,10 @@ demo: setup
 
 # all tests, then the numerically sensitive ones (marker isa) again with the CPU kernels forced down (torch's
 # portable kernels, MKL and oneDNN at most AVX2; issue 29): a test that would pass with one kind of kernels only fails on every machine.
-# Three pytest-xdist workers on CI's two cores (TEST_WORKERS=0: one process), each single-threaded (tests/conftest.py):
-# one starts with the Flower deployment tests, which mostly wait on processes and timeouts, and runs them one after
-# another (one unit of work: tests/conftest.py makes the scheduler); the other two take the rest, longest first
-# (tests/durations.json), so the run does not end on a long test started late
-TEST_WORKERS ?= 3
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup)
+# Two pytest-xdist workers (TEST_WORKERS=0: one process), each single-threaded (tests/conftest.py): the suite's long tests
+# (Flower deployments, the documented commands) run beside the rest instead of after it
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 test: setup
 	$(PYTHON) -m pytest -q $(XDIST)
 	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 $(PYTHON) -m pytest -q -m isa $(XDIST)
