@@ -205,7 +205,10 @@ def test_joint_rank_zero_small_and_beyond_the_views(joint_rank):
     for a, b in zip(ref, got):
         assert b.diagnostics["joint_rank"] == a.diagnostics["joint_rank"] <= min(joint_rank, 12)
         assert b.diagnostics["state_rank"] == a.diagnostics["state_rank"]
-        assert _rel(b.state.moment, a.state.moment) < 1e-4
+        # k beyond the views keeps every direction above rounding level, the weakest of them conditioned by
+        # float32 rounding: measured 1.3e-5 (AVX-512 kernels) and 1.8e-4 (torch's portable ones, `make test`'s
+        # second pass) on the worst matrix, 1e-5 or less on the others; 1e-4 elsewhere
+        assert _rel(b.state.moment, a.state.moment) < (1e-3 if joint_rank == 40 else 1e-4)
     if joint_rank == 40:
         assert any("available joint directions" in w for w in warned)
 
