@@ -288,10 +288,16 @@ def test_corrupted_checkpoint_falls_back_to_previous(tmp_path):
     assert strip_times(resumed.history) == strip_times(full.history)
 
 
-def test_a_method_defined_outside_the_package_runs_unchanged(tmp_path, capsys):
+def test_a_method_defined_outside_the_package_runs_unchanged(tmp_path, capsys, monkeypatch):
     """Adding a method needs no change in the round loop, the config loader or the CLI: a
     FedSGD-style head-only method with its options dataclass is one class each."""
     from dataclasses import dataclass
+
+    import fedgalore.methods.base as methods_base
+
+    # registered for this test only: a later test in this process that loops over available_methods()
+    # (tests/test_privacy.py) would otherwise run it too
+    monkeypatch.setattr(methods_base, "_REGISTRY", dict(methods_base._REGISTRY))
 
     from fedgalore.cli import main
     from fedgalore.federated.client import local_train
