@@ -1,10 +1,15 @@
-"""Suite-wide test settings: offline hub, one torch thread (tiny models run faster single-threaded
-and the suite must behave on a shared 2-core machine)."""
+"""Suite-wide test settings: offline hub, one torch thread in the tests and in every process they
+start (tiny models run faster single-threaded and the suite must behave on a shared 2-core machine)."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# every process a test starts (documented commands, compare workers, Ray and Flower processes) single-threaded
+# as well, so that two pytest-xdist workers' subprocesses do not each start torch's default threads on the 2
+# cores (the Ray and Flower equality tests took 17-24 s alone, 106-176 s inside the suite)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
