@@ -358,11 +358,13 @@ def real_blob_size(blob: bytes, dims: DimMap) -> tuple[int, int]:
     return 8 + len(dump_safetensors_header(out)) + offset, offset
 
 
-def _tensors(obj: Any, seen: set[int] | None = None) -> Iterable[torch.Tensor]:
-    """Every tensor inside nested dicts/lists/tuples/dataclasses (each storage once)."""
+def _tensors(obj: Any, seen: set | None = None) -> Iterable[torch.Tensor]:
+    """Every tensor inside nested dicts/lists/tuples/dataclasses (a tensor held twice once; views
+    at different places of one storage each — GaLoreAdamW keeps each matrix's moments as a view of
+    its bucket's stack, fedgalore.optim.bucket)."""
     seen = set() if seen is None else seen
     if torch.is_tensor(obj):
-        key = obj.untyped_storage().data_ptr() if obj.numel() else id(obj)
+        key = (obj.data_ptr(), tuple(obj.shape), obj.stride()) if obj.numel() else id(obj)
         if key not in seen:
             seen.add(key)
             yield obj

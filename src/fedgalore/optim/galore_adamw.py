@@ -100,11 +100,16 @@ hence the default. ``fedgalore plan`` counts the bytes.
 update 0/0: it is caught before the state changes and handled by the ``nonfinite`` policy.
 
 The pieces (issue 43): this module holds the ``torch.optim`` shell (groups, names, state, checkpoint
-loading) and the step itself (its kernels and the moments); the rest are small modules that act on
-one matrix's state dict — :mod:`fedgalore.optim.schedule` (when a basis is refreshed and which basis
-it gets), :mod:`fedgalore.optim.update_record` (the exact record ``W_T − W_0``),
-:mod:`fedgalore.optim.moment_exchange` (the upload ``ṽ`` and the warm start from ``v̄``) and
-:mod:`fedgalore.optim.step_diagnostics` (``|U| / |U_cold|``).
+loading) and the step's per-matrix parts (refresh, projection, checks, weight update, record: its
+GEMM kernels); the moments are stepped a bucket at a time — the matrices whose moments have one
+shape, stacked, each matrix's state a view into the stacks — by :mod:`fedgalore.optim.bucket` (the
+moment algebra's only torch copy; the CPU's AVX2 kernel does it per matrix where it applies). The
+rest are small modules that act on one matrix's state dict — :mod:`fedgalore.optim.schedule` (when
+a basis is refreshed and which basis it gets), :mod:`fedgalore.optim.update_record` (the exact
+record ``W_T − W_0``), :mod:`fedgalore.optim.moment_exchange` (the upload ``ṽ`` and the warm start
+from ``v̄``) and :mod:`fedgalore.optim.step_diagnostics` (``|U| / |U_cold|``). Not bucketed yet:
+the projection and back-projection (one GEMM each per matrix), so a GPU still launches two GEMMs
+per matrix; the stacked ``bmm`` form waits for a GPU to measure it on.
 
 Optimizer state holds tensors and plain Python numbers only (side is stored as ``0=right,
 1=left``), so ``state_dict()`` loads with ``torch.load(weights_only=True)``. GaLore state
@@ -120,6 +125,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 from torch.optim import Optimizer
 
+import fedgalore.optim.bucket as bucket
 import fedgalore.optim.cpu_kernels as cpu_kernels
 import fedgalore.optim.moment_exchange as moment_exchange
 import fedgalore.optim.schedule as schedule
@@ -367,6 +373,23 @@ def _copy_state(value: Any, device: torch.device) -> Any:
     return value
 
 
+@dataclass
+class _Prep:
+    """A GaLore matrix between the per-matrix preparation of its step and the rest: the projected
+    gradient, its basis and side, the coefficients c₂ (V's bias correction), cc (the cold moment's)
+    and the cold cap, and ``u`` when the CPU kernel already did the moments."""
+
+    p: torch.Tensor
+    state: dict[str, Any]
+    r: torch.Tensor
+    basis: Optional[torch.Tensor]
+    side: str
+    c2: float
+    cc: float
+    cap: float
+    u: Optional[torch.Tensor] = None
+
+
 class GaLoreAdamW(Optimizer):
     """AdamW with GaLore gradient-subspace groups (paper App. B; DESIGN §3.1).
 
@@ -410,6 +433,7 @@ class GaLoreAdamW(Optimizer):
             raise ValueError(f"invalid weight_decay {weight_decay}")
         self._names: dict[torch.Tensor, str] = {}
         self._by_name: dict[str, torch.Tensor] = {}
+        self._buckets = bucket.MomentBuckets()  # the stacked moments (fedgalore.optim.bucket)
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -430,6 +454,11 @@ class GaLoreAdamW(Optimizer):
         state = super().__getstate__()
         state["_names"], state["_by_name"] = self._names, self._by_name
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Unpickled: the bucket stacks start empty (the states' views are re-stacked at the first step)."""
+        super().__setstate__(state)
+        self._buckets = bucket.MomentBuckets()
 
     # ------------------------------------------------------------------ groups and names
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -642,7 +671,10 @@ class GaLoreAdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        for gi, group in enumerate(self.param_groups):
+            if "rank" in group:
+                self._galore_group_step(gi, group)
+                continue
             batch: list[tuple[torch.Tensor, dict[str, Any]]] = []  # plain parameters for one fused kernel
             try:
                 for p in group["params"]:
@@ -651,9 +683,7 @@ class GaLoreAdamW(Optimizer):
                     if p.grad.is_sparse:
                         raise RuntimeError(f"GaLoreAdamW does not support sparse gradients ({self._names[p]!r})")
                     state = self._init_state(p, group)
-                    if "rank" in group:
-                        self._galore_step(p, group, state)
-                    elif _fusable(p, group):
+                    if _fusable(p, group):
                         if not self._nonfinite(p, group, state, p.grad):
                             batch.append((p, state))
                     else:
@@ -733,8 +763,37 @@ class GaLoreAdamW(Optimizer):
         denom = (v.sqrt() / math.sqrt(1.0 - b2**t)).add_(eps)
         p.addcdiv_(m, denom, value=-lr / (1.0 - b1**t))
 
-    def _galore_step(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        """One step of the module docstring's rule for a GaLore parameter.
+    def _galore_group_step(self, gi: int, group: dict[str, Any]) -> None:
+        """One step of the module docstring's rule for every GaLore parameter of group ``gi``.
+
+        Per matrix, in parameter order (:meth:`_galore_prepare`): the refresh when due, the
+        projection ``R`` and the checks. The moments: per matrix by the CPU's AVX2 kernel where it
+        applies, else for a whole bucket at once (:mod:`fedgalore.optim.bucket`: the matrices whose
+        moments have one shape, stacked; one call of :func:`fedgalore.optim.bucket.adam_moments`,
+        one non-finite check). Then per matrix (:meth:`_galore_finish`): the counters, the weight
+        update and the record. A parameter that raises leaves the ones before it stepped, as
+        before the buckets (the pending buckets step in ``finally``)."""
+        pending: list[_Prep] = []
+        try:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"GaLoreAdamW does not support sparse gradients ({self._names[p]!r})")
+                prep = self._galore_prepare(p, group, self._init_state(p, group))
+                if prep is None:
+                    continue
+                if prep.u is not None:  # the AVX2 kernel did the moments
+                    self._galore_finish(group, prep, prep.u)
+                else:
+                    pending.append(prep)
+        finally:
+            if pending:
+                self._galore_buckets(gi, group, pending)
+
+    def _galore_prepare(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> Optional[_Prep]:
+        """The per-matrix part of a step before the moments: refresh, projection, checks; the
+        moments themselves when the CPU kernel applies. None: the matrix skips this step.
 
         Passes over ``m x n`` data in a normal (non-refresh) step of an fp32 parameter: ``G`` is
         read once (the projection ``R``), ``W`` is read and written once (decay and
@@ -744,12 +803,12 @@ class GaLoreAdamW(Optimizer):
         parameters add the fp32 casts of ``G`` and ``W`` and the copy back.
 
         Non-finite gradients (policy ``nonfinite``): a refresh step checks ``G`` itself, every
-        step checks ``R``. Under IEEE arithmetic a NaN/Inf entry of ``G`` makes its whole row
-        (right) / column (left) of ``R`` non-finite, whatever the basis entries it meets
-        (``NaN·0 = Inf·0 = NaN``); the projection kernel in use is probed for that once per
-        process (:func:`_propagates_nonfinite`), and a kernel that fails the probe gets ``G``
-        checked on every step. A finite ``G`` whose projection overflows fp32 also counts as
-        non-finite.
+        step checks ``R`` (per bucket, :meth:`_galore_buckets`, or in the kernel). Under IEEE
+        arithmetic a NaN/Inf entry of ``G`` makes its whole row (right) / column (left) of ``R``
+        non-finite, whatever the basis entries it meets (``NaN·0 = Inf·0 = NaN``); the
+        projection kernel in use is probed for that once per process
+        (:func:`_propagates_nonfinite`), and a kernel that fails the probe gets ``G`` checked on
+        every step. A finite ``G`` whose projection overflows fp32 also counts as non-finite.
         """
         g = p.grad
         g32 = g if g.dtype == torch.float32 else g.float()
@@ -759,7 +818,7 @@ class GaLoreAdamW(Optimizer):
         checked = identity  # identity: R is G itself
         if not identity and self._refresh_due(group, state):
             if self._nonfinite(p, group, state, g32):
-                return
+                return None
             self._refresh(p, group, state, g32)
             checked = True
         if identity:
@@ -768,8 +827,8 @@ class GaLoreAdamW(Optimizer):
             basis = state["basis"]
             r, propagates = _project_step(g32, basis, side)
             if not (propagates or checked) and self._nonfinite(p, group, state, g32):
-                return
-        lr, wd, eps, scale = float(group["lr"]), group["weight_decay"], group["eps"], group["scale"]
+                return None
+        eps = group["eps"]
         b1, b2 = group["betas"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
         w8, cv = state.get("v_weight"), state.get("cold_v")
@@ -778,36 +837,70 @@ class GaLoreAdamW(Optimizer):
         if eps == 0.0 and bool(((v == 0) & (r == 0)).any()):
             # V stays 0 where both are 0, so M / (sqrt(V̂) + 0) is 0/0: a non-finite update from finite input
             if self._nonfinite_update(p, group, state):
-                return
+                return None
         # M / (sqrt(V) / c2 + eps) = c2 M / (sqrt(V) + c2 eps): AdamW's bias correction of this
         # step's V (v_step + 1) joins the coefficient; 1 with evidence c (V / c is the estimate)
         c2 = 1.0 if w8 is not None else math.sqrt(1.0 - b2 ** (state["v_step"] + 1))
         # the shadow cold moment's correction after this step, and the cold cap 1 / (1 - b2^s)
         cc = math.sqrt(1.0 - b2 ** (state["cold_step"] + 1)) if cv is not None else 1.0
         cap = 1.0 / (cc * cc) if group["cap_to_cold"] else 0.0
-        u = None
+        prep = _Prep(p, state, r, basis, side, c2, cc, cap)
         if not compat and p.numel() >= ONEDNN_MIN_NUMEL and cpu_kernels.moments_usable(r, m, v, w8, cv):
-            # the check of R, M, V (and c, the cold V) and U in one kernel call (same rule as below)
-            u = cpu_kernels.adam_moments(r, m, v, b1, b2, eps * c2, cold_v=cv, v_weight=w8, cold_cap=cap)
-            if u is None and not self._nonfinite(p, group, state, r):
+            # the check of R, M, V (and c, the cold V) and U in one kernel call (same rule as bucket.adam_moments)
+            prep.u = cpu_kernels.adam_moments(r, m, v, b1, b2, eps * c2, cold_v=cv, v_weight=w8, cold_cap=cap)
+            if prep.u is None and not self._nonfinite(p, group, state, r):
                 raise RuntimeError(f"internal: the moment kernel and torch disagree on whether R of {self._names[p]!r} is finite")
-            if u is None:
-                return
-        elif self._nonfinite(p, group, state, r):
-            return
+            if prep.u is None:
+                return None
+        return prep
+
+    def _galore_buckets(self, gi: int, group: dict[str, Any], preps: list[_Prep]) -> None:
+        """The moments of the prepared matrices, one bucket (:func:`fedgalore.optim.bucket.bucket_key`)
+        at a time: ``R`` stacked, one non-finite check per bucket (per matrix, by the policy, only
+        when it fails), one :func:`fedgalore.optim.bucket.adam_moments` on the bucket's stacked
+        state; then each matrix's :meth:`_galore_finish`."""
+        by_key: dict[tuple, list[_Prep]] = {}
+        for x in preps:
+            by_key.setdefault(bucket.bucket_key(x.state), []).append(x)
+        b1, b2 = group["betas"]
+        compat = group["galore_torch_compat"]
+        for key, items in by_key.items():
+            r = torch.stack([x.r for x in items])
+            if not math.isfinite(float(r.sum())) and not bool(torch.isfinite(r).all()):
+                kept = [x for x in items if not self._nonfinite(x.p, group, x.state, x.r)]  # raises, or skips
+                if not kept:
+                    continue
+                items, r = kept, torch.stack([x.r for x in kept])
+            if len(items) == 1:  # a bucket of one: its own tensors, no stack (the same algebra)
+                x, st = items[0], items[0].state
+                u = bucket.adam_moments(x.r, st["exp_avg"], st["exp_avg_sq"], b1, b2, group["eps"] * (1.0 if compat else x.c2),
+                                        st.get("v_weight"), st.get("cold_v"), x.cap if group["cap_to_cold"] else None, compat)
+                self._galore_finish(group, x, u)
+                continue
+            stacks = self._buckets.bind((gi, key), [x.state for x in items])
+            eps = group["eps"] if compat else bucket.per_matrix([group["eps"] * x.c2 for x in items], r)
+            cap = bucket.per_matrix([x.cap for x in items], r) if group["cap_to_cold"] else None
+            u = bucket.adam_moments(r, stacks["exp_avg"], stacks["exp_avg_sq"], b1, b2, eps, stacks.get("v_weight"),
+                                    stacks.get("cold_v"), cap, compat)
+            for i, x in enumerate(items):
+                self._galore_finish(group, x, u[i])
+
+    def _galore_finish(self, group: dict[str, Any], x: _Prep, u: torch.Tensor) -> None:
+        """The per-matrix part of a step after the moments (``u = M / D``): the step counters, the
+        weight update ``W ← d W + coef U P`` (torch order; the official order under compat) and the
+        update record."""
+        p, state, basis, side, c2, cc, cap = x.p, x.state, x.basis, x.side, x.c2, x.cc, x.cap
+        lr, wd, eps, scale = float(group["lr"]), group["weight_decay"], group["eps"], group["scale"]
+        b1, b2 = group["betas"]
         state["step"] += 1
         state["v_step"] += 1
         state["view_steps"] = state.get("view_steps", 0) + state.get("on_view", 0)
         t = state["step"]
         decay = 1.0 - lr * wd
-        if compat:
-            m.mul_(b1).add_(r, alpha=1.0 - b1)
-            v.mul_(b2).addcmul_(r, r, value=1.0 - b2)
-            denom = v.sqrt().add_(eps)
+        if group["galore_torch_compat"]:
             step_size = lr
             if group["correct_bias"]:
                 step_size = lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
-            u = m / denom
             # official order, update then decay: W <- d (W - step scale U P) = d W - d step scale U P
             d = decay if wd > 0.0 else 1.0
             w = self._working_weight(p, group, state)
@@ -818,26 +911,14 @@ class GaLoreAdamW(Optimizer):
             return
         coef = -lr / (1.0 - b1**t) * scale
         coef_u = coef * c2
-        if u is None:  # else the kernel above updated the moments
-            m.lerp_(r, 1.0 - b1)
-            v.mul_(b2).addcmul_(r, r, value=1.0 - b2)
-            if cv is not None:
-                cv.mul_(b2).addcmul_(r, r, value=1.0 - b2)
-            if w8 is not None:
-                w8.mul_(b2).add_(1.0 - b2)
-                est = v / w8
-                if cap:  # the cold cap: sqrt(max(V / c, V_cold / (1 - b2^s)))
-                    est = torch.maximum(est, cv * cap)
-                u = m / est.sqrt_().add_(eps)
-            else:
-                u = m / v.sqrt().add_(eps * c2)
         cold = None
+        cv = state.get("cold_v")
         if cv is not None:
             state["cold_step"] += 1
             if state["rec_on"] and "rec_cold" in state:  # U_cold only feeds the record
-                cold = (m, cv.sqrt().add_(eps * cc), coef * cc)
+                cold = (state["exp_avg"], cv.sqrt().add_(eps * cc), coef * cc)
             if group["track_cold"]:
-                step_diagnostics.observe_ratio(state, v, w8, cv, c2, cc, cap, eps)
+                step_diagnostics.observe_ratio(state, state["exp_avg_sq"], state.get("v_weight"), cv, c2, cc, cap, eps)
         w = self._working_weight(p, group, state)
         _decay_back_project(w, u, basis, side, decay, coef_u)
         self._store_weight(p, group, state, w)
