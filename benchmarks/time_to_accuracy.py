@@ -41,10 +41,11 @@ import platform
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
+
+from round_overhead import Clock  # the inclusive per-function timer (benchmarks/ is this script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = {  # learning rates: conf/demo_rates.yaml (FedGaLore, FedIT, FedAvg-Full); FedGaLore⁻: horizon.SIX_ROUND_RATE
@@ -55,25 +56,6 @@ METHODS = {  # learning rates: conf/demo_rates.yaml (FedGaLore, FedIT, FedAvg-Fu
 }
 TARGETS = (0.8, 0.9, 0.95)
 PARTS = ("train", "client_other", "io", "aggregate", "sync", "evaluate", "rest")
-
-
-class Clock:
-    """Inclusive wall time per wrapped function, per label."""
-
-    def __init__(self) -> None:
-        self.t: dict[str, float] = defaultdict(float)
-
-    def wrap(self, owner, attr: str, label: str) -> None:
-        fn = getattr(owner, attr)
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.t[label] += time.perf_counter() - t0
-
-        setattr(owner, attr, timed)
 
 
 def _config(method: str, lr: float, rounds: int, out: str, device: str):

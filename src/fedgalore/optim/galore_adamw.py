@@ -677,11 +677,7 @@ class GaLoreAdamW(Optimizer):
                 continue
             batch: list[tuple[torch.Tensor, dict[str, Any]]] = []  # plain parameters for one fused kernel
             try:
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    if p.grad.is_sparse:
-                        raise RuntimeError(f"GaLoreAdamW does not support sparse gradients ({self._names[p]!r})")
+                for p in self._with_grads(group):
                     state = self._init_state(p, group)
                     if _fusable(p, group):
                         if not self._nonfinite(p, group, state, p.grad):
@@ -692,6 +688,15 @@ class GaLoreAdamW(Optimizer):
                 if batch:
                     self._adamw_fused(group, batch)
         return loss
+
+    def _with_grads(self, group: dict[str, Any]) -> Iterable[torch.Tensor]:
+        """The group's parameters that have a gradient, in order (a sparse gradient is refused)."""
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"GaLoreAdamW does not support sparse gradients ({self._names[p]!r})")
+            yield p
 
     def _nonfinite(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], x: torch.Tensor) -> bool:
         """True when ``x`` has NaN/Inf and the policy is ``skip``; raises under ``raise``.
@@ -775,11 +780,7 @@ class GaLoreAdamW(Optimizer):
         before the buckets (the pending buckets step in ``finally``)."""
         pending: list[_Prep] = []
         try:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"GaLoreAdamW does not support sparse gradients ({self._names[p]!r})")
+            for p in self._with_grads(group):
                 prep = self._galore_prepare(p, group, self._init_state(p, group))
                 if prep is None:
                     continue
