@@ -34,7 +34,6 @@ wrote this). ``--device cuda`` runs the same on a GPU. Writes
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import platform
@@ -64,7 +63,6 @@ def _config(method: str, lr: float, rounds: int, out: str, device: str):
     from fedgalore.engine.config import FederatedConfig
 
     raw = yaml.safe_load((ROOT / "conf" / "repro" / "offline_text_50.yaml").read_text())
-    raw = copy.deepcopy(raw)
     raw["seed"] = 1
     raw["method"]["name"] = method
     if method not in ("fedgalore", "fedgalore_minus"):

@@ -17,8 +17,9 @@ copy of ``r``-sized tensors); in-place changes (``warm_scale`` rescaling) act on
 :func:`adam_moments` is the moment algebra — the only copy of it in torch ops; the CPU's AVX2
 kernel (:func:`fedgalore.optim.cpu_kernels.adam_moments`) is the same rule in C, used per matrix
 where it applies and wins (large fp32 matrices, one thread). A bucket of ``B`` matrices costs one
-kernel per elementwise op instead of ``B``; that is the GPU's gain (kernel launches), and on the CPU
-the small matrices' gain (Python and dispatch per op).
+kernel per elementwise op instead of ``B``: the GPU's gain (kernel launches; not measured yet). On
+the CPU it buys nothing — stacking ``R`` and the bookkeeping cost about what the fewer calls save
+(1.02-1.06x the per-matrix step on small matrices, benchmarks/RESULTS.md §10.7).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["MomentBuckets", "adam_moments", "bucket_key", "per_matrix"]
+__all__ = ["MomentBuckets", "adam_moments", "bucket_key", "per_matrix", "stack_or_one"]
 
 #: the state tensors a bucket stacks (in this order), when a matrix has them
 STACKED = ("exp_avg", "exp_avg_sq", "v_weight", "cold_v")
@@ -40,9 +41,17 @@ def bucket_key(state: dict[str, Any]) -> tuple:
     return (m.device, m.dtype, tuple(m.shape), None if w8 is None else tuple(w8.shape), "cold_v" in state)
 
 
-def per_matrix(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    """Per-matrix scalars as a ``[B, 1, 1]`` tensor that broadcasts against a bucket's stacks."""
+def per_matrix(values: list[float], like: torch.Tensor) -> torch.Tensor | float:
+    """Per-matrix scalars as a ``[B, 1, 1]`` tensor that broadcasts against a bucket's stacks; the
+    number itself for a bucket of one (its own tensors, not stacked)."""
+    if len(values) == 1:
+        return values[0]
     return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1, 1)
+
+
+def stack_or_one(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The bucket's tensors stacked ``[B, ...]``; a bucket of one is its tensor itself (no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.stack(tensors)
 
 
 class MomentBuckets:
@@ -50,9 +59,6 @@ class MomentBuckets:
 
     def __init__(self) -> None:
         self._stacks: dict[tuple, dict[str, Any]] = {}
-
-    def clear(self) -> None:
-        self._stacks.clear()
 
     def bind(self, key: tuple, states: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """The stacks of ``states`` (one bucket, in this order), each state's tensors views into
@@ -84,7 +90,7 @@ def adam_moments(r: torch.Tensor, m: torch.Tensor, v: torch.Tensor, b1: float, b
     ``M ← lerp(M, R, 1−β₁)``, ``V ← β₂V + (1−β₂) R∘R`` (the shadow ``cold_v`` alike),
     ``c ← β₂c + (1−β₂)`` for the evidence ``c``; ``U = M / (√(V/c) + ε)`` with evidence, else
     ``U = M / (√V + ε·c₂)`` (``eps`` per matrix, ``[B,1,1]``: AdamW's bias correction of ``V`` moved
-    into ε, see :meth:`fedgalore.optim.GaLoreAdamW._galore_step`); with ``cold_cap`` (``[B,1,1]``,
+    into ε, see :meth:`fedgalore.optim.GaLoreAdamW._galore_prepare`); with ``cold_cap`` (``[B,1,1]``,
     ``1/(1−β₂^s)`` or 0) the estimate is ``max(V/c, cold_cap · cold_v)`` (the aligned protocol's cap).
     ``compat``: the official galore-torch rule, ``M ← β₁M + (1−β₁)R``, ``U = M / (√V + ε)``.
 

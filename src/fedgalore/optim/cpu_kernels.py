@@ -1,6 +1,6 @@
 """AVX2/FMA kernels for the rank-``r`` GEMMs of a GaLore step on one CPU core (issue 18).
 
-A normal GaLore step (:meth:`fedgalore.optim.GaLoreAdamW._galore_step`) spends nearly all of its
+A normal GaLore step (:meth:`fedgalore.optim.GaLoreAdamW._galore_group_step`) spends nearly all of its
 time in two skinny GEMMs over the ``m × n`` matrix: the projection ``R = G Pᵀ`` (right) /
 ``Pᵀ G`` (left) and the decay + back-projection ``W ← d W + c U P`` / ``d W + c P U``. At
 ``r = 8`` they are compute-bound on a core like this box's (``2 r = 16`` flops per weight each,
@@ -253,7 +253,7 @@ def adam_moments(r: torch.Tensor, m: torch.Tensor, v: torch.Tensor, b1: float, b
                  cold_v: Optional[torch.Tensor] = None, v_weight: Optional[torch.Tensor] = None,
                  cold_cap: float = 0.0) -> Optional[torch.Tensor]:
     """Adam's moments on the projected gradient ``R`` in place, all or nothing (paper Alg. 1 line
-    8's optimizer state; the rule of :meth:`fedgalore.optim.GaLoreAdamW._galore_step`):
+    8's optimizer state; the rule of :func:`fedgalore.optim.bucket.adam_moments`):
     ``M ← lerp(M, R, 1−β₁)``, ``V ← β₂V + (1−β₂)R∘R`` (and the shadow ``cold_v`` alike),
     ``c ← β₂c + (1−β₂)`` for ``v_weight`` ``c`` (shape ``(1, cols)`` or ``(rows, 1)``), and
     returns ``U = M / (√(V/c) + eps)`` (``M / (√V + eps)`` without ``c``); with ``cold_cap > 0``

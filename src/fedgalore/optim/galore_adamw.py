@@ -307,7 +307,7 @@ def _decay_back_project(w: torch.Tensor, u: torch.Tensor, basis: Optional[torch.
     """``W <- decay W + coef U P`` (right) / ``decay W + coef P U`` (left) / ``decay W + coef U``
     (identity, ``basis is None``), in place: one read and one write of ``W``.
 
-    torch order (decay first, then the update), as :meth:`GaLoreAdamW._galore_step` documents.
+    torch order (decay first, then the update), as :meth:`GaLoreAdamW._galore_finish` documents.
     ``addmm_``'s ``beta`` would fold the decay into the GEMM, but MKL scales ``C`` in a separate
     pass and measured slower than ``mul_`` + ``addmm_`` (benchmarks/RESULTS.md §1); instead, on
     CPU, the two run per row block of :data:`BLOCK_BYTES`, so the GEMM finds its rows in cache —
@@ -866,25 +866,20 @@ class GaLoreAdamW(Optimizer):
         b1, b2 = group["betas"]
         compat = group["galore_torch_compat"]
         for key, items in by_key.items():
-            r = torch.stack([x.r for x in items])
+            r = bucket.stack_or_one([x.r for x in items])
             if not math.isfinite(float(r.sum())) and not bool(torch.isfinite(r).all()):
-                kept = [x for x in items if not self._nonfinite(x.p, group, x.state, x.r)]  # raises, or skips
-                if not kept:
+                items = [x for x in items if not self._nonfinite(x.p, group, x.state, x.r)]  # raises, or skips
+                if not items:
                     continue
-                items, r = kept, torch.stack([x.r for x in kept])
-            if len(items) == 1:  # a bucket of one: its own tensors, no stack (the same algebra)
-                x, st = items[0], items[0].state
-                u = bucket.adam_moments(x.r, st["exp_avg"], st["exp_avg_sq"], b1, b2, group["eps"] * (1.0 if compat else x.c2),
-                                        st.get("v_weight"), st.get("cold_v"), x.cap if group["cap_to_cold"] else None, compat)
-                self._galore_finish(group, x, u)
-                continue
-            stacks = self._buckets.bind((gi, key), [x.state for x in items])
-            eps = group["eps"] if compat else bucket.per_matrix([group["eps"] * x.c2 for x in items], r)
+                r = bucket.stack_or_one([x.r for x in items])
+            # a bucket of one is its own tensors with plain numbers (no stack, the same algebra)
+            st = items[0].state if len(items) == 1 else self._buckets.bind((gi, key), [x.state for x in items])
+            eps = bucket.per_matrix([group["eps"] * (1.0 if compat else x.c2) for x in items], r)
             cap = bucket.per_matrix([x.cap for x in items], r) if group["cap_to_cold"] else None
-            u = bucket.adam_moments(r, stacks["exp_avg"], stacks["exp_avg_sq"], b1, b2, eps, stacks.get("v_weight"),
-                                    stacks.get("cold_v"), cap, compat)
-            for i, x in enumerate(items):
-                self._galore_finish(group, x, u[i])
+            u = bucket.adam_moments(r, st["exp_avg"], st["exp_avg_sq"], b1, b2, eps, st.get("v_weight"), st.get("cold_v"),
+                                    cap, compat)
+            for x, ux in zip(items, u if len(items) > 1 else [u]):
+                self._galore_finish(group, x, ux)
 
     def _galore_finish(self, group: dict[str, Any], x: _Prep, u: torch.Tensor) -> None:
         """The per-matrix part of a step after the moments (``u = M / D``): the step counters, the
