@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from fedgalore.optim import GaLoreAdamW, cpu_kernels
-from fedgalore.optim import galore_adamw as _ga
+from fedgalore.optim import kernels as _ga
 from fedgalore.optim.projector import project
 from fedgalore.protocol.bases import SIDES
 
@@ -130,7 +130,7 @@ def _breakdown(params: list[torch.Tensor], opt: GaLoreAdamW, fused: torch.optim.
         u = torch.randn(st["exp_avg"].shape, generator=gen)
         a, b = (u, basis) if side == "right" else (basis, u)
         items.append((p, p.grad, side, basis, u, a, b))
-    onednn = _ga._onednn_linear()
+    onednn = _ga.onednn_linear()
 
     def each(fn):
         return lambda: [fn(*it) for it in items]
@@ -144,10 +144,10 @@ def _breakdown(params: list[torch.Tensor], opt: GaLoreAdamW, fused: torch.optim.
         "decay mul_ + addmm_": each(lambda p, g, side, basis, u, a, b: p.data.mul_(decay).addmm_(a, b, alpha=coef)),
         "decay as addmm_ beta": each(lambda p, g, side, basis, u, a, b: p.data.addmm_(a, b, beta=decay, alpha=coef)),
         "decay + back_project, torch row blocks": cpu_kernels.disabled()(each(
-            lambda p, g, side, basis, u, a, b: _ga._decay_back_project(p.data, u, basis, side, decay, coef))),
+            lambda p, g, side, basis, u, a, b: _ga.decay_back_project(p.data, u, basis, side, decay, coef))),
     }
     if onednn is not None:
-        pieces["project oneDNN"] = each(lambda p, g, side, basis, u, a, b: _ga._onednn_project(onednn, g, basis, side))
+        pieces["project oneDNN"] = each(lambda p, g, side, basis, u, a, b: _ga.onednn_project(onednn, g, basis, side))
     if all(cpu_kernels.usable(it[1], it[3]) for it in items):  # what the optimizer runs where they apply
         pieces["project AVX2 kernel (used)"] = each(lambda p, g, side, basis, u, a, b: cpu_kernels.project(g, basis, side))
         pieces["decay + back_project AVX2 kernel (used)"] = each(
@@ -345,7 +345,7 @@ def main() -> None:
         "targets_rsvd_then_random": targets,
         "kernels": {"avx2": cpu_kernels.available(), "avx2_unavailable_because": cpu_kernels.reason(),
                     "projection": "AVX2 kernel (fedgalore.optim.cpu_kernels) where usable, else "
-                    + ("oneDNN (torch.ops.mkldnn._linear_pointwise)" if _ga._onednn_linear() is not None else "torch.matmul"),
+                    + ("oneDNN (torch.ops.mkldnn._linear_pointwise)" if _ga.onednn_linear() is not None else "torch.matmul"),
                     "block_bytes": _ga.BLOCK_BYTES, "onednn_min_numel": _ga.ONEDNN_MIN_NUMEL},
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "python": platform.python_version(),
                     "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),

@@ -45,7 +45,8 @@ from pathlib import Path
 import torch
 
 from fedgalore.optim import cpu_kernels
-from fedgalore.optim import galore_adamw as _ga
+from fedgalore.optim import kernels as _ga
+from fedgalore.optim import plain_adamw as _plain
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = [((768, 768), "right", 3), ((3072, 768), "right", 1), ((768, 3072), "left", 1)]  # per layer
@@ -93,22 +94,22 @@ def _shape_cases(m: int, n: int, side: str, r: int, pool_bytes: int, gen: torch.
         u = torch.randn(r, n, generator=gen)
         a, b = basis, u
     bt = basis.T.contiguous()
-    onednn = _ga._onednn_linear()
+    onednn = _ga.onednn_linear()
     steps = [torch.tensor(0.0) for _ in range(cnt)]
     decay = 1.0 - 1e-12
     cases = {
         "read G (G.sum)": lambda: gs[nxt()].sum(),
         "read+write W (W.mul_)": lambda: ws[nxt()].mul_(1.0),
-        "fused AdamW step": lambda: (lambda k: _ga._torch_adamw(
+        "fused AdamW step": lambda: (lambda k: _plain.torch_adamw(
             [ws[k]], [gs[k]], [ms[k]], [vs[k]], [], [steps[k]], fused=True, amsgrad=False, beta1=0.9, beta2=0.999,
             lr=1e-9, weight_decay=0.0, eps=1e-8, maximize=False))(nxt()),
         "project: MKL matmul": (lambda: gs[nxt()] @ bt) if side == "right" else (lambda: bt @ gs[nxt()]),
         "back-project: MKL mul_ + addmm_": lambda: ws[nxt()].mul_(decay).addmm_(a, b, alpha=1e-9),
         "back-project: torch row-blocked decay + addmm_ (optimizer before)": cpu_kernels.disabled()(
-            lambda: _ga._decay_back_project(ws[nxt()], u, basis, side, decay, 1e-9)),
+            lambda: _ga.decay_back_project(ws[nxt()], u, basis, side, decay, 1e-9)),
     }
     if onednn is not None:
-        cases["project: oneDNN (optimizer before)"] = lambda: _ga._onednn_project(onednn, gs[nxt()], basis, side)
+        cases["project: oneDNN (optimizer before)"] = lambda: _ga.onednn_project(onednn, gs[nxt()], basis, side)
     errors: dict[str, float] = {}
     if cpu_kernels.usable(gs[0], basis):
         cases["project: AVX2 kernel (optimizer)"] = lambda: cpu_kernels.project(gs[nxt()], basis, side, bt)

@@ -14,7 +14,7 @@ import torch
 
 import fedgalore.optim.bucket as bucket
 from fedgalore.optim import GaLoreAdamW
-from fedgalore.optim import galore_adamw as ga
+from fedgalore.optim import kernels
 
 pytestmark = pytest.mark.isa
 
@@ -35,7 +35,7 @@ VARIANTS = {
 @pytest.fixture(autouse=True)
 def torch_path(monkeypatch):
     """The torch algebra for every size (the AVX2 kernel path is per matrix and has its own tests)."""
-    monkeypatch.setattr(ga, "ONEDNN_MIN_NUMEL", 1 << 62)
+    monkeypatch.setattr(kernels, "ONEDNN_MIN_NUMEL", 1 << 62)
 
 
 def _params(seed: int = 0) -> list[torch.nn.Parameter]:

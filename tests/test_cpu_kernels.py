@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from fedgalore.optim import GaLoreAdamW, cpu_kernels
-from fedgalore.optim import galore_adamw as ga
+from fedgalore.optim import GaLoreAdamW, cpu_kernels, rebuild_delta
+from fedgalore.optim import kernels
 
 needs_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason=f"AVX2 kernels unavailable: {cpu_kernels.reason()}")
 
@@ -83,7 +83,7 @@ def test_optimizer_steps_the_same_with_and_without_the_kernels(wd, extra, one_th
     ``skip``) on the kernel path as on torch's."""
     gen = torch.Generator().manual_seed(3)
     shapes = [(768, 512), (512, 768)]  # right, left; 393,216 entries >= ONEDNN_MIN_NUMEL
-    assert all(m * n >= ga.ONEDNN_MIN_NUMEL for m, n in shapes)
+    assert all(m * n >= kernels.ONEDNN_MIN_NUMEL for m, n in shapes)
     init = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
     grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
     bad = [g.clone() for g in grads[1]]
@@ -105,7 +105,7 @@ def test_optimizer_steps_the_same_with_and_without_the_kernels(wd, extra, one_th
                 opt.step()
             upd = opt.export_update()
             out[on] = ([p.detach().clone() for p in ps], [opt.state[p]["skipped"] for p in ps],
-                       [ga.rebuild_delta(upd[f"w{i}"], x) for i, x in enumerate(init)], opt.moment_diagnostics())
+                       [rebuild_delta(upd[f"w{i}"], x) for i, x in enumerate(init)], opt.moment_diagnostics())
     # with the kernels: 2 matrices x 3 steps projected and through the moment kernel (the NaN step
     # is refused there), the skipped one not back-projected; without them: no call
     assert calls == {"project": 6, "decay_back_project": 5, "adam_moments": 6}

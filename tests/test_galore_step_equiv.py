@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from fedgalore.optim import GaLoreAdamW, rebuild_delta
-from fedgalore.optim import galore_adamw as ga
+from fedgalore.optim import kernels as step_kernels
+from fedgalore.optim import plain_adamw
 from fedgalore.optim.projector import project
 
 pytestmark = pytest.mark.isa  # numerically sensitive: make test runs it again with the CPU kernels forced down
@@ -19,12 +20,19 @@ LR, WD, B1, B2, EPS, SCALE = 1e-2, 0.1, 0.9, 0.999, 1e-8, 0.5
 SHAPES = {"right": (384, 256), "left": (256, 640)}
 
 
-@pytest.fixture(params=["avx2", "fast", "plain"])
+@pytest.fixture(params=["avx2", "fast", "plain", "stacked"])
 def kernels(request, monkeypatch):
     """``avx2``: the AVX2 kernels (fedgalore.optim.cpu_kernels, one thread) for every size;
     ``fast``: oneDNN projection for every size and small row blocks (several per matrix);
-    ``plain``: torch.matmul and one unblocked mul_ + addmm_."""
+    ``plain``: torch.matmul and one unblocked mul_ + addmm_; ``stacked``: the bucket's GEMMs as
+    ``bmm`` (group key ``bucket_gemm: stacked``, the CUDA default) and the multi-tensor weight update."""
     from fedgalore.optim import cpu_kernels
+    from fedgalore.optim.galore_adamw import GALORE_DEFAULTS
+
+    if request.param == "stacked":
+        monkeypatch.setitem(GALORE_DEFAULTS, "bucket_gemm", "stacked")
+        monkeypatch.setattr(cpu_kernels, "ENABLED", False)
+        return request.param
 
     if request.param == "avx2":
         if not cpu_kernels.available():
@@ -32,17 +40,17 @@ def kernels(request, monkeypatch):
         prev = torch.get_num_threads()
         torch.set_num_threads(1)
         request.addfinalizer(lambda: torch.set_num_threads(prev))
-        monkeypatch.setattr(ga, "ONEDNN_MIN_NUMEL", 0)
+        monkeypatch.setattr(step_kernels, "ONEDNN_MIN_NUMEL", 0)
         return request.param
     monkeypatch.setattr(cpu_kernels, "ENABLED", False)
     if request.param == "fast":
-        if ga._onednn_linear() is None:
+        if step_kernels.onednn_linear() is None:
             pytest.skip("oneDNN projection unavailable in this torch build")
-        monkeypatch.setattr(ga, "ONEDNN_MIN_NUMEL", 0)
-        monkeypatch.setattr(ga, "BLOCK_BYTES", 4096)
+        monkeypatch.setattr(step_kernels, "ONEDNN_MIN_NUMEL", 0)
+        monkeypatch.setattr(step_kernels, "BLOCK_BYTES", 4096)
     else:
-        monkeypatch.setattr(ga, "ONEDNN_MIN_NUMEL", 1 << 62)
-        monkeypatch.setattr(ga, "BLOCK_BYTES", 0)
+        monkeypatch.setattr(step_kernels, "ONEDNN_MIN_NUMEL", 1 << 62)
+        monkeypatch.setattr(step_kernels, "BLOCK_BYTES", 0)
     return request.param
 
 
@@ -146,12 +154,12 @@ def test_record_rebuilds_delta_with_track_cold(kernels, side, mode):
 def test_fast_and_plain_kernels_agree_with_warm_start_and_cold(monkeypatch):
     """A warm-started V (cold and warm directions differ): both kernel sets give the same
     parameter, record and diagnostics to fp32 rounding."""
-    if ga._onednn_linear() is None:
+    if step_kernels.onednn_linear() is None:
         pytest.skip("oneDNN projection unavailable in this torch build")
     out = {}
     for name, (numel, block) in {"fast": (0, 4096), "plain": (1 << 62, 0)}.items():
-        monkeypatch.setattr(ga, "ONEDNN_MIN_NUMEL", numel)
-        monkeypatch.setattr(ga, "BLOCK_BYTES", block)
+        monkeypatch.setattr(step_kernels, "ONEDNN_MIN_NUMEL", numel)
+        monkeypatch.setattr(step_kernels, "BLOCK_BYTES", block)
         shape = SHAPES["right"]
         p = _param(shape)
         opt = _galore_opt(p, projector="random", update_proj_gap=4, track_cold=True)
@@ -223,12 +231,12 @@ def test_kernel_that_drops_nonfinite_gets_G_checked(monkeypatch):
     def skipping(g, basis, side):  # like a BLAS that skips zero multiplicands: non-finite entries vanish
         return project(torch.where(torch.isfinite(g), g, torch.zeros_like(g)), basis, side)
 
-    monkeypatch.setattr(ga, "project", skipping)
-    monkeypatch.setattr(ga, "ONEDNN_MIN_NUMEL", 1 << 62)
-    assert not ga._propagates_nonfinite(ga.project, torch.device("cpu"))
+    monkeypatch.setattr(step_kernels, "project", skipping)
+    monkeypatch.setattr(step_kernels, "ONEDNN_MIN_NUMEL", 1 << 62)
+    assert not step_kernels.propagates_nonfinite(step_kernels.project, torch.device("cpu"))
 
     def run(kernels_cache):
-        monkeypatch.setattr(ga, "_KERNELS", kernels_cache)
+        monkeypatch.setattr(step_kernels, "_KERNELS", kernels_cache)
         p = _param(SHAPES["right"])
         opt = _galore_opt(p)
         p.grad = _grad(p.shape, 0)
@@ -243,9 +251,9 @@ def test_kernel_that_drops_nonfinite_gets_G_checked(monkeypatch):
 
 
 def test_probes_pass_on_this_build():
-    assert ga._propagates_nonfinite(project, torch.device("cpu"))
+    assert step_kernels.propagates_nonfinite(project, torch.device("cpu"))
     if torch.backends.mkldnn.is_available():
-        assert ga._onednn_linear() is not None
+        assert step_kernels.onednn_linear() is not None
 
 
 # ----------------------------------------------------------------------------- plain groups
@@ -308,5 +316,5 @@ def test_plain_bf16_parameter_takes_the_unfused_path():
         p.grad, q.grad = g.to(torch.bfloat16), g.to(torch.bfloat16).float()
         opt.step()
         ref.step()
-    assert not ga._fusable(p, opt.param_groups[0])
+    assert not plain_adamw.fusable(p, opt.param_groups[0])
     torch.testing.assert_close(p.float(), q, rtol=2e-2, atol=2e-2)

@@ -122,6 +122,7 @@ from fedgalore.methods.fedavg_full import DenseTargetsMethod
 from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank
 from fedgalore.optim.galore_adamw import (
     ADAPTIVE_SCOPES,
+    BUCKET_GEMMS,
     GALORE_DEFAULTS,
     LOW_PRECISION,
     MOMENT_TRANSFERS,
@@ -203,6 +204,13 @@ class FedGaLoreOptions(MethodOptions):
         "compensated", "bf16/fp16 weights: compensated (keep what each step's rounding lost, 2 bytes per entry, and add it "
                        "back), master (an fp32 master copy, 4 bytes per entry) or off (the rounding is lost: the client's "
                        "weights move less than the update it uploads)")
+    bucket_gemm: Literal[BUCKET_GEMMS] = option(
+        "auto", "the GEMMs of the matrices of one shape: stacked (one bmm projects them, one back-projects), per_matrix, "
+                "or auto (stacked on CUDA for matrices under 2^22 entries, where kernel launches dominate; per matrix on "
+                "the CPU, where the stacked form measured 1.4-4.4x slower, benchmarks/RESULTS.md §10.7)")
+    compile_moments: bool = option(
+        False, "torch.compile the moment step of each bucket (inductor; one fused kernel on a GPU; no recompilation "
+               "across steps; needs a C++ compiler on the CPU and measured no gain there)")
     sync: Literal[_SYNC_MODES] | None = option(
         None, "second-moment sync S (null: ajive; the ablations pin theirs). aggregate: no moment upload; the server "
               "builds v̄'s shape on R_k from the round's aggregated update (zero extra release under privacy.client) "
@@ -310,6 +318,7 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             "cap_to_cold": self.aligned and o.cold_cap,
             "track_cold": self.synced and not o.galore_torch_compat and diagnostics,
             "warm_scale": "gradient" if o.sync == "aggregate" else "absolute",
+            "bucket_gemm": o.bucket_gemm,
         }
 
     @property
@@ -355,6 +364,7 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             eps=tc.eps,
             weight_decay=tc.weight_decay,
             galore_torch_compat=self.options.galore_torch_compat,
+            compile_moments=self.options.compile_moments,
         )
         opt.set_projection_seed(int(broadcast.meta.get("round_seed", ctx.round_seed)))
         if self.options.adaptive_scope == "global":

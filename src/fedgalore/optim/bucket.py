@@ -19,7 +19,9 @@ kernel (:func:`fedgalore.optim.cpu_kernels.adam_moments`) is the same rule in C,
 where it applies and wins (large fp32 matrices, one thread). A bucket of ``B`` matrices costs one
 kernel per elementwise op instead of ``B``: the GPU's gain (kernel launches; not measured yet). On
 the CPU it buys nothing — stacking ``R`` and the bookkeeping cost about what the fewer calls save
-(1.02-1.06x the per-matrix step on small matrices, benchmarks/RESULTS.md §10.7).
+(1.00-1.05x the per-matrix step on small matrices, benchmarks/RESULTS.md §10.7).
+:func:`compiled_moments` is the same function under ``torch.compile`` (one generated kernel per
+bucket; no recompilation across steps).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["MomentBuckets", "adam_moments", "bucket_key", "per_matrix", "stack_or_one"]
+__all__ = ["MomentBuckets", "adam_moments", "bucket_key", "compiled_moments", "per_matrix", "stack_or_one"]
 
 #: the state tensors a bucket stacks (in this order), when a matrix has them
 STACKED = ("exp_avg", "exp_avg_sq", "v_weight", "cold_v")
@@ -41,11 +43,13 @@ def bucket_key(state: dict[str, Any]) -> tuple:
     return (m.device, m.dtype, tuple(m.shape), None if w8 is None else tuple(w8.shape), "cold_v" in state)
 
 
-def per_matrix(values: list[float], like: torch.Tensor) -> torch.Tensor | float:
+def per_matrix(values: list[float], like: torch.Tensor, tensor: bool = False) -> torch.Tensor | float:
     """Per-matrix scalars as a ``[B, 1, 1]`` tensor that broadcasts against a bucket's stacks; the
-    number itself for a bucket of one (its own tensors, not stacked)."""
-    if len(values) == 1:
-        return values[0]
+    number itself for a bucket of one (its own tensors, not stacked) — a 0-d tensor with
+    ``tensor`` (a compiled step takes its per-step numbers as tensors: no recompilation when
+    they change)."""
+    if len(values) == 1 and like.dim() == 2:
+        return torch.tensor(values[0], dtype=like.dtype, device=like.device) if tensor else values[0]
     return torch.tensor(values, dtype=like.dtype, device=like.device).view(-1, 1, 1)
 
 
@@ -111,3 +115,21 @@ def adam_moments(r: torch.Tensor, m: torch.Tensor, v: torch.Tensor, b1: float, b
     if cold_cap is not None:
         est = torch.maximum(est, cold_v * cold_cap)
     return m / est.sqrt_().add_(eps)
+
+
+_COMPILED: dict[Any, Any] = {}
+
+
+def compiled_moments(backend: Any):
+    """:func:`adam_moments` compiled with ``torch.compile(backend=backend)`` (one compiled function
+    per backend and process; ``True`` = inductor). Its per-step numbers (``eps·c₂``, the cold cap)
+    must come as tensors (:func:`per_matrix` with ``tensor=True``) so that a new step, a new
+    learning rate or a new bias correction reuses the compiled code; ``β₁, β₂`` and ``compat`` are
+    constants of a group (a change recompiles). On a GPU the elementwise chain (about ten kernels)
+    becomes one fused kernel per bucket; the refresh and the GEMMs stay outside."""
+    key = "inductor" if backend is True else backend
+    fn = _COMPILED.get(key if isinstance(key, str) else id(key))
+    if fn is None:
+        fn = torch.compile(adam_moments, backend=key)
+        _COMPILED[key if isinstance(key, str) else id(key)] = fn
+    return fn

@@ -99,17 +99,29 @@ hence the default. ``fedgalore plan`` counts the bytes.
 ``eps = 0`` with a coordinate whose second moment and projected gradient are both 0 makes the
 update 0/0: it is caught before the state changes and handled by the ``nonfinite`` policy.
 
-The pieces (issue 43): this module holds the ``torch.optim`` shell (groups, names, state, checkpoint
-loading) and the step's per-matrix parts (refresh, projection, checks, weight update, record: its
-GEMM kernels); the moments are stepped a bucket at a time — the matrices whose moments have one
-shape, stacked, each matrix's state a view into the stacks — by :mod:`fedgalore.optim.bucket` (the
-moment algebra's only torch copy; the CPU's AVX2 kernel does it per matrix where it applies). The
-rest are small modules that act on one matrix's state dict — :mod:`fedgalore.optim.schedule` (when
-a basis is refreshed and which basis it gets), :mod:`fedgalore.optim.update_record` (the exact
-record ``W_T − W_0``), :mod:`fedgalore.optim.moment_exchange` (the upload ``ṽ`` and the warm start
-from ``v̄``) and :mod:`fedgalore.optim.step_diagnostics` (``|U| / |U_cold|``). Not bucketed yet:
-the projection and back-projection (one GEMM each per matrix), so a GPU still launches two GEMMs
-per matrix; the stacked ``bmm`` form waits for a GPU to measure it on.
+The pieces (issue 43): this module is the ``torch.optim`` shell — groups and their validation, names,
+state creation, checkpoint loading, the order of a step and its ``nonfinite`` policy — over small
+modules that hold the algebra: :mod:`fedgalore.optim.kernels` (the projection and back-projection
+GEMMs, per matrix or per bucket), :mod:`fedgalore.optim.bucket` (the moments of a bucket — the
+matrices whose moments have one shape, stacked, each matrix's state a view into the stacks — the
+moment algebra's only torch copy; the CPU's AVX2 kernel does it per matrix where it applies),
+:mod:`fedgalore.optim.schedule` (when a basis is refreshed and which basis it gets),
+:mod:`fedgalore.optim.update_record` (the exact record ``W_T − W_0``),
+:mod:`fedgalore.optim.moment_exchange` (the upload ``ṽ`` and the warm start from ``v̄``),
+:mod:`fedgalore.optim.low_precision` (how a step reaches bf16 weights),
+:mod:`fedgalore.optim.plain_adamw` (the groups without ``rank``) and
+:mod:`fedgalore.optim.step_diagnostics` (``|U| / |U_cold|``).
+
+Group key ``bucket_gemm`` (``auto`` | ``stacked`` | ``per_matrix``): with ``stacked`` the matrices
+of one weight shape and side are projected by one ``bmm`` and back-projected by one ``bmm`` and two
+multi-tensor ops (:meth:`GaLoreAdamW._galore_gemm_bucket`), the GPU's form (``B − 1`` fewer
+launches per GEMM); ``auto`` stacks on CUDA below :data:`STACK_AUTO_MAX_NUMEL` entries and keeps
+the CPU per matrix. ``GaLoreAdamW(compile_moments=...)`` compiles the moment step
+(:func:`fedgalore.optim.bucket.compiled_moments`; per-step numbers as tensors, so steps, learning
+rates and bias corrections never recompile). Both equal the eager per-matrix step to fp32
+rounding (tests/test_bucket_gemm.py, tests/test_compiled_moments.py); their GPU gain is not
+measured yet (no GPU lent); on the CPU they cost 1.4-4.4x (stacked) and 1.00-1.06x (compiled)
+(benchmarks/RESULTS.md §10.7).
 
 Optimizer state holds tensors and plain Python numbers only (side is stored as ``0=right,
 1=left``), so ``state_dict()`` loads with ``torch.load(weights_only=True)``. GaLore state
@@ -127,11 +139,14 @@ from torch.optim import Optimizer
 
 import fedgalore.optim.bucket as bucket
 import fedgalore.optim.cpu_kernels as cpu_kernels
+import fedgalore.optim.kernels as kernels
+import fedgalore.optim.low_precision as low_precision
 import fedgalore.optim.moment_exchange as moment_exchange
+import fedgalore.optim.plain_adamw as plain_adamw
 import fedgalore.optim.schedule as schedule
 import fedgalore.optim.step_diagnostics as step_diagnostics
 import fedgalore.optim.update_record as update_record
-from fedgalore.optim.projector import PROJ_TYPES, change_of_basis, project, resolve_side
+from fedgalore.optim.projector import PROJ_TYPES, change_of_basis, resolve_side
 from fedgalore.protocol import second_moment as sm
 from fedgalore.protocol.bases import SIDES, seeded_basis
 from fedgalore.protocol.payload import GaLoreUpdate, MomentView
@@ -144,7 +159,16 @@ MOMENT_TRANSFERS = ("linear", "squared", "keep", "reset")
 BIAS_CORRECTIONS = ("steps", "weight")
 ADAPTIVE_SCOPES = ("round", "global")
 NONFINITE_POLICIES = ("raise", "skip")
-LOW_PRECISION = ("compensated", "master", "off")
+LOW_PRECISION = low_precision.MODES
+#: group key ``bucket_gemm``: where a bucket's projection and back-projection run as one ``bmm`` each
+BUCKET_GEMMS = ("auto", "stacked", "per_matrix")
+#: ``bucket_gemm: auto`` stacks CUDA matrices below this many entries. A stacked bucket copies its
+#: gradients into the stack and writes its updates to a temporary before adding them: two more
+#: passes over ``B·m·n`` entries, against ``B − 1`` fewer launches of each GEMM. Small matrices
+#: (RoBERTa's 768², 3072×768) are launch-bound on a GPU, large ones (Llama-7B's 4096×11008) are
+#: bandwidth-bound; the bound is this design argument's, not a measurement (no GPU was lent yet;
+#: on the CPU the stacked form measured 1.4-4.4x slower, benchmarks/RESULTS.md §10.7)
+STACK_AUTO_MAX_NUMEL = 1 << 22
 #: group key ``warm_scale``: a warm prior taken as it is, or its shape at the client's gradient scale
 WARM_SCALES = ("absolute", "gradient")
 
@@ -174,6 +198,9 @@ GALORE_DEFAULTS: dict[str, Any] = {
     # the client's own scale: rescaled at the first step so its mean is that of R∘R; FedGaLore's
     # sync: aggregate, whose state carries no gradient scale)
     "warm_scale": "absolute",
+    # the GEMMs of a bucket (matrices of one shape): auto = one stacked bmm each on CUDA (kernel
+    # launches), per matrix elsewhere (the CPU's AVX2/oneDNN kernels); stacked | per_matrix force it
+    "bucket_gemm": "auto",
 }
 
 
@@ -209,151 +236,6 @@ def rebuild_delta(update: GaLoreUpdate, w0: Optional[torch.Tensor] = None) -> to
     seeded terms. ``w0`` is needed when weight decay was on (``decay != 0``). Returns fp32 CPU.
     """
     return update.materialize(None if w0 is None else w0.detach().cpu())
-
-
-def _mul(side: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Apply a change of basis ``C`` to projected coordinates: ``X C`` (right) / ``C X`` (left)."""
-    return (lambda x, c: x @ c) if side == "right" else (lambda x, c: c @ x)
-
-
-# ------------------------------------------------------------------ step kernels
-# A normal (non-refresh) GaLore step streams G once (the projection) and W once (read + write:
-# decay and back-projection); everything else is m x r (benchmarks/RESULTS.md §1 counts it).
-
-#: Projections of at least this many entries go through oneDNN on CPU (when it passes the probe):
-#: from 512 x 512 up it was faster than MKL at rank 8 (up to 2.1x at 4096 x 4096); below, MKL was
-#: as fast or faster on cache-cold gradients.
-ONEDNN_MIN_NUMEL = 1 << 18
-#: Decay + back-projection run in row blocks of about this many bytes (one L2's worth), so the
-#: GEMM updates rows the decay pass has just brought into cache; 0 turns the blocking off.
-BLOCK_BYTES = 1 << 20
-_KERNELS: dict[Any, Any] = {}
-
-
-def _onednn_project(op: Callable[..., torch.Tensor], g: torch.Tensor, basis: torch.Tensor, side: str) -> torch.Tensor:
-    """``G P^T`` (right) / ``P^T G`` (left) with oneDNN's fp32 ``linear(X, W) = X W^T``."""
-    if side == "right":
-        return op(g, basis, None, "none", [], "")
-    return op(basis.T, g.T, None, "none", [], "")
-
-
-def _propagates_nonfinite(fn: Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor], device: torch.device) -> bool:
-    """Whether ``fn(G, P, side)`` turns every NaN/Inf entry of ``G`` into a non-finite projection,
-    also where the basis entries it multiplies are exactly 0 (IEEE: ``NaN·0 = Inf·0 = NaN``; a
-    kernel that skips zero multiplicands would not). Probed at two sizes, both sides."""
-    for m, n, r in ((24, 16, 3), (384, 256, 8)):
-        for side in SIDES:
-            d = n if side == "right" else m
-            eye = torch.eye(d, r, device=device)  # zero rows beyond r: a "blind" part of the basis
-            basis = eye.T.contiguous() if side == "right" else eye.contiguous()
-            for bad in (float("nan"), float("inf"), float("-inf")):
-                g = torch.ones(m, n, device=device)
-                g[m - 1, n - 1] = bad  # multiplied only by zeros of the basis
-                if bool(torch.isfinite(fn(g, basis, side)).all()):
-                    return False
-    return True
-
-
-def _onednn_linear() -> Optional[Callable[..., torch.Tensor]]:
-    """``torch.ops.mkldnn._linear_pointwise`` when it computes ``X W^T`` to fp32 rounding and
-    propagates non-finite entries (checked once per process), else ``None``."""
-    if "onednn" not in _KERNELS:
-        op = None
-        try:
-            cand = torch.ops.mkldnn._linear_pointwise.default
-            if torch.backends.mkldnn.is_available():
-                gen = torch.Generator().manual_seed(0)
-                g = torch.randn(96, 80, generator=gen)
-                ok = _propagates_nonfinite(lambda x, b, s: _onednn_project(cand, x, b, s), torch.device("cpu"))
-                for side, basis in (("right", torch.randn(5, 80, generator=gen)), ("left", torch.randn(96, 5, generator=gen))):
-                    ok = ok and torch.allclose(_onednn_project(cand, g, basis, side), project(g, basis, side), rtol=1e-5, atol=1e-5)
-                op = cand if ok else None
-        except Exception:  # op missing or failing in this torch build: plain matmul
-            op = None
-        _KERNELS["onednn"] = op
-    return _KERNELS["onednn"]
-
-
-def _matmul_propagates(device: torch.device) -> bool:
-    """Whether ``torch.matmul`` on ``device`` propagates non-finite entries (probed once per type)."""
-    key = ("matmul", device.type)
-    if key not in _KERNELS:
-        _KERNELS[key] = _propagates_nonfinite(project, device)
-    return _KERNELS[key]
-
-
-def _project_step(g: torch.Tensor, basis: torch.Tensor, side: str) -> tuple[torch.Tensor, bool]:
-    """``R = project(G, P, side)`` and whether a finite ``R`` proves ``G`` finite (the kernel used
-    propagates NaN/Inf, see :func:`_propagates_nonfinite`).
-
-    On CPU, fp32 projections of at least :data:`ONEDNN_MIN_NUMEL` entries use the AVX2 kernels
-    of :mod:`fedgalore.optim.cpu_kernels` where they apply (rank 8 or 16, one thread; faster
-    than oneDNN at the RoBERTa-base shapes, benchmarks/RESULTS.md §10.1), else oneDNN: for the
-    skinny rank-r shapes MKL's sgemm ran 1.5-1.7x slower (benchmarks/RESULTS.md §1).
-    """
-    if g.numel() >= ONEDNN_MIN_NUMEL and cpu_kernels.usable(g, basis):
-        return cpu_kernels.project(g, basis, side), True  # probed: NaN/Inf propagate
-    if (
-        g.device.type == "cpu" and g.dtype == torch.float32 and basis.dtype == torch.float32
-        and g.numel() >= ONEDNN_MIN_NUMEL and g.is_contiguous() and basis.is_contiguous()
-    ):
-        op = _onednn_linear()
-        if op is not None:
-            return _onednn_project(op, g, basis, side), True
-    return project(g, basis, side), _matmul_propagates(g.device)
-
-
-def _decay_back_project(w: torch.Tensor, u: torch.Tensor, basis: Optional[torch.Tensor], side: str, decay: float, coef: float) -> None:
-    """``W <- decay W + coef U P`` (right) / ``decay W + coef P U`` (left) / ``decay W + coef U``
-    (identity, ``basis is None``), in place: one read and one write of ``W``.
-
-    torch order (decay first, then the update), as :meth:`GaLoreAdamW._galore_finish` documents.
-    ``addmm_``'s ``beta`` would fold the decay into the GEMM, but MKL scales ``C`` in a separate
-    pass and measured slower than ``mul_`` + ``addmm_`` (benchmarks/RESULTS.md §1); instead, on
-    CPU, the two run per row block of :data:`BLOCK_BYTES`, so the GEMM finds its rows in cache —
-    or, where :func:`fedgalore.optim.cpu_kernels.usable`, in one AVX2 kernel that scales each row
-    of ``W`` and adds its rank-``r`` update while the row is in registers (``coef·u`` formed first).
-    """
-    if basis is None:
-        if decay != 1.0:
-            w.mul_(decay)
-        w.add_(u, alpha=coef)
-        return
-    if w.numel() >= ONEDNN_MIN_NUMEL and cpu_kernels.usable(w, basis) and u.dtype == torch.float32:
-        cpu_kernels.decay_back_project(w, u, basis, side, decay, coef)  # one AVX2 pass over W
-        return
-    a, b = (u, basis) if side == "right" else (basis, u)  # W += coef a @ b; rows of W are rows of a
-    if decay == 1.0:
-        w.addmm_(a, b, alpha=coef)
-        return
-    m = w.shape[0]
-    rows = m if BLOCK_BYTES <= 0 or w.device.type != "cpu" else max(1, BLOCK_BYTES // max(1, w.shape[1] * w.element_size()))
-    if rows >= m:
-        w.mul_(decay)
-        w.addmm_(a, b, alpha=coef)
-        return
-    for blk, a_blk in zip(w.split(rows), a.split(rows)):
-        blk.mul_(decay)
-        blk.addmm_(a_blk, b, alpha=coef)
-
-
-def _fusable(p: torch.Tensor, group: dict[str, Any]) -> bool:
-    """A plain-group parameter that :meth:`GaLoreAdamW._adamw_fused` steps: torch convention,
-    fp32, dense and contiguous, on CPU (torch's fused AdamW kernel; other devices and dtypes take
-    :meth:`GaLoreAdamW._adamw_step`)."""
-    g = p.grad
-    return (
-        not group["galore_torch_compat"] and p.device.type == "cpu" and p.dtype == torch.float32
-        and g.dtype == torch.float32 and p.is_contiguous() and g.is_contiguous() and _HAS_FUSED_ADAMW
-    )
-
-
-try:  # torch's functional AdamW; fused=True runs one kernel per (device, dtype) group
-    from torch.optim.adamw import adamw as _torch_adamw
-
-    _HAS_FUSED_ADAMW = hasattr(torch, "_fused_adamw_")
-except ImportError:  # pragma: no cover - older torch
-    _torch_adamw, _HAS_FUSED_ADAMW = None, False
 
 
 def _is_int(x: Any) -> bool:
@@ -422,6 +304,7 @@ class GaLoreAdamW(Optimizer):
         correct_bias: bool = True,
         projection_seed: int = 0,
         nonfinite: str = "raise",
+        compile_moments: Any = False,
     ) -> None:
         if not lr >= 0.0:
             raise ValueError(f"invalid learning rate {lr}")
@@ -434,6 +317,8 @@ class GaLoreAdamW(Optimizer):
         self._names: dict[torch.Tensor, str] = {}
         self._by_name: dict[str, torch.Tensor] = {}
         self._buckets = bucket.MomentBuckets()  # the stacked moments (fedgalore.optim.bucket)
+        # the moment step compiled (torch.compile backend name, or True = inductor; False: eager)
+        self._compile = compile_moments
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -452,13 +337,14 @@ class GaLoreAdamW(Optimizer):
         state and groups): a site's other ranks get the optimizer with the model in one pickle
         (:mod:`fedgalore.federated.data_parallel`)."""
         state = super().__getstate__()
-        state["_names"], state["_by_name"] = self._names, self._by_name
+        state["_names"], state["_by_name"], state["_compile"] = self._names, self._by_name, self._compile
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Unpickled: the bucket stacks start empty (the states' views are re-stacked at the first step)."""
         super().__setstate__(state)
         self._buckets = bucket.MomentBuckets()
+        self.__dict__.setdefault("_compile", False)
 
     # ------------------------------------------------------------------ groups and names
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -513,6 +399,8 @@ class GaLoreAdamW(Optimizer):
             raise ValueError(f"unknown warm_scale {group['warm_scale']!r}; expected one of {WARM_SCALES}")
         if group["warm_scale"] == "gradient" and group["bias_correction"] != "weight":
             raise ValueError("warm_scale='gradient' rescales a warm prior's estimate V/c: it needs bias_correction='weight'")
+        if group["bucket_gemm"] not in BUCKET_GEMMS:
+            raise ValueError(f"unknown bucket_gemm {group['bucket_gemm']!r}; expected one of {BUCKET_GEMMS}")
         switch = group["seeded_from_step"]
         if not _is_int(switch) or switch < -1:
             raise ValueError(f"seeded_from_step must be an int >= 0 (or -1: off), got {switch!r}")
@@ -651,7 +539,7 @@ class GaLoreAdamW(Optimizer):
         ``bias_correction="weight"``; the shadow cold moment is corrected by steps and moves like
         an uncorrected ``V``."""
         mt = group["moment_transfer"]
-        state["exp_avg"] = _mul(side)(state["exp_avg"], c)
+        state["exp_avg"] = kernels.mul(side)(state["exp_avg"], c)
         if "v_weight" in state:
             state["exp_avg_sq"], state["v_weight"] = sm.move(state["exp_avg_sq"], state["v_weight"], c, side, mt)
         else:
@@ -679,14 +567,15 @@ class GaLoreAdamW(Optimizer):
             try:
                 for p in self._with_grads(group):
                     state = self._init_state(p, group)
-                    if _fusable(p, group):
-                        if not self._nonfinite(p, group, state, p.grad):
-                            batch.append((p, state))
+                    if self._nonfinite(p, group, state, p.grad):
+                        continue
+                    if plain_adamw.fusable(p, group):
+                        batch.append((p, state))
                     else:
-                        self._adamw_step(p, group, state)
+                        plain_adamw.step(p, group, state)
             finally:  # also when a later parameter raises: the ones before it have stepped, as unbatched
                 if batch:
-                    self._adamw_fused(group, batch)
+                    plain_adamw.step_fused(group, batch)
         return loss
 
     def _with_grads(self, group: dict[str, Any]) -> Iterable[torch.Tensor]:
@@ -723,65 +612,43 @@ class GaLoreAdamW(Optimizer):
         state["skipped"] += 1
         return True
 
-    def _adamw_fused(self, group: dict[str, Any], items: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
-        """Plain AdamW, torch convention, for the group's :func:`_fusable` parameters (already
-        checked finite) in one call of torch's fused kernel (``torch.optim.adamw.adamw(fused=True)``):
-        one read of ``p, g, m, v`` and one write of ``p, m, v`` per element, against about 20 passes
-        for :meth:`_adamw_step`'s separate ops (9x faster on a 50265 x 768 embedding). Same rule
-        as :meth:`_adamw_step` to fp32 rounding."""
-        b1, b2 = group["betas"]
-        steps = [torch.tensor(float(state["step"]), dtype=torch.float32) for _, state in items]  # the kernel adds 1
-        _torch_adamw(
-            [p for p, _ in items], [p.grad for p, _ in items],
-            [state["exp_avg"] for _, state in items], [state["exp_avg_sq"] for _, state in items], [], steps,
-            fused=True, amsgrad=False, beta1=b1, beta2=b2, lr=float(group["lr"]),
-            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
-        )
-        for _, state in items:
-            state["step"] += 1
-
-    def _adamw_step(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        """Plain AdamW (torch convention; HF/official convention under compat)."""
-        g = p.grad
-        if self._nonfinite(p, group, state, g):
-            return
-        lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
-        b1, b2 = group["betas"]
-        m, v = state["exp_avg"], state["exp_avg_sq"]
-        state["step"] += 1
-        t = state["step"]
-        if group["galore_torch_compat"]:
-            m.mul_(b1).add_(g, alpha=1.0 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-            denom = v.sqrt().add_(eps)
-            step_size = lr
-            if group["correct_bias"]:
-                step_size = lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
-            p.add_(m / denom, alpha=-step_size)
-            if wd > 0.0:
-                p.add_(p, alpha=-lr * wd)
-            return
-        if wd != 0.0:
-            p.mul_(1.0 - lr * wd)
-        m.lerp_(g, 1.0 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1.0 - b2)
-        denom = (v.sqrt() / math.sqrt(1.0 - b2**t)).add_(eps)
-        p.addcdiv_(m, denom, value=-lr / (1.0 - b1**t))
+    def _stacks_gemm(self, p: torch.Tensor, group: dict[str, Any]) -> bool:
+        """Whether ``p``'s projection and back-projection run stacked with its bucket
+        (:func:`fedgalore.optim.kernels.project_stacked`; group key ``bucket_gemm``): ``stacked``
+        everywhere; ``auto`` on a CUDA device for matrices under :data:`STACK_AUTO_MAX_NUMEL`
+        entries; only for fp32 weights and gradients with a basis."""
+        mode = group["bucket_gemm"]
+        if mode == "per_matrix" or group["projector"] == "identity":
+            return False
+        if mode == "auto" and (p.device.type != "cuda" or p.numel() >= STACK_AUTO_MAX_NUMEL):
+            return False
+        return p.dtype == torch.float32 and p.grad.dtype == torch.float32
 
     def _galore_group_step(self, gi: int, group: dict[str, Any]) -> None:
         """One step of the module docstring's rule for every GaLore parameter of group ``gi``.
 
-        Per matrix, in parameter order (:meth:`_galore_prepare`): the refresh when due, the
-        projection ``R`` and the checks. The moments: per matrix by the CPU's AVX2 kernel where it
-        applies, else for a whole bucket at once (:mod:`fedgalore.optim.bucket`: the matrices whose
-        moments have one shape, stacked; one call of :func:`fedgalore.optim.bucket.adam_moments`,
-        one non-finite check). Then per matrix (:meth:`_galore_finish`): the counters, the weight
-        update and the record. A parameter that raises leaves the ones before it stepped, as
-        before the buckets (the pending buckets step in ``finally``)."""
+        Per matrix, in parameter order: the refresh when due and its check of ``G``
+        (:meth:`_galore_begin`). Then, for a matrix whose GEMMs are per matrix
+        (:meth:`_galore_prepare`), the projection ``R`` and the checks, and the moments per matrix
+        by the CPU's AVX2 kernel where it applies; the remaining moments a whole bucket at once
+        (:mod:`fedgalore.optim.bucket`: the matrices whose moments have one shape, stacked; one
+        call of :func:`fedgalore.optim.bucket.adam_moments`, one non-finite check), then per matrix
+        the counters, the weight update and the record (:meth:`_galore_finish`). Matrices whose
+        GEMMs are stacked (:meth:`_stacks_gemm`) do all of it by bucket of one weight shape
+        (:meth:`_galore_gemm_bucket`: one ``bmm`` projects, one back-projects). A parameter that
+        raises leaves the ones before it stepped (the pending buckets step in ``finally``)."""
         pending: list[_Prep] = []
+        gemm: dict[tuple, list[tuple[torch.Tensor, dict[str, Any], torch.Tensor, bool]]] = {}
         try:
             for p in self._with_grads(group):
-                prep = self._galore_prepare(p, group, self._init_state(p, group))
+                state = self._init_state(p, group)
+                if self._stacks_gemm(p, group):
+                    begun = self._galore_begin(p, group, state)
+                    if begun is not None:
+                        key = bucket.bucket_key(state) + (tuple(p.shape), state["side"])
+                        gemm.setdefault(key, []).append((p, state) + begun)
+                    continue
+                prep = self._galore_prepare(p, group, state)
                 if prep is None:
                     continue
                 if prep.u is not None:  # the AVX2 kernel did the moments
@@ -789,8 +656,24 @@ class GaLoreAdamW(Optimizer):
                 else:
                     pending.append(prep)
         finally:
+            for key, items in gemm.items():
+                for part, chunk in enumerate(kernels.stack_chunks(len(items), items[0][0].numel())):
+                    self._galore_gemm_bucket(gi, group, key + (part,), items[chunk])
             if pending:
                 self._galore_buckets(gi, group, pending)
+
+    def _galore_begin(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> Optional[tuple[torch.Tensor, bool]]:
+        """The refresh when due (after checking ``G`` under the ``nonfinite`` policy). Returns the
+        fp32 gradient and whether it was checked, or None: the matrix skips this step."""
+        g = p.grad
+        g32 = g if g.dtype == torch.float32 else g.float()
+        checked = group["projector"] == "identity"  # identity: R is G itself, checked with R
+        if not checked and self._refresh_due(group, state):
+            if self._nonfinite(p, group, state, g32):
+                return None
+            self._refresh(p, group, state, g32)
+            checked = True
+        return g32, checked
 
     def _galore_prepare(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> Optional[_Prep]:
         """The per-matrix part of a step before the moments: refresh, projection, checks; the
@@ -798,37 +681,38 @@ class GaLoreAdamW(Optimizer):
 
         Passes over ``m x n`` data in a normal (non-refresh) step of an fp32 parameter: ``G`` is
         read once (the projection ``R``), ``W`` is read and written once (decay and
-        back-projection, :func:`_decay_back_project`); the non-finite check, the moments, the
-        shadow cold moment and the update record touch ``m x r`` / ``r x n`` tensors only. A
-        refresh step adds one finite-sum pass over ``G`` and the basis computation; bf16
-        parameters add the fp32 casts of ``G`` and ``W`` and the copy back.
+        back-projection, :func:`fedgalore.optim.kernels.decay_back_project`); the non-finite check,
+        the moments, the shadow cold moment and the update record touch ``m x r`` / ``r x n``
+        tensors only. A refresh step adds one finite-sum pass over ``G`` and the basis computation;
+        bf16 parameters add the fp32 casts of ``G`` and ``W`` and the copy back.
 
         Non-finite gradients (policy ``nonfinite``): a refresh step checks ``G`` itself, every
         step checks ``R`` (per bucket, :meth:`_galore_buckets`, or in the kernel). Under IEEE
         arithmetic a NaN/Inf entry of ``G`` makes its whole row (right) / column (left) of ``R``
         non-finite, whatever the basis entries it meets (``NaN·0 = Inf·0 = NaN``); the
         projection kernel in use is probed for that once per process
-        (:func:`_propagates_nonfinite`), and a kernel that fails the probe gets ``G`` checked on
-        every step. A finite ``G`` whose projection overflows fp32 also counts as non-finite.
+        (:func:`fedgalore.optim.kernels.propagates_nonfinite`), and a kernel that fails the probe
+        gets ``G`` checked on every step. A finite ``G`` whose projection overflows fp32 also
+        counts as non-finite.
         """
-        g = p.grad
-        g32 = g if g.dtype == torch.float32 else g.float()
+        begun = self._galore_begin(p, group, state)
+        if begun is None:
+            return None
+        g32, checked = begun
         side = SIDES[state["side"]]
-        identity = group["projector"] == "identity"
-        compat = group["galore_torch_compat"]
-        checked = identity  # identity: R is G itself
-        if not identity and self._refresh_due(group, state):
-            if self._nonfinite(p, group, state, g32):
-                return None
-            self._refresh(p, group, state, g32)
-            checked = True
-        if identity:
+        if group["projector"] == "identity":
             basis, r = None, g32
         else:
             basis = state["basis"]
-            r, propagates = _project_step(g32, basis, side)
+            r, propagates = kernels.project_step(g32, basis, side)
             if not (propagates or checked) and self._nonfinite(p, group, state, g32):
                 return None
+        return self._galore_ready(p, group, state, r, basis, side, kernel=True)
+
+    def _galore_ready(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], r: torch.Tensor,
+                      basis: Optional[torch.Tensor], side: str, kernel: bool) -> Optional[_Prep]:
+        """After the projection: the warm start's rescale, the ``eps = 0`` check, the coefficients;
+        with ``kernel``, the moments by the CPU's AVX2 kernel where it applies."""
         eps = group["eps"]
         b1, b2 = group["betas"]
         m, v = state["exp_avg"], state["exp_avg_sq"]
@@ -846,7 +730,8 @@ class GaLoreAdamW(Optimizer):
         cc = math.sqrt(1.0 - b2 ** (state["cold_step"] + 1)) if cv is not None else 1.0
         cap = 1.0 / (cc * cc) if group["cap_to_cold"] else 0.0
         prep = _Prep(p, state, r, basis, side, c2, cc, cap)
-        if not compat and p.numel() >= ONEDNN_MIN_NUMEL and cpu_kernels.moments_usable(r, m, v, w8, cv):
+        if (kernel and not group["galore_torch_compat"] and p.numel() >= kernels.ONEDNN_MIN_NUMEL
+                and cpu_kernels.moments_usable(r, m, v, w8, cv)):
             # the check of R, M, V (and c, the cold V) and U in one kernel call (same rule as bucket.adam_moments)
             prep.u = cpu_kernels.adam_moments(r, m, v, b1, b2, eps * c2, cold_v=cv, v_weight=w8, cold_cap=cap)
             if prep.u is None and not self._nonfinite(p, group, state, r):
@@ -855,36 +740,79 @@ class GaLoreAdamW(Optimizer):
                 return None
         return prep
 
+    def _bucket_moments(self, key: tuple, group: dict[str, Any], items: list[_Prep],
+                        r: Optional[torch.Tensor] = None) -> tuple[list[_Prep], Optional[torch.Tensor]]:
+        """One bucket's moments: ``R`` stacked (or given stacked), one non-finite check (per matrix,
+        by the policy, only when it fails), one :func:`fedgalore.optim.bucket.adam_moments` on the
+        bucket's stacked state. Returns the matrices that step and their ``U`` (``[B, a, b]``; a
+        bucket of one: its own tensors, not stacked)."""
+        if r is None or len(items) == 1:
+            r = bucket.stack_or_one([x.r for x in items])
+        if not math.isfinite(float(r.sum())) and not bool(torch.isfinite(r).all()):
+            items = [x for x in items if not self._nonfinite(x.p, group, x.state, x.r)]  # raises, or skips
+            if not items:
+                return [], None
+            r = bucket.stack_or_one([x.r for x in items])
+        b1, b2 = group["betas"]
+        compat = group["galore_torch_compat"]
+        # a bucket of one is its own tensors with plain numbers (no stack, the same algebra)
+        st = items[0].state if len(items) == 1 else self._buckets.bind(key, [x.state for x in items])
+        compiled = bool(self._compile)
+        eps = bucket.per_matrix([group["eps"] * (1.0 if compat else x.c2) for x in items], r, tensor=compiled)
+        cap = bucket.per_matrix([x.cap for x in items], r, tensor=compiled) if group["cap_to_cold"] else None
+        moments = bucket.compiled_moments(self._compile) if compiled else bucket.adam_moments
+        u = moments(r, st["exp_avg"], st["exp_avg_sq"], b1, b2, eps, st.get("v_weight"), st.get("cold_v"), cap, compat)
+        return items, u
+
     def _galore_buckets(self, gi: int, group: dict[str, Any], preps: list[_Prep]) -> None:
         """The moments of the prepared matrices, one bucket (:func:`fedgalore.optim.bucket.bucket_key`)
-        at a time: ``R`` stacked, one non-finite check per bucket (per matrix, by the policy, only
-        when it fails), one :func:`fedgalore.optim.bucket.adam_moments` on the bucket's stacked
-        state; then each matrix's :meth:`_galore_finish`."""
+        at a time (:meth:`_bucket_moments`); then each matrix's :meth:`_galore_finish`."""
         by_key: dict[tuple, list[_Prep]] = {}
         for x in preps:
             by_key.setdefault(bucket.bucket_key(x.state), []).append(x)
-        b1, b2 = group["betas"]
-        compat = group["galore_torch_compat"]
         for key, items in by_key.items():
-            r = bucket.stack_or_one([x.r for x in items])
-            if not math.isfinite(float(r.sum())) and not bool(torch.isfinite(r).all()):
-                items = [x for x in items if not self._nonfinite(x.p, group, x.state, x.r)]  # raises, or skips
-                if not items:
-                    continue
-                r = bucket.stack_or_one([x.r for x in items])
-            # a bucket of one is its own tensors with plain numbers (no stack, the same algebra)
-            st = items[0].state if len(items) == 1 else self._buckets.bind((gi, key), [x.state for x in items])
-            eps = bucket.per_matrix([group["eps"] * (1.0 if compat else x.c2) for x in items], r)
-            cap = bucket.per_matrix([x.cap for x in items], r) if group["cap_to_cold"] else None
-            u = bucket.adam_moments(r, st["exp_avg"], st["exp_avg_sq"], b1, b2, eps, st.get("v_weight"), st.get("cold_v"),
-                                    cap, compat)
+            items, u = self._bucket_moments((gi, key), group, items)
             for x, ux in zip(items, u if len(items) > 1 else [u]):
                 self._galore_finish(group, x, ux)
 
-    def _galore_finish(self, group: dict[str, Any], x: _Prep, u: torch.Tensor) -> None:
+    def _galore_gemm_bucket(self, gi: int, group: dict[str, Any], key: tuple,
+                            items: list[tuple[torch.Tensor, dict[str, Any], torch.Tensor, bool]]) -> None:
+        """A bucket of matrices of one weight shape and side, begun (:meth:`_galore_begin`), stepped
+        with stacked GEMMs: ``R`` by one ``bmm`` (:func:`fedgalore.optim.kernels.project_stacked`),
+        the checks and coefficients per matrix (:meth:`_galore_ready`), the moments by
+        :meth:`_bucket_moments`, the counters and record per matrix (:meth:`_galore_finish`), and
+        ``W ← d W + coef U P`` for all of them by one ``bmm`` and two multi-tensor ops
+        (:func:`fedgalore.optim.kernels.decay_back_project_stacked`)."""
+        side = SIDES[items[0][1]["side"]]
+        bases = torch.stack([state["basis"] for _, state, _, _ in items])
+        r, propagates = kernels.project_stacked([g for _, _, g, _ in items], bases, side)
+        preps: list[_Prep] = []
+        for i, (p, state, g32, checked) in enumerate(items):
+            if not (propagates or checked) and self._nonfinite(p, group, state, g32):
+                continue
+            prep = self._galore_ready(p, group, state, r[i], state["basis"], side, kernel=False)
+            if prep is not None:
+                preps.append(prep)
+        if not preps:
+            return
+        stacked = r if len(preps) == len(items) else None
+        preps, u = self._bucket_moments((gi,) + key, group, preps, stacked)
+        if not preps:
+            return
+        coefs = [self._galore_finish(group, x, ux, weight=False) for x, ux in zip(preps, u if len(preps) > 1 else [u])]
+        if len(preps) == 1:
+            kernels.decay_back_project(preps[0].p, u, preps[0].basis, side, *coefs[0])
+            return
+        if len(preps) != len(items):
+            bases = torch.stack([x.basis for x in preps])
+        kernels.decay_back_project_stacked([x.p for x in preps], u, bases, side, [d for d, _ in coefs], [c for _, c in coefs])
+
+    def _galore_finish(self, group: dict[str, Any], x: _Prep, u: torch.Tensor,
+                       weight: bool = True) -> Optional[tuple[float, float]]:
         """The per-matrix part of a step after the moments (``u = M / D``): the step counters, the
         weight update ``W ← d W + coef U P`` (torch order; the official order under compat) and the
-        update record."""
+        update record. ``weight=False``: the weight update is left to the caller (a stacked
+        bucket), which gets ``(d, coef)``."""
         p, state, basis, side, c2, cc, cap = x.p, x.state, x.basis, x.side, x.c2, x.cc, x.cap
         lr, wd, eps, scale = float(group["lr"]), group["weight_decay"], group["eps"], group["scale"]
         b1, b2 = group["betas"]
@@ -899,12 +827,9 @@ class GaLoreAdamW(Optimizer):
                 step_size = lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
             # official order, update then decay: W <- d (W - step scale U P) = d W - d step scale U P
             d = decay if wd > 0.0 else 1.0
-            w = self._working_weight(p, group, state)
-            _decay_back_project(w, u, basis, side, d, -step_size * scale * d)
-            self._store_weight(p, group, state, w)
             if state["rec_on"]:
-                self._record(state, u, -step_size * scale, decay if wd > 0.0 else 1.0, after=True)
-            return
+                self._record(state, u, -step_size * scale, d, after=True)
+            return self._update_weight(p, group, state, u, basis, side, d, -step_size * scale * d, weight)
         coef = -lr / (1.0 - b1**t) * scale
         coef_u = coef * c2
         cold = None
@@ -915,42 +840,22 @@ class GaLoreAdamW(Optimizer):
                 cold = (state["exp_avg"], cv.sqrt().add_(eps * cc), coef * cc)
             if group["track_cold"]:
                 step_diagnostics.observe_ratio(state, state["exp_avg_sq"], state.get("v_weight"), cv, c2, cc, cap, eps)
-        w = self._working_weight(p, group, state)
-        _decay_back_project(w, u, basis, side, decay, coef_u)
-        self._store_weight(p, group, state, w)
         if state["rec_on"]:
             self._record(state, u, coef_u, decay, after=False, cold=cold)
+        return self._update_weight(p, group, state, u, basis, side, decay, coef_u, weight)
 
     @staticmethod
-    def _working_weight(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> torch.Tensor:
-        """The fp32 weight this step updates (module doc, "Low-precision weights"): ``p`` itself
-        (fp32); the fp32 master copy (``master``); ``p + c`` with the compensation ``c``
-        (``compensated``); ``p`` cast to fp32 (``off``)."""
-        if p.dtype == torch.float32:
-            return p
-        mode = group["low_precision"]
-        if mode == "master":
-            if "master" not in state:
-                state["master"] = p.detach().float()
-            return state["master"]
-        w = p.float()
-        if mode == "compensated" and "comp" in state:
-            w.add_(state["comp"])
-        return w
-
-    @staticmethod
-    def _store_weight(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], w: torch.Tensor) -> None:
-        """Write the updated fp32 weight ``w`` back into ``p`` (rounded to its dtype) and, under
-        ``compensated``, keep what the rounding lost, ``c = w − round(w)``, in ``p``'s dtype."""
-        if w is p:
-            return
-        p.copy_(w)
-        if group["low_precision"] == "compensated":
-            lost = w.sub_(p)  # w − round(w), computed in fp32 (w is a scratch copy here)
-            if "comp" in state:
-                state["comp"].copy_(lost)
-            else:
-                state["comp"] = lost.to(p.dtype)
+    def _update_weight(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], u: torch.Tensor,
+                       basis: Optional[torch.Tensor], side: str, decay: float, coef: float,
+                       weight: bool) -> Optional[tuple[float, float]]:
+        """``W ← decay·W + coef·U P`` on the working weight (:mod:`fedgalore.optim.low_precision`),
+        or ``(decay, coef)`` for the caller when ``weight`` is False."""
+        if not weight:
+            return decay, coef
+        w = low_precision.working_weight(p, group, state)
+        kernels.decay_back_project(w, u, basis, side, decay, coef)
+        low_precision.store_weight(p, group, state, w)
+        return None
 
     # ------------------------------------------------------------------ update record (fedgalore.optim.update_record)
     def _open_term(self, state: dict[str, Any], group: dict[str, Any]) -> None:
