@@ -146,62 +146,16 @@ import fedgalore.optim.plain_adamw as plain_adamw
 import fedgalore.optim.schedule as schedule
 import fedgalore.optim.step_diagnostics as step_diagnostics
 import fedgalore.optim.update_record as update_record
-from fedgalore.optim.projector import PROJ_TYPES, change_of_basis, resolve_side
-from fedgalore.protocol import second_moment as sm
+from fedgalore.optim.groups import (ADAPTIVE_SCOPES, BIAS_CORRECTIONS, BUCKET_GEMMS, GALORE_DEFAULTS, LOW_PRECISION,
+                                    MOMENT_TRANSFERS, NONFINITE_POLICIES, PROJECTORS, STACK_AUTO_MAX_NUMEL, WARM_SCALES,
+                                    fill_galore_group, is_int)
+from fedgalore.optim.projector import change_of_basis, resolve_side
 from fedgalore.protocol.bases import SIDES, seeded_basis
 from fedgalore.protocol.payload import GaLoreUpdate, MomentView
 
 __all__ = ["GaLoreAdamW", "GaLoreStateEntry", "rebuild_delta", "PROJECTORS", "MOMENT_TRANSFERS", "ADAPTIVE_SCOPES", "NONFINITE_POLICIES",
-           "GALORE_DEFAULTS", "LOW_PRECISION"]
+           "GALORE_DEFAULTS", "LOW_PRECISION", "BIAS_CORRECTIONS", "BUCKET_GEMMS", "WARM_SCALES"]  # the group keys: fedgalore.optim.groups
 
-PROJECTORS = ("identity", "svd", "rsvd", "random", "svd_then_random", "rsvd_then_random")
-MOMENT_TRANSFERS = ("linear", "squared", "keep", "reset")
-BIAS_CORRECTIONS = ("steps", "weight")
-ADAPTIVE_SCOPES = ("round", "global")
-NONFINITE_POLICIES = ("raise", "skip")
-LOW_PRECISION = low_precision.MODES
-#: group key ``bucket_gemm``: where a bucket's projection and back-projection run as one ``bmm`` each
-BUCKET_GEMMS = ("auto", "stacked", "per_matrix")
-#: ``bucket_gemm: auto`` stacks CUDA matrices below this many entries. A stacked bucket copies its
-#: gradients into the stack and writes its updates to a temporary before adding them: two more
-#: passes over ``B·m·n`` entries, against ``B − 1`` fewer launches of each GEMM. Small matrices
-#: (RoBERTa's 768², 3072×768) are launch-bound on a GPU, large ones (Llama-7B's 4096×11008) are
-#: bandwidth-bound; the bound is this design argument's, not a measurement (no GPU was lent yet;
-#: on the CPU the stacked form measured 1.4-4.4x slower, benchmarks/RESULTS.md §10.7)
-STACK_AUTO_MAX_NUMEL = 1 << 22
-#: group key ``warm_scale``: a warm prior taken as it is, or its shape at the client's gradient scale
-WARM_SCALES = ("absolute", "gradient")
-
-#: Defaults filled into every group that has ``rank`` (the official package's keys first).
-GALORE_DEFAULTS: dict[str, Any] = {
-    "update_proj_gap": 200,
-    "scale": 1.0,
-    "proj_type": "std",
-    "projector": "svd",
-    "adaptive_proj_steps": 1,
-    "adaptive_scope": "round",
-    # Provisional default: non-negative by construction (reference §2.6(d)); DESIGN §3.1 leaves the
-    # final choice to the reproduction measurement.
-    "moment_transfer": "squared",
-    "bias_correction": "steps",
-    "cap_to_cold": False,
-    "track_cold": False,
-    "rsvd_oversample": 8,
-    "rsvd_niter": 2,
-    # the epoch schedule (paper §4 "SVD-to-random projectors", App. E): -1 = off (refreshes every tau
-    # steps, the first adaptive_proj_steps data-driven); s >= 0 = data-driven before local step s,
-    # the round's view basis R_k from step s to the end of the round
-    "seeded_from_step": -1,
-    # bf16 / fp16 GaLore weights: how the update reaches them (module doc, "Low-precision weights")
-    "low_precision": "compensated",
-    # a warm start's scale: absolute (the synchronised estimate as it is) | gradient (its shape at
-    # the client's own scale: rescaled at the first step so its mean is that of R∘R; FedGaLore's
-    # sync: aggregate, whose state carries no gradient scale)
-    "warm_scale": "absolute",
-    # the GEMMs of a bucket (matrices of one shape): auto = one stacked bmm each on CUDA (kernel
-    # launches), per matrix elsewhere (the CPU's AVX2/oneDNN kernels); stacked | per_matrix force it
-    "bucket_gemm": "auto",
-}
 
 
 @dataclass(frozen=True)
@@ -236,10 +190,6 @@ def rebuild_delta(update: GaLoreUpdate, w0: Optional[torch.Tensor] = None) -> to
     seeded terms. ``w0`` is needed when weight decay was on (``decay != 0``). Returns fp32 CPU.
     """
     return update.materialize(None if w0 is None else w0.detach().cpu())
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _copy_state(value: Any, device: torch.device) -> Any:
@@ -362,59 +312,7 @@ class GaLoreAdamW(Optimizer):
             self._by_name[name] = p
         if "rank" not in group:
             return
-        for k, v in GALORE_DEFAULTS.items():
-            group.setdefault(k, v)
-        rank = group["rank"]
-        if not _is_int(rank) or rank <= 0:
-            raise ValueError(f"GaLore group {gi}: rank must be a positive int, got {rank!r}")
-        if group["projector"] not in PROJECTORS:
-            raise ValueError(f"unknown projector {group['projector']!r}; expected one of {PROJECTORS}")
-        if group["proj_type"] not in PROJ_TYPES:
-            raise ValueError(f"unknown proj_type {group['proj_type']!r}; expected one of {PROJ_TYPES}")
-        if group["moment_transfer"] not in MOMENT_TRANSFERS:
-            raise ValueError(
-                f"unknown moment_transfer {group['moment_transfer']!r}; expected one of {MOMENT_TRANSFERS}"
-            )
-        if group["bias_correction"] not in BIAS_CORRECTIONS:
-            raise ValueError(
-                f"unknown bias_correction {group['bias_correction']!r}; expected one of {BIAS_CORRECTIONS}"
-            )
-        if group["galore_torch_compat"] and (group["bias_correction"] != "steps" or group["track_cold"] or group["cap_to_cold"]):
-            raise ValueError("galore_torch_compat reproduces the official rule: use bias_correction='steps', "
-                             "track_cold=False and cap_to_cold=False")
-        if group["bias_correction"] == "weight" and group["moment_transfer"] == "linear":
-            raise ValueError("moment_transfer='linear' cannot move per-coordinate evidence (bias_correction='weight'): "
-                             "V C / c is no longer an average of old estimates; use moment_transfer='squared'")
-        if group["cap_to_cold"] and group["bias_correction"] != "weight":
-            raise ValueError("cap_to_cold caps a warm prior's steps at the cold start's: it needs bias_correction='weight'")
-        if group["adaptive_scope"] not in ADAPTIVE_SCOPES:
-            raise ValueError(f"unknown adaptive_scope {group['adaptive_scope']!r}; expected one of {ADAPTIVE_SCOPES}")
-        if not _is_int(group["update_proj_gap"]) or group["update_proj_gap"] < 1:
-            raise ValueError(f"update_proj_gap must be an int >= 1, got {group['update_proj_gap']!r}")
-        if not _is_int(group["adaptive_proj_steps"]) or group["adaptive_proj_steps"] < 0:
-            raise ValueError(f"adaptive_proj_steps must be an int >= 0, got {group['adaptive_proj_steps']!r}")
-        if group["low_precision"] not in LOW_PRECISION:
-            raise ValueError(f"unknown low_precision {group['low_precision']!r}; expected one of {LOW_PRECISION}")
-        if group["warm_scale"] not in WARM_SCALES:
-            raise ValueError(f"unknown warm_scale {group['warm_scale']!r}; expected one of {WARM_SCALES}")
-        if group["warm_scale"] == "gradient" and group["bias_correction"] != "weight":
-            raise ValueError("warm_scale='gradient' rescales a warm prior's estimate V/c: it needs bias_correction='weight'")
-        if group["bucket_gemm"] not in BUCKET_GEMMS:
-            raise ValueError(f"unknown bucket_gemm {group['bucket_gemm']!r}; expected one of {BUCKET_GEMMS}")
-        switch = group["seeded_from_step"]
-        if not _is_int(switch) or switch < -1:
-            raise ValueError(f"seeded_from_step must be an int >= 0 (or -1: off), got {switch!r}")
-        if switch >= 0 and not group["projector"].endswith("_then_random"):
-            raise ValueError(f"seeded_from_step switches a *_then_random projector to the round's seeded basis; "
-                             f"projector {group['projector']!r} has no such phase (use rsvd_then_random, or seeded_from_step=-1)")
-        if switch >= 0 and group["adaptive_scope"] == "global":
-            raise ValueError("seeded_from_step is a per-round schedule; adaptive_scope='global' counts data-driven refreshes "
-                             "across rounds: use one of them (seeded_from_step=-1 for the global count)")
-        for p in group["params"]:
-            if p.dim() != 2:
-                raise ValueError(
-                    f"GaLore parameter {self._names[p]!r} must be 2-D (a weight matrix), got shape {tuple(p.shape)}"
-                )
+        fill_galore_group(group, gi, names)
 
     def param_name(self, p: torch.Tensor) -> str:
         """The identity (name) used for ``p`` in seeds and exports."""
@@ -426,7 +324,7 @@ class GaLoreAdamW(Optimizer):
         Seeded basis of parameter ``name`` at local refresh ``q``:
         ``seeded_basis(basis_seed(seed, name, q), m, n, r, side)``.
         """
-        if not _is_int(seed):
+        if not is_int(seed):
             raise TypeError(f"projection seed must be an int, got {type(seed).__name__}")
         for g in self.param_groups:
             g["projection_seed"] = int(seed)
@@ -437,7 +335,7 @@ class GaLoreAdamW(Optimizer):
         Refresh ``q`` of this optimizer is data-driven iff ``n + q < adaptive_proj_steps``
         (``"round"`` scope ignores ``n``: data-driven iff ``q < adaptive_proj_steps``).
         """
-        if not _is_int(n) or n < 0:
+        if not is_int(n) or n < 0:
             raise ValueError(f"global refresh offset must be an int >= 0, got {n!r}")
         for g in self.param_groups:
             g["global_refresh_offset"] = int(n)
@@ -523,7 +421,7 @@ class GaLoreAdamW(Optimizer):
         if "warm_v" in state:
             self._apply_warm(state, group, side, new)
         elif old is not None and not group["galore_torch_compat"]:
-            self._transfer(state, group, side, change_of_basis(old, new, side))
+            moment_exchange.transfer(state, group, side, change_of_basis(old, new, side))
         state["basis"] = new
         state["basis_seed"] = seed
         state["on_view"] = int(seed >= 0 and seed == schedule.view_seed(group, name))
@@ -531,25 +429,6 @@ class GaLoreAdamW(Optimizer):
         state["refresh"] = q + 1
         if state["rec_on"]:
             self._open_term(state, group)
-
-    def _transfer(self, state: dict[str, Any], group: dict[str, Any], side: str, c: torch.Tensor) -> None:
-        """Move the moments to new coordinates (``C`` from :func:`change_of_basis`): ``M <- M C``
-        and the second moment by the group's ``moment_transfer``
-        (:func:`fedgalore.protocol.second_moment.move`) — with its per-coordinate evidence under
-        ``bias_correction="weight"``; the shadow cold moment is corrected by steps and moves like
-        an uncorrected ``V``."""
-        mt = group["moment_transfer"]
-        state["exp_avg"] = kernels.mul(side)(state["exp_avg"], c)
-        if "v_weight" in state:
-            state["exp_avg_sq"], state["v_weight"] = sm.move(state["exp_avg_sq"], state["v_weight"], c, side, mt)
-        else:
-            state["exp_avg_sq"] = sm.move(state["exp_avg_sq"], c.new_ones(()), c, side, mt, per_coordinate=False)[0]
-        if "cold_v" in state:
-            state["cold_v"] = sm.move(state["cold_v"], c.new_ones(()), c, side, mt, per_coordinate=False)[0]
-        if mt == "reset":
-            state["v_step"] = 0
-            if "cold_v" in state:
-                state["cold_step"] = 0
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

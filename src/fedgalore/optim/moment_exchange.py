@@ -19,7 +19,7 @@ from fedgalore.protocol import second_moment as sm
 from fedgalore.protocol.bases import seeded_basis
 from fedgalore.protocol.payload import MomentView
 
-__all__ = ["v_weight", "export_view", "check_view", "apply_warm", "rescale_warm"]
+__all__ = ["v_weight", "export_view", "check_view", "apply_warm", "rescale_warm", "transfer"]
 
 
 def v_weight(state: dict[str, Any], side: str, b2: float) -> torch.Tensor:
@@ -141,3 +141,23 @@ def rescale_warm(v: torch.Tensor, c: Optional[torch.Tensor], r: torch.Tensor, st
     if factor != 1.0:
         v.mul_(factor)
     state.setdefault("warm_diag", {})["warm_rescale"] = factor
+
+
+def transfer(state: dict[str, Any], group: dict[str, Any], side: str, c: torch.Tensor) -> None:
+    """Move the moments to new coordinates (``C`` from :func:`fedgalore.optim.projector.change_of_basis`, at a refresh): ``M <- M C``
+    and the second moment by the group's ``moment_transfer``
+    (:func:`fedgalore.protocol.second_moment.move`) — with its per-coordinate evidence under
+    ``bias_correction="weight"``; the shadow cold moment is corrected by steps and moves like
+    an uncorrected ``V``."""
+    mt = group["moment_transfer"]
+    state["exp_avg"] = (state["exp_avg"] @ c if side == "right" else c @ state["exp_avg"])
+    if "v_weight" in state:
+        state["exp_avg_sq"], state["v_weight"] = sm.move(state["exp_avg_sq"], state["v_weight"], c, side, mt)
+    else:
+        state["exp_avg_sq"] = sm.move(state["exp_avg_sq"], c.new_ones(()), c, side, mt, per_coordinate=False)[0]
+    if "cold_v" in state:
+        state["cold_v"] = sm.move(state["cold_v"], c.new_ones(()), c, side, mt, per_coordinate=False)[0]
+    if mt == "reset":
+        state["v_step"] = 0
+        if "cold_v" in state:
+            state["cold_step"] = 0
