@@ -10,7 +10,11 @@ For each scale — ``tiny_text`` (random BERT, milliseconds per step), ``offline
   without its evaluation, which is not overhead;
 * a bare loop: the same model, the same clients' batches, the same optimizer class and options
   (``GaLoreAdamW`` without the update record / ``AdamW``), the shared ``local_train``, nothing
-  else.
+  else;
+* a plain ``transformers`` loop (issue 43: tokens/s per client against a plain single-process
+  loop of the same model; goal ≤ 1.05): the same batches and optimizer, ``model(**batch).loss``,
+  ``backward``, ``step``, ``zero_grad`` — none of fedgalore's training code (MiniLM and SmolLM2;
+  ``tiny_text``'s model computes no loss of its own).
 
 The sequential backend hands payloads over in process (copies, sizes computed exactly); the
 checkpoint is the loop's own (:class:`~fedgalore.federated.checkpoint.CheckpointWriter` with
@@ -49,6 +53,9 @@ SCALES = {
                 "train": {"batch_size": 4, "local_steps": 3}},
 }
 METHODS = ("fedgalore", "fedavg_full")
+#: scales whose task is a Hugging Face model that computes its own loss (``model(**batch).loss``):
+#: the plain ``transformers`` loop runs there
+PLAIN_SCALES = ("minilm", "smollm2")
 CLIENTS = 2
 
 
@@ -127,6 +134,31 @@ def bare_round(fed, k: int) -> float:
     return time.perf_counter() - t0
 
 
+def plain_round(fed, k: int) -> tuple[float, int]:
+    """The same clients' batches of round ``k`` in a plain single-process ``transformers`` loop
+    (issue 43's reference for tokens/s): ``model(**batch).loss``, ``backward``, the same optimizer
+    class and options as :func:`bare_round`, ``step``, ``zero_grad`` — no fedgalore training code.
+    Returns the seconds and the tokens (attention-mask ones; rows for a task without a mask)."""
+    rt, method, tc = fed.runtime, fed.method, fed.cfg.train
+    model = rt.model
+    tokens = 0
+    t0 = time.perf_counter()
+    for c in range(CLIENTS):
+        gen, _ = rt.batches(c, k)
+        opt, _ = _bare_optimizer(method, model, method.targets + method.heads, tc)
+        model.train()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(k * 100 + c)
+            for batch in gen():
+                mask = batch.get("attention_mask")
+                tokens += int(mask.sum()) if mask is not None else int(next(iter(batch.values())).shape[0])
+                loss = model(**batch).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0, tokens
+
+
 def measure(scale: str, method: str, rounds: int) -> dict:
     from fedgalore.engine import loop as server_mod
     from fedgalore.engine.loop import Federation
@@ -170,6 +202,7 @@ def measure(scale: str, method: str, rounds: int) -> dict:
         t_ckpt = time.perf_counter() - tc0
         t_round = time.perf_counter() - t0 - clock.t.get("evaluation (excluded)", 0.0)
         t_bare = bare_round(fed, k)
+        t_plain, tokens = plain_round(fed, k) if scale in PLAIN_SCALES else (None, None)
         parts = dict(clock.t)
         parts["server: checkpoint (this thread)"] = t_ckpt
         parts["client: rest of client_update (optimizer setup, export)"] = (
@@ -179,8 +212,11 @@ def measure(scale: str, method: str, rounds: int) -> dict:
         named = sum(v for kk, v in parts.items() if kk != "client: train (local_train)")
         parts["rest (ledger, logs, sampling)"] = t_round - parts.get("client: train (local_train)", 0.0) - named
         rows.append({"round": k + 1, "warmup": k == 0, "round_s": t_round, "bare_s": t_bare, "ratio": t_round / t_bare,
+                     "plain_transformers_s": t_plain, "tokens": tokens, "ratio_vs_plain": t_plain and t_round / t_plain,
                      "breakdown_s": parts, "loadavg_1min": load})
-        print(f"  {scale:8s} {method:11s} round {k + 1}: {t_round:7.3f} s vs bare {t_bare:7.3f} s = {t_round / t_bare:5.3f}x (load {load:.1f})", flush=True)
+        vs_plain = f", vs plain transformers {t_plain:7.3f} s = {t_round / t_plain:5.3f}x" if t_plain else ""
+        print(f"  {scale:8s} {method:11s} round {k + 1}: {t_round:7.3f} s vs bare {t_bare:7.3f} s = {t_round / t_bare:5.3f}x"
+              f"{vs_plain} (load {load:.1f})", flush=True)
     fed._writer.wait()
     fed.backend.close()
     counted = [r for r in rows if not r["warmup"]]
@@ -190,6 +226,9 @@ def measure(scale: str, method: str, rounds: int) -> dict:
     return {"scale": scale, "method": method, "params": params, "steps_per_client": fed.cfg.train.local_steps,
             "batch": fed.cfg.train.batch_size, "rounds": rows, "round_s": mean("round_s"), "bare_s": mean("bare_s"),
             "ratio": mean("round_s") / mean("bare_s"), "breakdown_s": breakdown,
+            **({"plain_transformers_s": mean("plain_transformers_s"), "ratio_vs_plain": mean("round_s") / mean("plain_transformers_s"),
+                "tokens_per_round": mean("tokens"), "tokens_per_s_round": mean("tokens") / mean("round_s"),
+                "tokens_per_s_plain": mean("tokens") / mean("plain_transformers_s")} if scale in PLAIN_SCALES else {}),
             "overhead_s": mean("round_s") - breakdown.get("client: train (local_train)", 0.0)}
 
 
@@ -214,10 +253,13 @@ def main(argv=None) -> int:
     if args.quick and args.out.endswith("round_overhead.json"):
         args.out = args.out.replace("round_overhead.json", "round_overhead_quick.json")
     Path(args.out).write_text(json.dumps(res, indent=1))
-    print("\n| scale | method | params | round (s) | bare loop (s) | ratio | overhead (s) |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("\n| scale | method | params | round (s) | bare loop (s) | ratio | overhead (s) | plain transformers (s) | ratio | tokens/s round / plain |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for c in cells:
-        print(f"| {c['scale']} | {c['method']} | {c['params'] / 1e6:.1f} M | {c['round_s']:.3f} | {c['bare_s']:.3f} | {c['ratio']:.3f} | {c['overhead_s']:.3f} |")
+        plain = (f"{c['plain_transformers_s']:.3f} | {c['ratio_vs_plain']:.3f} | {c['tokens_per_s_round']:.0f} / {c['tokens_per_s_plain']:.0f}"
+                 if "ratio_vs_plain" in c else "– | – | –")
+        print(f"| {c['scale']} | {c['method']} | {c['params'] / 1e6:.1f} M | {c['round_s']:.3f} | {c['bare_s']:.3f} | {c['ratio']:.3f} | "
+              f"{c['overhead_s']:.3f} | {plain} |")
     print("\nbreakdown (s per round, mean over counted rounds):")
     for c in cells:
         print(f"{c['scale']} {c['method']}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(c["breakdown_s"].items(), key=lambda kv: -kv[1])))
