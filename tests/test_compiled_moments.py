@@ -70,3 +70,13 @@ def test_compiled_optimizer_pickles_and_loads():
     assert again._compile == "aot_eager"
     fresh = _opt(_params(), "aot_eager")
     fresh.load_state_dict(opt.state_dict())
+
+
+def test_a_failing_compile_is_one_clear_error():
+    params = _params()
+    opt = _opt(params, "no_such_backend")
+    g = torch.Generator().manual_seed(1)
+    for p in params:
+        p.grad = torch.randn(*p.shape, generator=g)
+    with pytest.raises(RuntimeError, match="compile_moments='no_such_backend'.*set compile_moments to False"):
+        opt.step()

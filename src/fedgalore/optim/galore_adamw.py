@@ -639,8 +639,15 @@ class GaLoreAdamW(Optimizer):
         compiled = bool(self._compile)
         eps = bucket.per_matrix([group["eps"] * (1.0 if compat else x.c2) for x in items], r, tensor=compiled)
         cap = bucket.per_matrix([x.cap for x in items], r, tensor=compiled) if group["cap_to_cold"] else None
-        moments = bucket.compiled_moments(self._compile) if compiled else bucket.adam_moments
-        u = moments(r, st["exp_avg"], st["exp_avg_sq"], b1, b2, eps, st.get("v_weight"), st.get("cold_v"), cap, compat)
+        args = (r, st["exp_avg"], st["exp_avg_sq"], b1, b2, eps, st.get("v_weight"), st.get("cold_v"), cap, compat)
+        if not compiled:
+            return items, bucket.adam_moments(*args)
+        try:
+            u = bucket.compiled_moments(self._compile)(*args)
+        except Exception as exc:  # torch.compile's own failures (no C++ compiler, an unknown backend): one clear line
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise RuntimeError(f"compile_moments={self._compile!r}: torch.compile of the moment step failed ({first}); "
+                               "set compile_moments to False (on the CPU it needs a C++ compiler and measured no gain)") from exc
         return items, u
 
     def _galore_buckets(self, gi: int, group: dict[str, Any], preps: list[_Prep]) -> None:
