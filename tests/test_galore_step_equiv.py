@@ -316,5 +316,5 @@ def test_plain_bf16_parameter_takes_the_unfused_path():
         p.grad, q.grad = g.to(torch.bfloat16), g.to(torch.bfloat16).float()
         opt.step()
         ref.step()
-    assert not plain_adamw.fusable(p, opt.param_groups[0])
+    assert not plain_adamw.fusable(p, p.grad, opt.param_groups[0])
     torch.testing.assert_close(p.float(), q, rtol=2e-2, atol=2e-2)

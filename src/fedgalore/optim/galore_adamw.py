@@ -144,6 +144,7 @@ import fedgalore.optim.low_precision as low_precision
 import fedgalore.optim.moment_exchange as moment_exchange
 import fedgalore.optim.plain_adamw as plain_adamw
 import fedgalore.optim.schedule as schedule
+import fedgalore.optim.sharded as sharded
 import fedgalore.optim.step_diagnostics as step_diagnostics
 import fedgalore.optim.update_record as update_record
 from fedgalore.optim.groups import (ADAPTIVE_SCOPES, BIAS_CORRECTIONS, BUCKET_GEMMS, GALORE_DEFAULTS, LOW_PRECISION,
@@ -354,11 +355,12 @@ class GaLoreAdamW(Optimizer):
         state["step"] = 0
         state["skipped"] = 0
         if "rank" not in group:
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(sharded.local(p), memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(sharded.local(p), memory_format=torch.preserve_format)
             return state
         m, n = p.shape
         side = resolve_side((m, n), group["proj_type"])
+        dim = sharded.shard_dim(p, self._names[p])  # rows / columns of a shard, or None
         if group["projector"] == "identity":
             rank = n if side == "right" else m
         else:
@@ -366,6 +368,12 @@ class GaLoreAdamW(Optimizer):
         shape = (m, rank) if side == "right" else (rank, n)
         if group["projector"] == "identity":
             shape = (m, n)
+        local_shape = list(shape)
+        if dim is not None and (group["track_cold"] or group["warm_scale"] == "gradient"):
+            raise ValueError(f"GaLore parameter {self._names[p]!r} is sharded: track_cold and warm_scale='gradient' need "
+                             "statistics of the whole matrix and are not supported on sharded parameters; turn them off")
+        if self._moments_sharded(p, group, {}):  # its block of M, V
+            local_shape[dim] = int(sharded.local(p).shape[dim])
         state.update(
             side=SIDES.index(side),
             rank=rank,
@@ -375,8 +383,8 @@ class GaLoreAdamW(Optimizer):
             basis_refresh=-1,
             on_view=0,  # 1 while the basis is the round's view basis R_k (view_seed)
             view_steps=0,  # steps taken on R_k (the seeded-phase share of the diagnostics)
-            exp_avg=torch.zeros(shape, dtype=torch.float32, device=p.device),
-            exp_avg_sq=torch.zeros(shape, dtype=torch.float32, device=p.device),
+            exp_avg=torch.zeros(local_shape, dtype=torch.float32, device=p.device),
+            exp_avg_sq=torch.zeros(local_shape, dtype=torch.float32, device=p.device),
             rec_on=0,
         )
         if group["bias_correction"] == "weight":
@@ -414,12 +422,17 @@ class GaLoreAdamW(Optimizer):
         side = SIDES[state["side"]]
         q = state["refresh"]
         kind = schedule.basis_kind(group, q, state["step"])
+        if sharded.is_sharded(p.grad) and sharded.shard_dim(p, name) is not None:
+            # a data-driven basis reads the whole G (gathered at this step only); a seeded one its shape only
+            g32 = p.grad.full_tensor().float() if kind in ("svd", "rsvd") else torch.empty(p.shape, device="meta")
         new, seed = schedule.new_basis(kind, group, name, q, g32, state["rank"], side, p.device)
+        if seed < 0:
+            new = sharded.broadcast_basis(new, p)  # every rank on the first rank's bits
         old = state.get("basis")
         if state["rec_on"]:
             self._close_term(state)
         if "warm_v" in state:
-            self._apply_warm(state, group, side, new)
+            self._apply_warm(p, state, group, side, new)
         elif old is not None and not group["galore_torch_compat"]:
             moment_exchange.transfer(state, group, side, change_of_basis(old, new, side))
         state["basis"] = new
@@ -442,16 +455,17 @@ class GaLoreAdamW(Optimizer):
             if "rank" in group:
                 self._galore_group_step(gi, group)
                 continue
-            batch: list[tuple[torch.Tensor, dict[str, Any]]] = []  # plain parameters for one fused kernel
+            batch: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []  # plain parameters for one fused kernel
             try:
                 for p in self._with_grads(group):
                     state = self._init_state(p, group)
-                    if self._nonfinite(p, group, state, p.grad):
+                    w, g = sharded.local(p), sharded.local(p.grad)  # a shard steps alone (elementwise)
+                    if self._nonfinite(p, group, state, g):
                         continue
-                    if plain_adamw.fusable(p, group):
-                        batch.append((p, state))
+                    if plain_adamw.fusable(w, g, group):
+                        batch.append((w, g, state))
                     else:
-                        plain_adamw.step(p, group, state)
+                        plain_adamw.step(w, g, group, state)
             finally:  # also when a later parameter raises: the ones before it have stepped, as unbatched
                 if batch:
                     plain_adamw.step_fused(group, batch)
@@ -472,7 +486,8 @@ class GaLoreAdamW(Optimizer):
         Fast path: a finite sum proves every entry finite (NaN/Inf propagate through a sum); only
         a non-finite sum (possibly an fp32 overflow of finite entries) triggers the full check.
         """
-        if math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all()):
+        bad = not (math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all()))
+        if not sharded.any_rank(bad, p):  # a sharded matrix: every rank decides as one
             return False
         if group["nonfinite"] == "raise":
             raise FloatingPointError(f"non-finite gradient for parameter {self._names[p]!r} at step {state['step']}")
@@ -544,7 +559,7 @@ class GaLoreAdamW(Optimizer):
     def _galore_begin(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> Optional[tuple[torch.Tensor, bool]]:
         """The refresh when due (after checking ``G`` under the ``nonfinite`` policy). Returns the
         fp32 gradient and whether it was checked, or None: the matrix skips this step."""
-        g = p.grad
+        g = sharded.local(p.grad)
         g32 = g if g.dtype == torch.float32 else g.float()
         checked = group["projector"] == "identity"  # identity: R is G itself, checked with R
         if not checked and self._refresh_due(group, state):
@@ -582,11 +597,22 @@ class GaLoreAdamW(Optimizer):
         if group["projector"] == "identity":
             basis, r = None, g32
         else:
-            basis = state["basis"]
+            basis = self._shard_basis(p, state, side)
             r, propagates = kernels.project_step(g32, basis, side)
+            if basis is not state["basis"]:  # a shard across the basis's dimension: R is the ranks' sum
+                r = sharded.all_reduce_sum(r.contiguous(), p)
             if not (propagates or checked) and self._nonfinite(p, group, state, g32):
                 return None
         return self._galore_ready(p, group, state, r, basis, side, kernel=True)
+
+    def _shard_basis(self, p: torch.Tensor, state: dict[str, Any], side: str) -> torch.Tensor:
+        """The basis the step multiplies this rank's block of ``p`` with: the whole basis, or — for
+        a shard that splits the dimension the basis spans (:func:`fedgalore.optim.sharded.along_basis`)
+        — the basis's rows (left) / columns (right) of that block."""
+        dim = sharded.shard_dim(p, self._names[p])
+        if not sharded.along_basis(side, dim):
+            return state["basis"]
+        return sharded.keep_local(state["basis"], p, dim)
 
     def _galore_ready(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], r: torch.Tensor,
                       basis: Optional[torch.Tensor], side: str, kernel: bool) -> Optional[_Prep]:
@@ -598,7 +624,7 @@ class GaLoreAdamW(Optimizer):
         w8, cv = state.get("v_weight"), state.get("cold_v")
         if state.pop("warm_rescale", 0):
             moment_exchange.rescale_warm(v, w8, r, state)
-        if eps == 0.0 and bool(((v == 0) & (r == 0)).any()):
+        if eps == 0.0 and sharded.any_rank(bool(((v == 0) & (r == 0)).any()), p):
             # V stays 0 where both are 0, so M / (sqrt(V̂) + 0) is 0/0: a non-finite update from finite input
             if self._nonfinite_update(p, group, state):
                 return None
@@ -609,7 +635,7 @@ class GaLoreAdamW(Optimizer):
         cc = math.sqrt(1.0 - b2 ** (state["cold_step"] + 1)) if cv is not None else 1.0
         cap = 1.0 / (cc * cc) if group["cap_to_cold"] else 0.0
         prep = _Prep(p, state, r, basis, side, c2, cc, cap)
-        if (kernel and not group["galore_torch_compat"] and p.numel() >= kernels.ONEDNN_MIN_NUMEL
+        if (kernel and not group["galore_torch_compat"] and not sharded.is_sharded(p) and p.numel() >= kernels.ONEDNN_MIN_NUMEL
                 and cpu_kernels.moments_usable(r, m, v, w8, cv)):
             # the check of R, M, V (and c, the cold V) and U in one kernel call (same rule as bucket.adam_moments)
             prep.u = cpu_kernels.adam_moments(r, m, v, b1, b2, eps * c2, cold_v=cv, v_weight=w8, cold_cap=cap)
@@ -627,7 +653,8 @@ class GaLoreAdamW(Optimizer):
         bucket of one: its own tensors, not stacked)."""
         if r is None or len(items) == 1:
             r = bucket.stack_or_one([x.r for x in items])
-        if not math.isfinite(float(r.sum())) and not bool(torch.isfinite(r).all()):
+        bad = not math.isfinite(float(r.sum())) and not bool(torch.isfinite(r).all())
+        if sharded.any_rank(bad, items[0].p):  # (a sharded bucket: every rank checks its matrices alike)
             items = [x for x in items if not self._nonfinite(x.p, group, x.state, x.r)]  # raises, or skips
             if not items:
                 return [], None
@@ -670,13 +697,16 @@ class GaLoreAdamW(Optimizer):
         ``W ← d W + coef U P`` for all of them by one ``bmm`` and two multi-tensor ops
         (:func:`fedgalore.optim.kernels.decay_back_project_stacked`)."""
         side = SIDES[items[0][1]["side"]]
-        bases = torch.stack([state["basis"] for _, state, _, _ in items])
+        own = [self._shard_basis(p, state, side) for p, state, _, _ in items]
+        bases = torch.stack(own)
         r, propagates = kernels.project_stacked([g for _, _, g, _ in items], bases, side)
+        if own[0] is not items[0][1]["basis"]:  # shards across the bases' dimension: R is the ranks' sum (one all-reduce)
+            r = sharded.all_reduce_sum(r, items[0][0])
         preps: list[_Prep] = []
         for i, (p, state, g32, checked) in enumerate(items):
             if not (propagates or checked) and self._nonfinite(p, group, state, g32):
                 continue
-            prep = self._galore_ready(p, group, state, r[i], state["basis"], side, kernel=False)
+            prep = self._galore_ready(p, group, state, r[i], own[i], side, kernel=False)
             if prep is not None:
                 preps.append(prep)
         if not preps:
@@ -687,11 +717,12 @@ class GaLoreAdamW(Optimizer):
             return
         coefs = [self._galore_finish(group, x, ux, weight=False) for x, ux in zip(preps, u if len(preps) > 1 else [u])]
         if len(preps) == 1:
-            kernels.decay_back_project(preps[0].p, u, preps[0].basis, side, *coefs[0])
+            kernels.decay_back_project(sharded.local(preps[0].p), u, preps[0].basis, side, *coefs[0])
             return
         if len(preps) != len(items):
             bases = torch.stack([x.basis for x in preps])
-        kernels.decay_back_project_stacked([x.p for x in preps], u, bases, side, [d for d, _ in coefs], [c for _, c in coefs])
+        kernels.decay_back_project_stacked([sharded.local(x.p) for x in preps], u, bases, side, [d for d, _ in coefs],
+                                           [c for _, c in coefs])
 
     def _galore_finish(self, group: dict[str, Any], x: _Prep, u: torch.Tensor,
                        weight: bool = True) -> Optional[tuple[float, float]]:
@@ -738,6 +769,7 @@ class GaLoreAdamW(Optimizer):
         or ``(decay, coef)`` for the caller when ``weight`` is False."""
         if not weight:
             return decay, coef
+        p = sharded.local(p)  # a shard's rows (columns) and its state's: the step needs nothing else
         w = low_precision.working_weight(p, group, state)
         kernels.decay_back_project(w, u, basis, side, decay, coef)
         low_precision.store_weight(p, group, state, w)
@@ -778,10 +810,32 @@ class GaLoreAdamW(Optimizer):
             state = self.state.get(p, {})
             if not state.get("rec_on"):
                 raise RuntimeError(f"export_update() without mark() for parameter {name!r}")
-            out[name] = update_record.export(state, (int(p.shape[0]), int(p.shape[1])), SIDES[state["side"]])
+            out[name] = update_record.export(self._whole(p, group, state), (int(p.shape[0]), int(p.shape[1])), SIDES[state["side"]])
         return out
 
     # ------------------------------------------------------------------ state export / warm start
+    def _moments_sharded(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> bool:
+        """Whether ``p``'s moments and record are blocks of a sharded matrix (``False``: not sharded,
+        or whole on every rank because the shards split the basis's dimension)."""
+        dim = sharded.shard_dim(p, self._names[p])
+        side = SIDES[state["side"]] if "side" in state else resolve_side((int(p.shape[0]), int(p.shape[1])), group["proj_type"])
+        return dim is not None and (group["projector"] == "identity" or not sharded.along_basis(side, dim))
+
+    def _whole(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        """``p``'s state with its sharded tensors gathered from every rank (a shallow copy; the
+        state itself when ``p`` is not sharded; :mod:`fedgalore.optim.sharded`). Every rank must
+        call it for the same parameters in the same order."""
+        if not self._moments_sharded(p, group, state):
+            return state
+        dim = sharded.shard_dim(p, self._names[p])
+        out = dict(state)
+        for k in sharded.SHARDED_STATE:
+            if isinstance(out.get(k), torch.Tensor):
+                out[k] = sharded.gather(out[k], p, dim)
+        out["rec_terms"] = [{**t, **{k: sharded.gather(t[k], p, dim) for k in ("coef", "cold") if k in t}}
+                            for t in state.get("rec_terms", [])]
+        return out
+
     def _current_basis(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> Optional[torch.Tensor]:
         if group["projector"] == "identity":
             side = SIDES[state["side"]]
@@ -796,7 +850,7 @@ class GaLoreAdamW(Optimizer):
         """Per GaLore parameter name: projected moments, shape/side and basis identity."""
         out: dict[str, GaLoreStateEntry] = {}
         for name, p, group in self._galore_items():
-            state = self._init_state(p, group)
+            state = self._whole(p, group, self._init_state(p, group))
             side = SIDES[state["side"]]
             basis = self._current_basis(p, group, state)
             seeded = state["basis_seed"] >= 0
@@ -851,15 +905,20 @@ class GaLoreAdamW(Optimizer):
             if basis is None:
                 raise ValueError(f"parameter {name!r} has no basis yet (no optimizer step happened)")
             target = None if view_seeds is None else view_seeds.get(name)
-            out[name] = moment_exchange.export_view(state, group, SIDES[state["side"]], (int(p.shape[0]), int(p.shape[1])),
+            whole = self._whole(p, group, state)
+            out[name] = moment_exchange.export_view(whole, group, SIDES[state["side"]], (int(p.shape[0]), int(p.shape[1])),
                                                     basis, target, buffer)
+            if whole is not state:
+                state["upload_kept"] = whole["upload_kept"]
         return out
 
-    @staticmethod
-    def _apply_warm(state: dict[str, Any], group: dict[str, Any], side: str, new: torch.Tensor) -> None:
+    def _apply_warm(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any], side: str, new: torch.Tensor) -> None:
         """Start ``V`` from the pending synchronised state on the basis ``new``
-        (:func:`fedgalore.optim.moment_exchange.apply_warm`: the two rules)."""
+        (:func:`fedgalore.optim.moment_exchange.apply_warm`: the two rules); a shard keeps its
+        rows (columns) of the whole warm ``V`` (:mod:`fedgalore.optim.sharded`)."""
         moment_exchange.apply_warm(state, group, side, new)
+        if self._moments_sharded(p, group, state):
+            state["exp_avg_sq"] = sharded.keep_local(state["exp_avg_sq"], p, sharded.shard_dim(p, self._names[p]))
 
     def load_second_moment(self, name: str, view: MomentView) -> None:
         """Warm-start ``V`` of parameter ``name`` from a synchronised state ``v̄`` (paper Alg. 1,
@@ -883,7 +942,7 @@ class GaLoreAdamW(Optimizer):
         state["warm_v"], state["warm_basis"], state["warm_weight"] = x, basis, w8
         current = self._current_basis(p, group, state)
         if current is not None:
-            self._apply_warm(state, group, side, current)
+            self._apply_warm(p, state, group, side, current)
 
     def moment_diagnostics(self) -> dict[str, dict[str, float]]:
         """Per GaLore parameter: what the warm start did (``warm_clamped``: fraction of entries

@@ -21,37 +21,37 @@ except ImportError:  # pragma: no cover - older torch
     torch_adamw, HAS_FUSED_ADAMW = None, False
 
 
-def fusable(p: torch.Tensor, group: dict[str, Any]) -> bool:
-    """A parameter that :func:`step_fused` steps: torch convention, fp32, dense and contiguous, on
-    CPU (torch's fused AdamW kernel; other devices and dtypes take :func:`step`)."""
-    g = p.grad
+def fusable(p: torch.Tensor, g: torch.Tensor, group: dict[str, Any]) -> bool:
+    """A parameter ``p`` with gradient ``g`` that :func:`step_fused` steps: torch convention,
+    fp32, dense and contiguous, on CPU (torch's fused AdamW kernel; other devices and dtypes take
+    :func:`step`)."""
     return (
         not group["galore_torch_compat"] and p.device.type == "cpu" and p.dtype == torch.float32
         and g.dtype == torch.float32 and p.is_contiguous() and g.is_contiguous() and HAS_FUSED_ADAMW
     )
 
 
-def step_fused(group: dict[str, Any], items: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+def step_fused(group: dict[str, Any], items: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]) -> None:
     """AdamW, torch convention, for :func:`fusable` parameters (already checked finite) in one call
     of torch's fused kernel (``torch.optim.adamw.adamw(fused=True)``): one read of ``p, g, m, v``
     and one write of ``p, m, v`` per element, against about 20 passes for :func:`step`'s separate
-    ops (9x faster on a 50265 x 768 embedding). Same rule as :func:`step` to fp32 rounding."""
+    ops (9x faster on a 50265 x 768 embedding). Same rule as :func:`step` to fp32 rounding.
+    ``items``: (parameter, gradient, state)."""
     b1, b2 = group["betas"]
-    steps = [torch.tensor(float(state["step"]), dtype=torch.float32) for _, state in items]  # the kernel adds 1
+    steps = [torch.tensor(float(state["step"]), dtype=torch.float32) for _, _, state in items]  # the kernel adds 1
     torch_adamw(
-        [p for p, _ in items], [p.grad for p, _ in items],
-        [state["exp_avg"] for _, state in items], [state["exp_avg_sq"] for _, state in items], [], steps,
+        [p for p, _, _ in items], [g for _, g, _ in items],
+        [state["exp_avg"] for _, _, state in items], [state["exp_avg_sq"] for _, _, state in items], [], steps,
         fused=True, amsgrad=False, beta1=b1, beta2=b2, lr=float(group["lr"]),
         weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
     )
-    for _, state in items:
+    for _, _, state in items:
         state["step"] += 1
 
 
-def step(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-    """One AdamW step of ``p`` (gradient already checked finite): torch convention, or the
-    official/HF convention under ``galore_torch_compat`` (``correct_bias`` as HF's AdamW)."""
-    g = p.grad
+def step(p: torch.Tensor, g: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+    """One AdamW step of ``p`` with gradient ``g`` (already checked finite): torch convention, or
+    the official/HF convention under ``galore_torch_compat`` (``correct_bias`` as HF's AdamW)."""
     lr, wd, eps = float(group["lr"]), group["weight_decay"], group["eps"]
     b1, b2 = group["betas"]
     m, v = state["exp_avg"], state["exp_avg_sq"]

@@ -1,0 +1,169 @@
+"""GaLore on sharded parameters (FSDP2's ``fully_shard``; issue 43, "a site with several GPUs").
+
+Under ``torch.distributed.fsdp.fully_shard`` every parameter is a ``DTensor`` whose rank-local
+shard is a block of rows (``Shard(0)``, FSDP2's default) or of columns (``Shard(1)``). GaLore's
+step needs no communication when each matrix is sharded along the dimension its basis does *not*
+span (:func:`galore_placement`):
+
+* right side (``m ≥ n`` under ``std``; basis ``P`` is ``r × n``): rows. ``R = G Pᵀ`` is ``m × r``;
+  its rows, the rows of ``M, V`` and of the update ``U P`` are the rows of the shard;
+* left side (basis ``P`` is ``m × r``): columns. ``R = Pᵀ G`` is ``r × n``; its columns, those of
+  ``M, V`` and of ``P U`` are the shard's columns.
+
+So a rank holds the moments, the cold moment, the compensation and the update record of its own
+rows (columns) — GaLore's state is sharded with its parameters — and the basis ``P`` whole
+(``r × n`` or ``m × r``: small). A matrix sharded along the dimension its basis spans (FSDP2's
+default rows for a left-side matrix; FSDP2 cannot split columns unevenly, so a left-side matrix
+whose column count the ranks do not divide stays on rows) costs one all-reduce of ``R`` per step:
+``R = Σ_ranks P_kᵀ G_k`` over the ranks' row blocks, and the moments and the record are then whole
+(and equal) on every rank (:func:`along_basis`). What needs the whole matrix or every rank:
+
+* a data-driven refresh (SVD / RSVD) reads the whole gradient: it is gathered at that step only
+  (with the epoch schedule, once per round), the basis computed from it and broadcast from the
+  group's first rank, so every rank holds the same ``P`` bit for bit; seeded bases are built
+  locally from their seed;
+* the non-finite checks decide together (an all-reduce of one flag), so that every rank skips or
+  raises at the same matrix and step;
+* the exports (:meth:`fedgalore.optim.GaLoreAdamW.export_update`,
+  :meth:`~fedgalore.optim.GaLoreAdamW.export_moments`, :meth:`~fedgalore.optim.GaLoreAdamW.export_state`)
+  gather the sharded tensors, once, into the whole record / moment every rank returns; a warm start
+  (:meth:`~fedgalore.optim.GaLoreAdamW.load_second_moment`) takes the whole ``v̄`` and keeps each
+  rank's rows (columns).
+
+Not supported on sharded matrices (refused with a clear error): ``track_cold`` (its diagnostics
+are statistics over the whole matrix) and ``warm_scale="gradient"`` (a mean over the whole
+projected gradient). The per-matrix AVX2 moment kernel is not used on shards (the torch algebra,
+by bucket, is).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from fedgalore.optim.projector import resolve_side
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # pragma: no cover - older torch: nothing is ever sharded
+    DTensor, Replicate, Shard = None, None, None  # type: ignore[assignment,misc]
+
+__all__ = ["is_sharded", "local", "galore_placement", "shard_dim", "along_basis", "all_reduce_sum", "any_rank", "gather",
+           "keep_local", "broadcast_basis", "SHARDED_STATE"]
+
+#: the GaLore state tensors that are sharded like their matrix and that the exports read, gathered
+#: by :meth:`fedgalore.optim.GaLoreAdamW._whole` (the rest — basis, evidence c, numbers — is the
+#: same on every rank; the weight-shaped ``master`` / ``comp`` of bf16 weights stay local)
+SHARDED_STATE = ("exp_avg", "exp_avg_sq", "cold_v", "rec_coef", "rec_cold")
+
+
+def is_sharded(x: Any) -> bool:
+    """Whether ``x`` is a ``DTensor`` (a parameter under FSDP2, or its gradient)."""
+    return DTensor is not None and isinstance(x, DTensor)
+
+
+def local(x: torch.Tensor) -> torch.Tensor:
+    """The rank-local shard of a ``DTensor`` (a view: in-place changes reach the parameter); any
+    other tensor itself."""
+    return x.to_local() if is_sharded(x) else x
+
+
+def galore_placement(proj_type: str = "std", world_size: Optional[int] = None) -> Callable[[torch.nn.Parameter], Any]:
+    """A ``shard_placement_fn`` for ``fully_shard`` that shards every 2-D weight along the
+    dimension its GaLore basis does not span: ``Shard(0)`` (rows) for a right-side matrix,
+    ``Shard(1)`` (columns) for a left-side one (side by ``proj_type``, as the optimizer's group
+    key) whose columns the mesh's size (``world_size``; default: the default group's) divides
+    (FSDP2 splits columns only evenly; otherwise rows, and the step all-reduces ``R``); everything
+    else ``Shard(0)``, FSDP2's default."""
+
+    def place(p: torch.nn.Parameter) -> Any:
+        if p.dim() == 2 and resolve_side((int(p.shape[0]), int(p.shape[1])), proj_type) == "left":
+            n = world_size if world_size is not None else (dist.get_world_size() if dist.is_initialized() else 1)
+            return Shard(1) if int(p.shape[1]) % n == 0 else Shard(0)
+        return Shard(0)
+
+    return place
+
+
+def shard_dim(p: torch.Tensor, name: str) -> Optional[int]:
+    """The dimension (0: rows, 1: columns) ``p``'s shards split; ``None``: not sharded (or
+    replicated). One mesh dimension of ``Shard`` placements only (FSDP2's, or HSDP's replicate ×
+    shard); anything else is refused with the placement named."""
+    if not is_sharded(p):
+        return None
+    placements = [pl for pl in p.placements if not isinstance(pl, Replicate)]
+    if not placements:
+        return None
+    if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim not in (0, 1):
+        raise ValueError(f"GaLore parameter {name!r} is sharded as {tuple(p.placements)}: GaLoreAdamW steps matrices "
+                         "sharded along one dimension (Shard(0) or Shard(1), as fully_shard places them)")
+    return int(placements[0].dim)
+
+
+def along_basis(side: str, dim: Optional[int]) -> bool:
+    """Whether a shard split along ``dim`` cuts the dimension the basis spans (rows of a left-side
+    matrix, columns of a right-side one): then ``R`` is a sum over the ranks (one all-reduce of
+    ``R`` per step, the moments whole on every rank); otherwise the step is local and the moments
+    are sharded like the matrix."""
+    return dim is not None and dim == (1 if side == "right" else 0)
+
+
+def all_reduce_sum(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``x`` summed over the ranks of ``p``'s mesh, in place (every rank gets the same bits)."""
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=_group(p))
+    return x
+
+
+def _group(p: torch.Tensor) -> Any:
+    return p.device_mesh.get_group()
+
+
+def any_rank(flag: bool, p: torch.Tensor) -> bool:
+    """Whether ``flag`` holds on any rank of ``p``'s mesh (an all-reduce of one number); ``flag``
+    itself for a tensor that is not sharded."""
+    if not is_sharded(p):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=local(p).device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group(p))
+    return bool(t.item() > 0)
+
+
+def gather(x: torch.Tensor, p: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
+    """The whole tensor of which ``x`` is this rank's block along ``dim`` (the blocks of ``p``'s
+    sharding: ``torch.chunk`` sizes of ``p``'s dimension ``dim``); ``x`` itself when ``dim`` is None."""
+    if dim is None:
+        return x
+    group = _group(p)
+    n = dist.get_world_size(group)
+    sizes = [len(c) for c in torch.arange(int(p.shape[dim])).chunk(n)] + [0] * n
+    sizes = sizes[:n]
+    width = max(sizes)
+    pad = [0, 0] * x.dim()
+    pad[2 * (x.dim() - 1 - dim) + 1] = width - x.shape[dim]
+    padded = torch.nn.functional.pad(x.contiguous(), pad).contiguous()
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([part.narrow(dim, 0, s) for part, s in zip(parts, sizes)], dim=dim)
+
+
+def keep_local(x: torch.Tensor, p: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
+    """This rank's block of the whole tensor ``x`` along ``dim`` (the inverse of :func:`gather`)."""
+    if dim is None:
+        return x
+    group = _group(p)
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    sizes = [len(c) for c in torch.arange(int(p.shape[dim])).chunk(n)] + [0] * n
+    start = sum(sizes[:rank])
+    return x.narrow(dim, start, sizes[rank]).contiguous()
+
+
+def broadcast_basis(basis: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``basis`` as the first rank of ``p``'s mesh computed it (in place), so every rank projects on
+    the same bits whatever its kernels did with the same gathered gradient."""
+    if not is_sharded(p):
+        return basis
+    group = _group(p)
+    basis = basis.contiguous()
+    dist.broadcast(basis, src=dist.get_global_rank(group, 0), group=group)
+    return basis
