@@ -59,6 +59,7 @@ def kind(cmd: str) -> str:
         # examples/flower/README.md, the three-site federation: run as written by tests/test_flower_deploy.py
         (r"^python make_sites\.py |^python -m fedgalore\.flower\.certs |^flwr config ls$|^printf .*config\.toml\"$"
          r"|^flwr supernode register |^python -m fedgalore\.flower \. (sites|myfed) --run-config |^kill \$\(jobs -p\)$", "deploy"),
+        (r"^torchrun --standalone --nproc-per-node 2 examples/fsdp_galore\.py ", "fsdp"),  # test_fsdp_example_as_written
         (r"^fedgalore (repro|bench) (?!--list)\S+", "long"),
         (r"news\.yaml|runs/news-|exported/news", "own-data"),  # README "Your own data": test_readme_own_data_as_written
         (r"^fedgalore ", "cli"),
@@ -369,3 +370,18 @@ def test_flower_readme_python_example(tmp_path, monkeypatch, capsys) -> None:
     out = capsys.readouterr().out
     assert "round 2/2 | clients" in out and "final (2/2 rounds, finished)" in out
     assert f"run dir: {(tmp_path / 'runs' / 'flower').resolve()}" in out
+
+
+def test_fsdp_example_as_written() -> None:
+    """docs/scale-out.md's FSDP2 example, as written (2 gloo processes): it trains and its exported
+    record rebuilds the trained weights."""
+    [cmd] = [c for doc in DOCS for c in commands(doc) if kind(c) == "fsdp"]
+    argv = shlex.split(cmd)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([str(torchrun), *argv[1:]], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    errs = [float(x) for x in re.findall(r"\|W0 \+ record - W_T\| = (\S+)", out.stdout)]
+    assert len(errs) == 3 and max(errs) < 1e-5, out.stdout
+    losses = [float(x) for x in re.findall(r"loss (\S+)", out.stdout)]
+    assert losses[-1] < losses[0], out.stdout

@@ -45,7 +45,9 @@ Not supported, refused when the config is checked (:func:`devices_problem`):
 
 * Record-level DP-SGD (``privacy.record``). Opacus clips per example inside one process; across
   ranks it needs its own DP-DDP wrapper.
-* Sharded parameters (FSDP2): not built. Each rank holds the whole model.
+* Sharded parameters (FSDP2): not built here. Each rank holds the whole model. The optimizer
+  steps FSDP2's shards (:mod:`fedgalore.optim.sharded`) in a loop that shards the model itself;
+  this launcher would need the client's model loaded, trained and exported sharded.
 """
 from __future__ import annotations
 
