@@ -109,8 +109,9 @@ moment algebra's only torch copy; the CPU's AVX2 kernel does it per matrix where
 :mod:`fedgalore.optim.update_record` (the exact record ``W_T − W_0``),
 :mod:`fedgalore.optim.moment_exchange` (the upload ``ṽ`` and the warm start from ``v̄``),
 :mod:`fedgalore.optim.low_precision` (how a step reaches bf16 weights),
-:mod:`fedgalore.optim.plain_adamw` (the groups without ``rank``) and
-:mod:`fedgalore.optim.step_diagnostics` (``|U| / |U_cold|``).
+:mod:`fedgalore.optim.plain_adamw` (the groups without ``rank``),
+:mod:`fedgalore.optim.sharded` (FSDP2's sharded parameters: each rank steps its block of a matrix
+with its block of the state) and :mod:`fedgalore.optim.step_diagnostics` (``|U| / |U_cold|``).
 
 Group key ``bucket_gemm`` (``auto`` | ``stacked`` | ``per_matrix``): with ``stacked`` the matrices
 of one weight shape and side are projected by one ``bmm`` and back-projected by one ``bmm`` and two
