@@ -7,7 +7,8 @@ Rows split unevenly (9 over 2 ranks) too. The whole weights, the exported update
 exported second moments equal one process's run on the whole batch to fp32 rounding, for seeded
 refreshes, a data-driven (RSVD) refresh on the gathered gradient, the epoch schedule's switch to
 R_k, the aligned protocol's evidence and cold cap, a warm start from a synchronised state, stacked
-GEMMs and a non-finite gradient on one rank only (both ranks skip that matrix)."""
+GEMMs, a non-finite gradient on one rank only (both ranks skip that matrix) and a resume from each
+rank's own ``state_dict`` (same world size)."""
 from __future__ import annotations
 
 import os
@@ -32,6 +33,8 @@ VARIANTS = {
     "warm-aligned": {"projector": "rsvd_then_random", "update_proj_gap": 1, "seeded_from_step": 1,
                      "bias_correction": "weight", "cap_to_cold": True, "warm": True},
     "stacked-gemm": {"projector": "random", "update_proj_gap": 3, "bucket_gemm": "stacked"},
+    "resume": {"projector": "rsvd_then_random", "update_proj_gap": 1, "seeded_from_step": 3, "bias_correction": "weight",
+               "cap_to_cold": True, "resume": True},
     "default-placement-aligned": {"projector": "rsvd_then_random", "update_proj_gap": 1, "seeded_from_step": 2,
                                   "bias_correction": "weight", "cap_to_cold": True, "warm": True, "placement": "default"},
     "default-placement-stacked": {"projector": "random", "update_proj_gap": 2, "bucket_gemm": "stacked",
@@ -56,7 +59,7 @@ def _data():
 
 
 def _opt(model: nn.Module, variant: dict) -> GaLoreAdamW:
-    keys = {k: v for k, v in variant.items() if k not in ("warm", "nan", "placement")}
+    keys = {k: v for k, v in variant.items() if k not in ("warm", "nan", "placement", "resume")}
     mats = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
     rest = [(n, p) for n, p in model.named_parameters() if p.dim() != 2]
     return GaLoreAdamW([{"params": mats, "rank": 4, "scale": 0.5, **keys}, {"params": rest}],
@@ -91,6 +94,10 @@ def _train(model: nn.Module, variant: dict, rows: slice, rank: int) -> dict:
                 g.view(-1)[-1] = float("nan")
         opt.step()
         opt.zero_grad()
+        if variant.get("resume") and t == 1:  # each rank saves its state and a new optimizer loads it
+            saved = opt.state_dict()
+            opt = _opt(model, variant)
+            opt.load_state_dict(saved)
     whole = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
     w0 = {n: p.detach() for n, p in _model().named_parameters()}
     exported = opt.export_update()
