@@ -540,7 +540,7 @@ class GaLoreAdamW(Optimizer):
                 if self._stacks_gemm(p, group):
                     begun = self._galore_begin(p, group, state)
                     if begun is not None:
-                        key = bucket.bucket_key(state) + (tuple(p.shape), state["side"])
+                        key = bucket.bucket_key(state) + (tuple(p.shape), state["side"], sharded.shard_dim(p, self._names[p]))
                         gemm.setdefault(key, []).append((p, state) + begun)
                     continue
                 prep = self._galore_prepare(p, group, state)
@@ -655,7 +655,8 @@ class GaLoreAdamW(Optimizer):
         if r is None or len(items) == 1:
             r = bucket.stack_or_one([x.r for x in items])
         bad = not math.isfinite(float(r.sum())) and not bool(torch.isfinite(r).all())
-        if sharded.any_rank(bad, items[0].p):  # (a sharded bucket: every rank checks its matrices alike)
+        ref = next((x.p for x in items if sharded.is_sharded(x.p)), items[0].p)
+        if sharded.any_rank(bad, ref):  # (a sharded bucket: every rank checks its matrices alike)
             items = [x for x in items if not self._nonfinite(x.p, group, x.state, x.r)]  # raises, or skips
             if not items:
                 return [], None
