@@ -11,8 +11,6 @@ GEMMs, a non-finite gradient on one rank only (both ranks skip that matrix) and 
 rank's own ``state_dict`` (same world size)."""
 from __future__ import annotations
 
-import os
-import socket
 import sys
 
 import pytest
@@ -108,7 +106,7 @@ def _train(model: nn.Module, variant: dict, rows: slice, rank: int) -> dict:
     return {"weights": whole, "updates": updates, "decays": decays, "moments": moments, "skipped": skipped}
 
 
-def _worker(rank: int, port: int, variant_name: str, out: str) -> None:
+def _worker(rank: int, store: str, variant_name: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -116,8 +114,8 @@ def _worker(rank: int, port: int, variant_name: str, out: str) -> None:
     from fedgalore.optim.sharded import galore_placement
 
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # a file rendezvous: no port to race for with the other test workers
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
         model = _model()
         mesh = init_device_mesh("cpu", (WORLD,))
@@ -134,17 +132,11 @@ def _worker(rank: int, port: int, variant_name: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sharded_run(variant: str, tmp_path) -> dict:
     import torch.multiprocessing as mp
 
     out = str(tmp_path / f"{variant}.pt")
-    mp.spawn(_worker, args=(_port(), variant, out), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(str(tmp_path / "rendezvous"), variant, out), nprocs=WORLD, join=True)
     return torch.load(out)
 
 
