@@ -85,11 +85,11 @@ def _train(model: nn.Module, variant: dict, rows: slice, rank: int) -> dict:
     xs, ys = _data()
     for t, (x, y) in enumerate(zip(xs, ys)):
         nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
-        if variant.get("nan") and t == 1:
-            w = model[2].weight
-            g = w.grad.to_local() if hasattr(w.grad, "to_local") else w.grad
-            if rank == 1 or not hasattr(w.grad, "to_local"):  # the sharded run: one rank's shard only
-                g.view(-1)[-1] = float("nan")
+        if variant.get("nan") and t == 1:  # a weight matrix and a bias (plain AdamW)
+            for w in (model[2].weight, model[4].bias):
+                g = w.grad.to_local() if hasattr(w.grad, "to_local") else w.grad
+                if rank == 1 or not hasattr(w.grad, "to_local"):  # the sharded run: one rank's shard only
+                    g.view(-1)[-1] = float("nan")
         opt.step()
         opt.zero_grad()
         if variant.get("resume") and t == 1:  # each rank saves its state and a new optimizer loads it
@@ -161,4 +161,4 @@ def test_sharded_step_equals_one_process(variant, tmp_path):
         assert torch.allclose(got["moments"][n], ref["moments"][n], rtol=1e-4, atol=1e-9), n
     assert got["skipped"] == ref["skipped"]
     if VARIANTS[variant].get("nan"):
-        assert got["skipped"]["2.weight"] == 1 and sum(got["skipped"].values()) == 1
+        assert got["skipped"]["2.weight"] == 1 and got["skipped"]["4.bias"] == 1 and sum(got["skipped"].values()) == 2

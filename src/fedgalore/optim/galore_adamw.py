@@ -194,6 +194,13 @@ def rebuild_delta(update: GaLoreUpdate, w0: Optional[torch.Tensor] = None) -> to
     return update.materialize(None if w0 is None else w0.detach().cpu())
 
 
+def _has_nonfinite(x: torch.Tensor) -> bool:
+    """Whether ``x`` has a NaN/Inf entry. A finite sum proves every entry finite (NaN/Inf propagate
+    through a sum); only a non-finite sum (possibly an fp32 overflow of finite entries) triggers
+    the full check."""
+    return not (math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all()))
+
+
 def _copy_state(value: Any, device: torch.device) -> Any:
     """Deep copy of loaded state keeping tensor dtypes (torch would cast to the param dtype)."""
     if isinstance(value, torch.Tensor):
@@ -457,11 +464,14 @@ class GaLoreAdamW(Optimizer):
                 self._galore_group_step(gi, group)
                 continue
             batch: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]] = []  # plain parameters for one fused kernel
+            params = list(self._with_grads(group))
+            # one vote per parameter, one all-reduce for the group's shards (a local check elsewhere)
+            votes = sharded.any_rank_each([_has_nonfinite(sharded.local(p.grad)) for p in params], params)
             try:
-                for p in self._with_grads(group):
+                for p, bad in zip(params, votes):
                     state = self._init_state(p, group)
                     w, g = sharded.local(p), sharded.local(p.grad)  # a shard steps alone (elementwise)
-                    if self._nonfinite(p, group, state, g):
+                    if bad and self._nonfinite_policy(p, group, state):
                         continue
                     if plain_adamw.fusable(w, g, group):
                         batch.append((w, g, state))
@@ -487,9 +497,12 @@ class GaLoreAdamW(Optimizer):
         Fast path: a finite sum proves every entry finite (NaN/Inf propagate through a sum); only
         a non-finite sum (possibly an fp32 overflow of finite entries) triggers the full check.
         """
-        bad = not (math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all()))
-        if not sharded.any_rank(bad, p):  # a sharded matrix: every rank decides as one
+        if not sharded.any_rank(_has_nonfinite(x), p):  # a sharded matrix: every rank decides as one
             return False
+        return self._nonfinite_policy(p, group, state)
+
+    def _nonfinite_policy(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> bool:
+        """A non-finite gradient of ``p``: ``raise`` names it; ``skip`` counts it and returns True."""
         if group["nonfinite"] == "raise":
             raise FloatingPointError(f"non-finite gradient for parameter {self._names[p]!r} at step {state['step']}")
         state["skipped"] += 1

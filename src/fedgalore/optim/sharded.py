@@ -49,7 +49,7 @@ try:  # torch >= 2.4
 except ImportError:  # pragma: no cover - older torch: nothing is ever sharded
     DTensor, Replicate, Shard = None, None, None  # type: ignore[assignment,misc]
 
-__all__ = ["is_sharded", "local", "galore_placement", "shard_dim", "along_basis", "all_reduce_sum", "any_rank", "gather",
+__all__ = ["is_sharded", "local", "galore_placement", "shard_dim", "along_basis", "all_reduce_sum", "any_rank", "any_rank_each", "gather",
            "keep_local", "broadcast_basis", "SHARDED_STATE"]
 
 #: the GaLore state tensors that are sharded like their matrix and that the exports read, gathered
@@ -127,6 +127,18 @@ def any_rank(flag: bool, p: torch.Tensor) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=local(p).device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group(p))
     return bool(t.item() > 0)
+
+
+def any_rank_each(flags: list[bool], params: list[torch.Tensor]) -> list[bool]:
+    """:func:`any_rank` for many parameters in one all-reduce (over the mesh of the first sharded
+    one; every sharded parameter of an optimizer group lives on one mesh under FSDP2); the flags
+    themselves when none is sharded."""
+    ref = next((p for p in params if is_sharded(p)), None)
+    if ref is None or not flags:
+        return list(flags)
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=local(ref).device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_group(ref))
+    return [bool(v > 0) for v in t.tolist()]
 
 
 def gather(x: torch.Tensor, p: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
