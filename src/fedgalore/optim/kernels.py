@@ -22,18 +22,10 @@ import fedgalore.optim.cpu_kernels as cpu_kernels
 from fedgalore.optim.projector import project
 from fedgalore.protocol.bases import SIDES
 
-__all__ = ["ONEDNN_MIN_NUMEL", "BLOCK_BYTES", "mul", "project_step", "decay_back_project", "propagates_nonfinite",
+__all__ = ["ONEDNN_MIN_NUMEL", "BLOCK_BYTES", "project_step", "decay_back_project", "propagates_nonfinite",
            "onednn_linear", "onednn_project", "matmul_propagates", "bmm_propagates", "project_stacked",
            "decay_back_project_stacked", "stack_chunks", "STACK_BYTES"]
 
-
-def mul(side: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Apply a change of basis ``C`` to projected coordinates: ``X C`` (right) / ``C X`` (left)."""
-    return (lambda x, c: x @ c) if side == "right" else (lambda x, c: c @ x)
-
-
-# A normal (non-refresh) GaLore step streams G once (the projection) and W once (read + write:
-# decay and back-projection); everything else is m x r (benchmarks/RESULTS.md §1 counts it).
 
 #: Projections of at least this many entries go through oneDNN on CPU (when it passes the probe):
 #: from 512 x 512 up it was faster than MKL at rank 8 (up to 2.1x at 4096 x 4096); below, MKL was

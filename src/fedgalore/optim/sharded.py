@@ -116,7 +116,12 @@ def all_reduce_sum(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def _group(p: torch.Tensor) -> Any:
-    return p.device_mesh.get_group()
+    """The process group of the mesh dimension that shards ``p`` (HSDP: not the replicas')."""
+    mesh = p.device_mesh
+    for i, pl in enumerate(p.placements):
+        if isinstance(pl, Shard):
+            return mesh.get_group(i) if mesh.ndim > 1 else mesh.get_group()
+    return mesh.get_group(0) if mesh.ndim > 1 else mesh.get_group()
 
 
 def any_rank(flag: bool, p: torch.Tensor) -> bool:
