@@ -27,7 +27,6 @@ is written, so no variant inherits a cache filled (or emptied) by the one before
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -37,6 +36,7 @@ import time
 from pathlib import Path
 
 import torch
+from optimizer_step import _load_baseline  # (benchmarks/ is this script's folder)
 
 ROOT = Path(__file__).resolve().parents[1]
 #: written before every timed step: each variant's step starts with caches holding other data (as in
@@ -49,18 +49,15 @@ WORKLOADS = {
 
 
 def _load_before(rev: str, path: str | None):
-    """The older galore_adamw module (a separate module object beside the package's)."""
+    """``GaLoreAdamW`` of the older galore_adamw.py (``path``, else the file at git ``rev``), a
+    separate module beside the package's (optimizer_step.py's loader)."""
     if path is None:
         src = subprocess.run(["git", "show", f"{rev}:src/fedgalore/optim/galore_adamw.py"], cwd=ROOT, check=True,
                              capture_output=True, text=True).stdout
         fd, path = tempfile.mkstemp(suffix="_galore_adamw_before.py")
         os.write(fd, src.encode())
         os.close(fd)
-    spec = importlib.util.spec_from_file_location("galore_adamw_before", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return _load_baseline(path)
 
 
 def _opt(cls, params, together: bool, group: dict | None = None, **kw):
@@ -72,7 +69,7 @@ def _opt(cls, params, together: bool, group: dict | None = None, **kw):
     return opt
 
 
-def measure(shapes, reps: int, before_mod, gpu_forms: bool = True) -> dict:
+def measure(shapes, reps: int, before_cls, gpu_forms: bool = True) -> dict:
     from fedgalore.optim import GaLoreAdamW
 
     g = torch.Generator().manual_seed(0)
@@ -80,7 +77,7 @@ def measure(shapes, reps: int, before_mod, gpu_forms: bool = True) -> dict:
     grads = [torch.randn(*s, generator=g) for s in shapes]
     variants = {}
     cases = [("bucketed", GaLoreAdamW, True, {}), ("singletons", GaLoreAdamW, False, {}),
-             ("before", before_mod.GaLoreAdamW, True, {})]
+             ("before", before_cls, True, {})]
     if gpu_forms:
         stacked = {"group": {"bucket_gemm": "stacked"}}
         cases += [("stacked_gemm", GaLoreAdamW, True, stacked),

@@ -32,14 +32,13 @@ check that the benchmark itself works before a GPU is lent.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
 import sys
 import time
-import types
 
 import torch
+from optimizer_step import _import_official  # galore_torch's AdamW, bitsandbytes stubbed (benchmarks/ is this script's folder)
 
 WORKLOADS = {
     "roberta_base_like_r8": ([(768, 768)] * 3 + [(3072, 768), (768, 3072)]) * 12,
@@ -72,23 +71,6 @@ class _Timer:
         return (time.perf_counter() - t0) * 1e3
 
 
-def _official():
-    """galore_torch's GaLoreAdamW (its __init__ imports bitsandbytes for the 8-bit variant: stubbed if absent)."""
-    try:
-        return importlib.import_module("galore_torch.adamw").AdamW
-    except ModuleNotFoundError:
-        pass
-    except Exception:
-        return None
-    for mod in ("bitsandbytes", "bitsandbytes.optim", "bitsandbytes.optim.optimizer"):
-        sys.modules.setdefault(mod, types.ModuleType(mod))
-    sys.modules["bitsandbytes.optim.optimizer"].Optimizer2State = object  # type: ignore[attr-defined]
-    try:
-        return importlib.import_module("galore_torch.adamw").AdamW
-    except Exception:
-        return None
-
-
 def run(name: str, reps: int, device: str, tiny: bool) -> dict:
     from fedgalore.optim import GaLoreAdamW
 
@@ -114,7 +96,7 @@ def run(name: str, reps: int, device: str, tiny: bool) -> dict:
     for label, gemm, compiled in (("galore_per_matrix", "per_matrix", False), ("galore_stacked", "stacked", False),
                                   ("galore_auto", "auto", False), ("galore_stacked_compiled", "stacked", True)):
         opts[label] = galore(params(), 10**9, gemm, compiled)
-    official = _official()
+    official = _import_official()
     if official is not None:
         ps = params()
         opts["galore_torch"] = official([{"params": ps, "rank": rank, "update_proj_gap": 10**9, "scale": 0.25,

@@ -127,9 +127,8 @@ def compiled_moments(backend: Any):
     learning rate or a new bias correction reuses the compiled code; ``β₁, β₂`` and ``compat`` are
     constants of a group (a change recompiles). On a GPU the elementwise chain (about ten kernels)
     becomes one fused kernel per bucket; the refresh and the GEMMs stay outside."""
-    key = "inductor" if backend is True else backend
-    fn = _COMPILED.get(key if isinstance(key, str) else id(key))
-    if fn is None:
-        fn = torch.compile(adam_moments, backend=key)
-        _COMPILED[key if isinstance(key, str) else id(key)] = fn
-    return fn
+    backend = "inductor" if backend is True else backend
+    key = backend if isinstance(backend, str) else id(backend)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(adam_moments, backend=backend)
+    return _COMPILED[key]

@@ -150,7 +150,7 @@ def transfer(state: dict[str, Any], group: dict[str, Any], side: str, c: torch.T
     ``bias_correction="weight"``; the shadow cold moment is corrected by steps and moves like
     an uncorrected ``V``."""
     mt = group["moment_transfer"]
-    state["exp_avg"] = (state["exp_avg"] @ c if side == "right" else c @ state["exp_avg"])
+    state["exp_avg"] = sm.apply_change(state["exp_avg"], c, side)
     if "v_weight" in state:
         state["exp_avg_sq"], state["v_weight"] = sm.move(state["exp_avg_sq"], state["v_weight"], c, side, mt)
     else:

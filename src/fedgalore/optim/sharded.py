@@ -146,20 +146,25 @@ def any_rank_each(flags: list[bool], params: list[torch.Tensor]) -> list[bool]:
     return [bool(v > 0) for v in t.tolist()]
 
 
+def _blocks(p: torch.Tensor, dim: int, n: int) -> list[int]:
+    """The sizes of ``p``'s ``n`` blocks along ``dim`` (``torch.chunk``'s, as DTensor's ``Shard``;
+    trailing ranks may hold 0)."""
+    sizes = [len(c) for c in torch.arange(int(p.shape[dim])).chunk(n)]
+    return sizes + [0] * (n - len(sizes))
+
+
 def gather(x: torch.Tensor, p: torch.Tensor, dim: Optional[int]) -> torch.Tensor:
     """The whole tensor of which ``x`` is this rank's block along ``dim`` (the blocks of ``p``'s
     sharding: ``torch.chunk`` sizes of ``p``'s dimension ``dim``); ``x`` itself when ``dim`` is None."""
     if dim is None:
         return x
     group = _group(p)
-    n = dist.get_world_size(group)
-    sizes = [len(c) for c in torch.arange(int(p.shape[dim])).chunk(n)] + [0] * n
-    sizes = sizes[:n]
+    sizes = _blocks(p, dim, dist.get_world_size(group))
     width = max(sizes)
     pad = [0, 0] * x.dim()
     pad[2 * (x.dim() - 1 - dim) + 1] = width - x.shape[dim]
     padded = torch.nn.functional.pad(x.contiguous(), pad).contiguous()
-    parts = [torch.empty_like(padded) for _ in range(n)]
+    parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded, group=group)
     return torch.cat([part.narrow(dim, 0, s) for part, s in zip(parts, sizes)], dim=dim)
 
@@ -169,8 +174,8 @@ def keep_local(x: torch.Tensor, p: torch.Tensor, dim: Optional[int]) -> torch.Te
     if dim is None:
         return x
     group = _group(p)
-    n, rank = dist.get_world_size(group), dist.get_rank(group)
-    sizes = [len(c) for c in torch.arange(int(p.shape[dim])).chunk(n)] + [0] * n
+    rank = dist.get_rank(group)
+    sizes = _blocks(p, dim, dist.get_world_size(group))
     start = sum(sizes[:rank])
     return x.narrow(dim, start, sizes[rank]).contiguous()
 
