@@ -37,6 +37,7 @@ from fedgalore.federated.server_opt import ServerOptimizerConfig
 from fedgalore.methods.base import MethodOptions, available_methods, method_class, parse_options, split_options
 from fedgalore.privacy.config import PrivacyConfig, RecordPrivacy
 from fedgalore.federated.data_parallel import devices_problem
+from fedgalore.federated.sharded_site import shard_problem
 from fedgalore.protocol.state import TrainConfig
 from fedgalore.typed import ConfigError, from_plain, to_plain
 
@@ -243,6 +244,8 @@ class FederatedConfig:
         f.server_optimizer.check()
         self.privacy.check()
         why = devices_problem(t.devices_per_client, self.privacy.record is not None, self.device)
+        _check(why is None, why or "")
+        why = shard_problem(t.shard_params, t.devices_per_client, bool(t.scaffold))
         _check(why is None, why or "")
         if self.method.name in available_methods():  # a method registered later (a Ray plugin) is checked when built
             opts = self.method.typed_options()

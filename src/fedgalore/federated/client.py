@@ -149,32 +149,41 @@ def local_train(
     losses: list[float] = []
     micro = 0
     batches = iter(ctx.batches())
-    site = None  # a site with several devices: ranks 1..N-1 (module doc of fedgalore.federated.data_parallel)
+    site = copy = None  # a site with several devices: ranks 1..N-1 (module doc of fedgalore.federated.data_parallel)
     n_dev = int(getattr(tc, "devices_per_client", 1) or 1)
     if n_dev > 1:
         if private is not None:
             raise ClientError(f"client {ctx.client}: train.devices_per_client={n_dev} cannot run record-level DP-SGD")
         from fedgalore.federated.data_parallel import site_workers
 
-        site = site_workers(n_dev, ctx.device)
-        site.begin(model, optimizer, ctx.loss_fn, params, scaffold, mu, tc.grad_clip,
-                   seed=(int(ctx.round_seed) * 1009 + int(ctx.client)) % (1 << 62))
+        shard = bool(getattr(tc, "shard_params", False))
+        if shard and scaffold is not None:
+            raise ClientError(f"client {ctx.client}: train.shard_params=true cannot run SCAFFOLD")
+        site = site_workers(n_dev, ctx.device, sharded=shard)
+        copy = site.begin(model, optimizer, ctx.loss_fn, params, scaffold, mu, tc.grad_clip,
+                          seed=(int(ctx.round_seed) * 1009 + int(ctx.client)) % (1 << 62))
+        if copy is not None:  # sharded (fedgalore.federated.sharded_site): rank 0 trains its shard of a copy
+            run_model, run_opt, run_params = copy.model, copy.optimizer, copy.params
+            anchor = [p.detach().clone() for p in run_params] if mu > 0.0 else None
+    if site is None or copy is None:
+        run_model, run_opt, run_params = model, optimizer, params
     try:
         for t in itertools.count():
             group = list(itertools.islice(batches, k))
             if not group:
                 break
             factor = lr_factor(offset + t, total, tc.warmup_ratio, tc.schedule)
-            _set_lr(optimizer, factor)
+            _set_lr(run_opt, factor)
             if site is not None:
-                values, per, n_total = site.step(ctx.loss_fn, group, model, params, factor, lambda b: loss_items(ctx.loss_fn, b))
+                values, per, n_total = site.step(ctx.loss_fn, group, run_model, run_params, factor,
+                                                 lambda b: loss_items(ctx.loss_fn, b))
                 step_loss = 0.0
                 for value, n in zip(values, per):
                     if n == 0:
                         micro += 1
                         continue
                     if not math.isfinite(value):
-                        optimizer.zero_grad(set_to_none=True)
+                        run_opt.zero_grad(set_to_none=True)
                         raise ClientError(f"client {ctx.client}: non-finite loss {value} at local step {t} (micro-batch {micro})")
                     step_loss += n / n_total * value
                     if ctx.on_step is not None:
@@ -182,10 +191,12 @@ def local_train(
                     micro += 1
                 if n_total == 0:
                     continue
-                end_of_step(optimizer, params, anchor, mu, tc.grad_clip, scaffold)
+                end_of_step(run_opt, run_params, anchor, mu, tc.grad_clip, scaffold)
                 losses.append(step_loss)
                 continue
             micro = _one_process_step(model, optimizer, ctx, group, t, k, micro, losses, params, anchor, mu, scaffold, private)
+        if site is not None:
+            site.finish(model, optimizer)  # sharded: the gathered copy into the client's model and optimizer
     finally:
         if site is not None:
             site.end()

@@ -45,9 +45,13 @@ Not supported, refused when the config is checked (:func:`devices_problem`):
 
 * Record-level DP-SGD (``privacy.record``). Opacus clips per example inside one process; across
   ranks it needs its own DP-DDP wrapper.
-* Sharded parameters (FSDP2): not built here. Each rank holds the whole model. The optimizer
-  steps FSDP2's shards (:mod:`fedgalore.optim.sharded`) in a loop that shards the model itself;
-  this launcher would need the client's model loaded, trained and exported sharded.
+With ``train.shard_params: true`` the ranks do not hold replicas: each trains its shard of a copy
+of the client's model (FSDP2), GaLore's state sharded with it, and rank 0 writes the gathered
+result into the client's model and optimizer at the round's end
+(:mod:`fedgalore.federated.sharded_site`, which also says where the whole model lives). Then the
+site needs this process's default ``torch.distributed`` group (FSDP2's device mesh is built on
+it; one sharded site per process), and a rank that fails ends the site: its collectives cannot be
+met half-way, so rank 0 stops every helper and raises, and the next client-round starts new ones.
 """
 from __future__ import annotations
 
@@ -125,6 +129,34 @@ def _group(backend: str, store: Any, rank: int, n: int, timeout: timedelta) -> A
     return dist.ProcessGroupGloo(store, rank, n, timeout)
 
 
+_DEFAULT_TAKEN = ("train.shard_params=true needs this process's default torch.distributed group for the site's device "
+                  "mesh, but one is set up already (this process runs under torchrun or init_process_group); set "
+                  "train.shard_params: false, or shard in your own loop (fedgalore.optim.sharded)")
+
+
+def _mesh(backend: str, store: Any, rank: int, n: int, timeout: timedelta, device: torch.device) -> Any:
+    """A sharded site's device mesh: this process's default group over the site's ranks (FSDP2 builds
+    its mesh on a registered group), set up on the site's store."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if dist.is_initialized():
+        raise RuntimeError(_DEFAULT_TAKEN)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, store=dist.PrefixStore("fedgalore-site-mesh/", store), rank=rank, world_size=n,
+                            timeout=timeout)
+    return DeviceMesh.from_group(dist.group.WORLD, device.type)
+
+
+def _reduce_stats(pg: Any, stats: list[float], device: torch.device) -> list[float]:
+    """``stats`` summed over the site's ranks (fp64)."""
+    t = torch.tensor(stats, dtype=torch.float64)
+    if device.type == "cuda":
+        t = t.to(device)
+    pg.allreduce([t]).wait()
+    return [float(x) for x in t.cpu()]
+
+
 def _backward_shards(model: nn.Module, loss_fn: Callable[..., torch.Tensor], shards: Sequence[dict[str, torch.Tensor]],
                      counts: Sequence[int], n_total: int, device: torch.device) -> list[float]:
     """This rank's part of a step: ``(n_ji / n) L_ji`` backpropagated for each of its shards; returns
@@ -184,10 +216,13 @@ class SiteWorkers:
     """Ranks 1..N−1 of a site with N devices, and the process group rank 0 (this process) shares with
     them (module doc). Built by :func:`site_workers`; one per (N, device) in a process."""
 
-    def __init__(self, n: int, device: torch.device, timeout_s: float = TIMEOUT_S) -> None:
+    def __init__(self, n: int, device: torch.device, timeout_s: float = TIMEOUT_S, sharded: bool = False) -> None:
         if n < 2:
             raise ValueError(f"SiteWorkers needs at least 2 ranks, got {n}")
+        if sharded and dist.is_initialized():  # checked before any helper starts
+            raise RuntimeError(_DEFAULT_TAKEN)
         self.n = n
+        self.sharded = sharded
         self.devices = rank_devices(n, device)
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(seconds=timeout_s)
@@ -198,29 +233,87 @@ class SiteWorkers:
         self._procs = [
             ctx.Process(target=_helper_main, name=f"fedgalore-site-rank{i}", daemon=True,
                         args=(i, n, self._store.port, self.backend, str(self.devices[i]), torch.get_num_threads(), q,
-                              self._errors, timeout_s))
+                              self._errors, timeout_s, sharded))
             for i, q in enumerate(self._queues, start=1)
         ]
         for p in self._procs:
             p.start()
         self._pg = _group(self.backend, self._store, 0, n, timeout)
+        self._mesh = _mesh(self.backend, self._store, 0, n, timeout, self.devices[0]) if sharded else None
+        #: the default group this site set up (released once, by whoever stops the site first)
+        self._owned = [dist.group.WORLD] if sharded else []
         self._loss_owner: Any = None
+        self._copy: Any = None  # sharded: rank 0's ShardedCopy of this client-round
+        #: sharded on a GPU: the client's model, waiting on the host, and the device it goes back to
+        self._away: Optional[tuple[nn.Module, torch.device]] = None
         self.broken = False
-        weakref.finalize(self, _shutdown, self._queues, self._procs)
+        weakref.finalize(self, _shutdown, self._queues, self._procs, self._owned)
 
     def alive(self) -> bool:
         return not self.broken and all(p.is_alive() for p in self._procs)
 
     def begin(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable[..., Any],
-              params: Sequence[torch.Tensor], scaffold: Any, prox_mu: float, grad_clip: Optional[float], seed: int) -> None:
-        """Send this client-round's job: the helpers build their replicas from it."""
+              params: Sequence[torch.Tensor], scaffold: Any, prox_mu: float, grad_clip: Optional[float], seed: int) -> Any:
+        """Send this client-round's job: the helpers build their replicas from it. Sharded: every rank
+        builds its shard of a copy, and rank 0's is returned (a
+        :class:`fedgalore.federated.sharded_site.ShardedCopy`, which rank 0 then trains instead of
+        ``model``); else ``None``."""
         owner = getattr(loss_fn, "__self__", loss_fn)
         if owner is not self._loss_owner:  # a task holds its data: sent once, not every round
             self._broadcast(("loss", _dumps(loss_fn)))
             self._loss_owner = owner
         job = {"model": model, "optimizer": optimizer, "params": list(params), "scaffold": scaffold,
                "prox_mu": float(prox_mu), "grad_clip": grad_clip, "seed": int(seed)}
-        self._broadcast(("job", _dumps(job)))
+        if not self.sharded:
+            self._broadcast(("job", _dumps(job)))
+            return None
+        from fedgalore.federated.sharded_site import shard_job
+
+        named = {id(p): n for n, p in model.named_parameters()}
+        missing = [i for i, p in enumerate(params) if id(p) not in named]
+        if missing:
+            raise ValueError(f"train.shard_params=true: trainable tensors {missing} are not parameters of the client's "
+                             "model; a sharded site trains the model's own parameters")
+        job["names"] = [named[id(p)] for p in params]
+        data = _dumps(job)
+        self._broadcast(("job", data))
+        home = next((p.device for p in model.parameters()), torch.device("cpu"))
+        if home.type == "cuda":  # the whole model waits on the host while the shards train (sharded_site's doc)
+            self._away = (model, home)
+            model.to("cpu")
+        try:
+            mine = _loads(data, torch.device("cpu"))
+            self._copy = shard_job(mine["model"], mine["optimizer"], mine["params"], mine["names"], self._mesh)
+        except BaseException:
+            self._fail()
+            self._come_back()
+            raise
+        return self._copy
+
+    def _come_back(self) -> None:
+        """The client's model back on its device (sharded on a GPU)."""
+        if self._away is not None:
+            model, home = self._away
+            self._away = None
+            model.to(home)
+
+    def finish(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Sharded: the round trained; gather the copy into the client's ``model`` and ``optimizer``
+        (every rank takes part). Data parallel: nothing to do (rank 0 trained ``model`` itself)."""
+        if not self.sharded or self._copy is None:
+            return
+        from fedgalore.federated.sharded_site import gather_back
+
+        self._broadcast(("gather",))
+        self._come_back()
+        try:
+            gather_back(self._copy, model, optimizer)
+        except BaseException as exc:
+            self._fail()
+            raise RuntimeError(f"train.devices_per_client={self.n}: gathering the sharded model failed ({exc})"
+                               f"{self._helper_errors()}") from exc
+        finally:
+            self._copy = None
 
     def step(self, loss_fn: Callable[..., Any], micro_batches: Sequence[dict[str, torch.Tensor]], model: nn.Module,
              params: Sequence[torch.Tensor], factor: float, counter: Callable[[dict[str, torch.Tensor]], int]
@@ -231,6 +324,8 @@ class SiteWorkers:
         shards = [shard_batch(b, self.n) if b else [{} for _ in range(self.n)] for b in micro_batches]
         counts = [[counter(s[i]) if s[i] else 0 for i in range(self.n)] for s in shards]
         n_total = sum(sum(c) for c in counts)
+        if self.sharded:
+            return self._sharded_step(loss_fn, micro_batches, shards, counts, n_total, factor, counter)
         sizes = [p.numel() for p in params]
         for i, q in enumerate(self._queues, start=1):
             q.put(("step", float(factor), [s[i] for s in shards], [c[i] for c in counts], n_total, sizes))
@@ -257,8 +352,44 @@ class SiteWorkers:
         values = [(s / m if math.isfinite(s) else float("nan")) if m else 0.0 for s, m in zip(stats[1:], per)]
         return values, per, n_total
 
+    def _sharded_step(self, loss_fn: Callable[..., Any], micro_batches: Sequence[dict[str, torch.Tensor]],
+                      shards: list, counts: list, n_total: int, factor: float,
+                      counter: Callable[[dict[str, torch.Tensor]], int]) -> tuple[list[float], list[int], int]:
+        """:meth:`step` on the shards of a copy (:mod:`fedgalore.federated.sharded_site`): FSDP2 sums
+        the gradients into each rank's blocks; one all-reduce of the losses and a failure flag."""
+        from fedgalore.federated.sharded_site import backward_shards, fillers
+
+        per = [sum(c) for c in counts]
+        fill = fillers(micro_batches, counts, counter)
+        for i, q in enumerate(self._queues, start=1):
+            q.put(("step", float(factor), [s[i] for s in shards], [c[i] for c in counts], n_total, per, fill))
+        try:
+            own = backward_shards(self._copy.model, loss_fn, [s[0] for s in shards], [c[0] for c in counts], per,
+                                  max(n_total, 1), self.n, fill, self.devices[0]) if n_total else [0.0] * len(shards)
+            stats = _reduce_stats(self._pg, [0.0] + own, self.devices[0])
+        except BaseException as exc:  # a rank failed inside FSDP's collectives: nothing to meet half-way
+            errors = self._helper_errors(wait=0.2)
+            self._fail()
+            if errors:
+                raise RuntimeError(f"train.devices_per_client={self.n}: a helper rank failed{errors}") from exc
+            raise
+        if stats[0] > 0:
+            errors = self._helper_errors()
+            self._fail()
+            raise RuntimeError(f"train.devices_per_client={self.n}: a helper rank failed{errors}")
+        values = [(s / m if math.isfinite(s) else float("nan")) if m else 0.0 for s, m in zip(stats[1:], per)]
+        return values, per, n_total
+
+    def _fail(self) -> None:
+        """A sharded site after a failure: stop the helpers and release the default group."""
+        self.broken = True
+        self._copy = None
+        _shutdown(self._queues, self._procs, self._owned, hard=True)
+
     def end(self) -> None:
         """The client-round is over: the helpers drop their replicas."""
+        self._copy = None
+        self._come_back()  # a round that failed before gathering: the model as it was, on its device
         if not self.broken:
             self._broadcast(("end",))
 
@@ -266,11 +397,11 @@ class SiteWorkers:
         for q in self._queues:
             q.put(msg)
 
-    def _helper_errors(self) -> str:
+    def _helper_errors(self, wait: float = 1.0) -> str:
         texts = []
         while True:
             try:
-                texts.append(self._errors.get(timeout=1.0))
+                texts.append(self._errors.get(timeout=wait))
             except Exception:
                 break
         dead = [p.name for p in self._procs if not p.is_alive()]
@@ -280,15 +411,20 @@ class SiteWorkers:
         return out + (f"\n(helper processes no longer running: {', '.join(dead)})" if dead else "")
 
 
-def site_workers(n: int, device: torch.device) -> SiteWorkers:
+def site_workers(n: int, device: torch.device, sharded: bool = False) -> SiteWorkers:
     """The helpers of a site with ``n`` devices in this process, started on first use and kept
-    (started again if one died or a collective failed)."""
-    key = (n, device.type, device.index)
+    (started again if one died or a collective failed). One sharded site per process (it holds the
+    default group): another sharded one stops it first."""
+    key = (n, device.type, device.index, bool(sharded))
     w = _SITES.get(key)
     if w is None or not w.alive():
         if w is not None:
-            _shutdown(w._queues, w._procs)
-        w = _SITES[key] = SiteWorkers(n, device)
+            _shutdown(w._queues, w._procs, w._owned, hard=w.broken)
+        if sharded:
+            for k in [k for k, v in _SITES.items() if v.sharded and k != key]:
+                other = _SITES.pop(k)
+                _shutdown(other._queues, other._procs, other._owned)
+        w = _SITES[key] = SiteWorkers(n, device, sharded=sharded)
     return w
 
 
@@ -305,16 +441,28 @@ def _loads(data: bytes, device: torch.device) -> Any:
     return torch.load(io.BytesIO(data), map_location=where if device.type == "cuda" else "cpu", weights_only=False)
 
 
-def _shutdown(queues: Sequence[Any], procs: Sequence[Any]) -> None:
-    for q in queues:
-        try:
-            q.put(("stop",))
-        except Exception:
-            pass
+def _shutdown(queues: Sequence[Any], procs: Sequence[Any], owned: Optional[list] = None, hard: bool = False) -> None:
+    """Stop the helpers (``hard``: at once, they may wait in a collective) and release the default
+    group a sharded site set up (``owned``: ``[group]``, emptied; a later site's group is not touched)."""
+    if not hard:
+        for q in queues:
+            try:
+                q.put(("stop",))
+            except Exception:
+                pass
     for p in procs:
+        if hard and p.is_alive():
+            p.terminate()
         p.join(timeout=5)
         if p.is_alive():
             p.terminate()
+    if owned:
+        group = owned.pop()
+        if dist.is_initialized() and dist.group.WORLD is group:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
 
 
 def _report(errors: Any, rank: int) -> None:
@@ -325,7 +473,7 @@ def _report(errors: Any, rank: int) -> None:
 
 
 def _helper_main(rank: int, n: int, port: int, backend: str, device: str, threads: int, inbox: Any, errors: Any,
-                 timeout_s: float) -> None:
+                 timeout_s: float, sharded: bool = False) -> None:
     """Rank ``rank``'s loop: build a replica per job, run its shards each step, stop on ``stop``."""
     from fedgalore.federated.step_end import _set_lr, end_of_step  # the same rules as rank 0
 
@@ -336,6 +484,9 @@ def _helper_main(rank: int, n: int, port: int, backend: str, device: str, thread
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore("127.0.0.1", port, n, False, timeout)
     pg = _group(backend, store, rank, n, timeout)
+    if sharded:
+        _sharded_helper(rank, n, pg, _mesh(backend, store, rank, n, timeout, dev), dev, inbox, errors)
+        return
     loss_fn: Any = None
     job: Optional[dict[str, Any]] = None
     failed = False
@@ -390,3 +541,51 @@ def _helper_main(rank: int, n: int, port: int, backend: str, device: str, thread
         except Exception:
             _report(errors, rank)
             failed = True
+
+
+def _sharded_helper(rank: int, n: int, pg: Any, mesh: Any, dev: torch.device, inbox: Any, errors: Any) -> None:
+    """Rank ``rank``'s loop on a sharded site: its shard of a copy per job (sharded_site). Any failure
+    ends the process: the other ranks wait in collectives it would not join, and rank 0 sees the
+    closed connection, raises and starts new helpers."""
+    import os
+
+    from fedgalore.federated.sharded_site import backward_shards, gather_back, shard_job
+    from fedgalore.federated.step_end import _set_lr, end_of_step
+
+    loss_fn: Any = None
+    copy: Any = None
+    job: dict[str, Any] = {}
+    while True:
+        msg = inbox.get()
+        kind = msg[0]
+        if kind == "stop":
+            return
+        try:
+            if kind == "loss":
+                loss_fn = _loads(msg[1], dev)
+            elif kind == "job":
+                job = _loads(msg[1], torch.device("cpu"))  # sharding moves each rank's blocks to its device
+                copy = shard_job(job["model"], job["optimizer"], job["params"], job["names"], mesh)
+                job["anchor"] = [p.detach().clone() for p in copy.params] if job["prox_mu"] > 0 else None
+                torch.manual_seed((int(job["seed"]) * 1000003 + rank) % (1 << 63))  # this rank's dropout draws
+            elif kind == "end":
+                copy, job = None, {}
+            elif kind == "gather":
+                gather_back(copy)
+            elif kind == "step":
+                _, factor, shards, counts, n_total, per, fill = msg
+                _set_lr(copy.optimizer, factor)
+                own = backward_shards(copy.model, loss_fn, shards, counts, per, max(n_total, 1), n, fill,
+                                      dev) if n_total else [0.0] * len(shards)
+                stats = _reduce_stats(pg, [0.0] + own, dev)
+                if stats[0] > 0 or not all(math.isfinite(x) for x in stats[1:]) or not n_total:
+                    for p in copy.params:
+                        p.grad = None
+                    continue  # rank 0 raises (a failed or non-finite step) or skips (no loss terms)
+                end_of_step(copy.optimizer, copy.params, job["anchor"], job["prox_mu"], job["grad_clip"], None)
+        except BaseException:
+            _report(errors, rank)
+            errors.close()
+            errors.join_thread()  # the report reaches rank 0 before this process ends
+            sys.stderr.flush()
+            os._exit(1)

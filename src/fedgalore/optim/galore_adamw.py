@@ -327,6 +327,55 @@ class GaLoreAdamW(Optimizer):
         """The identity (name) used for ``p`` in seeds and exports."""
         return self._names[p]
 
+    def rebind(self, mapping: dict[torch.Tensor, torch.Tensor]) -> None:
+        """Move this optimizer onto other parameter objects of the same names and whole shapes,
+        ``mapping[old] = new``, with its state: the groups, names and state follow. Where ``new`` is
+        a sharded ``DTensor`` (FSDP2) and ``old`` a whole tensor, every state tensor that is sharded
+        like its matrix (:mod:`fedgalore.optim.sharded`: the moments, cold moment and update record
+        unless the shards split the basis's dimension; the weight-shaped ``master`` / ``comp``; a
+        plain group's moments) keeps this rank's block; where ``old`` is sharded and ``new`` whole,
+        those are gathered — then it is a collective, and every rank calls it with the same mapping.
+        The rest (basis, evidence, a pending warm start, counters) is whole on every rank already.
+
+        Used by a site that trains a sharded copy of its client's model
+        (:mod:`fedgalore.federated.sharded_site`): the copy's optimizer is this one's pickle,
+        rebound onto the copy's sharded parameters; at the round's end it is rebound onto whole
+        tensors and its state loaded into the client's own optimizer."""
+        for group in self.param_groups:
+            params = []
+            for old in group["params"]:
+                new = mapping.get(old, old)
+                if new is not old:
+                    name = self._names[old]
+                    if tuple(new.shape) != tuple(old.shape):
+                        raise ValueError(f"rebind: parameter {name!r} has shape {tuple(old.shape)}, its new tensor "
+                                         f"{tuple(new.shape)}")
+                    st = self.state.pop(old, None)
+                    if st:
+                        self.state[new] = self._moved_state(old, new, group, st, name)
+                    del self._names[old]
+                    self._names[new], self._by_name[name] = name, new
+                params.append(new)
+            group["params"] = params
+        self._buckets = bucket.MomentBuckets()  # stacks of the old state's views
+
+    def _moved_state(self, old: torch.Tensor, new: torch.Tensor, group: dict[str, Any], st: dict[str, Any],
+                     name: str) -> dict[str, Any]:
+        """``old``'s state for ``new`` (:meth:`rebind`; :func:`fedgalore.optim.sharded.move_state`)."""
+        src, dst = sharded.shard_dim(old, name), sharded.shard_dim(new, name)
+        if src is not None and dst is not None:
+            raise ValueError(f"rebind: parameter {name!r} is sharded before and after; rebind between a whole "
+                             "tensor and its shards")
+        p, dim = (new, dst) if src is None else (old, src)
+        device = sharded.local(new).device
+        if "rank" not in group:
+            keys: tuple[str, ...] = ("exp_avg", "exp_avg_sq") + sharded.WEIGHT_STATE
+            moments = False
+        else:
+            moments = self._moments_sharded(p, group, st, dim)
+            keys = (sharded.SHARDED_STATE if moments else ()) + sharded.WEIGHT_STATE
+        return sharded.move_state(st, p, dim, keys, moments, to_shard=src is None, device=device)
+
     def set_projection_seed(self, seed: int) -> None:
         """Set the round seed ``s_k`` (paper Alg. 1) used by every later refresh of every group.
 
@@ -829,10 +878,12 @@ class GaLoreAdamW(Optimizer):
         return out
 
     # ------------------------------------------------------------------ state export / warm start
-    def _moments_sharded(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> bool:
+    def _moments_sharded(self, p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], dim: Optional[int] = -1) -> bool:
         """Whether ``p``'s moments and record are blocks of a sharded matrix (``False``: not sharded,
-        or whole on every rank because the shards split the basis's dimension)."""
-        dim = sharded.shard_dim(p, self._names[p])
+        or whole on every rank because the shards split the basis's dimension); ``dim``: its shard
+        dimension when known (−1, the default: read from ``p``)."""
+        if dim == -1:
+            dim = sharded.shard_dim(p, self._names[p])
         side = SIDES[state["side"]] if "side" in state else resolve_side((int(p.shape[0]), int(p.shape[1])), group["proj_type"])
         return dim is not None and (group["projector"] == "identity" or not sharded.along_basis(side, dim))
 

@@ -50,12 +50,15 @@ except ImportError:  # pragma: no cover - older torch: nothing is ever sharded
     DTensor, Replicate, Shard = None, None, None  # type: ignore[assignment,misc]
 
 __all__ = ["is_sharded", "local", "galore_placement", "shard_dim", "along_basis", "all_reduce_sum", "any_rank", "any_rank_each", "gather",
-           "keep_local", "broadcast_basis", "SHARDED_STATE"]
+           "keep_local", "broadcast_basis", "SHARDED_STATE", "WEIGHT_STATE", "move_state"]
 
 #: the GaLore state tensors that are sharded like their matrix and that the exports read, gathered
 #: by :meth:`fedgalore.optim.GaLoreAdamW._whole` (the rest — basis, evidence c, numbers — is the
 #: same on every rank; the weight-shaped ``master`` / ``comp`` of bf16 weights stay local)
 SHARDED_STATE = ("exp_avg", "exp_avg_sq", "cold_v", "rec_coef", "rec_cold")
+#: state shaped like the weight in any group (a plain group's moments; the bf16 working weight's
+#: fp32 master or compensation): always sharded like the matrix
+WEIGHT_STATE = ("master", "comp")
 
 
 def is_sharded(x: Any) -> bool:
@@ -189,3 +192,32 @@ def broadcast_basis(basis: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     basis = basis.contiguous()
     dist.broadcast(basis, src=dist.get_global_rank(group, 0), group=group)
     return basis
+
+
+def move_state(state: dict[str, Any], p: torch.Tensor, dim: Optional[int], keys: tuple[str, ...], record: bool,
+               to_shard: bool, device: torch.device) -> dict[str, Any]:
+    """``state`` of one parameter moved between the whole matrix and ``p``'s shards (``p`` the
+    sharded one, split along ``dim``): ``to_shard`` keeps this rank's block (:func:`keep_local`) of
+    each tensor named in ``keys`` and, with ``record``, of the update record's terms (``coef``,
+    ``cold``); otherwise those are gathered (:func:`gather`, collective: every rank calls it for the
+    same parameters in the same order). Every other tensor (basis, evidence, pending warm state) is
+    the same whole on every rank and only moves to ``device``. A new dict; ``state`` is not changed."""
+    def conv(x: torch.Tensor) -> torch.Tensor:
+        if dim is None:
+            return x
+        return keep_local(x.to(device), p, dim) if to_shard else gather(x, p, dim)
+
+    def to_dev(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to(device)
+        if isinstance(x, dict):
+            return {k: to_dev(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [to_dev(v) for v in x]
+        return x
+
+    out = {k: (conv(v) if k in keys and isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+    if record and "rec_terms" in out:
+        out["rec_terms"] = [{**t, **{k: conv(t[k]) for k in ("coef", "cold") if isinstance(t.get(k), torch.Tensor)}}
+                            for t in out["rec_terms"]]
+    return to_dev(out)

@@ -44,6 +44,10 @@ class TrainConfig:
     #: sums the gradients across them (data parallel; fedgalore.federated.data_parallel): gloo on the
     #: CPU, NCCL on cuda:d..d+N-1. 1 = one process.
     devices_per_client: int = 1
+    #: with devices_per_client N >= 2: each of the N ranks holds 1/N of the client's model (FSDP2's
+    #: fully_shard) and of its optimizer state, GaLore's included, instead of a whole replica
+    #: (fedgalore.federated.sharded_site). false = data parallel, a replica per rank.
+    shard_params: bool = False
 
 
 @dataclass
