@@ -24,11 +24,12 @@ from test_engine import killed_and_resumed, tiny_cfg  # noqa: E402
 from test_grad_accum import _Cls, _data, _model, _TokenMean  # noqa: E402
 
 
-def _loop(devices: int, optimizer: str, *, task=None, data=None, batch_size=5, k=2, prox_mu=0.0):
+def _loop(devices: int, optimizer: str, *, task=None, data=None, batch_size=5, k=2, prox_mu=0.0, shard=False, model=None):
+    """One client's local training (``shard``: a sharded site, tests/test_sharded_site.py)."""
     x, y = data if data is not None else _data(n=21)
-    model = _model(x.shape[-1])
+    model = model if model is not None else _model(x.shape[-1])
     tc = TrainConfig(lr=5e-2, batch_size=batch_size, grad_accum_steps=k, warmup_ratio=0.25, grad_clip=0.5,
-                     weight_decay=0.01, devices_per_client=devices, prox_mu=prox_mu)
+                     weight_decay=0.01, devices_per_client=devices, prox_mu=prox_mu, shard_params=shard and devices > 1)
     if optimizer == "galore":
         mats = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
         rest = [(n, p) for n, p in model.named_parameters() if p.dim() != 2]

@@ -17,43 +17,18 @@ from torch import nn
 import fedgalore
 import fedgalore.federated.sharded_site as sharded_site
 from fedgalore.engine.config import ConfigError
-from fedgalore.federated.client import ClientError, local_train
-from fedgalore.optim import GaLoreAdamW
-from fedgalore.protocol.state import ClientContext, TrainConfig
+from fedgalore.federated.client import ClientError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_data_parallel import _final, _max_diff  # noqa: E402
+from test_data_parallel import _loop as _dp_loop  # noqa: E402
 from test_engine import killed_and_resumed, tiny_cfg  # noqa: E402
-from test_grad_accum import _Cls, _data, _model, _TokenMean  # noqa: E402
+from test_grad_accum import _Cls, _model, _TokenMean  # noqa: E402
 
 
-def _loop(devices: int, optimizer: str, *, shard: bool = True, task=None, data=None, batch_size=5, k=2, prox_mu=0.0,
-          model=None):
-    x, y = data if data is not None else _data(n=21)
-    model = model if model is not None else _model(x.shape[-1])
-    tc = TrainConfig(lr=5e-2, batch_size=batch_size, grad_accum_steps=k, warmup_ratio=0.25, grad_clip=0.5,
-                     weight_decay=0.01, devices_per_client=devices, prox_mu=prox_mu, shard_params=shard and devices > 1)
-    if optimizer == "galore":
-        mats = [(n, p) for n, p in model.named_parameters() if p.dim() == 2]
-        rest = [(n, p) for n, p in model.named_parameters() if p.dim() != 2]
-        opt = GaLoreAdamW([{"params": mats, "rank": 2, "projector": "rsvd_then_random", "update_proj_gap": 2},
-                           {"params": rest}], lr=tc.lr, weight_decay=tc.weight_decay)
-        opt.mark()
-    else:
-        opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
-    n = len(x)
-
-    def batches():
-        for i in range(0, n, batch_size):
-            yield {"x": x[i:i + batch_size], "y": y[i:i + batch_size]}
-
-    micro = -(-n // batch_size)
-    seen: list[tuple[int, float]] = []
-    ctx = ClientContext(round=0, total_rounds=1, client=0, round_seed=3, num_examples=n, train=tc, target_modules=[],
-                        head_params=[], loss_fn=(task or _Cls()).loss, batches=batches, steps=micro, steps_per_round=micro,
-                        on_step=lambda m, v: seen.append((m, v)))
-    stats = local_train(model, opt, ctx)
-    return model, opt, stats, seen
+def _loop(devices: int, optimizer: str, *, shard: bool = True, **kw):
+    """test_data_parallel's client loop, sharded by default."""
+    return _dp_loop(devices, optimizer, shard=shard, **kw)
 
 
 def _state_equal(o1: torch.optim.Optimizer, o2: torch.optim.Optimizer, tol: float) -> None:
