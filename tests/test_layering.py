@@ -189,7 +189,7 @@ def test_the_checks_catch_an_upward_edge_and_a_cycle() -> None:
     edges = package_edges()
     edges[("optim", "engine")] = ["optim/example.py:1"]
     assert any(e.startswith("optim (level 1) imports engine (level 5)") for e in upward_edges(edges))
-    assert ["engine", "methods", "optim"] in cycles(edges)
+    assert any({"engine", "optim"} <= set(c) for c in cycles(edges))  # the cycle the injected edge closes
     modules = module_edges()
     modules[("fedgalore.tasks.mnist", "fedgalore.tasks.pretrain_vit")] = ["fedgalore/tasks/mnist.py:1"]
     assert ["fedgalore.tasks.mnist", "fedgalore.tasks.pretrain_vit"] in cycles(modules)
