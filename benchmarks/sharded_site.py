@@ -1,5 +1,6 @@
-"""A site with two devices on the CPU: one process, data parallel, sharded (issue 43, "a site with
-several GPUs"; ``train.devices_per_client``, ``train.shard_params``).
+"""A site with two devices on the CPU: one process, data parallel and sharded (issue 43).
+
+Issue 43, "a site with several GPUs"; ``train.devices_per_client``, ``train.shard_params``.
 
 For each variant — one process (``devices_per_client: 1``), data parallel (``2``) and sharded
 (``2`` + ``shard_params: true``) — one process runs a short FedGaLore federation on
