@@ -18,7 +18,7 @@ import fedgalore  # noqa: E402
 from fedgalore.engine.config import FederatedConfig  # noqa: E402
 
 
-def cfg(tmp: Path, method: str, opts: dict) -> FederatedConfig:
+def cfg(tmp: Path, method: str, opts: dict, **train) -> FederatedConfig:
     return FederatedConfig.from_dict({
         "name": "t",
         "seed": 0,
@@ -26,7 +26,7 @@ def cfg(tmp: Path, method: str, opts: dict) -> FederatedConfig:
         "method": {"name": method, "rank": 4, "options": opts},
         "federation": {"num_clients": 4, "clients_per_round": 2, "rounds": 2,
                        "partition": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5}},
-        "train": {"lr": 1e-2, "batch_size": 16, "local_epochs": 1},
+        "train": {"lr": 1e-2, "batch_size": 16, "local_epochs": 1, **train},
         "output": {"dir": str(tmp), "progress": "quiet"},
     })
 
@@ -45,7 +45,10 @@ def test_codec_roundtrips_bf16_and_payload_bytes():
     assert decode(record_to_blob(blob_to_record(blob)))["w"].tensor.dtype == torch.bfloat16
 
 
-def test_flower_simulation_reproduces_sequential(tmp_path):
+@pytest.mark.parametrize("site", [{}, {"devices_per_client": 2, "shard_params": True}], ids=["one-process", "sharded-site"])
+def test_flower_simulation_reproduces_sequential(tmp_path, site):
+    """Flower's simulation against the sequential backend; ``sharded-site``: every ClientApp trains
+    its client on two sharded processes (issue 43) and still gives the one-process run's numbers."""
     from flwr.simulation import run_simulation
 
     from fedgalore.flower.client_app import app as client_app
@@ -55,7 +58,7 @@ def test_flower_simulation_reproduces_sequential(tmp_path):
     seq = fedgalore.run(cfg(tmp_path / "seq", method, opts))
     run_dir = tmp_path / "flower" / "run"
     run_simulation(
-        server_app=make_server_app(cfg(tmp_path / "flower", method, opts), run_dir=run_dir),
+        server_app=make_server_app(cfg(tmp_path / "flower", method, opts, **site), run_dir=run_dir),
         client_app=client_app,
         num_supernodes=4,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},

@@ -50,7 +50,8 @@ def ray_cluster():
     ray.shutdown()
 
 
-def cfg(tmp: Path, method: str = "fedavg_full", backend: dict | None = None, method_options: dict | None = None) -> FederatedConfig:
+def cfg(tmp: Path, method: str = "fedavg_full", backend: dict | None = None, method_options: dict | None = None,
+        train: dict | None = None) -> FederatedConfig:
     return FederatedConfig.from_dict({
         "name": "t",
         "seed": 0,
@@ -58,7 +59,7 @@ def cfg(tmp: Path, method: str = "fedavg_full", backend: dict | None = None, met
         "method": {"name": method, "rank": 4, "options": method_options or {}},
         "federation": {"num_clients": 6, "clients_per_round": 3, "rounds": 2,
                        "partition": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5}},
-        "train": {"lr": 1e-2, "batch_size": 16, "local_epochs": 1},
+        "train": {"lr": 1e-2, "batch_size": 16, "local_epochs": 1, **(train or {})},
         "backend": backend or {"name": "sequential", "options": {}},
         "output": {"dir": str(tmp), "progress": "quiet"},
     })
@@ -77,6 +78,19 @@ def test_ray_reproduces_sequential(tmp_path, ray_cluster):
     for a, b in zip(seq.history, par.history):
         assert a["clients"] == b["clients"] and b["dropped"] == []
         assert a["bytes_up"] == b["bytes_up"] and a["bytes_down"] == b["bytes_down"]
+        for k in ("train_loss", "eval/accuracy", "eval/loss"):
+            assert close(a[k], b[k]), (k, a[k], b[k])
+
+
+def test_ray_workers_with_sharded_sites_reproduce_sequential(tmp_path, ray_cluster):
+    """Two Ray workers, each training its clients on two sharded processes (issue 43: the actor owns
+    its site's helpers and its own default group): the sequential one-process run's numbers."""
+    method, opts = "fedgalore", {"update_proj_gap": 2, "projector": "rsvd_then_random", "adaptive_proj_steps": 1}
+    seq = fedgalore.run(cfg(tmp_path / "seq", method, method_options=opts))
+    par = fedgalore.run(cfg(tmp_path / "ray", method, {"name": "ray", "options": {"num_workers": 2}}, opts,
+                            train={"devices_per_client": 2, "shard_params": True}))
+    for a, b in zip(seq.history, par.history):
+        assert a["clients"] == b["clients"] and b["dropped"] == []
         for k in ("train_loss", "eval/accuracy", "eval/loss"):
             assert close(a[k], b[k]), (k, a[k], b[k])
 
