@@ -56,3 +56,22 @@ def test_the_bucket_forms_on_cuda_equal_the_per_matrix_step(compiled):
 
     for a, b in zip(run("auto", compiled), run("per_matrix", False)):
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("shard", [False, True], ids=["data-parallel", "sharded"])
+def test_a_site_with_two_gpus_gives_the_one_gpu_update(tmp_path, shard):
+    """``train.devices_per_client: 2`` on cuda:0 and cuda:1 (NCCL), replicas or FSDP2 shards: the
+    global model of one GPU's run, to float rounding (the CPU/gloo check of tests/test_sharded_site.py
+    on the lent hardware)."""
+    import fedgalore
+    from test_data_parallel import _final
+    from test_engine import tiny_cfg
+
+    opts = {"update_proj_gap": 2, "projector": "rsvd_then_random", "adaptive_proj_steps": 1}
+    train = {"lr": 1e-2, "batch_size": 7, "local_epochs": 1, "weight_decay": 0.01, "grad_accum_steps": 2}
+    one = fedgalore.run(tiny_cfg(tmp_path / "one", "fedgalore", rounds=2, method_options=opts, train=train, device="cuda:0"))
+    two = fedgalore.run(tiny_cfg(tmp_path / "two", "fedgalore", rounds=2, method_options=opts, device="cuda:0",
+                                 train={**train, "devices_per_client": 2, "shard_params": shard}))
+    p1, p2 = _final(one), _final(two)
+    assert max(float((p1[k] - p2[k]).abs().max()) for k in p1) < 1e-4
