@@ -109,6 +109,39 @@ def test_llama2_7b_plan_needs_no_hub():
     assert low_precision_bytes(cfg, spec, Probe(**f["probe"])) == 0  # FedAvg-Full: torch's AdamW
 
 
+def test_a_site_with_two_devices_is_planned_per_rank():
+    """Llama-2-7B, FedGaLore: data parallel holds a replica per rank (the training phase as one device,
+    with the activations of half the rows); sharded holds half of W + G + O (+ T) plus the root (embeddings,
+    lm_head, final norm) and two layers gathered with their gradients; the whole model waits on the host;
+    the bytes and the probe do not change (the miniature runs in one process)."""
+    from fedgalore.cli import _load_config
+    from fedgalore.plan import activation_bytes, fsdp_units, model_spec
+
+    def plan(*over):
+        cfg, _ = _load_config("conf/pipeline/metamath_llama2.yaml", list(over))
+        return cfg, make_plan(cfg, ["fedgalore"])["methods"]["fedgalore"]
+
+    cfg, one = plan()
+    _, dp = plan("train.devices_per_client=2")
+    _, fs = plan("train.devices_per_client=2", "train.shard_params=true")
+    spec, _ = model_spec(cfg)
+    root, layer = fsdp_units(spec)
+    assert root == 2 * (2 * 32000 * 4096 + 4096)  # embed_tokens, lm_head, final norm (bf16)
+    assert layer == 2 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096)  # one decoder layer
+    assert one["probe"] == dp["probe"] == fs["probe"] and one["per_round"] == fs["per_round"]
+    c = one["memory"]["components"]
+    a = spec.arch
+    half_rows = activation_bytes(a, -(-cfg.train.batch_size // 2), int(a["max_length"]), spec.dtype)
+    W, G, O = c["model"], c["gradients"], c["optimizer_state"]
+    assert dp["memory"]["site"]["rank"] == W + G + O + half_rows
+    gathered = int((1 + G / W) * (root + 2 * layer))
+    assert fs["memory"]["site"]["rank"] == -(-(W + G + O) // 2) + gathered + half_rows
+    t1, t2 = one["memory"]["phases"]["client_training"], fs["memory"]["phases"]["client_training"]
+    assert t2["accelerator"] == t1["accelerator"] - (W + G + O + c["activations"]) + fs["memory"]["site"]["rank"]
+    assert t2["host"] == t1["host"] + W  # the client's whole model, on the host for the round
+    assert fs["memory"]["phases"]["evaluation"] == one["memory"]["phases"]["evaluation"]  # evaluated whole on rank 0
+
+
 def test_unknown_model_is_one_clear_error():
     cfg = FederatedConfig.from_dict({"task": {"name": "metamath", "options": {"model": "someone/unknown-7b"}}})
     with pytest.raises(PlanError, match="no config for model 'someone/unknown-7b'.*task.options.model"):

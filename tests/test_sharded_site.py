@@ -173,6 +173,19 @@ def test_failures_stop_the_client_and_the_next_round_gets_a_working_site():
     assert _max_diff(one, two) < 1e-6
 
 
+class _Bypass(_Cls):
+    def loss(self, model, batch):  # a submodule called directly: FSDP2 never gathers its weight
+        return nn.functional.cross_entropy(model[2](model[1](model[0](batch["x"]))), batch["y"])
+
+
+def test_a_loss_that_bypasses_the_model_forward_is_one_clear_error():
+    with pytest.raises(RuntimeError, match=r"shard_params=true: the task's loss used a sharded weight outside the model's forward"):
+        _loop(2, "galore", task=_Bypass())
+    two, *_ = _loop(2, "galore")
+    one, *_ = _loop(1, "galore")
+    assert _max_diff(one, two) < 1e-6
+
+
 def test_bad_settings_are_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"shard_params=true shards .* devices_per_client=1; set train.devices_per_client >= 2"):
         tiny_cfg(tmp_path, train={"lr": 1e-2, "shard_params": True})

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import shutil
 import struct
 import tempfile
@@ -443,7 +444,9 @@ def probe_method(cfg: FederatedConfig, spec: ModelSpec, method: str, options: di
         "device": "cpu",
         "diagnostics": False,
     })
-    data["train"] = {**data["train"], "batch_size": 1, "grad_accum_steps": 1, "local_steps": None, "local_epochs": 1}
+    # one process: the miniature's payloads and state do not depend on the site's devices (memory_plan counts them)
+    data["train"] = {**data["train"], "batch_size": 1, "grad_accum_steps": 1, "local_steps": None, "local_epochs": 1,
+                     "devices_per_client": 1, "shard_params": False}
     data["output"] = {**data.get("output", {}), "checkpoint_every": 100, "keep_checkpoints": 1, "progress": "quiet"}
     # the miniature is dense and on the CPU (a quantised base is counted by memory_plan); it keeps no adapters
     data["task"] = {**data["task"], "options": {k: v for k, v in (data["task"].get("options") or {}).items()
@@ -616,9 +619,49 @@ def low_precision_bytes(cfg: FederatedConfig, spec: ModelSpec, probe: Probe) -> 
     return per * sum(int(np.prod(shapes[f"{t}.weight"])) for t in spec.targets)
 
 
+def fsdp_units(spec: ModelSpec) -> tuple[int, int]:
+    """Bytes of the weights a sharded site's rank holds gathered (:mod:`fedgalore.federated.sharded_site`):
+    the root unit's (every parameter outside a ``ModuleList`` layer: embeddings, final norm, head —
+    FSDP2 keeps the root gathered from forward to backward) and the largest layer's (a name's first
+    ``.<index>.`` ends its layer)."""
+    size = torch.empty(0, dtype=spec.dtype).element_size()
+    units: dict[str, int] = {}
+    root = 0
+    for name, shape in spec.params:
+        m = re.match(r"^(.*?\.\d+)\.", name)
+        if m is None:
+            root += int(np.prod(shape)) * size
+        else:
+            units[m.group(1)] = units.get(m.group(1), 0) + int(np.prod(shape)) * size
+    return root, max(units.values(), default=0)
+
+
+def site_training(c: dict[str, int], spec: ModelSpec, devices: int, shard: bool, activations_rank: int) -> dict[str, int]:
+    """What one rank of a site with ``devices`` = N ≥ 2 devices holds while a client trains
+    (``train.devices_per_client``; :mod:`fedgalore.federated.data_parallel`), from the components
+    ``c`` (``W, G, O, T``) and the activations of its ``⌈b / N⌉`` rows (``A_r``):
+
+    * data parallel: a whole replica, ``W + G + O + T + A_r``;
+    * sharded (``train.shard_params``): ``(W + G + O + T) / N`` plus what is gathered at a time — the
+      root unit and two layers (the running one and the prefetched next, FSDP2's default) with their
+      unsharded gradients, ``(1 + G/W)(W_root + 2 W_layer)`` — plus ``A_r``. An estimate: blocks are
+      taken as exactly ``1/N`` (they are ``⌈·/N⌉`` rows or columns), and GaLore's bases, which are
+      whole on every rank, are counted as sharded (RESULTS §19.1: rank 0's optimizer state was 0.58
+      of the whole at N = 2, not 0.50)."""
+    W, G, O, T = c["model"], c["gradients"], c["optimizer_state"], c.get("optimizer_step_transient", 0)
+    if not shard:
+        return {"rank": W + G + O + T + activations_rank, "gathered": 0}
+    root, layer = fsdp_units(spec)
+    gathered = int((1 + G / max(W, 1)) * (root + 2 * layer))
+    return {"rank": -(-(W + G + O + T) // devices) + gathered + activations_rank, "gathered": gathered}
+
+
 def memory_plan(cfg: FederatedConfig, spec: ModelSpec, probe: Probe, clients_per_round: int) -> dict[str, Any]:
     """Components (bytes) and per-phase peaks (:func:`phase_peaks`) of one round of ``cfg``;
-    the host column includes :data:`HOST_RUNTIME`."""
+    the host column includes :data:`HOST_RUNTIME`. With ``train.devices_per_client`` N ≥ 2 the
+    training phase is one rank's (:func:`site_training`; ``site`` in the result): on an accelerator
+    rank 0's device, and a sharded client's whole model on the host besides; on the CPU all N ranks
+    on the host."""
     tc = cfg.train
     a = spec.arch
     tokens = int(a.get("max_length", 0))
@@ -635,9 +678,21 @@ def memory_plan(cfg: FederatedConfig, spec: ModelSpec, probe: Probe, clients_per
         comp["optimizer_step_transient"] = int(ADAMW_STEP_TRANSIENT["cpu" if on_host else "fused"] * probe.trained)
     comp["optimizer_state"] += low_precision_bytes(cfg, spec, probe)
     phases = phase_peaks(comp, clients_per_round, on_host, bool(cfg.diagnostics), probe.method in DENSE_UPLOADS)
+    n_dev, shard = int(tc.devices_per_client), bool(tc.shard_params)
+    site = None
+    if n_dev > 1:  # a site with several devices: the training phase per rank (site_training)
+        site = site_training(comp, spec, n_dev, shard, activation_bytes(a, -(-tc.batch_size // n_dev), tokens, spec.dtype))
+        site.update(devices=n_dev, sharded=shard)
+        train = phases["client_training"]
+        whole = comp["model"] + comp["gradients"] + comp["optimizer_state"] + comp["activations"] + comp.get("optimizer_step_transient", 0)
+        if on_host:  # every rank on this host; a sharded site's client process keeps the whole model besides
+            train["host"] += n_dev * site["rank"] - whole + (comp["model"] if shard else 0)
+        else:  # rank 0's device; a sharded client's whole model waits on the host
+            train["accelerator"] += site["rank"] - whole
+            train["host"] += comp["model"] if shard else 0
     for v in phases.values():
         v["host"] += HOST_RUNTIME
-    return {"components": comp, "phases": phases,
+    return {"components": comp, "phases": phases, "site": site,
             "peak": {"accelerator": max(p["accelerator"] for p in phases.values()), "host": max(p["host"] for p in phases.values())},
             "peak_phase": {"accelerator": max(phases, key=lambda k: phases[k]["accelerator"]), "host": max(phases, key=lambda k: phases[k]["host"])}}
 
@@ -766,6 +821,15 @@ def format_plan(plan: dict[str, Any], accelerator_gib: float = 78.0, host_gib: f
                      f"{_gib(c['server_state'])} | {_gib(c['broadcast_blob'])} | {_gib(c['upload_blob'])} | {_gib(c['eval_kv_cache'])} | "
                      f"{_gib(pk['accelerator']) + ' (' + r['memory']['peak_phase']['accelerator'].replace('_', ' ') + ')' if not on_host else '–'} | "
                      f"{_gib(pk['host'])} ({r['memory']['peak_phase']['host'].replace('_', ' ')}) | {'yes' if fits else '**no**'} |")
+    sites = {m: r["memory"].get("site") for m, r in plan["methods"].items() if r["memory"].get("site")}
+    if sites:
+        first = next(iter(sites.values()))
+        how = ("sharded (FSDP2: 1/N of weights, gradients and optimizer state per rank, plus what is gathered at a time)"
+               if first["sharded"] else "data parallel (a whole replica per rank)")
+        lines += ["", f"A site trains each client on {first['devices']} devices, {how}; the training phase above is per "
+                  "rank (an estimate: fedgalore.plan.site_training): " + ", ".join(
+                      f"{m} {_gib(v['rank'])}" + (f" ({_gib(v['gathered'])} gathered)" if v["sharded"] else "")
+                      for m, v in sites.items()) + " GiB."]
     if "privacy" in plan:
         lines += [""] + format_privacy_plan(plan["privacy"])
     return "\n".join(lines) + "\n"

@@ -192,6 +192,21 @@ def fillers(micro_batches: Sequence[dict[str, torch.Tensor]], counts: Sequence[S
     return out
 
 
+def _loss(loss_fn: Callable[..., torch.Tensor], model: nn.Module, batch: dict[str, torch.Tensor],
+          device: torch.device) -> torch.Tensor:
+    """``loss_fn`` on ``batch``; a loss that reaches the weights without the model's own forward
+    (FSDP2 gathers them in the root's and the layers' forward hooks) fails in one line that says so."""
+    try:
+        return loss_fn(model, {k: v.to(device) for k, v in batch.items()})
+    except RuntimeError as exc:
+        if "DTensor" not in str(exc):
+            raise
+        raise RuntimeError("train.shard_params=true: the task's loss used a sharded weight outside the model's forward "
+                           "(FSDP2 gathers weights when model(...) runs, not when a submodule or parameter is used "
+                           "directly); call the model itself in the loss, or set train.shard_params: false "
+                           f"(torch: {str(exc).splitlines()[0]})") from exc
+
+
 def backward_shards(model: nn.Module, loss_fn: Callable[..., torch.Tensor], shards: Sequence[dict[str, torch.Tensor]],
                     counts: Sequence[int], totals: Sequence[int], n_total: int, world: int,
                     filler: Sequence[Optional[dict[str, torch.Tensor]]], device: torch.device) -> list[float]:
@@ -207,11 +222,11 @@ def backward_shards(model: nn.Module, loss_fn: Callable[..., torch.Tensor], shar
         if n == 0 or not shard:
             if fill is None:
                 raise RuntimeError("a shard without loss terms and no filler row (fedgalore.federated.sharded_site.fillers)")
-            loss = loss_fn(model, {k: v.to(device) for k, v in fill.items()})
+            loss = _loss(loss_fn, model, fill, device)
             (loss * 0.0).backward()
             sums.append(0.0)
             continue
-        loss = loss_fn(model, {k: v.to(device) for k, v in shard.items()})
+        loss = _loss(loss_fn, model, shard, device)
         value = float(loss.detach())
         (loss * (world * n / n_total)).backward()
         sums.append(n * value if math.isfinite(value) else float("nan"))
