@@ -31,6 +31,12 @@ are F_i's (without the proximal term). μ = 0 skips all of it (bit-identical to 
 SCAFFOLD (``train.scaffold``; ``ctx.scaffold``, :mod:`fedgalore.federated.scaffold`): after each
 optimizer step every trainable parameter moves by −η_t (c − c_i).
 
+A site with several devices (``train.devices_per_client = N > 1``): every step's batch is cut into
+N row shards, trained by this process and N−1 helpers (:mod:`fedgalore.federated.data_parallel`),
+each holding a replica, or with ``train.shard_params`` its FSDP2 shard of a copy of the model, which
+this process trains instead and gathers back into ``model`` and ``optimizer`` at the round's end
+(:mod:`fedgalore.federated.sharded_site`). Either way the update is this loop's on one process.
+
 Record-level DP-SGD (``privacy.record``; ``ctx.privacy``, :class:`fedgalore.privacy.dpsgd.DPSGD`):
 Opacus' per-example gradient hooks go on the model and its ``DPOptimizer`` around the method's
 optimizer for the round. Each micro-batch backpropagates its own mean loss (Opacus recovers the
