@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shlex
 import signal
@@ -96,8 +97,30 @@ def insecure(cmd: str) -> str:
     return cmd
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free port *below* the kernel's ephemeral range: the processes start seconds after the port is
+    chosen, and a port the kernel hands out for another test's outgoing connection or port-0 listener
+    (Ray, gloo stores on the other test worker) is never one of these."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(10000, max(low, 10001))
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    with socket.socket() as s:  # no luck below the range: any free port
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
