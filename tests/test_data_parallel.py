@@ -138,10 +138,15 @@ def _final(res) -> dict:
 def test_a_federation_with_two_processes_per_site_equals_one(tmp_path, method, options):
     """tiny_text (no dropout), 2 rounds of 3 sites: the global model, the losses and the bytes are one
     process's, to float rounding (FedGaLore's seeded bases and moments included)."""
+    assert_federation_equals_one_process(tmp_path, method, options, devices_per_client=2)
+
+
+def assert_federation_equals_one_process(tmp_path, method: str, options: dict, **site) -> None:
+    """2 rounds of 3 tiny_text sites trained with the ``train`` settings ``site`` against one process:
+    the same global model, losses and bytes, to float rounding (also tests/test_sharded_site.py)."""
     train = {"lr": 1e-2, "batch_size": 7, "local_epochs": 1, "weight_decay": 0.01, "grad_accum_steps": 2}
     one = fedgalore.run(tiny_cfg(tmp_path / "one", method, rounds=2, method_options=options, train=train))
-    two = fedgalore.run(tiny_cfg(tmp_path / "two", method, rounds=2, method_options=options,
-                                 train={**train, "devices_per_client": 2}))
+    two = fedgalore.run(tiny_cfg(tmp_path / "two", method, rounds=2, method_options=options, train={**train, **site}))
     p1, p2 = _final(one), _final(two)
     assert sorted(p1) == sorted(p2)
     assert max(float((p1[k] - p2[k]).abs().max()) for k in p1) < 1e-5

@@ -14,13 +14,12 @@ import pytest
 import torch
 from torch import nn
 
-import fedgalore
 import fedgalore.federated.sharded_site as sharded_site
 from fedgalore.engine.config import ConfigError
 from fedgalore.federated.client import ClientError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_data_parallel import _final, _max_diff  # noqa: E402
+from test_data_parallel import _max_diff, assert_federation_equals_one_process  # noqa: E402
 from test_data_parallel import _loop as _dp_loop  # noqa: E402
 from test_engine import killed_and_resumed, tiny_cfg  # noqa: E402
 from test_grad_accum import _Cls, _model, _TokenMean  # noqa: E402
@@ -202,17 +201,7 @@ def test_bad_settings_are_refused_in_one_line(tmp_path):
 def test_a_federation_of_sharded_sites_equals_one_process(tmp_path, method, options):
     """tiny_text (a 2-layer BERT: each layer one FSDP unit; no dropout), 2 rounds of 3 sites: the
     global model, the losses and the bytes are one process's, to float rounding."""
-    train = {"lr": 1e-2, "batch_size": 7, "local_epochs": 1, "weight_decay": 0.01, "grad_accum_steps": 2}
-    one = fedgalore.run(tiny_cfg(tmp_path / "one", method, rounds=2, method_options=options, train=train))
-    two = fedgalore.run(tiny_cfg(tmp_path / "two", method, rounds=2, method_options=options,
-                                 train={**train, "devices_per_client": 2, "shard_params": True}))
-    p1, p2 = _final(one), _final(two)
-    assert sorted(p1) == sorted(p2)
-    assert max(float((p1[k] - p2[k]).abs().max()) for k in p1) < 1e-5
-    for h1, h2 in zip(one.history, two.history):
-        assert h2["train_loss"] == pytest.approx(h1["train_loss"], rel=1e-5)
-    assert two.summary["final"]["accuracy"] == pytest.approx(one.summary["final"]["accuracy"], abs=1 / 64 + 1e-9)
-    assert two.summary["bytes_up_total"] == one.summary["bytes_up_total"]
+    assert_federation_equals_one_process(tmp_path, method, options, devices_per_client=2, shard_params=True)
 
 
 def test_resume_with_sharded_sites(tmp_path):
