@@ -338,9 +338,9 @@ def cell_record(cell: CellSpec, run_dir: Path) -> dict:
         "bytes_up_per_client_round": summary["bytes_up_per_client_round"],
         "bytes_down_per_client_round": summary["bytes_down_per_client_round"],
         "wall_time_s": summary["wall_time"], "time_per_round_s": summary["time_per_round"],
-        # user + system seconds of the compare workers the driver saw exit (a killed launch is not
-        # counted); None for a run the driver did not start
-        "cpu_time_s": launched.get("cpu_s"),
+        # user + system seconds of the compare workers; None for a run the driver did not start or
+        # one with a killed launch (its CPU time is not known)
+        "cpu_time_s": measured_cpu_s(launched),
         "rounds": rounds,
     }
 
@@ -385,16 +385,38 @@ def _prepare(budget: Budget, cell: CellSpec) -> None:
             shutil.rmtree(out)
 
 
-def _note_source(out: Path, cpu_s: float = 0.0) -> None:
+def _note_source(out: Path, cpu_s: float | None = None) -> None:
     """Add today's mechanism digest to the cell's ``source.json`` (one entry per distinct source
-    that ran a part of it: a cell resumed under other code lists both) and ``cpu_s`` seconds of a
-    finished worker to its CPU time."""
+    that ran a part of it: a cell resumed under other code lists both) and count a launch
+    (``cpu_s`` None) or a worker's exit with its ``cpu_s`` CPU seconds. A killed launch (a machine
+    restart) never reports its CPU time: ``launches`` > ``exits`` then, and :func:`cell_record`
+    says the CPU time is unmeasured. A record an older driver wrote has no counts (``None``: not
+    known once it is launched again)."""
     path = out / "source.json"
-    rec = json.loads(path.read_text()) if path.is_file() else {"mechanism_digests": [], "cpu_s": 0.0}
+    rec = (json.loads(path.read_text()) if path.is_file()
+           else {"mechanism_digests": [], "cpu_s": 0.0, "launches": 0, "exits": 0})
     if mechanism_digest() not in rec["mechanism_digests"]:
         rec["mechanism_digests"].append(mechanism_digest())
-    rec["cpu_s"] += cpu_s
+    if cpu_s is None:
+        if "launches" not in rec:
+            rec["launches"] = rec["exits"] = None
+        elif rec["launches"] is not None:
+            rec["launches"] += 1
+    else:
+        rec["cpu_s"] += cpu_s
+        if rec.get("exits") is not None:
+            rec["exits"] += 1
     _write_json(path, rec)
+
+
+def measured_cpu_s(launched: dict) -> float | None:
+    """The cell's CPU seconds from its ``source.json`` record, or None where a launch's are
+    missing (a killed launch, or a relaunch of a record whose launches were not counted). A
+    record without counts at all (an older driver's, one launch as far as is known) keeps its
+    ``cpu_s``."""
+    if "launches" in launched and (launched["launches"] is None or launched["launches"] != launched["exits"]):
+        return None
+    return launched.get("cpu_s")
 
 
 def _reap(proc: subprocess.Popen) -> float | None:
@@ -771,8 +793,11 @@ def row_report(budget: Budget, recs: list[dict], target: float | None) -> dict:
         "bytes_down_per_client_round": statistics.mean(r["bytes_down_per_client_round"] for r in recs),
         "devices": {r["seed"]: cell_device(r) for r in recs},
         "wall_time_min": statistics.mean(r["wall_time_s"] for r in on_cpu) / 60 if on_cpu else None,
-        "cpu_time_min": (statistics.mean(r["cpu_time_s"] for r in on_cpu) / 60
-                         if on_cpu and all(r.get("cpu_time_s") for r in on_cpu) else None),
+        # CPU time: over the CPU cells whose every launch was measured (cpu_time_cells of them)
+        "cpu_time_min": (statistics.mean(r["cpu_time_s"] for r in on_cpu if r.get("cpu_time_s")) / 60
+                         if any(r.get("cpu_time_s") for r in on_cpu) else None),
+        "cpu_time_cells": sum(1 for r in on_cpu if r.get("cpu_time_s")),
+        "cpu_cells": len(on_cpu),
         "projector": projector_schedule(recs),
         "sync_where_it_acts": sync_where_it_acts(recs),
         "mechanism_digests": sorted({r["source"]["mechanism_digest"] for r in recs}),
@@ -967,6 +992,12 @@ def _cell_id(rec: dict) -> tuple:
     return rec["alpha"], rec["label"], rec["seed"]
 
 
+def _cpu_share(rr: dict) -> str:
+    """`` (k of n cells)`` where the CPU time is the mean over fewer cells than the wall time's."""
+    k, n = rr.get("cpu_time_cells"), rr.get("cpu_cells")
+    return f" ({k} of {n} cells)" if k is not None and n and 0 < k < n else ""
+
+
 def _rows_table(b: Budget, rows: dict) -> list[str]:
     """The markdown table of :func:`row_report` entries (mean ± std over seeds per metric), and the
     list of cells that ran on a GPU."""
@@ -977,8 +1008,11 @@ def _rows_table(b: Budget, rows: dict) -> list[str]:
         s = rr["summary"]
         md.append(f"| {row} | {rate_tag(rr['lr'])} | {len(rr['seeds'])} | " + " | ".join(_fmt(m, s[m]) for m in METRICS)
                   + f" | {rr['bytes_up_per_client_round'] / 2**20:.2f} / {rr['bytes_down_per_client_round'] / 2**20:.2f}"
-                  f" | {_num(rr['wall_time_min'])} / {_num(rr['cpu_time_min'])} |")
+                  f" | {_num(rr['wall_time_min'])} / {_num(rr['cpu_time_min'])}{_cpu_share(rr)} |")
     md.append("")
+    if any(rr.get("cpu_time_cells") is not None and rr["cpu_time_cells"] < rr.get("cpu_cells", 0) for rr in rows.values()):
+        md += ["CPU minutes: the mean over the CPU cells whose every launch was measured (a worker killed with "
+               "the machine reports none, and its cell's resumed run is not the whole cost); — where none was.", ""]
     gpu = [f"{row} s{s} ({d})" for row, rr in rows.items() for s, d in rr["devices"].items() if d != "cpu"]
     if gpu:
         md += [f"Cells run on a GPU ({len(gpu)}; same partition, client samples and schedule as on the CPU, "

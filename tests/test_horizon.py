@@ -391,3 +391,42 @@ def test_epoch_study_probes_its_galore_grids_fixes_fedavg_and_compares_with_the_
     assert comp["paired"]["last"]["mean"] == pytest.approx(0.95 - 0.92)
     md = (e.results / "horizon.md").read_text()
     assert "Issue 40" in md and "step schedule" in md and "view_step_share 0.5" in md
+
+
+def test_a_killed_launch_leaves_the_cpu_time_unmeasured_and_the_report_says_over_how_many_cells(hz, tmp_path) -> None:
+    """A worker killed with the machine never reports its CPU time: the cell, resumed and finished
+    by a second launch, would otherwise claim the second launch's seconds as the whole run's. Its
+    ``cpu_time_s`` is None, and the row's CPU minutes are the mean over the measured cells, with
+    their count shown."""
+    out = tmp_path / "cell"
+    out.mkdir()
+    hz._note_source(out)                      # launch 1, killed: no exit
+    hz._note_source(out)                      # launch 2
+    hz._note_source(out, 120.0)               # launch 2 exits
+    rec = json.loads((out / "source.json").read_text())
+    assert (rec["launches"], rec["exits"], rec["cpu_s"]) == (2, 1, 120.0)
+    assert hz.measured_cpu_s(rec) is None
+    one = tmp_path / "one"
+    one.mkdir()
+    hz._note_source(one)
+    hz._note_source(one, 90.0)
+    assert hz.measured_cpu_s(json.loads((one / "source.json").read_text())) == 90.0
+    # a record an older driver wrote (no counts): kept as it was; launched again: not known
+    old = {"mechanism_digests": ["d"], "cpu_s": 50.0}
+    assert hz.measured_cpu_s(old) == 50.0
+    (out / "source.json").write_text(json.dumps(old))
+    hz._note_source(out)
+    hz._note_source(out, 30.0)
+    again = json.loads((out / "source.json").read_text())
+    assert again["cpu_s"] == 80.0 and hz.measured_cpu_s(again) is None
+    b = _budget(hz, tmp_path)
+    cell = hz.CellSpec("dirichlet:0.3", "fedavg_full", 5e-4, 1)
+    recs = [_fake(hz, b, replace(cell, seed=s), {50: 0.9}, wall_time_s=600.0, cpu_time_s=cpu)
+            for s, cpu in ((1, 600.0), (2, None), (3, 1200.0))]
+    rr = hz.row_report(b, recs, None)
+    assert rr["cpu_time_min"] == pytest.approx(15.0) and (rr["cpu_time_cells"], rr["cpu_cells"]) == (2, 3)
+    assert hz._cpu_share(rr) == " (2 of 3 cells)"
+    table = "\n".join(hz._rows_table(b, {"fedavg_full": rr}))
+    assert "| 10.0 / 15.0 (2 of 3 cells) |" in table and "whose every launch was measured" in table
+    rr_all = hz.row_report(b, [recs[0], recs[2]], None)
+    assert "whose every launch" not in "\n".join(hz._rows_table(b, {"fedavg_full": rr_all}))
