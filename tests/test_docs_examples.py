@@ -342,7 +342,10 @@ def test_flower_readme_simulation_as_written(tmp_path) -> None:
         assert _ours(_local_superlinks(), tmp_path / "flwr")  # it keeps running in the background, as the README says
     finally:
         for stop in (c for c in commands("examples/flower/README.md") if c.startswith("kill $(pgrep")):
-            subprocess.run(stop, shell=True, env=env, timeout=60)  # noqa: S602 - the README's own command
+            # typed into a shell, as a user does: under `sh -c` the shell's own command line holds the
+            # pattern, pgrep lists the shell too, and where its pid is the lower one (pids wrap at
+            # pid_max) `kill` ends the shell before it signals the SuperLink
+            subprocess.run(["bash"], input=stop, text=True, env=env, timeout=60)
     import time
 
     home = tmp_path / "flwr"
