@@ -783,6 +783,7 @@ def row_report(budget: Budget, recs: list[dict], target: float | None) -> dict:
     """Metrics of one row at one alpha over its held-out seeds (``recs``)."""
     per_seed = {r["seed"]: cell_metrics(r, budget, target) for r in recs}
     on_cpu = [r for r in recs if cell_device(r) == "cpu"]  # run times: CPU cells only (a GPU's are another scale)
+    measured = [r["cpu_time_s"] for r in on_cpu if r.get("cpu_time_s")]
     rounds, mean, std = _per_round_mean(recs, lambda x: x.get("test", {}).get("accuracy"))
     _, vmean, _ = _per_round_mean(recs, lambda x: x.get("val", {}).get("accuracy"))
     out = {
@@ -794,9 +795,8 @@ def row_report(budget: Budget, recs: list[dict], target: float | None) -> dict:
         "devices": {r["seed"]: cell_device(r) for r in recs},
         "wall_time_min": statistics.mean(r["wall_time_s"] for r in on_cpu) / 60 if on_cpu else None,
         # CPU time: over the CPU cells whose every launch was measured (cpu_time_cells of them)
-        "cpu_time_min": (statistics.mean(r["cpu_time_s"] for r in on_cpu if r.get("cpu_time_s")) / 60
-                         if any(r.get("cpu_time_s") for r in on_cpu) else None),
-        "cpu_time_cells": sum(1 for r in on_cpu if r.get("cpu_time_s")),
+        "cpu_time_min": statistics.mean(measured) / 60 if measured else None,
+        "cpu_time_cells": len(measured),
         "cpu_cells": len(on_cpu),
         "projector": projector_schedule(recs),
         "sync_where_it_acts": sync_where_it_acts(recs),
@@ -994,8 +994,8 @@ def _cell_id(rec: dict) -> tuple:
 
 def _cpu_share(rr: dict) -> str:
     """`` (k of n cells)`` where the CPU time is the mean over fewer cells than the wall time's."""
-    k, n = rr.get("cpu_time_cells"), rr.get("cpu_cells")
-    return f" ({k} of {n} cells)" if k is not None and n and 0 < k < n else ""
+    k, n = rr["cpu_time_cells"], rr["cpu_cells"]
+    return f" ({k} of {n} cells)" if 0 < k < n else ""
 
 
 def _rows_table(b: Budget, rows: dict) -> list[str]:
@@ -1010,7 +1010,7 @@ def _rows_table(b: Budget, rows: dict) -> list[str]:
                   + f" | {rr['bytes_up_per_client_round'] / 2**20:.2f} / {rr['bytes_down_per_client_round'] / 2**20:.2f}"
                   f" | {_num(rr['wall_time_min'])} / {_num(rr['cpu_time_min'])}{_cpu_share(rr)} |")
     md.append("")
-    if any(rr.get("cpu_time_cells") is not None and rr["cpu_time_cells"] < rr.get("cpu_cells", 0) for rr in rows.values()):
+    if any(rr["cpu_time_cells"] < rr["cpu_cells"] for rr in rows.values()):
         md += ["CPU minutes: the mean over the CPU cells whose every launch was measured (a worker killed with "
                "the machine reports none, and its cell's resumed run is not the whole cost); — where none was.", ""]
     gpu = [f"{row} s{s} ({d})" for row, rr in rows.items() for s, d in rr["devices"].items() if d != "cpu"]
