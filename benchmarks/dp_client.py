@@ -141,8 +141,10 @@ def config_dict(method: str, lr: float, eps: float | None, seed: int, quick: boo
     if METHODS[method]["name"] == "ffa_lora":  # SGD: the rate is train.sgd_lr
         d["train"]["sgd_lr"] = lr
     if eps is not None:
+        # reproducible: the study's noise is seeded (same distribution as the default OS entropy, and each cell
+        # reruns bit for bit); not a deployment's setting — privacy.json says it is not protected against the server
         d["privacy"] = {"client": {"clip": 1.0, "target_epsilon": eps, "delta": 1e-5, "noise": "central",
-                                   "adaptive_clipping": {"target_quantile": 0.5, "lr": 0.2}}}
+                                   "adaptive_clipping": {"target_quantile": 0.5, "lr": 0.2}}, "reproducible": True}
     return d
 
 
@@ -168,7 +170,8 @@ def record_config_dict(method: str, lr: float, eps: float | None, seed: int, qui
     if m["name"] == "ffa_lora":
         d["train"]["sgd_lr"] = lr
     if eps is not None:
-        d["privacy"] = {"record": {"max_grad_norm": 1.0, "target_epsilon": eps, "delta": 1e-5, "calibration": "every_round"}}
+        d["privacy"] = {"record": {"max_grad_norm": 1.0, "target_epsilon": eps, "delta": 1e-5, "calibration": "every_round"},
+                        "reproducible": True}  # a study: seeded noise (see client_config_dict)
     return d
 
 

@@ -53,7 +53,8 @@ def config(method: str, sigma: float | None, seed: int, out: Path, large: bool =
         "diagnostics": False,
     }
     if sigma is not None:
-        d["privacy"] = {"record": {"max_grad_norm": 1.0, "noise_multiplier": sigma, "delta": 1e-5}}
+        # a study: seeded noise (privacy.reproducible; same distribution as the default OS entropy, reruns bit for bit)
+        d["privacy"] = {"record": {"max_grad_norm": 1.0, "noise_multiplier": sigma, "delta": 1e-5}, "reproducible": True}
     return FederatedConfig.from_dict(d)
 
 

@@ -42,13 +42,19 @@ SEEDED = {"projector": "random", "view_basis": "seeded"}
 
 
 def cdp_cfg(tmp_path: Path, method: str = "fedavg_full", rounds: int = 1, method_options: dict | None = None,
-            output: dict | None = None, **client):
+            output: dict | None = None, reproducible: bool = False, federation: dict | None = None, **client):
     opts = method_options if method_options is not None else (dict(SEEDED) if method.startswith("fedgalore") else {})
     if method == "fedgalore_minus":
         opts.pop("view_basis", None)
     cfg = {"clip": 0.5, "noise_multiplier": 1.0, "delta": 1e-5, **client}
-    kw = {"output": {"dir": str(tmp_path), "progress": "quiet", **(output or {})}}
-    return tiny_cfg(tmp_path, method, rounds=rounds, method_options=opts, privacy={"client": cfg}, **kw)
+    # no weight decay: FedGaLore's decay·W0 term would sit outside the clip (refused under privacy.client)
+    kw = {"output": {"dir": str(tmp_path), "progress": "quiet", **(output or {})},
+          "train": {"lr": 1e-2, "batch_size": 16, "local_epochs": 1, "weight_decay": 0.0}}
+    cfg = tiny_cfg(tmp_path, method, rounds=rounds, method_options=opts, privacy={"client": cfg, "reproducible": reproducible},
+                   **kw)
+    for k, v in (federation or {}).items():
+        setattr(cfg.federation, k, v)
+    return cfg
 
 
 # ----------------------------------------------------------------------------- accounting
@@ -120,7 +126,8 @@ def test_a_site_scaled_1000x_releases_a_change_of_norm_clip():
 def test_central_noise_is_one_draw_on_the_sum():
     k, std = 4, 0.3
     changes = [{("w", "tensor"): torch.zeros(20000)} for _ in range(k)]
-    noise = shared_noise(changes, std, torch.Generator().manual_seed(0), lambda s: True)
+    g = torch.Generator().manual_seed(0)
+    noise = shared_noise(changes, std, lambda shape, sd: torch.randn(shape, generator=g) * sd, lambda s: True)
     parts = [n[("w", "tensor")] for n in noise]
     assert all(torch.equal(p, parts[0]) for p in parts)  # z/k each: the uniform mean carries z/k, the sum z
     z = sum(parts)
@@ -141,7 +148,7 @@ def test_distributed_noise_per_client(tmp_path, method, individual):
     out = rel.client_side(up, None, 0, 1)
     expect = 2.0 * 0.5 / (1.0 if individual else math.sqrt(3))
     assert float(out["w"].tensor.std()) == pytest.approx(expect, rel=0.03)
-    assert "loss_mean" not in out.meta and out.meta["num_examples"] == 3  # the losses stay at the site
+    assert "loss_mean" not in out.meta and "num_examples" not in out.meta  # the losses and the counts stay at the site
 
 
 # ----------------------------------------------------------------------------- runs
@@ -212,7 +219,8 @@ def _budget(rounds_that_fit: int) -> float:
 def test_budget_stop_across_a_resume(tmp_path):
     target = _budget(3)
     out = {"checkpoint_every": 1}
-    kw = {"noise_multiplier": 2.0, "target_epsilon": target, "release_metrics": True, "output": out}  # (losses: no NaN to compare)
+    kw = {"noise_multiplier": 2.0, "target_epsilon": target, "release_metrics": True, "output": out,  # (losses: no NaN to compare)
+          "reproducible": True}  # the re-run of the lost round releases the same values
     full, resumed = killed_and_resumed(cdp_cfg(tmp_path / "full", "fedavg_full", rounds=5, **kw),
                                        cdp_cfg(tmp_path / "killed", "fedavg_full", rounds=5, **kw), at_round=1)
     for run in (full, resumed):

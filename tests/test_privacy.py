@@ -45,9 +45,9 @@ DP = {"record": {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}}
 
 
 def dp_cfg(tmp_path: Path, method: str = "fedgalore", rounds: int = 1, method_options: dict | None = None,
-           **record) -> FederatedConfig:
+           reproducible: bool = False, **record) -> FederatedConfig:
     return tiny_cfg(tmp_path, method, rounds=rounds, method_options=method_options or {},
-                    privacy={"record": {**DP["record"], **record}})
+                    privacy={"record": {**DP["record"], **record}, "reproducible": reproducible})
 
 
 # ----------------------------------------------------------------------------- accounting
@@ -71,7 +71,7 @@ def test_accounting_edges_and_calibration():
     assert epsilon([(1.0, 0.3, 4), (1.0, 0.3, 4)], 1e-5) == pytest.approx(epsilon([(1.0, 0.3, 8)], 1e-5), rel=1e-12)
     sigma = calibrate_noise(3.0, 1e-5, 0.2, 30, "rdp")
     assert 2.99 - 0.011 <= epsilon([(sigma, 0.2, 30)], 1e-5) <= 3.0  # spends the target, to Opacus' tolerance
-    rec = RecordPrivacy(target_epsilon=3.0)
+    rec = RecordPrivacy(target_epsilon=3.0, calibration="expected")
     sch = site_schedule(rec, 80, 16, 1, 5, rounds=12, participation=0.5)  # q = 0.2, 6 planned rounds = 30 steps
     assert (sch.sample_rate, sch.planned_steps, sch.noise_multiplier) == (0.2, 30, sigma)
     every = site_schedule(RecordPrivacy(target_epsilon=3.0, calibration="every_round"), 80, 16, 1, 5, 12, 0.5)
@@ -392,8 +392,10 @@ def test_resume_continues_the_accountant(tmp_path):
     """A run killed after checkpoint 2 (inside round 3) and resumed spends exactly what the
     uninterrupted run spends: the same privacy.json, metrics and ε per round."""
     # release_metrics: the losses travel (finite train_loss, so the histories compare equal)
-    full, resumed = killed_and_resumed(dp_cfg(tmp_path / "a", "fedgalore", rounds=4, release_metrics=True),
-                                       dp_cfg(tmp_path / "b", "fedgalore", rounds=4, release_metrics=True))
+    # reproducible: the re-run of the lost round draws the same noise (the default's fresh draws are a second
+    # release, counted: tests/test_privacy_server.py)
+    full, resumed = killed_and_resumed(dp_cfg(tmp_path / "a", "fedgalore", rounds=4, release_metrics=True, reproducible=True),
+                                       dp_cfg(tmp_path / "b", "fedgalore", rounds=4, release_metrics=True, reproducible=True))
     a, b = _read(full.run_dir, "privacy.json"), _read(resumed.run_dir, "privacy.json")
     assert a == b and len(a["rounds"]) == 4
     assert a["rounds"][0]["releases"]["metrics"]["protected"] is False  # raw losses in the clear, and said so

@@ -48,6 +48,10 @@ def from_plain(cls: type, data: Any, path: str = "") -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         where = f"{path}." if path else ""
+        removed = getattr(cls, "_removed_keys", {})  # a key of an earlier version: say what replaced it
+        for key in unknown:
+            if key in removed:
+                raise ConfigError(f"{where}{key} {removed[key]}")
         raise ConfigError(f"unknown config key {where}{unknown[0]}; valid keys here: {', '.join(sorted(names))}")
     kwargs = {name: coerce(hints[name], value, f"{path}.{name}" if path else name) for name, value in data.items()}
     try:

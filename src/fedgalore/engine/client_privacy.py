@@ -16,35 +16,46 @@ front what would make the guarantee false — a method whose upload carries a da
 Under client-level DP the round's weights are uniform (``1/k``): weights proportional to the
 sites' sizes would make the sum's sensitivity depend on them. :meth:`round_multiplier` is the
 noise multiplier the round's release carries, for the accountant (fedgalore.engine.privacy_ledger).
+
+Nothing raw reaches the server's view (:data:`KEPT_META`, :meth:`ClientRelease.build`'s
+refusals): every value a client sends is inside the clip and the noise, or a public constant of
+the job (its id, the round, the downlink version); per-client counts (``num_examples``,
+``steps``) and training statistics are withheld, a rule that reads a raw upload
+(``federation.max_update_norm``, ``clip_update_norm``, ``robust``) and a GaLore weight-decay term
+(``decay·W0``, outside the clip) are refused. Every draw comes from OS entropy unless
+``privacy.reproducible`` (fedgalore.privacy.randomness).
+
+Distributed noise without secure aggregation: the server sees each upload with σ/√K (a mean
+method), not only their sum — :attr:`ClientRelease.server_sees_uploads`; the accountant's
+headline ε is then what one upload costs as the server sees it (:meth:`upload_multiplier`, no
+amplification: the server knows whom it sampled) and ``target_epsilon`` calibrates σ to it.
 """
 from __future__ import annotations
 
 import math
-import secrets
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.federated.seeding import DP_CLIENT_NOISE, client_seed
 from fedgalore.privacy.client_dp import (DataDrivenBasis, add_noise, calibrate_client_noise, clip_upload,
-                                         combined_multiplier, is_moment, shared_noise)
+                                         client_epsilon, combined_multiplier, is_moment, shared_noise)
+from fedgalore.privacy.accounting import bisect_noise
 from fedgalore.privacy.config import ClientPrivacy
+from fedgalore.privacy.randomness import dp_generator, gaussian
 from fedgalore.protocol.payload import Payload
 
 __all__ = ["ClientRelease", "KEPT_META"]
 
-#: numeric upload meta that is released under client-level DP: counts fixed by the config and the job
-KEPT_META = ("num_examples", "client", "round", "steps", "held_version", "version", "dp_clip_bit")
+#: upload meta released under client-level DP: the job's own ids (client, round — the server assigned them), the
+#: downlink version the client holds (the server's own bookkeeping) and the noised clip bit; nothing counted on the
+#: site's data (num_examples, steps: withheld — the round's weights are uniform, so nothing needs them)
+KEPT_META = ("client", "round", "held_version", "version", "dp_clip_bit")
+#: counts computed on the site's data: never sent under client-level DP
+_COUNTS = ("num_examples", "steps")
 #: the server's own noise stream (central noise): client_seed's client id 2³¹ + attempt (no client has it)
 _SERVER = 2 ** 31
-
-
-def _generator(seq: np.random.SeedSequence, secure: bool) -> torch.Generator:
-    g = torch.Generator()
-    g.manual_seed(secrets.randbits(63) if secure else int(seq.generate_state(1, np.uint64)[0] >> np.uint64(1)))
-    return g
 
 
 class ClientRelease:
@@ -62,6 +73,10 @@ class ClientRelease:
         #: aggregate): its state is post-processing of the noised sum
         self.moments_from_aggregate = bool(getattr(method, "synced", False)) and not getattr(method, "uploads_moments", True)
         self.mean = getattr(method, "dp_aggregate", "individual") == "mean"
+        #: distributed noise without secure aggregation: the server sees every noised upload, not only their sum
+        self.server_sees_uploads = client.noise == "distributed" and cfg.federation.secure_aggregation is None
+        #: draws from OS entropy (Opacus' secure Gaussian sampling) unless privacy.reproducible
+        self.reproducible = bool(cfg.privacy.reproducible)
         self.sigma = self._sigma()
         #: σ_m of the moment release (None: none)
         self.sigma_m = (client.moment_noise_multiplier or self.sigma) if self.moments else None
@@ -87,8 +102,10 @@ class ClientRelease:
             return None
         try:
             import dp_accounting  # noqa: F401
-        except ImportError:
-            raise ConfigError("privacy.client needs dp-accounting; install it with pip install 'fedgalore[privacy]'") from None
+            import opacus  # noqa: F401  (secure Gaussian sampling, fedgalore.privacy.randomness)
+        except ImportError as exc:
+            raise ConfigError(f"privacy.client needs dp-accounting and Opacus ({exc.name} is missing); install them with "
+                              "pip install 'fedgalore[privacy]'") from None
         why = method.client_dp_problem(client.moments)
         if why is not None:
             raise ConfigError(why)
@@ -98,6 +115,14 @@ class ClientRelease:
         if cfg.federation.clip_update_norm is not None:
             raise ConfigError("privacy.client clips every upload to privacy.client.clip; drop federation.clip_update_norm "
                               "(two clippings of the same upload)")
+        if cfg.federation.max_update_norm is not None:
+            raise ConfigError("privacy.client with federation.max_update_norm: the server would measure each raw upload's norm "
+                              "(logged, and deciding which uploads count); privacy.client.clip already bounds every upload — "
+                              "drop federation.max_update_norm")
+        if cfg.train.weight_decay > 0 and getattr(method, "decay_in_upload", False):
+            raise ConfigError(f"privacy.client with train.weight_decay={cfg.train.weight_decay:g}: method {method.name!r} "
+                              "uploads its weight decay as a term decay·W0 outside the clipped change (and decay reveals the "
+                              "site's step count); set train.weight_decay=0")
         if client.delta >= 1.0 / max(int(num_clients), 1):
             raise ConfigError(f"privacy.client.delta={client.delta:g} must be below 1/M = {1.0 / num_clients:.3g} for "
                               f"M = {num_clients} sites; set privacy.client.delta below that (e.g. 1e-5)")
@@ -112,6 +137,8 @@ class ClientRelease:
             return float(c.noise_multiplier)
         rounds = int(self.cfg.federation.rounds)
         try:
+            if self.server_sees_uploads:  # the headline is one upload as the server sees it (module doc)
+                return self._calibrate_server_view(float(c.target_epsilon), rounds)
             if self.moments and c.moment_noise_multiplier is not None:
                 return _calibrate_with_fixed_moment(float(c.target_epsilon), c.delta, self.num_clients, self.sample,
                                                     rounds, float(c.moment_noise_multiplier))
@@ -119,6 +146,38 @@ class ClientRelease:
                                           1.0 if self.moments else None)
         except ValueError as exc:
             raise ConfigError(f"privacy.client.target_epsilon: {exc}; raise target_epsilon or lower federation.rounds") from None
+
+    def _share(self) -> float:
+        """The divisor of a client's own noise under distributed noise: √K on a mean method (the sum of
+        K shares carries σ), 1 when every upload is used on its own."""
+        return math.sqrt(self.sample) if self.mean else 1.0
+
+    def _upload_multiplier(self, sigma: float, sigma_m: float | None) -> float:
+        return combined_multiplier([sigma / self._share()] + ([sigma_m] if sigma_m is not None else []))
+
+    def upload_multiplier(self) -> float:
+        """The noise multiplier of one noised upload as the server sees it (distributed noise): σ/√K
+        on the update (with its clip bit: Andrew et al.'s split keeps the pair at σ/√K) combined
+        with the moments' σ_m; σ/1 for a method whose uploads are used one by one."""
+        return self._upload_multiplier(self.sigma, self.sigma_m)
+
+    def _calibrate_server_view(self, target: float, rounds: int) -> float:
+        """σ whose uploads, one per round for ``rounds`` rounds, cost at most ``target`` as the server
+        sees each (no subsampling: the server knows whom it sampled)."""
+        c = self.client
+        ratio = None if not self.moments else (None if c.moment_noise_multiplier is not None else 1.0)
+
+        def eps(sigma: float) -> float:
+            sm = None if not self.moments else (c.moment_noise_multiplier if ratio is None else ratio * sigma)
+            return client_epsilon([(self._upload_multiplier(sigma, sm), 1, rounds)], 1, c.delta)
+
+        lo, hi = 0.0, 1.0
+        while eps(hi) > target:
+            lo, hi = hi, hi * 2.0
+            if hi > 1e6:
+                raise ValueError(f"no noise multiplier reaches ε={target:g} at δ={c.delta:g} over {rounds} uploads as the "
+                                 "server sees them (distributed noise without secure aggregation)")
+        return bisect_noise(eps, target, lo, hi, 0.01)
 
     def round_multiplier(self, received: int) -> float:
         """The noise multiplier of one round's release (both releases combined): σ on the sum for
@@ -145,8 +204,8 @@ class ClientRelease:
         optimizer's diagnostics: not protected by client-level DP), unless ``release_metrics``;
         the counts (:data:`KEPT_META`) and DP-SGD's own record (``dp_*``: σ, q, steps — fixed by the
         config, what the per-site accountant needs) stay; any other field, numeric or not, is withheld."""
-        if self.client.release_metrics:
-            return upload
+        if self.client.release_metrics:  # the losses travel (the user's choice); the site's counts still do not
+            return Payload(upload.entries, {k: v for k, v in upload.meta.items() if k not in _COUNTS})
         return Payload(upload.entries, {k: v for k, v in upload.meta.items() if k in KEPT_META or k.startswith("dp_")})
 
     def client_side(self, upload: Payload, broadcast: Payload | None, round_idx: int, client: int) -> Payload:
@@ -160,20 +219,26 @@ class ClientRelease:
             return upload
         clip = float(broadcast.meta.get("dp_clip", self.client.clip)) if broadcast is not None else self.client.clip
         refs, changes, stats = self._clip(upload, broadcast, clip)
-        g = _generator(client_seed(self.cfg.seed, round_idx, client, DP_CLIENT_NOISE), self.client.secure_mode)
-        share = math.sqrt(self.sample) if self.mean else 1.0
+        g = dp_generator(client_seed(self.cfg.seed, round_idx, client, DP_CLIENT_NOISE), self.reproducible)
+        share = self._share()
         std_u = self.sigma_update * clip / share
         std_m = (self.sigma_m or 0.0) * self.client.moment_clip
 
         def noise(slot, shape):
             std = std_m if is_moment(slot[0]) else std_u
-            return torch.randn(shape, generator=g, dtype=torch.float32) * std if std > 0 else None
+            return self._draw(shape, std, g) if std > 0 else None
 
         out = add_noise(upload, refs, changes, noise)
         if self.sigma_b is not None:
             bit = float(stats.get("update_norm", 0.0) <= clip)
-            out.meta["dp_clip_bit"] = bit + float(torch.randn((), generator=g)) * self.sigma_b / share
+            out.meta["dp_clip_bit"] = bit + float(self._draw((), self.sigma_b / share, g))
         return out
+
+    def _draw(self, shape, std: float, g: torch.Generator) -> torch.Tensor:
+        """N(0, std²) of ``shape``: Opacus' secure sampling unless ``privacy.reproducible``."""
+        if self.reproducible:  # the studies' seeded stream, as before
+            return torch.randn(tuple(shape), generator=g, dtype=torch.float32) * float(std)
+        return gaussian(shape, std, g, secure=True)
 
     def server_side(self, uploads: Sequence[Payload], broadcast: Payload | None, round_idx: int,
                     attempt: int = 0, clip: float | None = None) -> list[Payload]:
@@ -187,21 +252,22 @@ class ClientRelease:
         c = self.client
         clip = float(c.clip if clip is None else clip)
         clipped = [self._clip(u, broadcast, clip) for u in uploads]
-        g = _generator(client_seed(self.cfg.seed, round_idx, _SERVER + int(attempt), DP_CLIENT_NOISE), c.secure_mode)
+        g = dp_generator(client_seed(self.cfg.seed, round_idx, _SERVER + int(attempt), DP_CLIENT_NOISE), self.reproducible)
         std_u, std_m = self.sigma_update * clip, (self.sigma_m or 0.0) * c.moment_clip
-        shared = (shared_noise([ch for _, ch, _ in clipped], std_u, g, lambda s: not is_moment(s[0]))
+        shared = (shared_noise([ch for _, ch, _ in clipped], std_u, lambda shape, std: self._draw(shape, std, g),
+                               lambda s: not is_moment(s[0]))
                   if self.mean and std_u > 0 else [{} for _ in clipped])
         out = []
         for u, (refs, changes, _), mine in zip(uploads, clipped, shared):
             def noise(slot, shape, mine=mine):
                 if is_moment(slot[0]):
-                    return torch.randn(shape, generator=g, dtype=torch.float32) * std_m if std_m > 0 else None
+                    return self._draw(shape, std_m, g) if std_m > 0 else None
                 if self.mean:
                     return mine.get(slot)
-                return torch.randn(shape, generator=g, dtype=torch.float32) * std_u if std_u > 0 else None
+                return self._draw(shape, std_u, g) if std_u > 0 else None
             out.append(add_noise(u, refs, changes, noise))
         if self.sigma_b is not None:
-            z_b = float(torch.randn((), generator=g)) * self.sigma_b
+            z_b = float(self._draw((), self.sigma_b, g))
             for o, (_, _, stats) in zip(out, clipped):
                 o.meta["dp_clip_bit"] = float(stats.get("update_norm", 0.0) <= clip) + z_b / len(out)
         return out

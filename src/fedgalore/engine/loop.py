@@ -47,7 +47,7 @@ from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import LogProgress, ProgressSink
 from fedgalore.engine.identity import run_identity
 from fedgalore.engine.liveness import FINISHED, Heartbeat, RunLock, Terminated, sigterm_stops
-from fedgalore.engine.privacy_ledger import PrivacyLedger
+from fedgalore.engine.privacy_ledger import BudgetStop, PrivacyLedger
 from fedgalore.engine.resolve import check_device, config_for_method
 from fedgalore.engine.round_adapters import save_round_adapter
 from fedgalore.engine.robust_stage import apply_robust
@@ -61,6 +61,7 @@ from fedgalore.federated.scaffold import CORR, NEW_CI, correction, split_entries
 from fedgalore.federated.server_opt import STATE_PREFIX, server_step
 from fedgalore.federated.seeding import round_seed, sample_clients
 from fedgalore.methods.base import Method
+from fedgalore.privacy.randomness import REPRODUCIBLE_REFUSED
 from fedgalore.protocol.payload import Dense, Ledger, Payload, PayloadError, decode, encode, encoded_size
 from fedgalore.protocol.state import RoundContext
 from fedgalore.sync.ajive import all_finite
@@ -142,6 +143,8 @@ class Federation:
             raise ConfigError(f"federation.secure_aggregation runs Flower's SecAgg+ between SuperNodes, and the "
                               f"{self.backend.name} backend has none; run the job as a Flower app (examples/flower/README.md, "
                               "\"Secure aggregation (SecAgg+)\") or set federation.secure_aggregation=null")
+        if cfg.privacy.enabled and cfg.privacy.reproducible and not self.backend.simulated:
+            raise ConfigError(REPRODUCIBLE_REFUSED)
         nodes = None
         if cfg.federation.partition.kind == "nodes":  # each node brings its own data: ask them who they are
             nodes = self.backend.node_clients(cfg)
@@ -184,7 +187,10 @@ class Federation:
         #: what the server saw and what it cost (privacy.json; the per-site accountant lives in state.meta["privacy"])
         rt = self.runtime
         self.privacy = PrivacyLedger(cfg, rt.head_params, rt.clients.name, [len(p) for p in rt.parts],
-                                     rt.privacy.support if rt.privacy is not None else None, rt.client_dp)
+                                     rt.privacy.support if rt.privacy is not None else None, rt.client_dp,
+                                     sites=rt.privacy, run_dir=self.run_dir)
+        if ckpt is not None:  # releases a crash lost after the checkpoint still count (privacy_journal.jsonl)
+            self.privacy.recover(self.state)
         #: why the run stopped before its last round (privacy.client.target_epsilon spent), or None
         self.stopped: str | None = None
         if self.start_round < cfg.federation.rounds:
@@ -199,6 +205,7 @@ class Federation:
         self._first_round_here = len(self.history)  # checkpoint_every=auto counts this process's rounds
         self._writer: CheckpointWriter | None = None  # run() makes it; the round waits on its pending checkpoint
         self._pending_rec: dict[str, Any] | None = None  # the round record whose checkpoint is still being written
+        self._last_checkpoint = self.start_round  # the rounds the newest checkpoint holds
 
     # ------------------------------------------------------------------ the run
     def run(self) -> RunResult:
@@ -220,7 +227,15 @@ class Federation:
         try:
             with sigterm_stops():  # SIGTERM: a clean stop, like Ctrl-C
                 for k in range(self.start_round, fed.rounds):
-                    self._round(k)
+                    try:
+                        self._round(k)
+                    except BudgetStop as stop:  # a retry (or a sample) whose release would pass the budget
+                        self.stopped = str(stop)
+                        self.privacy.close_attempts(self.state, self.run_dir)
+                        if k > self.start_round and not self._checkpointed(k):
+                            self._checkpoint(k - 1, t_start)
+                        self.progress.message(self.stopped)
+                        break
                     if k + 1 < fed.rounds:  # privacy.client.target_epsilon: the next round must fit the budget
                         self.stopped = self.privacy.budget_stop(self.state, k + 1)
                     if self._checkpoint_due(k, t_start) or self.stopped:
@@ -285,6 +300,10 @@ class Federation:
             return True
         return sum(costs) + costs[-1] <= out.checkpoint_budget * (time.perf_counter() - t_start)
 
+    def _checkpointed(self, rounds: int) -> bool:
+        """Whether the state after ``rounds`` rounds is checkpointed (or being written)."""
+        return self._last_checkpoint == rounds
+
     def _checkpoint(self, k: int, t_start: float) -> None:
         """Checkpoint the state after round ``k``: the metadata is snapshotted here; streaming the
         state's tensors, fsync, hash and rename run beside the next round's client training
@@ -294,6 +313,7 @@ class Federation:
         (metrics.csv; summary ``time_checkpoint``)."""
         t0 = time.perf_counter()
         wall = self.wall_time_before + t0 - t_start
+        self._last_checkpoint = k + 1
         self._writer.save(k + 1, self.state, {"wall_time": wall, "loop": {"upload_keys": self.upload_keys}}, defer_tensors=True)
         self._pending_rec = self.history[-1]
         self._pending_rec["time_checkpoint"] = time.perf_counter() - t0
@@ -395,16 +415,27 @@ class Federation:
             weights = [s / sum(sizes) for s in sizes]
             if self.runtime.client_dp is not None:  # privacy.client: uniform weights (the sum's sensitivity is C)
                 weights = self.runtime.client_dp.uniform(len(clients))
+            # privacy: the cap holds at every release — this attempt's worst case must fit the client-level budget,
+            # and a site whose next round would pass its record-level target is held back (fedgalore.engine.privacy_ledger)
+            why = self.privacy.budget_stop(self.state, k, clients, attempt)
+            if why is not None:
+                if client_recs:  # the earlier attempts' evidence (their releases are accounted)
+                    self.files.append_round(k + 1, client_recs, self.ledger)
+                raise BudgetStop(why)
+            held_back = self.privacy.spent_sites(self.state, clients)
             self.progress.round_start(k, clients)
             rctx = RoundContext(k, fed.rounds, seed_k, clients, weights, cfg.diagnostics)
             blob = self._broadcast(k, rctx)
-            jobs = [ClientJob(k, fed.rounds, c, seed_k) for c in clients]
+            jobs = [ClientJob(k, fed.rounds, c, seed_k) for c in clients if c not in held_back]
             t1 = time.perf_counter()
             if fed.secure_aggregation is not None:  # SecAgg+: the server gets the weighted mean of the uploads only
-                ints = [1 if self.runtime.client_dp is not None else s for s in sizes]
-                results, summed = self.backend.run_clients_summed(blob, jobs, ints, self.progress)
+                ints = [1 if self.runtime.client_dp is not None else s for c, s in zip(clients, sizes) if c not in held_back]
+                results, summed = self.backend.run_clients_summed(blob, jobs, ints, self.progress) if jobs else ([], None)
             else:
-                results, summed = self.backend.run_clients(blob, jobs, self.progress), None
+                results, summed = (self.backend.run_clients(blob, jobs, self.progress) if jobs else []), None
+            if held_back:  # in the sample's order, as dropped clients
+                got = {r.client: r for r in results}
+                results = [got.get(c) or ClientResult(c, None, held_back[c], 0.0) for c in clients]
             t_clients += time.perf_counter() - t1
             self.privacy.observe(self.state, k, attempt, results)  # every upload the server saw counts (privacy.record)
             if fed.secure_aggregation is not None:
@@ -565,7 +596,8 @@ class Federation:
         uploads, their deltas (built once, before aggregation; {} when nothing needs them),
         weights and clients."""
         fed = self.cfg.federation
-        need_deltas = fed.max_update_norm is not None or fed.clip_update_norm is not None or self.cfg.diagnostics
+        private = self.runtime.client_dp is not None  # privacy.client: nothing raw about a client is logged
+        need_deltas = fed.max_update_norm is not None or fed.clip_update_norm is not None or (self.cfg.diagnostics and not private)
         decoded = []
         for res in results:
             up = None
@@ -589,8 +621,9 @@ class Federation:
         keys = expected_keys(self.upload_keys, [u for u in decoded if u is not None])
         uploads, deltas, kept_w, kept_c = [], [], [], []
         for res, up, w in zip(results, decoded, weights):
-            rec = {"round": k + 1, "attempt": attempt, "client": res.client, "time": res.time,
-                   "num_examples": len(self.runtime.parts[res.client])}
+            rec = {"round": k + 1, "attempt": attempt, "client": res.client}
+            if not private:  # under privacy.client a client's time and size are not recorded (they track its data)
+                rec.update({"time": res.time, "num_examples": len(self.runtime.parts[res.client])})
             if self.runtime.clients.names is not None:  # a natural partition's clients are named by the data
                 rec["client_name"] = self.runtime.clients.name(res.client)
             if up is not None and fed.client_timeout_s is not None and res.time > fed.client_timeout_s:
@@ -623,7 +656,7 @@ class Federation:
                             r["rejected"] = reason
                             break
             if res.error is not None:
-                rec["error"] = res.error.splitlines()[0]
+                rec["error"] = _public_error(res.error) if private else res.error.splitlines()[0]
                 self.progress.message(f"round {k + 1}: client {self.runtime.clients.name(res.client)} dropped ({rec['error']})")
             client_recs.append(rec)
         return uploads, deltas, kept_w, kept_c
@@ -633,6 +666,8 @@ class Federation:
         deltas (``diagnostics: true``)."""
         if not self.cfg.diagnostics:
             return {}
+        if self.runtime.client_dp is not None:  # privacy.client: the client-to-client drift would read raw uploads
+            return update_space_diagnostics(applied, self.method.rank)
         return {**update_space_diagnostics(applied, self.method.rank), **drift_diagnostics(rnd.deltas, rnd.ctx.weights)}
 
     def _evaluate(self, k: int) -> tuple[dict[str, float], float]:
@@ -665,3 +700,16 @@ class Federation:
             evals.update(summary)
             self._client_eval = {"worst_client": worst, "clients": per}
         return evals, time.perf_counter() - t0
+
+
+#: errors the server itself decides on released (clipped, noised) values or the protocol alone: recorded as they are
+_SERVER_ERRORS = ("rejected:", "timed out", "privacy budget", "no reply", "undecodable upload")
+
+
+def _public_error(error: str) -> str:
+    """A client's error as the server records it under ``privacy.client``: the server's own
+    decisions in full, a client's own failure without its text (it may quote the site's data)."""
+    line = error.splitlines()[0]
+    if line.startswith(_SERVER_ERRORS):
+        return line
+    return "the client failed (its message stays at the site under privacy.client)"

@@ -24,12 +24,23 @@ central noise; every attempt whose noised uploads came back under distributed no
 each round, the adaptive clip norm — writes privacy.json's ``client`` part, and
 :meth:`PrivacyLedger.budget_stop` tells the round loop when the next round would exceed
 ``target_epsilon``.
+
+The cap holds at every release: before each attempt (a retry included) :meth:`PrivacyLedger.
+attempt_stop` checks the client-level budget with that attempt's worst case (distributed noise
+through secure aggregation: only the fewest shares SecAgg+ still unmasks in the sum; without it: each
+sampled client's next upload as the server sees it), and :meth:`PrivacyLedger.spent_sites` holds
+back a site whose next client-round would take its record-level ε past ``privacy.record.
+target_epsilon``. Every release is journaled (``privacy_journal.jsonl``, fsynced) as the server
+receives it; a resumed run adds the releases its checkpoint lacks — the rounds a crash lost —
+unless ``privacy.reproducible`` (then the re-run releases the very same values).
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -42,19 +53,18 @@ from fedgalore.federated.seeding import BATCHES, DP_NOISE, client_seed
 from fedgalore.jsonl import read_json
 from fedgalore.privacy.accounting import SiteSchedule, epsilon, merge_history, site_schedule
 from fedgalore.privacy.config import RecordPrivacy
-from fedgalore.privacy.statement import (NOTHING_PROTECTED, client_mechanism, client_release_record, client_statement,
-                                         mechanism, not_protected, record_statement, release_record)
+from fedgalore.privacy.randomness import dp_seed
+from fedgalore.privacy.statement import (NOT_AGAINST_CONFIG, NOTHING_PROTECTED, client_mechanism, client_release_record, client_statement,
+                                         mechanism, not_protected, record_statement, release_record, upload_fields)
 from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, Payload
 
-__all__ = ["SitePrivacy", "PrivacyLedger", "PRIVACY_FILE", "release_kinds", "read_privacy", "privacy_plan", "LOSS_KEYS"]
+__all__ = ["SitePrivacy", "PrivacyLedger", "BudgetStop", "PRIVACY_FILE", "JOURNAL_FILE", "release_kinds", "read_privacy", "privacy_plan", "LOSS_KEYS"]
 
 PRIVACY_FILE = "privacy.json"
+#: every release as the server received it, appended and fsynced (module doc)
+JOURNAL_FILE = "privacy_journal.jsonl"
 #: upload meta computed from raw training losses: withheld unless privacy.record.release_metrics
 LOSS_KEYS = ("loss_first", "loss_last", "loss_mean")
-
-
-def _seed(seq: np.random.SeedSequence) -> int:
-    return int(seq.generate_state(1, np.uint64)[0] >> np.uint64(1))
 
 
 class SitePrivacy:
@@ -117,7 +127,8 @@ class SitePrivacy:
         """This round's Poisson batches of a site whose examples are ``part`` (``T × k``
         micro-batches, possibly empty: ``{}``); ``make(indices)`` builds a batch."""
         sch = self.schedule(client)
-        seed = _seed(client_seed(self.cfg.seed, round_idx, client, BATCHES))
+        # the Poisson draws: OS entropy unless privacy.reproducible (fedgalore.privacy.randomness)
+        seed = dp_seed(client_seed(self.cfg.seed, round_idx, client, BATCHES), self.cfg.privacy.reproducible)
         chunks = [part[c] for c in _poisson(len(part), sch.sample_rate, sch.steps_per_round,
                                             max(int(self.cfg.train.grad_accum_steps), 1), seed)]
 
@@ -134,8 +145,8 @@ class SitePrivacy:
         sch = self.schedule(client)
         return DPSGD(noise_multiplier=sch.noise_multiplier, max_grad_norm=self.record.max_grad_norm,
                      sample_rate=sch.sample_rate, num_examples=sch.num_examples,
-                     noise_seed=_seed(client_seed(self.cfg.seed, round_idx, client, DP_NOISE)),
-                     secure_mode=self.record.secure_mode)
+                     noise_seed=dp_seed(client_seed(self.cfg.seed, round_idx, client, DP_NOISE), self.cfg.privacy.reproducible),
+                     secure_mode=not self.cfg.privacy.reproducible)
 
     def redact(self, upload: Payload) -> Payload:
         """The upload without the raw training losses, unless ``release_metrics``."""
@@ -196,22 +207,82 @@ def read_privacy(run_dir: str | Path) -> dict[str, Any] | None:
     return read_json(Path(run_dir) / PRIVACY_FILE)
 
 
+class BudgetStop(Exception):
+    """The next release would pass ``privacy.client.target_epsilon``: the run ends cleanly (its
+    message is the one line that says so)."""
+
+
 class PrivacyLedger:
     """The server's record of what it saw and what it cost (module doc)."""
 
     def __init__(self, cfg: FederatedConfig, heads: Sequence[str], names: Callable[[int], str],
-                 sizes: Sequence[int], support: dict[str, list[str]] | None = None, release: Any = None) -> None:
+                 sizes: Sequence[int], support: dict[str, list[str]] | None = None, release: Any = None,
+                 sites: SitePrivacy | None = None, run_dir: Path | None = None) -> None:
         self.cfg, self.record = cfg, cfg.privacy.record
         self.heads, self.names, self.sizes, self.support = list(heads), names, list(sizes), support
         #: client-level DP (fedgalore.engine.client_privacy.ClientRelease; None: off)
         self.release = release
+        #: record-level DP-SGD's schedules (σ, q, steps per site), for the per-site cap (None: off)
+        self.sites = sites
+        #: where the journal of releases lives (None: not journaled)
+        self.journal = Path(run_dir) / JOURNAL_FILE if run_dir is not None and cfg.privacy.enabled else None
+
+    # ------------------------------------------------------------------ the journal of releases
+    def _journal(self, state: Any, entry: dict[str, Any]) -> None:
+        """Append one release to the journal (fsynced) and mark it absorbed into ``state``."""
+        if self.journal is None:
+            return
+        entry = {"id": uuid.uuid4().hex[:16], **entry}
+        with open(self.journal, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        state.meta.setdefault("privacy_journal", []).append(entry["id"])
+
+    def recover(self, state: Any) -> int:
+        """A resumed run: add to ``state``'s accountants every journaled release its checkpoint
+        lacks (rounds a crash lost after the checkpoint; their re-run draws fresh noise, so both
+        count). None under ``privacy.reproducible`` (a re-run releases the same values). Returns
+        how many releases were added."""
+        if self.journal is None or self.cfg.privacy.reproducible or not self.journal.exists():
+            return 0
+        seen = set(state.meta.setdefault("privacy_journal", []))
+        added = 0
+        for line in self.journal.read_text(encoding="utf-8").splitlines():
+            try:
+                e = json.loads(line)
+            except ValueError:  # a line cut by the crash: the release it names was not complete
+                continue
+            if e.get("id") in seen:
+                continue
+            if e.get("level") == "record" and self.record is not None:
+                book = self._book(state)
+                c = str(int(e["client"]))
+                book["sites"][c] = merge_history([*book["sites"].get(c, []), e["entry"]])
+                book["epsilon"][c] = epsilon(book["sites"][c], self.record.delta, self.record.accountant)
+            elif e.get("level") == "client" and self.release is not None:
+                cb = self._client_book(state)
+                cb["history"] = _merge_client([*cb["history"], [e["event"][0], e["event"][1], 1]])
+                for c in e.get("uploads", []):
+                    cb.setdefault("uploads", {})[str(c)] = cb.setdefault("uploads", {}).get(str(c), 0) + 1
+                self._client_headline(cb)
+            else:
+                continue
+            state.meta["privacy_journal"].append(e["id"])
+            state.meta.setdefault("privacy_recovered", []).append({k: v for k, v in e.items() if k != "id"})
+            added += 1
+        if added:
+            logging.getLogger("fedgalore").warning(
+                "privacy: %d release(s) after the last checkpoint were lost with the process that made them; they are "
+                "accounted (privacy.json: recovered_releases)", added)
+        return added
 
     # ------------------------------------------------------------------ client-level (privacy.client)
     @staticmethod
     def _client_book(state: Any) -> dict[str, Any]:
         return state.meta.setdefault("privacy_client", {"history": [], "pending": [], "epsilon": 0.0})
 
-    def _client_event(self, book: dict[str, Any], received: int, sampled: int) -> None:
+    def _client_event(self, book: dict[str, Any], received: int, sampled: int) -> list:
         """One release of the sampled clients' uploads: ``(σ of the round, K, 1)`` joins the history.
         Fewer noised uploads than sampled (dropouts; under secure aggregation, nodes lost in the
         SecAgg+ round) leave the sum σ·√(k/K): accounted so, and said in the log."""
@@ -221,6 +292,7 @@ class PrivacyLedger:
                 "privacy.client: %d of %d clients' noised uploads reached the sum; it carries noise multiplier %.4g "
                 "instead of %.4g (accounted)", received, sampled, sigma, self.release.round_multiplier(sampled))
         book["pending"].append([sigma, int(sampled), int(received)])
+        return [sigma, int(sampled), int(received)]
 
     def current_clip(self, state: Any) -> float | None:
         """The clip norm C of the next round (adaptive clipping moves it; else ``privacy.client.clip``)."""
@@ -234,20 +306,88 @@ class PrivacyLedger:
 
         return client_epsilon([(h[0], h[1], h[2]) for h in history], self.release.num_clients, self.release.client.delta)
 
-    def budget_stop(self, state: Any, round_idx: int) -> str | None:
-        """Why round ``round_idx`` must not start — its release would take ε past
-        ``privacy.client.target_epsilon`` — as one line; None when it fits (or no budget is set)."""
+    def server_view_epsilon(self, uploads: int) -> float:
+        """ε(δ) of one client after ``uploads`` noised uploads that the server saw one by one
+        (distributed noise without secure aggregation; no amplification: the server knows whom it
+        sampled)."""
+        from fedgalore.privacy.client_dp import client_epsilon
+
+        return client_epsilon([(self.release.upload_multiplier(), 1, int(uploads))], 1, self.release.client.delta)
+
+    def _client_headline(self, cb: dict[str, Any]) -> None:
+        """The federation's ε after the book's releases: the sum's (amplified by the server's
+        sampling) and, when the server sees each upload, the worst client's as the server sees it
+        — then the headline ``epsilon``."""
+        cb["epsilon_sum"] = self.client_epsilon(cb["history"])
+        cb["epsilon"] = cb["epsilon_sum"]
+        if self.release.server_sees_uploads:
+            most = max(cb.get("uploads", {}).values(), default=0)
+            cb["epsilon"] = max(cb["epsilon_sum"], self.server_view_epsilon(most))
+
+    def budget_stop(self, state: Any, round_idx: int, clients: Sequence[int] | None = None, attempt: int = 0) -> str | None:
+        """Why round ``round_idx`` (attempt ``attempt``, for ``clients``; None: any sample) must not
+        start — its release, at its worst case, would take ε past ``privacy.client.target_epsilon`` —
+        as one line; None when it fits (or no budget is set). The worst case: central noise, one
+        release of σ on the sum; distributed noise through secure aggregation, a sum of only
+        the fewest shares SecAgg+ still unmasks (this round's earlier attempts counted); without secure
+        aggregation, the sampled client with the most uploads so far sending one more."""
         if self.release is None or self.release.client.target_epsilon is None:
             return None
         target = float(self.release.client.target_epsilon)
         book = self._client_book(state)
-        k = self.release.sample
-        nxt = self.client_epsilon([*book["history"], [self.release.round_multiplier(k), k, 1]])
+        rel, k = self.release, self.release.sample
+        if rel.client.noise == "distributed" and rel.server_sees_uploads:
+            counts = book.get("uploads", {})
+            pool = [str(c) for c in clients] if clients is not None else list(counts) or ["-"]
+            most = max((counts.get(c, 0) for c in pool), default=0)
+            nxt = max(self.server_view_epsilon(most + 1),
+                      self.client_epsilon([*book["history"], *[[e[0], e[1], 1] for e in book["pending"]],
+                                           [rel.round_multiplier(k), k, 1]]))
+        elif rel.client.noise == "distributed":  # through SecAgg+: the fewest survivors it still unmasks
+            worst = self.cfg.federation.secure_aggregation.min_survivors(k)
+            nxt = self.client_epsilon([*book["history"], *[[e[0], e[1], 1] for e in book["pending"]],
+                                       [rel.round_multiplier(worst), k, 1]])
+        else:
+            nxt = self.client_epsilon([*book["history"], [rel.round_multiplier(k), k, 1]])
         if nxt <= target * (1 + 1e-9):
             return None
-        return (f"privacy budget: round {round_idx + 1} would take ε from {book['epsilon']:.3g} to {nxt:.3g} > "
+        what = f"round {round_idx + 1}" + (f" (attempt {attempt + 1})" if attempt else "")
+        return (f"privacy budget: {what} would take ε from {book['epsilon']:.3g} to {nxt:.3g} > "
                 f"privacy.client.target_epsilon={target:g} (δ = {self.release.client.delta:g}); the run stops after round "
                 f"{round_idx} (checkpointed)")
+
+    def spent_sites(self, state: Any, clients: Sequence[int]) -> dict[int, str]:
+        """The sampled sites that must not train this round: their next client-round of DP-SGD
+        would take their ε past ``privacy.record.target_epsilon`` (the cap; with
+        ``calibration: every_round`` only retries reach it). ``{client: one line}``."""
+        if self.record is None or self.record.target_epsilon is None or self.sites is None:
+            return {}
+        book, target, out = self._book(state), float(self.record.target_epsilon), {}
+        for c in clients:
+            sch = self.sites.schedule(int(c))
+            nxt = epsilon([*book["sites"].get(str(int(c)), []), [sch.noise_multiplier, sch.sample_rate, sch.steps_per_round]],
+                          self.record.delta, self.record.accountant)
+            if nxt > target * (1 + 1e-9):
+                out[int(c)] = (f"privacy budget spent: another round would take this site's ε to {nxt:.3g} > "
+                               f"privacy.record.target_epsilon={target:g}; not trained")
+        if out:
+            book.setdefault("stopped_sites", {}).update({str(c): why for c, why in out.items()})
+        return out
+
+    def close_attempts(self, state: Any, run_dir: Path) -> None:
+        """A round abandoned after some of its attempts released (the budget stop): their
+        releases join the history now, and privacy.json says so."""
+        if self.release is not None:
+            cb = self._client_book(state)
+            events, cb["pending"] = cb["pending"], []
+            cb["history"] = _merge_client([*cb["history"], *[[e[0], e[1], 1] for e in events]])
+            self._client_headline(cb)
+        if self.record is not None:
+            book = self._book(state)
+            for c in book["pending"]:
+                book["epsilon"][c] = epsilon(book["sites"][c], self.record.delta, self.record.accountant)
+            book["pending"] = {}
+        self.write(run_dir, state)
 
     @staticmethod
     def _book(state: Any) -> dict[str, Any]:
@@ -257,9 +397,15 @@ class PrivacyLedger:
         """Count every upload that came back in one attempt of round ``round_idx`` (the server saw
         it, whatever validation decides): its site's ``(σ, q, steps)`` joins that site's history."""
         if self.release is not None and self.release.client.noise == "distributed":
-            received = sum(1 for r in results if _released(r))
-            if received:  # the clients released their noised uploads, whatever the server keeps
-                self._client_event(self._client_book(state), received, len(results))
+            out = [r for r in results if _released(r, unknown_counts=self.release.server_sees_uploads)]
+            if out:  # the clients released their noised uploads, whatever the server keeps
+                cb = self._client_book(state)
+                event = self._client_event(cb, len(out), len(results))
+                ups = [int(r.client) for r in out] if self.release.server_sees_uploads else []
+                for c in ups:
+                    cb.setdefault("uploads", {})[str(c)] = cb.setdefault("uploads", {}).get(str(c), 0) + 1
+                self._journal(state, {"level": "client", "round": round_idx + 1, "attempt": attempt, "event": event,
+                                      "uploads": ups})
         if self.record is None:
             return
         book = self._book(state)
@@ -273,6 +419,8 @@ class PrivacyLedger:
                 continue
             entry = [float(st["dp_noise_multiplier"]), float(st["dp_sample_rate"]), int(st["dp_steps"])]
             book["sites"][c] = merge_history([*book["sites"].get(c, []), entry])
+            self._journal(state, {"level": "record", "round": round_idx + 1, "attempt": attempt, "client": int(res.client),
+                                  "entry": entry})
             p = book["pending"].setdefault(c, {"steps": 0, "noise_multiplier": entry[0], "sample_rate": entry[1],
                                                "attempts": []})
             p["steps"] += entry[2]
@@ -304,10 +452,11 @@ class PrivacyLedger:
         if self.release is not None:
             cb = self._client_book(state)
             if self.release.client.noise == "central":  # the server released the noised aggregate of the kept uploads
-                self._client_event(cb, len(uploads), self.release.sample)
+                event = self._client_event(cb, len(uploads), self.release.sample)
+                self._journal(state, {"level": "client", "round": round_idx + 1, "event": event, "uploads": []})
             events, cb["pending"] = cb["pending"], []
             cb["history"] = _merge_client([*cb["history"], *[[e[0], e[1], 1] for e in events]])
-            cb["epsilon"] = self.client_epsilon(cb["history"])
+            self._client_headline(cb)
             clip = self.current_clip(state)
             rec["client"] = {"releases": [{"noise_multiplier": e[0], "sampled": e[1], "uploads": e[2]} for e in events],
                              "epsilon": cb["epsilon"], "clip": clip}
@@ -329,8 +478,21 @@ class PrivacyLedger:
 
     def document(self, state: Any) -> dict[str, Any]:
         """``privacy.json`` (module doc)."""
+        doc = self._document(state)
+        if self.cfg.privacy.enabled:
+            doc["reproducible"] = bool(self.cfg.privacy.reproducible)
+            doc["upload_fields"] = upload_fields(self.release, self.record)
+            if state.meta.get("privacy_recovered"):
+                doc["recovered_releases"] = state.meta["privacy_recovered"]
+            stopped = (state.meta.get("privacy") or {}).get("stopped_sites")
+            if stopped:
+                doc["stopped_sites"] = stopped
+        return doc
+
+    def _document(self, state: Any) -> dict[str, Any]:
         book = state.meta.get("privacy") or {"sites": {}, "epsilon": {}, "rounds": [], "unaccounted": []}
         r = self.record
+        reproducible = bool(self.cfg.privacy.reproducible)
         client = self._client_document(state) if self.release is not None else None
         if r is None and client is not None:
             return {"protected": True, "statement": client["statement"], "mechanism": None,
@@ -346,16 +508,19 @@ class PrivacyLedger:
                         "noise_multiplier": hist[-1][0], "sample_rate": hist[-1][1],
                         "history": hist, "epsilon": book["epsilon"].get(c)}
         eps = [v for v in book["epsilon"].values() if v is not None]
-        unprotected = not_protected(r)
+        unprotected = not_protected(r, reproducible)
         if self.cfg.federation.client_eval:
             unprotected.append("the per-site evaluation metrics of federation.client_eval (computed on the sites' held-out "
                                "rows, not by DP-SGD)")
-        doc = {"protected": True, "statement": record_statement(r), "mechanism": mechanism(r, self.support),
+        doc = {"protected": True, "statement": record_statement(r, reproducible),
+               "mechanism": mechanism(r, self.support, reproducible),
                "delta": r.delta, "epsilon_max": max(eps) if eps else 0.0,
                "not_protected": unprotected, "sites": sites, "rounds": book["rounds"]}
         if client is not None:
-            doc["not_protected"] = [x for x in doc["not_protected"] if not x.startswith("a site's data as a whole")]
+            doc["not_protected"] = [x for x in doc["not_protected"] if not x.startswith("a site's data as a whole")
+                                    and x != NOT_AGAINST_CONFIG]
             doc["client"] = {k: v for k, v in client.items() if k != "not_protected"}
+            doc["not_protected"] += [x for x in client["not_protected"] if x not in doc["not_protected"]]
             doc["statement"] += " " + client["statement"]
         if book.get("unaccounted"):
             doc["unaccounted_uploads"] = book["unaccounted"]
@@ -367,22 +532,23 @@ class PrivacyLedger:
         """``privacy.json``'s ``client`` part: the mechanism, σ, the history and ε of the federation."""
         rel, c = self.release, self.release.client
         cb = state.meta.get("privacy_client") or {"history": [], "epsilon": 0.0}
-        unprotected = ["which sites took part in which round (DP does not hide participation)",
-                       "each site's number of examples (num_examples is sent exact; the round's weights are uniform, so it "
-                       "does not enter the aggregate)"]
+        unprotected = ["which sites took part in which round (DP does not hide participation)"]
         if c.release_metrics:
             unprotected.append("the clients' training losses (privacy.client.release_metrics: true sends them in the clear)")
-        if self.cfg.diagnostics and c.noise == "central":
-            unprotected.append("diagnostics.jsonl (diagnostics: true computes the drift and mismatch from the raw uploads)")
         if self.cfg.federation.client_eval:
             unprotected.append("the per-site evaluation metrics of federation.client_eval")
-        if not c.secure_mode:
-            unprotected.append("against anyone who knows the run's seed (the noise is seeded; privacy.client.secure_mode: false)")
-        return {"statement": client_statement(rel), "mechanism": client_mechanism(rel), "delta": c.delta,
-                "noise_multiplier": rel.sigma, "moment_noise_multiplier": rel.sigma_m,
-                "update_noise_multiplier": rel.sigma_update, "count_noise_multiplier": rel.sigma_b,
-                "clip": cb.get("clip", c.clip),
-                "history": cb["history"], "epsilon": cb["epsilon"], "not_protected": unprotected}
+        if rel.reproducible:
+            unprotected.append(NOT_AGAINST_CONFIG)
+        out = {"statement": client_statement(rel), "mechanism": client_mechanism(rel), "delta": c.delta,
+               "noise_multiplier": rel.sigma, "moment_noise_multiplier": rel.sigma_m,
+               "update_noise_multiplier": rel.sigma_update, "count_noise_multiplier": rel.sigma_b,
+               "clip": cb.get("clip", c.clip),
+               "history": cb["history"], "epsilon": cb["epsilon"], "not_protected": unprotected}
+        if rel.server_sees_uploads:
+            out["epsilon_sum"] = cb.get("epsilon_sum", cb["epsilon"])
+            out["upload_noise_multiplier"] = rel.upload_multiplier()
+            out["uploads_seen"] = dict(cb.get("uploads", {}))
+        return out
 
     def write(self, run_dir: Path, state: Any) -> None:
         """Rewrite ``<run_dir>/privacy.json`` (atomically)."""
@@ -468,10 +634,23 @@ def client_plan(cfg: FederatedConfig, num_clients: int) -> dict[str, Any] | None
                 "round_noise_multiplier": sigma, "aggregate": "mean" if rel.mean else "individual",
                 "epsilon_first_round": client_epsilon([(sigma, rel.sample, 1)], num_clients, c.delta),
                 "epsilon_planned": client_epsilon([(sigma, rel.sample, cfg.federation.rounds)], num_clients, c.delta)})
+    if rel.server_sees_uploads:  # distributed noise without secure aggregation: one upload as the server sees it is the headline
+        up = rel.upload_multiplier()
+        out.update({"epsilon_sum_planned": out["epsilon_planned"], "upload_noise_multiplier": up,
+                    "epsilon_first_round": client_epsilon([(up, 1, 1)], 1, c.delta),
+                    "epsilon_planned": client_epsilon([(up, 1, cfg.federation.rounds)], 1, c.delta),
+                    "headline": "one upload as the server sees it (no secure aggregation)"})
     return out
 
 
-def _released(res: Any) -> bool:
+#: errors after which a client's upload may have left its site although none came back (a reply lost or late)
+_UNKNOWN = ("no reply", "timed out")
+
+
+def _released(res: Any, unknown_counts: bool = False) -> bool:
     """Whether a client's upload left its site: an upload came back, or (secure aggregation) it went
-    into the round's masked sum."""
-    return res.upload is not None or bool((res.stats or {}).get("secagg_summed"))
+    into the round's masked sum; with ``unknown_counts``, also a client whose reply was lost or
+    late (it may have sent it: counted, the conservative side)."""
+    if res.upload is not None or bool((res.stats or {}).get("secagg_summed")):
+        return True
+    return unknown_counts and any(m in (res.error or "") for m in _UNKNOWN)

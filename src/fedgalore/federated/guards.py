@@ -71,6 +71,16 @@ class SecureAggregationConfig:
             raise ConfigError(f"{path}.max_weight={self.max_weight!r} must be a positive number or null (the largest client size)")
         return self
 
+    def min_survivors(self, clients: int) -> int:
+        """The fewest of ``clients`` nodes whose masked uploads SecAgg+ can still unmask into a sum:
+        a survivor's mask needs ``reconstruction_threshold`` of its ``num_shares`` shares, so fewer
+        survivors than that release nothing (the privacy accountant's worst case)."""
+        k = max(int(clients), 1)
+        shares = int(self.num_shares) if self.count(self.num_shares) else max(int(math.ceil(float(self.num_shares) * k)), 1)
+        t = self.reconstruction_threshold
+        need = int(t) if self.count(t) else int(math.ceil(float(t) * shares))
+        return max(1, min(k, need))
+
     @staticmethod
     def count(x: float) -> bool:
         """True when ``x`` is a count (an integer above 1), False for a share in (0, 1]."""

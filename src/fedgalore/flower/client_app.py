@@ -96,6 +96,10 @@ def _runtime(job: ConfigRecord, node_config=None):
         from fedgalore.federated.partition import decode_partition
 
         cfg = FederatedConfig.from_dict(json.loads(str(job["config"])))
+        if cfg.privacy.enabled and cfg.privacy.reproducible:  # the node does not trust a server that asks for seeded noise
+            from fedgalore.privacy.randomness import REPRODUCIBLE_REFUSED
+
+            raise ValueError(REPRODUCIBLE_REFUSED)
         for old in [k for k in _RUNTIMES if k[0] != run]:  # one run at a time per process
             del _RUNTIMES[old]
         if "partition" in job:

@@ -70,6 +70,8 @@ def _entry_parts(key: str, e: Entry) -> list[tuple[str, torch.Tensor]]:
     if isinstance(e, SeededLowRank):
         return [(f"coef@{e.seed}:{e.side}", e.coef)]
     if isinstance(e, GaLoreUpdate):
+        if e.decay != 0.0:
+            raise DataDrivenBasis(f"{key}: a GaLore update with a weight-decay term (decay·W0 is outside the clip)")
         out = []
         for t in e.terms:
             if not isinstance(t, SeededLowRank):
@@ -162,11 +164,12 @@ def add_noise(upload: Payload, refs: dict[Slot, torch.Tensor], changes: dict[Slo
     return Payload(entries, dict(upload.meta))
 
 
-def shared_noise(changes: Sequence[dict[Slot, torch.Tensor]], std: float, generator: torch.Generator,
+def shared_noise(changes: Sequence[dict[Slot, torch.Tensor]], std: float, draw: Callable[[torch.Size, float], torch.Tensor],
                  select: Callable[[Slot], bool]) -> list[dict[Slot, torch.Tensor]]:
-    """Central noise on the sum (module doc): one draw z ~ N(0, std²) per selected slot, split
+    """Central noise on the sum (module doc): one draw z ~ N(0, std²) per selected slot
+    (``draw(shape, std)``: fedgalore.privacy.randomness.gaussian on the run's DP stream), split
     evenly over the uploads that hold it (``z/n`` each), so the uniform mean of the k uploads
-    carries exactly ``z/k``. Slots are drawn in sorted order (reproducible)."""
+    carries exactly ``z/k``. Slots are drawn in sorted order."""
     holders: dict[Slot, list[int]] = {}
     for i, ch in enumerate(changes):
         for s in ch:
@@ -176,7 +179,7 @@ def shared_noise(changes: Sequence[dict[Slot, torch.Tensor]], std: float, genera
     for s in sorted(holders):
         idx = holders[s]
         shape = changes[idx[0]][s].shape
-        z = torch.randn(shape, generator=generator, dtype=torch.float32) * float(std)
+        z = draw(shape, float(std))
         for i in idx:
             out[i][s] = z / len(idx)
     return out

@@ -10,8 +10,7 @@ YAML::
         # target_epsilon: 8.0    # ... or give ε and σ is calibrated per site (not both)
         delta: 1.0e-5            # δ of the reported (ε, δ); must be < 1/n for every site's n examples
         accountant: rdp          # rdp | prv (Opacus' accountants)
-        calibration: expected    # target_epsilon over the site's expected rounds (K/M·R) | every_round (all R)
-        secure_mode: false       # true: noise and sampling from OS entropy (not reproducible) + Opacus' secure noise
+        calibration: every_round # target_epsilon over all R rounds (a cap) | expected (K/M·R rounds; a site that would pass the target stops)
         release_metrics: false   # true: the clients' training losses travel in the clear (not protected)
 
       client:                    # DP-FedAvg across sites: whole uploads clipped, Gaussian noise on their sum
@@ -24,8 +23,10 @@ YAML::
         moment_clip: 1.0         # C_m: each client's moment block clipped to this L2 norm (moments: noised)
         moment_noise_multiplier: null   # σ_m (null: σ)
         adaptive_clipping: null  # {target_quantile: 0.5, lr: 0.2, count_noise_multiplier: null}: C follows a norm quantile
-        secure_mode: false       # true: noise from OS entropy (not reproducible)
         release_metrics: false   # true: the clients' training losses travel in the clear (not protected)
+
+      reproducible: false        # true (studies only): every DP draw seeded from the run's seed — NOT protected against
+                                 # anyone who holds the config (the server); false: OS entropy (fedgalore.privacy.randomness)
 
 Only the typed values and their checks live here; the mechanism is :mod:`fedgalore.privacy.dpsgd`,
 the accounting :mod:`fedgalore.privacy.accounting`.
@@ -50,9 +51,16 @@ def _num(v: object) -> str:
     return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
 
 
+_SECURE_MODE_REMOVED = ("was removed: every DP draw now comes from OS entropy by default (secure); "
+                        "privacy.reproducible: true seeds them for studies; drop the key")
+
+
 @dataclass
 class RecordPrivacy:
     """``privacy.record``: record-level differential privacy by DP-SGD at every site (module doc)."""
+
+    #: keys of earlier versions and what to do instead (fedgalore.typed.from_plain)
+    _removed_keys = {"secure_mode": _SECURE_MODE_REMOVED}
 
     #: C: the per-example clipping norm (L2 over every tensor the site trains, per optimizer step)
     max_grad_norm: float = 1.0
@@ -64,11 +72,10 @@ class RecordPrivacy:
     delta: float = 1e-5
     #: Opacus' accountant: rdp (Rényi DP, Mironov et al.) or prv (privacy random variables, Gopi et al.)
     accountant: Literal["rdp", "prv"] = "rdp"
-    #: target_epsilon: plan for the site's expected participation (clients_per_round/num_clients of the rounds) or for every round
-    calibration: Literal["expected", "every_round"] = "expected"
-    #: true: the noise and the Poisson sampling draw from OS entropy (a run is no longer reproducible) and Opacus'
-    #: secure noise sampling is used; false: from generators seeded by the run's seed (reproducible, simulation)
-    secure_mode: bool = False
+    #: target_epsilon: plan σ for every round (the worst case: the target is never passed) or for the site's expected
+    #: participation (clients_per_round/num_clients of the rounds; a site whose next round would pass the target
+    #: is not trained again). Either way target_epsilon is a cap (fedgalore.engine.privacy_ledger.PrivacyLedger.site_stop)
+    calibration: Literal["expected", "every_round"] = "every_round"
     #: true: each client's training-loss statistics (raw, NOT protected) are uploaded; false: withheld
     release_metrics: bool = False
 
@@ -126,6 +133,8 @@ class ClientPrivacy:
     al. 2018): each client's upload change is clipped to ``clip``, the sum carries Gaussian noise
     N(0, σ²C²), the federation's accountant composes the rounds (fedgalore.privacy.client_dp)."""
 
+    _removed_keys = {"secure_mode": _SECURE_MODE_REMOVED}
+
     #: C: the L2 norm each client's whole upload change (update and head, every tensor it sends) is clipped to
     clip: float = 0.1
     #: σ: the noise on the sum of the clipped changes has std σ·C; or target_epsilon
@@ -145,8 +154,6 @@ class ClientPrivacy:
     moment_noise_multiplier: float | None = None
     #: the clip norm adapted to a quantile of the update norms (``clip`` is its start); null: fixed
     adaptive_clipping: AdaptiveClipping | None = None
-    #: true: noise from OS entropy (not reproducible); false: seeded by the run's seed, round and client
-    secure_mode: bool = False
     #: true: each client's training-loss statistics (raw, NOT protected) are uploaded; false: withheld
     release_metrics: bool = False
 
@@ -195,6 +202,10 @@ class PrivacyConfig:
 
     record: RecordPrivacy | None = None
     client: ClientPrivacy | None = None
+    #: true (studies only): every DP draw is seeded from the run's seed, round and client — reproducible, resumable
+    #: bit for bit, and NOT protected against anyone who holds the config (the server); false: OS entropy
+    #: (fedgalore.privacy.randomness). A Flower deployment refuses true.
+    reproducible: bool = False
 
     @property
     def enabled(self) -> bool:

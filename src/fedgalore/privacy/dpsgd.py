@@ -26,17 +26,17 @@ With ``train.grad_accum_steps = k`` the step's Poisson batch (expected ``q·n = 
 examples) is cut into ``k`` micro-batches; their per-example gradients are concatenated and
 clipped one by one, as in one batch.
 
-Randomness: ``secure_mode=False`` draws the sampling and the noise from generators seeded by
-the caller (the run's seed, the round and the client: reproducible, resumable, for simulation —
-whoever knows the seed can regenerate the noise); ``secure_mode=True`` seeds both from
-``os.urandom`` and uses Opacus' secure Gaussian sampling (``secure_mode`` of ``DPOptimizer``,
-against floating-point attacks). ``torchcsprng``, which Opacus' ``PrivacyEngine`` uses for that
-mode, is not used (it does not build for current torch): the generators are torch's Mersenne
-twister seeded with 64 bits of OS entropy.
+Randomness (fedgalore.privacy.randomness): the caller passes the sampling's and the noise's seeds
+— by default fresh OS entropy per client-round, with ``secure_mode=True`` (Opacus' secure
+Gaussian sampling in ``DPOptimizer``, against floating-point attacks); under
+``privacy.reproducible: true`` seeds derived from the run's seed, round and client, with
+``secure_mode=False`` (reproducible, resumable, for studies — whoever knows the seed can
+regenerate the noise). ``torchcsprng``, which Opacus' ``PrivacyEngine`` uses for secure mode, is
+not used (it does not build for current torch): the generators are torch's, seeded with 63 bits of
+OS entropy.
 """
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
@@ -44,12 +44,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedgalore.privacy.randomness import entropy_seed
+
 __all__ = ["DPSGD", "poisson_steps", "per_sample_support", "wrap_problem", "entropy_seed"]
-
-
-def entropy_seed() -> int:
-    """A 63-bit seed from the operating system's entropy (secure mode)."""
-    return int.from_bytes(os.urandom(8), "little") >> 1
 
 
 def poisson_steps(num_examples: int, rate: float, steps: int, micro_batches: int, seed: int) -> list[np.ndarray]:

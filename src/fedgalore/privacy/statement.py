@@ -13,13 +13,18 @@ import math
 from typing import Any, Mapping
 
 from fedgalore.privacy.config import RecordPrivacy
+from fedgalore.privacy.randomness import RANDOMNESS_ENTROPY, RANDOMNESS_SEEDED
 
-__all__ = ["NOTHING_PROTECTED", "RELEASE_KINDS", "record_statement", "not_protected", "release_record", "summary_line",
+__all__ = ["upload_fields", "NOT_AGAINST_CONFIG", "NOTHING_PROTECTED", "RELEASE_KINDS", "record_statement", "not_protected", "release_record", "summary_line",
            "mechanism", "client_statement", "client_mechanism", "client_release_record"]
 
 NOTHING_PROTECTED = ("Nothing was protected: no differential privacy was on (privacy.record unset). Every upload "
                      "(updates, second moments, data-driven bases, the head, metrics, counts) reached the server as "
                      "computed from the sites' raw data.")
+
+#: what privacy.reproducible: true leaves unprotected (privacy.json's not_protected, the statements)
+NOT_AGAINST_CONFIG = ("anyone who holds the config — the server included — since every DP draw is seeded from the run's "
+                      "seed (privacy.reproducible: true, for studies)")
 
 RELEASE_KINDS = ("update", "moment", "basis", "head", "control_variate", "metrics", "counts")
 
@@ -32,9 +37,9 @@ _WHAT = {
 }
 
 
-def mechanism(record: RecordPrivacy, support: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def mechanism(record: RecordPrivacy, support: Mapping[str, Any] | None = None, reproducible: bool = False) -> dict[str, Any]:
     """The DP-SGD mechanism as ``privacy.json`` records it (σ per site is in the site records)."""
-    seeded = not record.secure_mode
+    seeded = reproducible
     return {
         "level": "record",
         "name": "DP-SGD (Abadi et al. 2016) through Opacus: GradSampleModule per-example gradients, DPOptimizer "
@@ -48,16 +53,13 @@ def mechanism(record: RecordPrivacy, support: Mapping[str, Any] | None = None) -
         "adjacency": "add/remove one training example of a site",
         "sampling": "Poisson: each example joins each local step with probability q = batch_size·grad_accum_steps/n "
                     "(Opacus' UniformWithReplacementSampler); the engine's shuffled batches are not used",
-        "secure_mode": record.secure_mode,
-        "randomness": ("seeded from the run's seed, round and client (reproducible, for simulation): whoever knows the "
-                       "seed can regenerate the noise and the sampling, so the guarantee holds only against parties "
-                       "who do not; set privacy.record.secure_mode: true in a deployment") if seeded
-        else "noise and sampling from OS entropy, Opacus' secure Gaussian sampling (torchcsprng not used)",
+        "reproducible": seeded,
+        "randomness": RANDOMNESS_SEEDED if seeded else RANDOMNESS_ENTROPY,
         "per_sample_gradients": dict(support) if support else None,
     }
 
 
-def record_statement(record: RecordPrivacy) -> str:
+def record_statement(record: RecordPrivacy, reproducible: bool = False) -> str:
     """The statement of a run with record-level DP."""
     how = (f"σ calibrated per site to ε = {record.target_epsilon:g} over its "
            f"{'expected' if record.calibration == 'expected' else 'every'} round(s)" if record.target_epsilon is not None
@@ -67,13 +69,15 @@ def record_statement(record: RecordPrivacy) -> str:
             f"records are protected at (ε, δ = {record.delta:g}) with ε per site in 'sites' (Opacus "
             f"{record.accountant.upper()} accountant over every step of every round it took part in); everything "
             "the site uploads from its training is post-processing of the privatised gradients.")
-    if not record.secure_mode:
-        text += (" The noise is seeded from the run's seed (reproducible): the guarantee holds only against parties "
-                 "who do not know it.")
+    if reproducible:
+        text += (" NOT protected against anyone who holds the config (the server included): every DP draw is seeded "
+                 "from the run's seed (privacy.reproducible: true).")
+    if record.target_epsilon is not None:
+        text += " target_epsilon is a cap: a site whose next round would pass it is not trained again."
     return text
 
 
-def not_protected(record: RecordPrivacy | None) -> list[str]:
+def not_protected(record: RecordPrivacy | None, reproducible: bool = False) -> list[str]:
     """What the run did not protect (plainly, for ``privacy.json``)."""
     if record is None:
         return ["everything: no differential privacy was on"]
@@ -82,8 +86,8 @@ def not_protected(record: RecordPrivacy | None) -> list[str]:
            "each site's number of examples (num_examples is sent exact; the site's size is treated as public)"]
     if record.release_metrics:
         out.append("the clients' training losses (privacy.record.release_metrics: true sends them in the clear)")
-    if not record.secure_mode:
-        out.append("against anyone who knows the run's seed (the noise is seeded; privacy.record.secure_mode: false)")
+    if reproducible:
+        out.append(NOT_AGAINST_CONFIG)
     return out
 
 
@@ -134,7 +138,7 @@ def summary_line(doc: Mapping[str, Any] | None, upto_round: int | None = None) -
         client_line = (f"client-level DP-FedAvg ({cm.get('noise')} noise, C = {cm.get('clip')}, σ = "
                        f"{float(client.get('noise_multiplier') or 0):.3g}): ε ≤ {eps_s} for the federation at δ = "
                        f"{client.get('delta'):g}{f' by round {upto_round}' if upto_round is not None else ''}"
-                       + ("" if cm.get("secure_mode") else "; noise seeded from the run's seed"))
+                       + ("; NOT protected against whoever holds the config (privacy.reproducible)" if cm.get("reproducible") else ""))
         if not doc.get("mechanism"):
             return "privacy: " + client_line
     mech = doc.get("mechanism") or {}
@@ -152,7 +156,7 @@ def summary_line(doc: Mapping[str, Any] | None, upto_round: int | None = None) -
     return (f"privacy: record-level DP-SGD at each site (Opacus, Poisson sampling, {accountant} accountant): "
             f"ε ≤ {_fmt_eps(float(eps)) if eps is not None else '?'} per site at δ = {delta:g} "
             f"{f'by round {upto_round} ' if upto_round is not None else ''}(max over {len(sites)} site(s) that trained; C = {mech.get('max_grad_norm', float('nan')):g}, {sigma}"
-            + ("" if mech.get("secure_mode") else "; noise seeded from the run's seed") + ")"
+            + ("; NOT protected against whoever holds the config (privacy.reproducible)" if mech.get("reproducible") else "") + ")"
             + (f"; {client_line}" if client_line else ""))
 
 
@@ -193,7 +197,12 @@ def client_mechanism(release: Any) -> dict[str, Any]:
                       "adjacency (sensitivity 2C), composed over the rounds",
         "adjacency": "replace one site's data (all of it) by another's; M is public",
         "sampling": f"K = {release.sample} of M = {release.num_clients} clients per round, uniformly without replacement",
-        "secure_mode": c.secure_mode,
+        "epsilon_headline": ("one upload as the server sees it (distributed noise without secure aggregation: each upload "
+                             "carries its own share of the noise only; no amplification, the server knows whom it sampled); "
+                             "'epsilon_sum' is the aggregate's, what a recipient of the models faces")
+        if release.server_sees_uploads else "the noised sum's (what the server and every recipient of the models see)",
+        "reproducible": release.reproducible,
+        "randomness": RANDOMNESS_SEEDED if release.reproducible else RANDOMNESS_ENTROPY,
     }
 
 
@@ -212,8 +221,12 @@ def client_statement(release: Any) -> str:
         text += f" FedGaLore's second moments are a second release (C_m = {c.moment_clip:g}, σ_m = {release.sigma_m:.4g}), composed."
     elif getattr(release, "moments_from_aggregate", False):
         text += " FedGaLore's second-moment state is built from the noised aggregate (post-processing: nothing added to ε)."
-    if not c.secure_mode:
-        text += " The noise is seeded from the run's seed (reproducible): the guarantee holds only against parties who do not know it."
+    if release.server_sees_uploads:
+        text += (" Distributed noise without secure aggregation: the server sees each upload with its own share of the "
+                 "noise, so the headline ε is one upload's as the server sees it (epsilon_sum: the aggregate's).")
+    if release.reproducible:
+        text += (" NOT protected against anyone who holds the config (the server included): every DP draw is seeded from "
+                 "the run's seed (privacy.reproducible: true).")
     return text
 
 
@@ -221,8 +234,8 @@ def client_release_record(kind: str, release: Any) -> dict[str, Any]:
     """One release type of a round under client-level DP."""
     c = release.client
     if kind == "counts":
-        return {"protected": False, "clipped": False, "sensitivity": None, "noise_multiplier": None,
-                "how": "num_examples exact (not used by the uniform-weight aggregate); the site's size is treated as public"}
+        return {"protected": True, "clipped": False, "sensitivity": None, "noise_multiplier": None,
+                "how": "withheld: no num_examples or step count leaves a client (the aggregate's weights are uniform)"}
     if kind == "metrics":
         return {"protected": not c.release_metrics, "clipped": False, "sensitivity": None, "noise_multiplier": None,
                 "how": "raw training losses in the clear (privacy.client.release_metrics: true)" if c.release_metrics
@@ -233,3 +246,35 @@ def client_release_record(kind: str, release: Any) -> dict[str, Any]:
     return {"protected": True, "clipped": True, "sensitivity": 2 * c.clip, "noise_multiplier": release.sigma,
             "how": f"{_WHAT.get(kind, kind)}: the client's change clipped jointly with its other tensors to C, Gaussian "
                    "noise (sensitivity 2C under replace-one)"}
+
+
+def upload_fields(release: Any, record: RecordPrivacy | None) -> dict[str, str]:
+    """Every field a client's upload carries to the server under the run's DP, and why it is safe
+    (``privacy.json``'s ``upload_fields``; ``tests/test_privacy_server.py`` checks it against real
+    uploads): the entries by kind, then each meta key."""
+    out: dict[str, str] = {}
+    if release is not None:
+        out["entries: update, head"] = ("the client's change from the broadcast, clipped jointly to C, with "
+                                        + ("its own share of the noise" if release.client.noise == "distributed"
+                                           else "the server's noise on the sum (central: the raw upload reaches the "
+                                                "trusted server; nothing raw is logged)"))
+        if release.sigma_m is not None:
+            out["entries: moment/…"] = "second-moment blocks clipped to C_m, noised with σ_m (a composed release)"
+        out["meta: client, round"] = "the job's ids, assigned by the server"
+        out["meta: held_version, version"] = "the downlink version the client holds: the server's own record of what it sent"
+        if release.sigma_b is not None:
+            out["meta: dp_clip_bit"] = "1[‖Δ‖ ≤ C] with its noise (adaptive clipping; inside σ)"
+        if release.client.release_metrics:
+            out["meta: loss_first, loss_last, loss_mean, optimizer diagnostics"] = (
+                "NOT protected: raw training statistics (privacy.client.release_metrics: true)")
+    elif record is not None:
+        out["entries: update, moment/…, head"] = "post-processing of the DP-SGD-privatised gradients"
+        out["meta: num_examples, steps"] = "the site's size and step count: public under record-level DP"
+        out["meta: optimizer diagnostics"] = "post-processing of the privatised gradients"
+        if record.release_metrics:
+            out["meta: loss_first, loss_last, loss_mean"] = "NOT protected: raw training losses (release_metrics: true)"
+    if record is not None:
+        out["meta: dp_steps, dp_noise_multiplier, dp_sample_rate, dp_max_grad_norm"] = (
+            "DP-SGD's schedule for the per-site accountant: fixed by the config and the site's size, which record-level "
+            "DP treats as public")
+    return out
