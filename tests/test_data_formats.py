@@ -530,8 +530,8 @@ def _commands(title: str) -> list[list[str]]:
     import re
     import shlex
 
-    (bash,) = _section_blocks(title, "bash")
-    return [shlex.split(re.sub(r"\s+#\s.*$", "", line)) for line in bash.strip().splitlines()]
+    return [shlex.split(re.sub(r"\s+#\s.*$", "", line)) for bash in _section_blocks(title, "bash")
+            for line in bash.strip().splitlines()]  # every bash block of the section, in order
 
 
 TINY = ["federation.rounds=1", "train.local_steps=1", "output.progress=quiet", "method.rank=4"]
@@ -576,7 +576,7 @@ def test_data_md_files_section_runs_as_written(tmp_path, monkeypatch, bert_dir, 
     title = "## Files as people have them"
     monkeypatch.chdir(tmp_path)
     write(news_rows(120), tmp_path / "news.csv")  # docs/data.md writes it from BBC News; these rows have its columns
-    (code,) = _section_blocks(title, "python")
+    code, *later = _section_blocks(title, "python")  # the file, then (for predict) a Windows-saved copy of it
     exec(compile(code, str(DATA_MD), "exec"), {})  # noqa: S102 - the documentation's own example
     raw = (tmp_path / "excel.csv").read_bytes()
     assert raw.startswith(b"\xef\xbb\xbfbody;topic;site\r\n")
@@ -584,10 +584,18 @@ def test_data_md_files_section_runs_as_written(tmp_path, monkeypatch, bert_dir, 
     (tmp_path / "excel.yaml").write_text(y)
     tiny = TINY + [f"task.options.model={bert_dir}", "task.options.max_length=16", "train.batch_size=8",
                    "federation.clients_per_round=2"]
+    cmds = _commands(title)
+    after = [c for c in cmds if c[1] in ("predict", "evaluate")]  # on the trained run, as written
     with caplog.at_level(logging.WARNING):
-        for cmd in _commands(title):
+        for cmd in [c for c in cmds if c not in after]:
             assert main(cmd[1:] + tiny) == 0, (cmd, capsys.readouterr().err)
     said = [r.getMessage() for r in caplog.records]
+    for block in later:
+        exec(compile(block, str(DATA_MD), "exec"), {})  # noqa: S102
+    for cmd in after:
+        assert main(cmd[1:]) == 0, (cmd, capsys.readouterr().err)
+    out = (tmp_path / "excel-predictions.csv").read_bytes()  # written as excel.csv is: ';', a byte-order mark, CRLF
+    assert out.startswith(b"\xef\xbb\xbfbody;topic;site;") and b"\r\n" in out[:400]
     assert "excel.csv: dropped 3 of 120 rows with an empty or NaN value in column(s) body, topic (task.options.drop_empty)" in said
     assert any(m.startswith("federation.partition.min_client_size=16: dropped site 'lakeview' (") for m in said)
     rec = json.loads((tmp_path / "runs" / "excel-fedgalore-naturalsite-s0" / "partition.json").read_text())
@@ -600,3 +608,50 @@ def test_data_md_files_section_runs_as_written(tmp_path, monkeypatch, bert_dir, 
         assert main(["partition", "--config", "sniffed.yaml"] + tiny) == 0
     assert "excel.csv: read with delimiter ';', encoding utf-8-sig (sniffed; task.options.csv: {delimiter, encoding} sets them)" in [
         r.getMessage() for r in caplog.records]
+
+
+def test_the_float_label_note_names_the_columns_own_values(tmp_path, bert_dir, caplog):
+    """Labels 0.0/1.0/2.0 are named as the file wrote them: "(2.0)", not a made-up "(3.0)"."""
+    df = news_rows(30).assign(triage=lambda d: np.array([0.0, 1.0, 2.0])[np.arange(30) % 3])
+    write(df, tmp_path / "triage.csv")
+    with caplog.at_level(logging.WARNING):
+        text_task(bert_dir, tmp_path / "triage.csv", label_column="triage").build_model()
+    said = [r.getMessage() for r in caplog.records if "whole numbers" in r.getMessage()]
+    assert len(said) == 1 and "stored as floats (2.0): 3 classes (0, 1, 2)" in said[0]
+
+
+def _smollm2_dir():
+    try:
+        from fedgalore.tasks.assets import cache_dir
+
+        d = cache_dir() / "smollm2-135m-instruct"
+        return d if (d / "tokenizer_config.json").is_file() else None
+    except Exception:
+        return None
+
+
+_SMOLLM2 = _smollm2_dir()  # resolved at import (tests may point the cache elsewhere)
+
+
+@pytest.mark.skipif(_SMOLLM2 is None, reason="SmolLM2 not cached (make setup)")
+def test_a_templates_own_system_prompt_is_said_once_and_system_prompt_chooses_it(tmp_path, caplog):
+    """SmolLM2's chat template adds "You are a helpful AI assistant named SmolLM..." to every row
+    without a system turn: the run says so once; task.options.system_prompt replaces it, and a row's
+    own system turn is kept as it is."""
+    from fedgalore.tasks import get_task
+
+    rows = [{"instruction": f"Water the tomatoes {i}?", "input": "", "output": "Yes."} for i in range(8)]
+    (tmp_path / "garden.json").write_text(json.dumps(rows))
+    with caplog.at_level(logging.WARNING):
+        plain = get_task("causal_lm", model=str(_SMOLLM2), data=str(tmp_path / "garden.json"), format="alpaca")
+    said = [r.getMessage() for r in caplog.records if "adds its own system prompt" in r.getMessage()]
+    assert len(said) == 1 and "task.options.system_prompt" in said[0]
+    assert "named SmolLM" in plain._wrap("hi")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        mine = get_task("causal_lm", model=str(_SMOLLM2), data=str(tmp_path / "garden.json"), format="alpaca",
+                        system_prompt="You are a gardener.")
+    assert not [r for r in caplog.records if "adds its own system prompt" in r.getMessage()]
+    assert "You are a gardener." in mine._wrap("hi") and "named SmolLM" not in mine._wrap("hi")
+    own = mine._render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}], True)
+    assert "Be brief." in own and "You are a gardener." not in own

@@ -22,6 +22,8 @@ from typing import Any, Sequence
 __all__ = ["main", "build_parser"]
 
 EXIT_USAGE = 2
+#: a run stopped because a round failed (too few valid uploads after its retries; its checkpoint is kept)
+EXIT_ROUND_FAILED = 3
 _COMPARE_KEYS = ("methods", "settings", "seeds", "method_options", "out")
 
 
@@ -190,24 +192,34 @@ def _hub_note(task: str, options: dict[str, Any] | None = None) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """``fedgalore run``: one run, or ``--resume`` of a stopped one. A round that fails (too few
+    valid uploads after its retries) ends it with one line naming the kept checkpoint and the
+    command that continues, and exit status 3."""
     from fedgalore.engine.api import resume, run
     from fedgalore.engine.config import ConfigError
+    from fedgalore.engine.loop import RoundFailed
 
-    if args.resume is not None:
-        run_dir = Path(args.resume)
-        if not run_dir.is_dir():
-            raise ConfigError(f"--resume {str(run_dir)!r}: no such run directory")
-        rounds = _resume_rounds(args.overrides)
-        if (run_dir / "config.yaml").is_file():
-            _hub_note(*_saved_task(run_dir))
-        progress = _progress(args.progress, None)
-        result = resume(run_dir, progress=progress, rounds=rounds)
-    else:
-        if args.config is None:
-            raise ConfigError("fedgalore run needs --config conf/pipeline/<name>.yaml (or --resume RUN_DIR)")
-        cfg, _ = _load_config(args.config, args.overrides)
-        _hub_note(cfg.task.name, cfg.task.options)
-        result = run(cfg, progress=_progress(args.progress, cfg))
+    try:
+        if args.resume is not None:
+            run_dir = Path(args.resume)
+            if not run_dir.is_dir():
+                raise ConfigError(f"--resume {str(run_dir)!r}: no such run directory")
+            rounds = _resume_rounds(args.overrides)
+            if (run_dir / "config.yaml").is_file():
+                _hub_note(*_saved_task(run_dir))
+            progress = _progress(args.progress, None)
+            result = resume(run_dir, progress=progress, rounds=rounds)
+        else:
+            if args.config is None:
+                raise ConfigError("fedgalore run needs --config conf/pipeline/<name>.yaml (or --resume RUN_DIR)")
+            cfg, _ = _load_config(args.config, args.overrides)
+            _hub_note(cfg.task.name, cfg.task.options)
+            result = run(cfg, progress=_progress(args.progress, cfg))
+    except RoundFailed as exc:  # summary.json says failed; the checkpoint is kept
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print(f"fedgalore: {exc.advice()}", file=sys.stderr)
+        return EXIT_ROUND_FAILED
     s = result.summary
     print(f"final ({s.get('rounds_completed')}/{s.get('rounds')} rounds, {s.get('status')}): {_fmt_metrics(s.get('final') or {})}")
     print(f"run dir: {result.run_dir}")
@@ -218,6 +230,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from fedgalore.compare import run_grid
     from fedgalore.engine.config import ConfigError
+    from fedgalore.engine.loop import RoundFailed
 
     cfg, section = _load_config(args.config, args.overrides)
     methods = _split_list(args.methods if args.methods is not None else section.get("methods"), "--methods")
@@ -245,8 +258,16 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if not (n >= 1 and 0 <= i < n):
             raise ConfigError(f"--shard I/N needs 0 <= I < N, got {args.shard!r}")
         shard = (i, n)
-    run_grid(cfg, methods, settings, seeds, out, progress, method_options=options, on_cell=say, report=not args.no_report,
-             shard=shard, rerun_changed=args.rerun_changed)
+    try:
+        run_grid(cfg, methods, settings, seeds, out, progress, method_options=options, on_cell=say, report=not args.no_report,
+                 shard=shard, rerun_changed=args.rerun_changed)
+    except RoundFailed as exc:  # one cell's round failed: that cell is marked failed, its checkpoint kept
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print(f"fedgalore: {exc} (cell {exc.run_dir}); the comparison stopped there: fix the cause, then run the same "
+              "fedgalore compare command again (finished cells are skipped, that cell resumes from its last checkpoint)",
+              file=sys.stderr)
+        return EXIT_ROUND_FAILED
     if not quiet and not args.no_report and (out / "table.md").is_file():
         print((out / "table.md").read_text().split("### Runs")[0].rstrip())
     print(f"comparison dir: {out}")
@@ -266,13 +287,28 @@ def cmd_partition(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    """Bytes and memory of a run of the config, judged against this machine (or --gpu-gib / --host-gib);
+    progress on stderr; Ctrl-C / SIGTERM: "plan interrupted", never run advice (nothing was run)."""
+    from fedgalore.engine.liveness import Terminated, sigterm_stops
     from fedgalore.plan import format_plan, make_plan
 
-    cfg, section = _load_config(args.config, args.overrides)
-    methods = _split_list(args.methods if args.methods is not None else section.get("methods"), "--methods") or [cfg.method.name]
-    options = _check_method_options(section.get("method_options"), "compare.method_options")
-    plan = make_plan(cfg, methods, options, train_examples=args.train_examples)
-    print(format_plan(plan, accelerator_gib=args.accelerator_gib, host_gib=args.host_gib), end="")
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        with sigterm_stops():  # SIGTERM: the same clean stop as Ctrl-C (the miniature's temporary folder is removed)
+            cfg, section = _load_config(args.config, args.overrides)
+            if cfg.task.name not in ("metamath", "offline_math"):  # those are planned from a config alone, no hub
+                _hub_note(cfg.task.name, cfg.task.options)  # offline unless the task names the hub and it answers
+            methods = _split_list(args.methods if args.methods is not None else section.get("methods"), "--methods") or [cfg.method.name]
+            options = _check_method_options(section.get("method_options"), "compare.method_options")
+            plan = make_plan(cfg, methods, options, train_examples=args.train_examples, gpu_gib=args.gpu_gib,
+                             host_gib=args.host_gib, progress=progress)
+    except KeyboardInterrupt as exc:  # Terminated (SIGTERM) is a KeyboardInterrupt
+        term = isinstance(exc, Terminated)
+        print(f"fedgalore: plan interrupted ({'SIGTERM' if term else 'Ctrl-C'}); nothing was run or written", file=sys.stderr)
+        return 143 if term else 130
+    print(format_plan(plan), end="")
     if args.json:
         Path(args.json).write_text(json.dumps(plan, indent=1, default=str))
         print(f"plan written to {args.json}")
@@ -345,16 +381,20 @@ def _mib(n: int | None) -> str:
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
     from fedgalore.engine.config import ConfigError
-    from fedgalore.engine.evaluate import evaluate
+    from fedgalore.engine.evaluate import MIN_GROUP, evaluate
 
+    if args.min_group is not None and args.by is None:
+        raise ConfigError(f"--min-group {args.min_group} ranks the groups of --by COLUMN: give --by too (e.g. --by site)")
     if args.overrides and args.config is None:
         raise ConfigError("key=value overrides change a --config: give --config CONFIG with them")
     cfg = _load_config(args.config, args.overrides)[0] if args.config is not None else None
-    ev = evaluate(args.path, cfg, data=args.data, device=args.device, batch_size=args.batch_size, by=args.by)
+    ev = evaluate(args.path, cfg, data=args.data, device=args.device, batch_size=args.batch_size, by=args.by,
+                  min_group=MIN_GROUP if args.min_group is None else args.min_group)
     if args.json:
         out = {"source": ev.source, "task": ev.task, "examples": ev.examples, "metrics": ev.metrics}
         if ev.by is not None:
-            out.update(by=ev.by, groups=ev.groups, worst=ev.worst)
+            out.update(by=ev.by, groups=ev.groups, worst=ev.worst, min_group=ev.min_group,
+                       training=ev.training or None, **({"training_note": ev.training_note} if ev.training_note else {}))
         if ev.live:
             out["live"] = ev.live
         print(json.dumps(out))
@@ -368,31 +408,52 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _group_table(ev: Any) -> str:
-    """``evaluate --by``: one line per group (rows, metrics) and the worst group."""
+    """``evaluate --by``: one line per group (rows, whether it took part in training, metrics) and
+    the worst group among those of at least ``--min-group`` rows."""
+    from fedgalore.engine.evaluate import TRAINING_STATES
+
     names = list(ev.groups)
     metrics = [k for k in ev.groups[names[0]] if k != "n"]
     width = max(len(ev.by), *(len(n) for n in names))
-    lines = [f"by {ev.by} ({len(names)} groups):", f"  {ev.by:<{width}}  {'n':>6}  " + "  ".join(f"{m:>12}" for m in metrics)]
+    tw = max(len("trained"), *(len(v) for v in ev.training.values())) if ev.training else len("trained")
+    lines = [f"by {ev.by} ({len(names)} groups):",
+             f"  {ev.by:<{width}}  {'n':>6}  {'trained':<{tw}}  " + "  ".join(f"{m:>12}" for m in metrics)]
     for n in names:
         g = ev.groups[n]
-        lines.append(f"  {n:<{width}}  {int(g['n']):>6}  " + "  ".join(f"{g[m]:>12.4f}" for m in metrics))
-    lines.append(f"worst {ev.by} (by the task's primary metric): {ev.worst} "
-                 f"({_fmt_metrics({k: v for k, v in ev.groups[ev.worst].items() if k != 'n'})})")
+        lines.append(f"  {n:<{width}}  {int(g['n']):>6}  {ev.training.get(n, '?'):<{tw}}  "
+                     + "  ".join(f"{g[m]:>12.4f}" for m in metrics))
+    if ev.training:
+        lines.append("trained: " + "; ".join(f"{k} = {TRAINING_STATES[k]}" for k in TRAINING_STATES
+                                             if k in ev.training.values()))
+    else:
+        lines.append(f"trained: {ev.training_note}")
+    small = sum(ev.groups[n]["n"] < ev.min_group for n in names)
+    if ev.worst is None:
+        lines.append(f"worst {ev.by}: none named, no group has n >= {ev.min_group} test rows (--min-group {ev.min_group}; "
+                     "lower it to compare small groups)")
+    else:
+        lines.append(f"worst {ev.by} (by the task's primary metric): {ev.worst} "
+                     f"({_fmt_metrics({k: v for k, v in ev.groups[ev.worst].items() if k != 'n'})}), among the "
+                     f"{len(names) - small} group{'s' if len(names) - small != 1 else ''} with n >= {ev.min_group} "
+                     f"(--min-group {ev.min_group}"
+                     + (f"; {small} smaller group{'s' if small != 1 else ''} not ranked)" if small else ")"))
     return "\n".join(lines)
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
     """Predictions of an exported folder or a run for every row of a file (fedgalore.engine.predict)."""
     from fedgalore.engine.config import ConfigError
-    from fedgalore.engine.predict import predict
+    from fedgalore.engine.predict import parse_csv_options, predict
 
     if args.overrides and args.config is None:
         raise ConfigError("key=value overrides change a --config: give --config CONFIG with them")
     cfg = _load_config(args.config, args.overrides)[0] if args.config is not None else None
     columns = _split_list(args.text_column, "--text-column") if args.text_column else None
+    csv_options = parse_csv_options(args.csv)
     with _row_progress(args.data, args.progress) as on_batch:
         res = predict(args.path, args.data, args.out, cfg, batch_size=args.batch_size, device=args.device,
-                      text_column=columns, max_new_tokens=args.max_new_tokens, on_batch=on_batch, force=args.force)
+                      text_column=columns, max_new_tokens=args.max_new_tokens, on_batch=on_batch, force=args.force,
+                      csv=csv_options)
     if res.live:
         print(f"note: {res.live}")
     print(f"predicted {res.rows} rows of {args.data} with {res.source} ({res.task}); wrote {res.out} "
@@ -640,8 +701,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.batch_size=4")
     pl.add_argument("--methods", help="comma-separated methods (default: compare.methods of the config, else method.name)")
     pl.add_argument("--train-examples", type=int, help="training-set size when the data is not available here")
-    pl.add_argument("--accelerator-gib", type=float, default=78.0, help="usable accelerator memory (default 78: an 80 GB GPU)")
-    pl.add_argument("--host-gib", type=float, default=120.0, help="usable host RAM (default 120: a 128 GB machine)")
+    pl.add_argument("--gpu-gib", "--accelerator-gib", dest="gpu_gib", type=float, metavar="X",
+                    help="judge for a GPU with X GiB usable (default: the CUDA device found here, less 1 GiB)")
+    pl.add_argument("--host-gib", type=float, metavar="Y",
+                    help="judge for a host with Y GiB usable RAM (default: the memory available here, /proc/meminfo)")
     pl.add_argument("--json", metavar="FILE", help="also write the plan as JSON")
     pl.set_defaults(func=cmd_plan)
 
@@ -678,7 +741,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, help="evaluation batch size (default: federation.eval_batch_size)")
     ev.add_argument("--device", default="cpu", help="where to run the model (default cpu)")
     ev.add_argument("--by", metavar="COLUMN", help="also the metrics of every group of test rows sharing a value of "
-                    "COLUMN (e.g. site), from one pass, and the worst group")
+                    "COLUMN (e.g. site), from one pass, whether each group took part in training, and the worst group")
+    ev.add_argument("--min-group", type=int, metavar="N",
+                    help="with --by: name the worst group among groups of at least N test rows (default 20, "
+                         "fedgalore.engine.evaluate.MIN_GROUP)")
     ev.add_argument("--json", action="store_true", help="print the result as one JSON object")
     ev.set_defaults(func=cmd_evaluate)
 
@@ -689,6 +755,10 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--config", help="the task that makes the inputs (default: the run's config; an export carries it)")
     pr.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of --config")
     pr.add_argument("--text-column", metavar="COL[,COL2]", help="text column(s) to classify (default: the task's text_column)")
+    pr.add_argument("--csv", action="append", metavar="KEY=VALUE",
+                    help="how --data (a .csv/.tsv file) is written, replacing the run's task.options.csv: delimiter=';', "
+                         "encoding=cp1252, quotechar=\"'\" (delimiter=tab for a tab); repeat for several; a field given "
+                         "nowhere is sniffed")
     pr.add_argument("--max-new-tokens", type=int, help="causal_lm: tokens generated per row (default: the task's max_new_tokens)")
     pr.add_argument("--batch-size", type=int, help="batch size (default: federation.eval_batch_size)")
     pr.add_argument("--device", default="cpu", help="where to run the model (default cpu)")

@@ -19,11 +19,12 @@ note is shown at most once per process (a comparison grid, a resumed run).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 from urllib.parse import urlparse
 
-__all__ = ["prepare_hub", "go_offline", "hub_reachable", "names_hub_ids"]
+__all__ = ["prepare_hub", "go_offline", "hub_reachable", "names_hub_ids", "folder_hub_id"]
 
 #: the generic tasks: whether they need the hub depends on their options (:func:`names_hub_ids`)
 _FILE_TASKS = frozenset({"text_classification", "causal_lm", "image_classification"})
@@ -89,6 +90,9 @@ def names_hub_ids(options: dict | None) -> bool:
         offline = {repo for repo, _ in HUB_IDS.values()}  # an offline model's hub id loads its installed copy
         return remote(base) and str(base) not in offline and not (Path(model).expanduser() / str(base)).exists()
     return False
+
+
+from fedgalore.tasks.assets import folder_hub_id  # noqa: E402  (re-exported: it lives below the engine)
 
 
 def prepare_hub(task: str, timeout: float = 3.0, options: dict | None = None) -> str | None:

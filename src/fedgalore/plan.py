@@ -27,19 +27,28 @@ mapped back (exact); the training activations of one micro-batch ``A`` and the e
 key/value cache ``KV`` from formulas (:func:`activation_bytes`, :func:`kv_cache_bytes`) whose
 coefficients are fitted on measured runs (``benchmarks/memory_scaling.py``). The peaks per phase
 follow how the current code composes them (sequential backend; see :func:`memory_plan`).
+
+**The machine it judges.** The verdict "fits" compares the peaks with the memory of the machine
+the plan runs on (:func:`detect_machine`: the CUDA devices torch sees and their memory, the host's
+``MemAvailable``), unless the caller names another machine (``--gpu-gib`` / ``--host-gib``;
+:func:`usable_memory`). A config with ``device=cuda`` planned where torch sees no CUDA device
+does not fit here ("no CUDA here") unless a GPU size is given. Nothing at the real size is
+loaded: causal LMs (and the generic ``causal_lm`` task) are planned from their config on the
+``meta`` device; the plan says which model and data it could not find here.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import os
 import re
 import shutil
 import struct
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -66,6 +75,10 @@ __all__ = [
     "make_plan",
     "format_plan",
     "format_privacy_plan",
+    "host_memory",
+    "detect_machine",
+    "usable_memory",
+    "fit_verdict",
 ]
 
 #: hub models whose config the plan knows without the hub (transformers ``LlamaConfig`` fields)
@@ -108,21 +121,64 @@ class ModelSpec:
 
 
 def _causal_lm_config(model_id: str):
+    """(config, where it came from) of ``model_id``: a local folder's ``config.json``, else the
+    Hugging Face cache (no network), else :data:`KNOWN_MODELS`; one-line :class:`PlanError` otherwise."""
     from transformers import AutoConfig, LlamaConfig
 
     path = Path(str(model_id)).expanduser()
     if (path / "config.json").is_file():
         return AutoConfig.from_pretrained(path), str(path)
+    if not path.is_absolute() and not str(model_id).startswith((".", "~")) and str(model_id).count("/") == 1:
+        try:  # a hub id whose config is cached (local_files_only: no hub lookup, no retries)
+            return AutoConfig.from_pretrained(str(model_id), local_files_only=True), f"{model_id} (config from the Hugging Face cache)"
+        except (OSError, ValueError):
+            pass
     if model_id in KNOWN_MODELS:
-        return LlamaConfig(**{k: v for k, v in KNOWN_MODELS[model_id].items() if k != "model_type"}), f"{model_id} (built-in config)"
+        return (LlamaConfig(**{k: v for k, v in KNOWN_MODELS[model_id].items() if k != "model_type"}),
+                f"{model_id} (not here — no local folder, not in the Hugging Face cache: planned from fedgalore's built-in config)")
     raise PlanError(f"plan: no config for model {model_id!r} here (no hub); set task.options.model to a local folder "
                     f"with config.json (known without the hub: {', '.join(KNOWN_MODELS)})")
 
 
+def _arch(config: Any, tokens: int, causal: bool, max_new_tokens: int = 0, checkpointing: bool = False) -> dict[str, Any]:
+    """The geometry :func:`activation_bytes` and :func:`kv_cache_bytes` read from a transformers
+    config (``num_hidden_layers``, ``hidden_size``, ``intermediate_size``, ``num_attention_heads``;
+    ``{"causal_lm": causal}`` alone when the config lacks one of them: activations not modelled)."""
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    need = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
+    if config is None or not all(isinstance(getattr(config, k, None), int) for k in need) or tokens <= 0:
+        return {"causal_lm": causal}
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return {"causal_lm": causal, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
+            "intermediate": config.intermediate_size, "vocab": int(getattr(config, "vocab_size", 0) or 0) if causal else 0,
+            "kv_dim": kv_heads * head_dim, "heads": heads, "max_length": int(tokens), "max_new_tokens": int(max_new_tokens),
+            "gradient_checkpointing": bool(checkpointing),
+            "attention": getattr(config, "_attn_implementation", None) or "sdpa"}
+
+
+def _task_tokens(task: Task, model: nn.Module) -> int:
+    """Tokens per example of a non-LM task: its ``max_length`` (text; rows are padded to at most
+    it) or ``seq_len``, else a ViT's patches + 1 (``(image_size / patch_size)²`` + [CLS]); 0 unknown."""
+    for key in ("max_length", "seq_len"):
+        v = getattr(task, key, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    config = getattr(model, "config", None)
+    size, patch = getattr(config, "image_size", None), getattr(config, "patch_size", None)
+    if isinstance(size, int) and isinstance(patch, int) and patch > 0:
+        return (size // patch) ** 2 + 1
+    return 0
+
+
 def model_spec(cfg: FederatedConfig) -> tuple[ModelSpec, Task | None]:
-    """The model's shapes. Causal-LM tasks: from the model config on the ``meta`` device (no
-    weights, no data, no hub for :data:`KNOWN_MODELS`); other tasks: the task's own model (the
-    offline tasks build small models). Returns the spec and the task when one was built."""
+    """The model's shapes and geometry (``arch``: :func:`_arch`). Causal-LM tasks: from the model
+    config on the ``meta`` device — ``metamath`` / ``offline_math`` without weights, data or hub
+    (:data:`KNOWN_MODELS`); the generic ``causal_lm`` reads its files and tokenizer (the clients'
+    split) but never its weights; other tasks: the task's own model (the offline tasks build small
+    models). Returns the spec and the task when one was built."""
     from fedgalore.tasks import TASKS, get_task
 
     name, opts = cfg.task.name, dict(cfg.task.options)
@@ -140,25 +196,34 @@ def model_spec(cfg: FederatedConfig) -> tuple[ModelSpec, Task | None]:
         targets = resolve_target_modules(model, LLAMA_TARGET_MODULES)
         params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         quant = opts.get("quantization") or ("4bit" if opts.get("load_in_4bit") else None)
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        arch = {"causal_lm": True, "layers": config.num_hidden_layers, "hidden": config.hidden_size,
-                "intermediate": config.intermediate_size, "vocab": config.vocab_size, "kv_dim": kv_heads * head_dim,
-                "heads": config.num_attention_heads,
-                "max_length": int(opts.get("max_length", 1024 if name == "metamath" else 160)),
-                "max_new_tokens": int(opts.get("max_new_tokens", opts.get("eval_max_new_tokens", 512 if name == "metamath" else 96))),
-                "gradient_checkpointing": bool(opts.get("gradient_checkpointing", False))}
+        arch = _arch(model.config, int(opts.get("max_length", 1024 if name == "metamath" else 160)), True,
+                     int(opts.get("max_new_tokens", opts.get("eval_max_new_tokens", 512 if name == "metamath" else 96))),
+                     bool(opts.get("gradient_checkpointing", False)))
         return ModelSpec(params, targets, [], dtype, arch, source, quant, _quantizable(model, ()) if quant else []), None
     if name not in TASKS:
         raise TaskError(f"unknown task {name!r}")
     quant = opts.pop("quantization", None)  # planned from the dense model: quantising needs a CUDA GPU
     task = get_task(name, **opts)
+    if name == "causal_lm":  # the generic causal LM: its files and tokenizer are read, its weights never loaded
+        from transformers import AutoModelForCausalLM
+
+        from fedgalore.tasks.generic.architectures import load_config, skeleton
+
+        config = load_config(task.model_id)
+        model = skeleton(AutoModelForCausalLM, config).to(task.dtype)  # meta device: shapes only
+        targets = resolve_target_modules(model, task.target_modules)
+        params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        arch = _arch(model.config, int(task.max_length), True, int(task.max_new_tokens),
+                     bool(getattr(task.options, "gradient_checkpointing", False)))
+        return (ModelSpec(params, targets, [], task.dtype, arch, f"{task.model_id} (config only, no weights loaded)", quant,
+                          _quantizable(model, ()) if quant else []), task)
     model = task.build_model()
     targets = resolve_target_modules(model, task.target_modules, exclude=task.head_modules)
     head_params = head_parameters(model, task.head_modules)
     dtype = next(model.parameters()).dtype
     params = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    return (ModelSpec(params, targets, head_params, dtype, {"causal_lm": False}, f"task {name}", quant,
+    arch = _arch(getattr(model, "config", None), _task_tokens(task, model), False)
+    return (ModelSpec(params, targets, head_params, dtype, arch, f"task {name}", quant,
                       _quantizable(model, task.head_modules) if quant else []), task)
 
 
@@ -225,7 +290,7 @@ class DimMap:
         return tuple(out)
 
     def real_bytes(self, t: torch.Tensor, what: str = "tensor") -> int:
-        return int(np.prod(self.real(t.shape, what), dtype=np.int64)) * t.element_size() if t.dim() else t.element_size()
+        return math.prod(self.real(t.shape, what)) * t.element_size() if t.dim() else t.element_size()
 
 
 class _Tree(nn.Module):
@@ -510,21 +575,37 @@ ACT_COEF = {"layer_values_bfloat16": 5.70, "layer_values_float32": 4.70, "checkp
             "checkpointed_extra_hidden": 3.0, "logits_bytes_per_vocab_bfloat16": 3.87, "logits_bytes_per_vocab_float32": 4.23}
 
 
-def activation_bytes(arch: dict[str, Any], batch: int, tokens: int, dtype: torch.dtype, checkpointing: bool | None = None) -> int:
-    """Training activations of one micro-batch of ``batch × tokens`` tokens for a decoder (bytes):
-    the autograd graph at the end of the forward pass, plus one layer recomputed with
-    checkpointing.
+#: values per layer, head and (query, key) pair an eager attention keeps for the backward pass (the
+#: softmax probabilities and the scores they came from): an estimate, not fitted; SDPA keeps none
+EAGER_SCORE_VALUES = 2.0
 
-    Per token, in model-dtype values: without checkpointing ``a L (h + i)`` (``L`` layers, ``h``
-    hidden size, ``i`` MLP width; ``a`` per dtype: bf16 keeps fp32 copies in norms and softmax);
-    with checkpointing ``(c L + d) h`` (every layer's input and the last hidden states) ``+ a (h +
-    i)`` (the layer being recomputed). Logits: ``λ V`` bytes per token. Coefficients
-    :data:`ACT_COEF` are fitted on measured CPU runs at ≤ 128 tokens
-    (``benchmarks/memory_scaling.py``): linear in tokens — an attention that materialises the
-    ``s × s`` scores (no flash/memory-efficient SDPA) adds ``heads · s²`` values per layer, not
-    modelled. Non-LM tasks: 0 (not modelled).
+
+def activation_bytes(arch: dict[str, Any], batch: int, tokens: int, dtype: torch.dtype, checkpointing: bool | None = None) -> int:
+    """Training activations of one micro-batch of ``b = batch`` rows of ``s = tokens`` tokens (bytes):
+    the autograd graph at the end of the forward pass, plus one layer recomputed with
+    checkpointing. ``arch`` is the model config's geometry (:func:`_arch`): ``L`` layers, hidden
+    size ``h``, MLP width ``i``, ``n_h`` attention heads, vocabulary ``V``; ``e`` bytes per value of
+    the model dtype. Every task with such a config is counted — causal LMs (``s`` = the task's
+    ``max_length``), encoders (text: ``max_length``; ViT: patches + 1)::
+
+        A = b · s · (e · body + λ · V)  [+ b · L' · n_h · s² · 2 · e with an eager attention]
+
+    * ``body`` per token, in values: without checkpointing ``a L (h + i)`` (``a`` per dtype: bf16
+      keeps fp32 copies in norms and softmax); with checkpointing ``(c L + d) h + a (h + i)`` (every
+      layer's input, the last hidden states and the layer being recomputed);
+    * logits: ``λ V`` bytes per token, causal LMs only (a classifier's few outputs are negligible:
+      ``V`` = 0);
+    * attention scores: none with SDPA (transformers' default: flash / memory-efficient kernels keep
+      no ``s × s`` matrix); an eager attention (``config._attn_implementation == "eager"``) keeps
+      :data:`EAGER_SCORE_VALUES` values per head and (query, key) pair in each of ``L' = L`` layers
+      (``L' = 1`` with checkpointing).
+
+    Coefficients :data:`ACT_COEF` (``a, c, d, λ``) are fitted on measured CPU runs of decoders at ≤
+    128 tokens (``benchmarks/memory_scaling.py``); for encoders the same per-layer values are an
+    estimate. Linear in ``b · s`` apart from the eager term. 0 when the model has no such config
+    (not modelled).
     """
-    if not arch.get("causal_lm"):
+    if not arch.get("layers") or batch <= 0 or tokens <= 0:
         return 0
     size = torch.empty(0, dtype=dtype).element_size()
     name = str(dtype).replace("torch.", "")
@@ -535,13 +616,16 @@ def activation_bytes(arch: dict[str, Any], batch: int, tokens: int, dtype: torch
         body = (ACT_COEF["checkpointed_per_layer_hidden"] * arch["layers"] + ACT_COEF["checkpointed_extra_hidden"]) * arch["hidden"] + layer
     else:
         body = layer * arch["layers"]
-    logits = ACT_COEF.get(f"logits_bytes_per_vocab_{name}", 4.0) * arch["vocab"]
-    return int(batch * tokens * (body * size + logits))
+    logits = ACT_COEF.get(f"logits_bytes_per_vocab_{name}", 4.0) * arch.get("vocab", 0) if arch.get("causal_lm") else 0.0
+    scores = 0.0
+    if arch.get("attention") == "eager":
+        scores = batch * (1 if ckpt else arch["layers"]) * arch.get("heads", 0) * tokens**2 * EAGER_SCORE_VALUES * size
+    return int(batch * tokens * (body * size + logits) + scores)
 
 
 def kv_cache_bytes(arch: dict[str, Any], batch: int, tokens: int, dtype: torch.dtype) -> int:
     """Greedy generation's key/value cache: ``batch × tokens × layers × 2 × kv_dim`` values."""
-    if not arch.get("causal_lm"):
+    if not arch.get("causal_lm") or not arch.get("layers"):
         return 0
     size = torch.empty(0, dtype=dtype).element_size()
     return int(batch * tokens * arch["layers"] * 2 * arch["kv_dim"] * size)
@@ -697,6 +781,139 @@ def memory_plan(cfg: FederatedConfig, spec: ModelSpec, probe: Probe, clients_per
             "peak_phase": {"accelerator": max(phases, key=lambda k: phases[k]["accelerator"]), "host": max(phases, key=lambda k: phases[k]["host"])}}
 
 
+# ============================================================================ the machine
+MEMINFO = Path("/proc/meminfo")
+#: accelerator memory a run cannot use: the CUDA context and the caching allocator's slack (an 80 GB
+#: GPU reports 79.1 GiB; about 78 GiB are usable)
+CUDA_RESERVE = 1 * GIB
+
+
+def host_memory(meminfo: Path = MEMINFO) -> dict[str, Any]:
+    """This host's memory in bytes: ``total`` and ``available`` (what new processes can take
+    without swapping) from ``/proc/meminfo`` (``MemTotal``, ``MemAvailable``), else from
+    ``os.sysconf`` (``SC_PHYS_PAGES``, ``SC_AVPHYS_PAGES`` × ``SC_PAGE_SIZE``: free pages, less
+    than Linux's ``MemAvailable``); ``None`` each where neither answers. ``source`` says which."""
+    try:
+        fields = dict(re.findall(r"^(\w+):\s+(\d+) kB", meminfo.read_text(), flags=re.MULTILINE))
+        total, avail = fields.get("MemTotal"), fields.get("MemAvailable") or fields.get("MemFree")
+        if total is not None:
+            return {"total": int(total) * 1024, "available": int(avail) * 1024 if avail else None, "source": str(meminfo)}
+    except OSError:
+        pass
+    try:
+        page = os.sysconf("SC_PAGE_SIZE")
+        total = os.sysconf("SC_PHYS_PAGES") * page
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * page
+        except (ValueError, OSError):
+            avail = None
+        return {"total": int(total), "available": None if avail is None else int(avail), "source": "os.sysconf"}
+    except (ValueError, OSError, AttributeError):
+        return {"total": None, "available": None, "source": None}
+
+
+def detect_machine() -> dict[str, Any]:
+    """The devices and memory of the machine this process runs on: ``cuda`` — one entry per CUDA
+    device torch sees (``index``, ``name``, ``total`` bytes from ``torch.cuda.get_device_properties``),
+    ``[]`` without CUDA, with ``cuda_missing`` saying why (a torch built without CUDA, or no GPU
+    visible); ``mps`` — whether Apple's MPS is available; ``host`` — :func:`host_memory`."""
+    cuda: list[dict[str, Any]] = []
+    missing = None
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            cuda.append({"index": i, "name": props.name, "total": int(props.total_memory)})
+    else:
+        missing = (f"torch {torch.__version__} is built without CUDA" if torch.version.cuda is None
+                   else "no CUDA GPU is visible (CUDA_VISIBLE_DEVICES, driver)")
+    mps = bool(getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available())
+    return {"cuda": cuda, "cuda_missing": missing, "mps": mps, "host": host_memory()}
+
+
+def usable_memory(device: str, machine: dict[str, Any], gpu_gib: float | None = None, host_gib: float | None = None,
+                  devices_per_client: int = 1) -> dict[str, Any]:
+    """The memory a run of ``device`` may use, in bytes, and where each number came from.
+
+    * host: ``host_gib`` GiB when given (``--host-gib``), else the detected ``available`` memory;
+    * accelerator (``device`` cuda / cuda:N / mps; ``None`` for cpu): ``gpu_gib`` GiB when given
+      (``--gpu-gib``), else the smallest total memory of the CUDA devices a client uses (``cuda:d …
+      cuda:d+N−1`` for ``devices_per_client`` N) less :data:`CUDA_RESERVE`; for mps torch's
+      ``recommended_max_memory``.
+
+    ``problem`` (None when there is none): the device is not here — "no CUDA here", fewer CUDA
+    devices than the config uses, "no MPS here" — and no ``gpu_gib`` names another machine; the
+    verdict is then "does not fit" (:func:`fit_verdict`). ``note`` says the same when ``gpu_gib``
+    overrides it."""
+    for flag, v in (("--gpu-gib", gpu_gib), ("--host-gib", host_gib)):
+        if v is not None and not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise PlanError(f"{flag} {v!r}: give a positive number of GiB")
+    host = machine.get("host") or {}
+    out: dict[str, Any] = {"device": device, "on_host": not (device.startswith("cuda") or device == "mps"),
+                           "accelerator": None, "accelerator_from": None, "problem": None, "note": None}
+    if host_gib is not None:
+        out["host"], out["host_from"] = int(host_gib * GIB), "--host-gib"
+    elif host.get("available") is not None:
+        out["host"], out["host_from"] = int(host["available"]), f"detected: available memory ({host.get('source')})"
+    else:
+        out["host"], out["host_from"] = None, "unknown here (pass --host-gib)"
+    if out["on_host"]:
+        return out
+    problem, why, detected, detected_from = None, None, None, None
+    if device.startswith("cuda"):
+        first = int(device.split(":", 1)[1]) if ":" in device else 0
+        n = max(int(devices_per_client), 1)
+        cuda = machine.get("cuda") or []
+        if not cuda:
+            problem, why = "no CUDA here", machine.get("cuda_missing")
+        elif first + n > len(cuda):
+            problem = (f"no {device} here" if n == 1 else f"no cuda:{first}..cuda:{first + n - 1} here") + \
+                f" ({len(cuda)} CUDA device{'s' if len(cuda) != 1 else ''})"
+        else:
+            used = cuda[first:first + n]
+            small = min(used, key=lambda d: d["total"])
+            detected = max(small["total"] - CUDA_RESERVE, 0)
+            detected_from = f"detected: cuda:{small['index']} {small['name']}, {small['total'] / GIB:.1f} GiB less {CUDA_RESERVE / GIB:g} GiB reserve"
+    else:  # mps: unified memory
+        if not machine.get("mps"):
+            problem = "no MPS here"
+        else:
+            rec = getattr(getattr(torch, "mps", None), "recommended_max_memory", None)
+            detected = int(rec()) if callable(rec) else None
+            detected_from = "detected: torch.mps.recommended_max_memory" if detected else None
+    if gpu_gib is not None:
+        out["accelerator"], out["accelerator_from"] = int(gpu_gib * GIB), "--gpu-gib"
+        out["note"] = f"{problem}: judged for a GPU of {gpu_gib:g} GiB (--gpu-gib)" if problem else None
+    elif problem:
+        out["problem"] = problem
+        out["accelerator_from"] = problem + (f" ({why})" if why else "") + "; pass --gpu-gib X to judge for a machine with one"
+    else:
+        out["accelerator"] = detected
+        out["accelerator_from"] = detected_from or "unknown here (pass --gpu-gib)"
+    return out
+
+
+def fit_verdict(peak: dict[str, int], usable: dict[str, Any]) -> dict[str, Any]:
+    """Whether peaks ``peak`` (bytes: ``accelerator``, ``host``) fit ``usable``
+    (:func:`usable_memory`): ``fits`` True / False / None (a memory unknown here) and ``reason``
+    (one phrase; "" when it fits). The device missing here (``usable["problem"]``) does not fit."""
+    if usable.get("problem"):
+        return {"fits": False, "reason": usable["problem"]}
+    why, unknown = [], []
+    checks = [("host", peak["host"], usable.get("host"))]
+    if not usable.get("on_host"):
+        checks.insert(0, ("accelerator", peak["accelerator"], usable.get("accelerator")))
+    for what, need, have in checks:
+        if have is None:
+            unknown.append(f"{what} memory unknown")
+        elif need > have:
+            why.append(f"{what} {need / GIB:.2f} > {have / GIB:.2f} GiB")
+    if why:
+        return {"fits": False, "reason": "; ".join(why)}
+    if unknown:
+        return {"fits": None, "reason": "; ".join(unknown)}
+    return {"fits": True, "reason": ""}
+
+
 # ============================================================================ the plan
 def _client_sizes(cfg: FederatedConfig, task: Task | None, train_examples: int | None) -> list[int]:
     """Examples per client: the run's split (:func:`fedgalore.engine.clients.split_clients`) when
@@ -753,9 +970,33 @@ def _steps(n: int, cfg: FederatedConfig) -> int:
     return optimizer_steps(micro, getattr(tc, "grad_accum_steps", 1))
 
 
+def _data_note(cfg: FederatedConfig, task: Task | None, train_examples: int | None, sizes: Sequence[int]) -> str | None:
+    """Where the training-set size came from when the plan read no data (None when it did)."""
+    if task is not None and train_examples is None:
+        return None
+    n = sum(sizes)
+    if train_examples:
+        return f"training set: {n:,} examples (--train-examples)"
+    if cfg.task.options.get("n_train"):
+        return f"training set: {n:,} examples (task.options.n_train)"
+    data = str(cfg.task.options.get("data", "meta-math/MetaMathQA"))
+    if data in KNOWN_DATASETS:
+        return f"training set: {data} not read; its known size, {n:,} examples, assumed (--train-examples N to change)"
+    return f"training set: not read; {n:,} examples assumed (--train-examples N to change)"
+
+
 def make_plan(cfg: FederatedConfig, methods: Sequence[str] | None = None, method_options: dict[str, dict] | None = None,
-              train_examples: int | None = None) -> dict[str, Any]:
-    """Per-round bytes per method and the memory plan of ``cfg`` (see the module doc)."""
+              train_examples: int | None = None, machine: dict[str, Any] | None = None, gpu_gib: float | None = None,
+              host_gib: float | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Per-round bytes per method, the memory plan of ``cfg`` (see the module doc) and whether each
+    method fits the machine: ``machine`` (:func:`detect_machine` of this one when None), or the
+    GPU / host sizes ``gpu_gib`` / ``host_gib`` given instead (:func:`usable_memory`,
+    :func:`fit_verdict`). ``progress`` (a callable taking one line) hears each step while the plan
+    works (a miniature run per method: seconds each, more for models with many layers)."""
+    say = progress or (lambda line: None)
+    machine = detect_machine() if machine is None else machine
+    usable = usable_memory(cfg.device, machine, gpu_gib, host_gib, int(getattr(cfg.train, "devices_per_client", 1) or 1))
+    say(f"plan: reading the model's shapes ({cfg.task.name}; no weights are loaded for causal LMs)")
     spec, task = model_spec(cfg)
     methods = list(methods or [cfg.method.name])
     sizes = _client_sizes(cfg, task, train_examples)
@@ -765,9 +1006,12 @@ def make_plan(cfg: FederatedConfig, methods: Sequence[str] | None = None, method
                            "quantization": spec.quantization,
                            "params": sum(int(np.prod(s)) for _, s in spec.params), "targets": len(spec.targets),
                            "clients": M, "clients_per_round": K, "rounds": cfg.federation.rounds, "device": cfg.device,
-                           "client_examples": sizes, "methods": {}}
+                           "client_examples": sizes, "data_note": _data_note(cfg, task, train_examples, sizes),
+                           "activations_modelled": bool(spec.arch.get("layers")),
+                           "machine": machine, "usable": usable, "methods": {}}
     out["privacy"] = privacy_plan(cfg, sizes, lambda n: _steps(n, cfg))  # the ε privacy.record will spend (or none)
-    for method in methods:
+    for i, method in enumerate(methods):
+        say(f"plan: {method} ({i + 1}/{len(methods)}): running its miniature ({len(spec.targets)} adapted matrices)")
         options = {**dict(cfg.method.options), **dict((method_options or {}).get(method, {}))}
         _, parsed = _method_setting(cfg, method, options)
         galore = isinstance(parsed, FedGaLoreOptions)
@@ -788,6 +1032,7 @@ def make_plan(cfg: FederatedConfig, methods: Sequence[str] | None = None, method
             "down_per_client": base.down, "down_per_client_round0": base.down_first, "up_per_client": up_mean,
             "per_round": {"down": per_round_down, "up": per_round_up}, "run_total": total,
             "probe": dataclasses.asdict(base), "memory": mem, "quantized_base": quantized_for(spec, method),
+            "fit": fit_verdict(mem["peak"], usable),
         }
     return out
 
@@ -796,31 +1041,63 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.2f}" if x >= 0.01 * GIB else f"{x / 1024**2:.1f} MiB"
 
 
-def format_plan(plan: dict[str, Any], accelerator_gib: float = 78.0, host_gib: float = 120.0) -> str:
-    """Markdown: traffic per method, memory components and per-phase peaks, fit verdicts."""
+def _machine_lines(machine: dict[str, Any], usable: dict[str, Any]) -> list[str]:
+    """The plan's "Machine" section: what was detected here and the numbers the verdict used."""
+    cuda = machine.get("cuda") or []
+    gpus = (", ".join(f"cuda:{d['index']} {d['name']} {d['total'] / GIB:.1f} GiB" for d in cuda) if cuda
+            else "none" + (f" ({machine['cuda_missing']})" if machine.get("cuda_missing") else ""))
+    host = machine.get("host") or {}
+    hm = (f"{host['total'] / GIB:.1f} GiB total, " + (f"{host['available'] / GIB:.1f} GiB available" if host.get("available") is not None
+          else "available unknown") + f" ({host.get('source')})") if host.get("total") else "unknown"
+    acc = ("– (device cpu: one pool, the host's)" if usable.get("on_host") else
+           f"**{usable['accelerator_from']}**" if usable.get("problem") else
+           f"{usable['accelerator'] / GIB:.2f} GiB ({usable['accelerator_from']})" if usable.get("accelerator") is not None
+           else str(usable.get("accelerator_from")))
+    hu = f"{usable['host'] / GIB:.2f} GiB ({usable['host_from']})" if usable.get("host") is not None else str(usable.get("host_from"))
+    lines = ["## Machine", "", f"Detected here: CUDA devices: {gpus}" + ("; MPS available" if machine.get("mps") else "") +
+             f"; host memory: {hm}.", "", f"Judged against (device {usable.get('device')}): accelerator {acc}; host {hu}."]
+    if usable.get("note"):
+        lines[-1] += f" Note: {usable['note']}."
+    return lines + [""]
+
+
+def format_plan(plan: dict[str, Any], accelerator_gib: float | None = None, host_gib: float | None = None) -> str:
+    """Markdown: traffic per method, the machine judged against, memory components and per-phase
+    peaks, fit verdicts (:func:`fit_verdict`; ``accelerator_gib`` / ``host_gib`` re-judge for
+    another machine's GiB)."""
+    machine = plan.get("machine") or detect_machine()
+    usable = plan.get("usable")
+    if usable is None or accelerator_gib is not None or host_gib is not None:
+        usable = usable_memory(plan["device"], machine, accelerator_gib, host_gib)
     quant = f", {plan['quantization']} base for the LoRA methods" if plan.get("quantization") else ""
     lines = [f"# Plan: {plan['config']} — {plan['model']} ({plan['params'] / 1e9:.2f} B params, {plan['dtype']}{quant}, "
              f"{plan['targets']} adapted matrices), {plan['clients_per_round']} of {plan['clients']} clients per round, "
-             f"{plan['rounds']} rounds, device {plan['device']}", "",
-             "## Traffic (bytes exactly from shapes and payload types; GiB)", "",
-             "| method | GaLore terms per client round | down / client / round | up / client / round | per round (all clients) | run total |",
-             "|---|---|---:|---:|---:|---:|"]
+             f"{plan['rounds']} rounds, device {plan['device']}", ""]
+    if plan.get("data_note"):
+        lines += [plan["data_note"][0].upper() + plan["data_note"][1:] + ".", ""]
+    lines += ["## Traffic (bytes exactly from shapes and payload types; GiB)", "",
+              "| method | GaLore terms per client round | down / client / round | up / client / round | per round (all clients) | run total |",
+              "|---|---|---:|---:|---:|---:|"]
     for m, r in plan["methods"].items():
         q = "–" if not r["refreshes_per_round"] else ", ".join(map(str, r["refreshes_per_round"]))
         lines.append(f"| {m} | {q} | {_gib(r['down_per_client'])} | {_gib(r['up_per_client'])} | "
                      f"{_gib(r['per_round']['down'] + r['per_round']['up'])} | {_gib(r['run_total'])} |")
-    lines += ["", f"## Memory (GiB; usable: {accelerator_gib:g} GiB accelerator, {host_gib:g} GiB host; peaks per phase as the "
-              "current code holds them, fedgalore.plan.phase_peaks)", "",
+    lines += [""] + _machine_lines(machine, usable)
+    lines += ["## Memory (GiB; peaks per phase as the current code holds them, fedgalore.plan.phase_peaks)", "",
               "| method | model | grads | optimizer | activations | server state | broadcast | upload | eval KV | "
               "peak accelerator (phase) | peak host (phase) | fits |", "|---|" + "---:|" * 10 + "---|"]
     for m, r in plan["methods"].items():
         c, pk = r["memory"]["components"], r["memory"]["peak"]
-        on_host = plan["device"] == "cpu"
-        fits = (pk["host"] <= host_gib * GIB) and (on_host or pk["accelerator"] <= accelerator_gib * GIB)
+        on_host = usable["on_host"]
+        v = fit_verdict(pk, usable)
+        fits = "yes" if v["fits"] else (f"**no**: {v['reason']}" if v["fits"] is False else f"unknown: {v['reason']}")
         lines.append(f"| {m} | {_gib(c['model'])} | {_gib(c['gradients'])} | {_gib(c['optimizer_state'])} | {_gib(c['activations'])} | "
                      f"{_gib(c['server_state'])} | {_gib(c['broadcast_blob'])} | {_gib(c['upload_blob'])} | {_gib(c['eval_kv_cache'])} | "
                      f"{_gib(pk['accelerator']) + ' (' + r['memory']['peak_phase']['accelerator'].replace('_', ' ') + ')' if not on_host else '–'} | "
-                     f"{_gib(pk['host'])} ({r['memory']['peak_phase']['host'].replace('_', ' ')}) | {'yes' if fits else '**no**'} |")
+                     f"{_gib(pk['host'])} ({r['memory']['peak_phase']['host'].replace('_', ' ')}) | {fits} |")
+    if plan.get("activations_modelled") is False:
+        lines += ["", "Activations: not modelled for this model (no transformer config with layers, hidden and MLP sizes): "
+                  "counted as 0."]
     sites = {m: r["memory"].get("site") for m, r in plan["methods"].items() if r["memory"].get("site")}
     if sites:
         first = next(iter(sites.values()))

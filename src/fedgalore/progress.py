@@ -74,11 +74,22 @@ class QuietProgress(ProgressSink):
         log.warning(text)
 
 
-class PlainProgress(ProgressSink):
-    """One line per round on ``stream`` (default: stdout), flushed immediately."""
+#: PlainProgress: seconds between in-round lines (a round shorter than this prints none)
+PLAIN_INTERVAL_S = 30.0
 
-    def __init__(self, stream: TextIO | None = None) -> None:
+
+class PlainProgress(ProgressSink):
+    """One line per round on ``stream`` (default: stdout), flushed immediately; inside a long
+    round, at most one line every :data:`PLAIN_INTERVAL_S` saying which client (i/K) and step
+    (s/S) it is at."""
+
+    def __init__(self, stream: TextIO | None = None, interval: float = PLAIN_INTERVAL_S) -> None:
         self.stream = stream
+        self.interval = float(interval)
+        self._round_clients: list[int] = []
+        self._round = 0
+        self._client = (0, 0)  # (client, its steps)
+        self._last_line = 0.0
         self.total = 0
         self.names: list[str] | None = None
         self.started_at = 0.0
@@ -98,6 +109,27 @@ class PlainProgress(ProgressSink):
         resumed = f" (resuming after round {self.first_round})" if self.first_round else ""
         where = f" -> {info['run_dir']}" if info.get("run_dir") else ""
         self._print(f"run {info.get('run_name', '')}: {what} rounds={total_rounds}{resumed}{where}")
+
+    def round_start(self, round: int, clients: list[int]) -> None:
+        self._round, self._round_clients, self._last_line = round, list(clients), time.perf_counter()
+
+    def client_start(self, round: int, client: int, steps: int) -> None:
+        self._client = (client, int(steps))
+        self._maybe_line(0)
+
+    def client_step(self, round: int, client: int, step: int, steps: int, loss: float) -> None:
+        self._client = (client, int(steps))
+        self._maybe_line(step + 1)
+
+    def _maybe_line(self, step: int) -> None:
+        now = time.perf_counter()
+        if now - self._last_line < self.interval:
+            return
+        self._last_line = now
+        client, steps = self._client
+        i = self._round_clients.index(client) + 1 if client in self._round_clients else 0
+        who = f"{'site' if self.names else 'client'} {_clients([client], names=self.names)} ({i}/{len(self._round_clients)})"
+        self._print(f"  round {self._round + 1}/{self.total}: {who}" + (f", step {step}/{steps}" if steps else ""))
 
     def round_end(self, round: int, record: dict[str, Any]) -> None:
         done = round + 1 - self.first_round

@@ -157,6 +157,9 @@ class FederatedConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     device: str = "cpu"
     diagnostics: bool = True
+    #: true: the tail energy of every matrix by a full SVD (slow on large models); false: exact for small matrices,
+    #: a randomized top-r estimate for large ones (fedgalore.federated.diagnostics; errs upwards)
+    diagnostics_exact: bool = False
 
     # ------------------------------------------------------------------ conversion
     def to_dict(self) -> dict[str, Any]:

@@ -14,13 +14,17 @@ pretrained model (:func:`load_exported`). The task: ``cfg``'s, else the run's sa
 export carries it as ``fedgalore_config.yaml``). ``data`` replaces the task's test data by a file
 through the task's ``data`` option (:func:`with_test_data`): it works for the tasks that read
 data files and is one error line for the others. ``by="site"`` adds the metrics of every group of
-test rows sharing a value of that column, from one batched pass, and names the worst group
-(:attr:`Evaluation.groups`, :attr:`Evaluation.worst`). Evaluating a run that a process is running
+test rows sharing a value of that column, from one batched pass, whether each group took part in
+training (:func:`group_training`: a client of the run whose update was aggregated, a site
+``min_client_size`` dropped, a client never aggregated, or no client at all), and names the worst
+group among those of at least ``min_group`` rows (:attr:`Evaluation.groups`,
+:attr:`Evaluation.training`, :attr:`Evaluation.worst`). Evaluating a run that a process is running
 now takes its newest kept checkpoint and says so (:attr:`Evaluation.live`).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +40,18 @@ from fedgalore.engine.resolve import check_device
 from fedgalore.tasks import get_task, task_class
 from fedgalore.tasks.base import Task, TaskError, quiet_transformers
 
-__all__ = ["evaluate", "Evaluation", "LoadedModel", "load_for_inference", "groups_by_column", "load_exported", "with_test_data", "class_names"]
+__all__ = ["evaluate", "Evaluation", "LoadedModel", "load_for_inference", "groups_by_column", "group_training", "load_exported",
+           "with_test_data", "class_names", "MIN_GROUP", "TRAINING_STATES"]
+
+#: ``evaluate --by``: the worst group is named among the groups of at least this many test rows
+MIN_GROUP = 20
+#: ``evaluate --by``: whether a group took part in training (:func:`group_training`), and what each value means
+TRAINING_STATES = {
+    "yes": "a client of the run, its update aggregated in at least one round up to the evaluated one",
+    "dropped": "a site federation.partition.min_client_size dropped: trained by no client",
+    "not aggregated": "a client of the run, but no update of it was aggregated up to the evaluated round",
+    "no": "not a client of the run: none of its rows was trained on",
+}
 
 
 @dataclass
@@ -51,9 +66,15 @@ class Evaluation:
     #: set when the run was live (a process running it) as it was read: which round this took
     live: str | None = None
     #: ``--by``: the column grouped by, each group's ``{"n": rows, metric: value}``, and the worst group
+    #: among those of at least ``min_group`` rows (None when no group has that many)
     by: str | None = None
     groups: dict[str, dict[str, float]] = field(default_factory=dict)
     worst: str | None = None
+    min_group: int | None = None
+    #: ``--by``: each group's part in training (a :data:`TRAINING_STATES` key); empty when unknown,
+    #: and then ``training_note`` says why
+    training: dict[str, str] = field(default_factory=dict)
+    training_note: str | None = None
 
 
 def load_exported(path: str | Path, task: Task) -> nn.Module:
@@ -126,6 +147,10 @@ class LoadedModel:
     source: str
     #: set when the run was live (a process running it) as it was read (fedgalore.engine.liveness.live_note)
     live: str | None = None
+    #: the run directory that trained the model and the round it was taken at, when known (an export
+    #: names them in ``fedgalore_export.json``): where :func:`group_training` reads who trained
+    run_dir: Path | None = None
+    round: int | None = None
 
 
 def load_for_inference(path: str | Path, cfg: FederatedConfig | None = None, *, data: str | Path | None = None,
@@ -139,11 +164,16 @@ def load_for_inference(path: str | Path, cfg: FederatedConfig | None = None, *, 
         raise ExportError(f"{path} does not exist; pass a run directory or a folder written by fedgalore export")
     check_device(device)
     is_run = (path / "config.yaml").is_file()  # a run directory (an export carries fedgalore_config.yaml)
-    live = None
+    live, run_dir, rnd = None, None, None
     if is_run:
         g = load_global_model(path, device=device)
         model, source, own, live = g.model, f"run {path} round {g.round}", g.cfg, g.live
+        run_dir, rnd = path, int(g.round)
     else:
+        info = path / "fedgalore_export.json"
+        recorded = json.loads(info.read_text()) if info.is_file() else {}
+        if recorded.get("run_dir") and recorded.get("round") is not None:
+            run_dir, rnd = Path(recorded["run_dir"]), int(recorded["round"])
         own = with_recorded_paths(load_config(path / EXPORT_CONFIG), path / EXPORT_IDENTITY) \
             if (path / EXPORT_CONFIG).is_file() else None
         model, source = None, f"folder {path}"
@@ -156,17 +186,22 @@ def load_for_inference(path: str | Path, cfg: FederatedConfig | None = None, *, 
     if model is None:
         model = load_exported(path, task).to(device)
     _check_labels(model, task)
-    return LoadedModel(model, task, cfg, source, live)
+    return LoadedModel(model, task, cfg, source, live, run_dir, rnd)
 
 
 def evaluate(path: str | Path, cfg: FederatedConfig | None = None, *, data: str | Path | None = None,
-             device: str = "cpu", batch_size: int | None = None, by: str | None = None) -> Evaluation:
+             device: str = "cpu", batch_size: int | None = None, by: str | None = None,
+             min_group: int = MIN_GROUP) -> Evaluation:
     """The metrics (``task.evaluate``) of the run or exported folder ``path`` on the test split of
     ``cfg``'s task (default: the run's saved config), or on the file ``data``
     (:func:`with_test_data`). Batches of ``batch_size`` (default ``federation.eval_batch_size``).
     ``by``: also the metrics of every group of test rows sharing a value of that column (a site),
-    in one pass (:meth:`~fedgalore.tasks.base.Task.evaluate_groups`), and the worst group by the
-    task's primary metric."""
+    in one pass (:meth:`~fedgalore.tasks.base.Task.evaluate_groups`), each group's part in
+    training (:func:`group_training`), and the worst group by the task's primary metric among the
+    groups of at least ``min_group`` test rows (none named when no group has that many)."""
+    if isinstance(min_group, bool) or not isinstance(min_group, int) or min_group < 1:
+        raise ExportError(f"--min-group {min_group!r} must be a whole number >= 1 (the fewest test rows a group needs "
+                          f"to be named the worst; default {MIN_GROUP})")
     loaded = load_for_inference(path, cfg, data=data, device=device)
     task, model, cfg = loaded.task, loaded.model, loaded.cfg
     examples = task.test_set()
@@ -176,11 +211,53 @@ def evaluate(path: str | Path, cfg: FederatedConfig | None = None, *, data: str 
     if by is not None:
         names, groups = groups_by_column(task, by)
         per = task.evaluate_groups(model, examples, groups, size)
-        out.by = by
+        out.by, out.min_group = by, min_group
         out.groups = {n: {"n": int(len(g)), **{k: float(v) for k, v in m.items()}} for n, g, m in zip(names, groups, per)}
-        values = [out.groups[n][task.primary_metric] for n in names]
-        out.worst = names[int(np.argmin(values) if task.higher_is_better else np.argmax(values))]
+        large = [n for n in names if out.groups[n]["n"] >= min_group]
+        if large:
+            values = [out.groups[n][task.primary_metric] for n in large]
+            out.worst = large[int(np.argmin(values) if task.higher_is_better else np.argmax(values))]
+        out.training, out.training_note = group_training(loaded.run_dir, loaded.round, by, names)
     return out
+
+
+def group_training(run_dir: Path | None, at_round: int | None, column: str, names: list[str]) -> tuple[dict[str, str], str | None]:
+    """Whether each group ``names`` of ``evaluate --by column`` took part in training the model of
+    ``run_dir`` at ``round``: a :data:`TRAINING_STATES` key per group, read from the run's
+    ``partition.json`` (its clients and the sites ``min_client_size`` dropped) and
+    ``clients.jsonl`` (whose updates were aggregated up to ``at_round``). Known only when the run's
+    clients are the values of ``column`` (a ``natural`` partition by it; per-site files and
+    ``site``) and the run directory is here: else ``({}, why)``."""
+    from fedgalore.jsonl import read_jsonl
+    from fedgalore.tasks.generic.data import SITE_COLUMN
+
+    record = (Path(run_dir) / "partition.json") if run_dir is not None else None
+    if record is None or not record.is_file():
+        return {}, ("not known: the model names no run directory here with a partition.json" if run_dir is None
+                    else f"not known: {record} is not here")
+    part = json.loads(record.read_text())
+    clients_by = part.get("options", {}).get("column") if part.get("kind") == "natural" else (
+        SITE_COLUMN if part.get("kind") == "files" else None)
+    if clients_by != column:
+        return {}, (f"not known by {column}: the run's clients are not the values of a column ({part.get('setting')})"
+                    if clients_by is None else f"not known by {column}: the run's clients are its {clients_by!r} values")
+    clients = [str(c) for c in part.get("client_names") or []]
+    dropped = {str(d["name"]) for d in part.get("dropped") or []}
+    # a round's aggregated clients: its last attempt's (a retried round's earlier attempts were discarded), less the
+    # uploads rejected (error) or excluded by federation.robust
+    recs = [r for r in read_jsonl(Path(run_dir) / "clients.jsonl") if "client" in r and 1 <= int(r.get("round", 0)) <= int(at_round or 0)]
+    last = {}
+    for r in recs:
+        last[int(r["round"])] = max(last.get(int(r["round"]), 0), int(r.get("attempt", 0)))
+    aggregated = {int(r["client"]) for r in recs if int(r.get("attempt", 0)) == last[int(r["round"])]
+                  and "error" not in r and "robust_excluded" not in r}
+    out = {}
+    for n in names:
+        if n in clients:
+            out[n] = "yes" if clients.index(n) in aggregated else "not aggregated"
+        else:
+            out[n] = "dropped" if n in dropped else "no"
+    return out, None
 
 
 def groups_by_column(task: Task, column: str) -> tuple[list[str], list[np.ndarray]]:

@@ -219,8 +219,11 @@ class Heartbeat:
     ``host`` and the heartbeat time) and remembers it; a daemon thread rewrites it every
     ``interval`` seconds with a fresh heartbeat until :meth:`stop`. ``write``: the atomic writer."""
 
-    def __init__(self, write: Callable[[dict[str, Any]], None], interval: float = HEARTBEAT_S) -> None:
+    def __init__(self, write: Callable[[dict[str, Any]], None], interval: float = HEARTBEAT_S,
+                 extra: Callable[[], dict[str, Any]] | None = None) -> None:
         self._write, self.interval = write, float(interval)
+        #: what each periodic beat adds to the remembered summary (the position inside a round)
+        self._extra = extra
         self._summary: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -248,7 +251,7 @@ class Heartbeat:
                 if self._stop.is_set() or self._summary is None:
                     return
                 try:
-                    self._write(self.stamp(self._summary))
+                    self._write(self.stamp({**self._summary, **(self._extra() if self._extra is not None else {})}))
                 except OSError:  # a full disk must not kill the run from a side thread; the next round retries
                     pass
 
@@ -315,6 +318,22 @@ class RunState:
     interrupted_by: str | None = None
     #: ``run.lock`` is there but its process is gone: the last process to run it was killed (or crashed)
     stale_lock: bool = False
+    #: where inside a round the run was at its last heartbeat (round, client i of K, step s of S); {} between rounds
+    progress: dict[str, Any] = field(default_factory=dict)
+
+    def position(self) -> str:
+        """``round 3/10: client 2/5, step 40/120`` from :attr:`progress` ('' when none)."""
+        p = self.progress
+        if not p.get("round"):
+            return ""
+        out = f"round {p['round']}/{p.get('rounds', '?')}"
+        if p.get("client_index"):
+            out += f": client {p['client_index']}/{p.get('clients', '?')}"
+            if p.get("steps"):
+                out += f", step {p.get('step', 0)}/{p['steps']}"
+        elif p.get("clients"):
+            out += f": {p['clients']} client(s) sampled"
+        return out
 
     @property
     def looks_dead(self) -> bool:
@@ -330,7 +349,8 @@ class RunState:
         if self.live:
             where = f" on {self.host}" if self.pid_alive is None and self.host else ""
             doing = "running" if self.status == "running" else "starting (building the model and data, or resuming)"
-            return f"{d}: {doing} — process {self.pid}{where} is alive; {rounds} done ({ckpt}); {beat}"
+            at = f"; now in {self.position()}" if self.position() else ""
+            return f"{d}: {doing} — process {self.pid}{where} is alive; {rounds} done{at} ({ckpt}); {beat}"
         if self.stale_lock and self.status not in ("running", "starting"):  # e.g. a resume killed while it loaded
             says = f"summary.json still says {self.status}, {rounds} done" if self.status != "unknown" else "no summary.json yet"
             return (f"{d}: looks dead — process {self.pid}, which holds its run.lock, is not running (it was killed while "
@@ -381,7 +401,8 @@ def run_state(run_dir: str | Path) -> RunState:
             break
     return RunState(str(run_dir), status, live, s.get("rounds_completed"), s.get("rounds"), pid, host, alive,
                     s.get("heartbeat"), age, kept_rounds(run_dir), last_round, last, s.get("error"), s.get("interrupted_by"),
-                    stale_lock=bool(lock) and not live)
+                    stale_lock=bool(lock) and not live,
+                    progress=s.get("progress") if live and isinstance(s.get("progress"), dict) else {})
 
 
 def live_note(run_dir: str | Path, round_taken: int) -> str | None:

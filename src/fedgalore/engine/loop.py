@@ -44,7 +44,7 @@ from fedgalore.engine.attack import hostile_upload
 from fedgalore.engine.backends import Backend, make_backend
 from fedgalore.engine.client_eval import evaluate_clients, summarize_clients
 from fedgalore.engine.config import ConfigError, FederatedConfig
-from fedgalore.engine.events import LogProgress, ProgressSink
+from fedgalore.engine.events import LogProgress, ProgressSink, TrackingProgress, phase_note
 from fedgalore.engine.identity import run_identity
 from fedgalore.engine.liveness import FINISHED, Heartbeat, RunLock, Terminated, sigterm_stops
 from fedgalore.engine.privacy_ledger import BudgetStop, PrivacyLedger
@@ -123,15 +123,20 @@ class Federation:
         # the directory is chosen before the slow model load
         self.files = RunDirectory(choose_run_dir(cfg, run_dir, resume, self.progress.message, identity))
         self.run_dir = self.files.path
+        # the folders this call creates (never a resumed run's): removed again if the task, data or model
+        # fails to build, so a run that never started leaves no empty run directory behind
+        from fedgalore.engine.rundir import discard_unstarted, missing_dirs
+
+        created = [] if resume else missing_dirs(self.run_dir)
         # one process per run directory (fedgalore.engine.liveness): locked before anything in it changes,
         # released when run() ends, or when this object is dropped without running
         self._lock = RunLock(self.run_dir)
-        self._lock.acquire(self.progress.message)
-        weakref.finalize(self, self._lock.release)
         try:
+            self._lock.acquire(self.progress.message)
+            weakref.finalize(self, self._lock.release)
             self._setup(cfg, task, method, backend, resume)
         except BaseException:
-            self._lock.release()
+            discard_unstarted(created, self._lock.release)  # releases the lock in every case
             raise
 
     def _setup(self, cfg: FederatedConfig, task: Task | None, method: Method | None, backend: Backend | None,
@@ -216,10 +221,11 @@ class Federation:
         cfg, fed = self.cfg, self.cfg.federation
         t_start = time.perf_counter()
         self._lock.running = True
+        self.progress = tracker = TrackingProgress(self.progress)  # where inside a round we are (status reads it)
         self.progress.start(fed.rounds, {"run_name": self.run_dir.name, "run_dir": str(self.run_dir), "method": cfg.method.name,
                                          "task": self.task.name, "start_round": self.start_round,
                                          "client_names": self.runtime.clients.names})
-        heartbeat = Heartbeat(self.files.write_summary)
+        heartbeat = Heartbeat(self.files.write_summary, extra=tracker.position)
         heartbeat.beat(self._summary("running", self.wall_time_before))
         heartbeat.start()
         writer = self._writer = CheckpointWriter(self.run_dir, keep=cfg.output.keep_checkpoints)
@@ -384,6 +390,10 @@ class Federation:
         self.files.append_round(k + 1, rnd.client_recs, self.ledger, diag, rec)
         self.files.write_csv(self.history)
         self.progress.round_end(k, rec)
+        if len(self.history) == self._first_round_here + 1:  # after this process's first round: where did the time go
+            note = phase_note(rec)
+            if note:
+                self.progress.message(note)
 
     def _server_step(self, before: dict[str, Any], applied: dict[str, Any]) -> dict[str, Any]:
         """The server optimizer on A's result: θ_{k+1} from θ_k (``before``) and the aggregate now
@@ -461,10 +471,9 @@ class Federation:
             )
         self.files.append_round(k + 1, client_recs, self.ledger)  # keep the evidence of why the round failed
         first = next((r.get("error") for r in client_recs if "error" in r), None)
-        raise RuntimeError(
+        raise RoundFailed(
             f"round {k + 1} failed {fed.max_round_retries + 1} time(s): fewer than {fed.min_clients} valid uploads "
-            f"(first error: {first}); the last complete round is checkpointed — fix the cause and resume"
-        )
+            f"(first error: {first}); the run stops at its last checkpoint", k + 1, self.run_dir)
 
     def _robust(self, k: int, attempt: int, uploads: list[Payload], deltas: list[dict[str, Any]], kept_w: list[float],
                 kept_c: list[int], client_recs: list[dict[str, Any]]):
@@ -570,9 +579,11 @@ class Federation:
         reason = None
         if summed is not None and kept_c:
             reason = validate_upload(self.method, self.state, summed, rctx, expected_keys(self.upload_keys, [summed]))
+        private = self.runtime.client_dp is not None  # privacy.client: no client time, size or error text recorded
         for res in results:
-            rec = {"round": k + 1, "attempt": attempt, "client": res.client, "time": res.time,
-                   "num_examples": len(self.runtime.parts[res.client]), "secure_aggregation": True}
+            rec = {"round": k + 1, "attempt": attempt, "client": res.client, "secure_aggregation": True}
+            if not private:
+                rec.update({"time": res.time, "num_examples": len(self.runtime.parts[res.client])})
             if self.runtime.clients.names is not None:
                 rec["client_name"] = self.runtime.clients.name(res.client)
             got = received.get(node_of.get(res.client))
@@ -583,7 +594,7 @@ class Federation:
             if res.error is None:
                 rec.update({kk: v for kk, v in (res.stats or {}).items() if isinstance(v, (int, float)) and kk not in rec})
             else:
-                rec["error"] = res.error.splitlines()[0]
+                rec["error"] = _public_error(res.error) if private else res.error.splitlines()[0]
                 self.progress.message(f"round {k + 1}: client {self.runtime.clients.name(res.client)} dropped ({rec['error']})")
             client_recs.append(rec)
         if summed is None or reason is not None or not kept_c:
@@ -666,9 +677,10 @@ class Federation:
         deltas (``diagnostics: true``)."""
         if not self.cfg.diagnostics:
             return {}
+        space = update_space_diagnostics(applied, self.method.rank, exact=self.cfg.diagnostics_exact)
         if self.runtime.client_dp is not None:  # privacy.client: the client-to-client drift would read raw uploads
-            return update_space_diagnostics(applied, self.method.rank)
-        return {**update_space_diagnostics(applied, self.method.rank), **drift_diagnostics(rnd.deltas, rnd.ctx.weights)}
+            return space
+        return {**space, **drift_diagnostics(rnd.deltas, rnd.ctx.weights)}
 
     def _evaluate(self, k: int) -> tuple[dict[str, float], float]:
         """The global model's test (and validation) metrics, every ``eval_every`` rounds, after
@@ -703,7 +715,7 @@ class Federation:
 
 
 #: errors the server itself decides on released (clipped, noised) values or the protocol alone: recorded as they are
-_SERVER_ERRORS = ("rejected:", "timed out", "privacy budget", "no reply", "undecodable upload")
+_SERVER_ERRORS = ("rejected:", "timed out", "privacy budget", "no reply", "undecodable upload", "secure aggregation:")
 
 
 def _public_error(error: str) -> str:
@@ -713,3 +725,25 @@ def _public_error(error: str) -> str:
     if line.startswith(_SERVER_ERRORS):
         return line
     return "the client failed (its message stays at the site under privacy.client)"
+
+
+class RoundFailed(RuntimeError):
+    """A round got fewer than ``federation.min_clients`` valid uploads in each of its
+    ``federation.max_round_retries + 1`` attempts: the run stops (``summary.json``: ``failed``, this
+    line its ``error``) and keeps its last checkpoint. ``round``: the 1-based round that failed;
+    ``run_dir``: the run's directory (the ``fedgalore`` command names it in its one line)."""
+
+    def __init__(self, message: str, round: int, run_dir: Path) -> None:  # noqa: A002
+        super().__init__(message)
+        self.round, self.run_dir = int(round), Path(run_dir)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # picklable (an exception crossing a process boundary)
+        return type(self), (str(self), self.round, self.run_dir)
+
+    def advice(self) -> str:
+        """One line: what failed, which checkpoint is kept and the command that continues the run."""
+        kept = kept_rounds(self.run_dir)
+        where = (f"its checkpoint of round {kept[-1]} is kept in {self.run_dir}" if kept
+                 else f"{self.run_dir} holds no checkpoint yet, so resuming starts again at round 1")
+        return (f"{str(self).removesuffix('; the run stops at its last checkpoint')}; the run stopped: {where}; "
+                f"fix the cause, then continue with: fedgalore run --resume {self.run_dir}")

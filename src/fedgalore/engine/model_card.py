@@ -19,12 +19,15 @@ from fedgalore.engine.config import ConfigError
 from fedgalore.engine.global_model import GlobalModel
 from fedgalore.engine.identity import IDENTITY_FILE, run_identity
 from fedgalore.engine.lora_extract import RANK_NOTES, LoraFactors
+from fedgalore.engine.liveness import run_state
 from fedgalore.engine.privacy_ledger import read_privacy
 from fedgalore.engine.rundir import saved_summary
 from fedgalore.privacy.statement import summary_line
+from fedgalore.tasks.assets import folder_hub_id
 from fedgalore.tasks.base import TaskError
 
-__all__ = ["model_card", "recorded_inputs", "base_model_name", "base_model_name_for", "EXPORT_CONFIG", "EXPORT_IDENTITY"]
+__all__ = ["model_card", "recorded_inputs", "base_model_name", "base_model_name_for", "base_model_local", "EXPORT_CONFIG",
+           "EXPORT_IDENTITY"]
 
 #: the run's config.yaml, copied into an export (the card's reproduce command; ``fedgalore evaluate``)
 EXPORT_CONFIG = "fedgalore_config.yaml"
@@ -61,9 +64,11 @@ def base_model_name(g: GlobalModel) -> tuple[str | None, str | None]:
     ``task.options.model``, its base as the config's ``base_model`` or the adapter names it; else
     ``task.options.model`` as the run's saved config gives it (the hub id or the name the user
     wrote — never the absolute path a reloaded config carries); else the hub id of the task's
-    offline model (:func:`fedgalore.tasks.assets.hub_id`). The note: the folder this run read, and
-    for an offline model how its copy relates to the hub's. ``(None, None)`` for a task that builds
-    its model itself (``tiny_text``)."""
+    offline model (:func:`fedgalore.tasks.assets.hub_id`). A base read from a local copy of a hub
+    model (an offline model's folder, a Hugging Face cache snapshot, a folder whose config.json
+    names its hub id: :func:`fedgalore.tasks.assets.folder_hub_id`) is named by that hub id, however the
+    config gave it. The note: the folder this run read, and for a copy how it relates to the hub's.
+    ``(None, None)`` for a task that builds its model itself (``tiny_text``)."""
     return base_model_name_for(g.task, g.run_dir)
 
 
@@ -80,6 +85,11 @@ def base_model_name_for(task: Any, run_dir: Path) -> tuple[str | None, str | Non
         given = {}
     adapter = getattr(task, "adapter", None)
     if adapter is not None:
+        local = adapter.base
+    found = folder_hub_id(local) if local else None  # a local copy of a hub model: named by its hub id
+    if found is not None:
+        name = found[0]
+    elif adapter is not None:
         name = str(given.get("base_model") or adapter.base_name)
     elif given.get("model"):
         name = str(given["model"])
@@ -90,10 +100,19 @@ def base_model_name_for(task: Any, run_dir: Path) -> tuple[str | None, str | Non
     notes = []
     if local and str(local) != name:
         notes.append(f"this run read {local}")
-    how = hub_id(local, note=True) if local else None
-    if how and "(" in how:
-        notes.append(how[how.index("(") + 1:-1])
+    if found is not None:
+        notes.append(found[1])
     return name, "; ".join(notes) or None
+
+
+def base_model_local(task: Any) -> str | None:
+    """The local folder the run's base model was read from, when :func:`base_model_name` names it
+    by a hub id (:func:`fedgalore.tasks.assets.folder_hub_id`): the offline fallback a model card names
+    beside that id; None otherwise."""
+    adapter = getattr(task, "adapter", None)
+    desc = task.describe()
+    local = adapter.base if adapter is not None else (desc.get("model") or desc.get("checkpoint"))
+    return str(local) if local and folder_hub_id(local) is not None else None
 
 
 def _input_row(f: Mapping[str, Any]) -> str:
@@ -153,9 +172,12 @@ def _load_snippet(g: GlobalModel, out: Path, fmt: str, model_class: str, process
                   "from fedgalore.tasks import get_task",
                   f'cfg = fedgalore.load_config("{out / EXPORT_CONFIG}")',
                   "base = get_task(cfg.task.name, **cfg.task.options).build_model()  # the run's pretrained model"]
+        tail = f", num_labels={num_labels}, ignore_mismatched_sizes=True)" if num_labels else ")"
         if model_id:
-            lines += [f"# or, with transformers only: base = {model_class}.from_pretrained(\"{model_id}\""
-                      + (f", num_labels={num_labels}, ignore_mismatched_sizes=True)" if num_labels else ")")]
+            lines += [f"# or, with transformers only: base = {model_class}.from_pretrained(\"{model_id}\"" + tail]
+        local = base_model_local(g.task)
+        if model_id and local and local != model_id:  # the hub id above; where this machine has it without the hub
+            lines += [f"# offline, from the local copy this run read: base = {model_class}.from_pretrained(\"{local}\"" + tail]
         lines += [f'model = PeftModel.from_pretrained(base, "{out}")']
     if processor:
         auto = ("AutoTokenizer" if "Tokenizer" in processor else
@@ -242,6 +264,11 @@ def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, process
         done = max(int(done or 0), g.round)
         status = "still running when exported"
         rounds_row = f"{g.round} exported; {done} of {total_rounds} completed when exported (the run was still running)"
+    dead = g.live is None and run_state(g.run_dir).looks_dead
+    if dead:  # summary.json still says running, but no process runs it (kill -9, a crash): as `fedgalore status` says
+        status = "looks dead: its process was killed or crashed"
+        rounds_row = (f"{g.round} exported; {done} completed of {total_rounds} configured (the run stopped without finishing: "
+                      f"`fedgalore status {g.run_dir}` says looks dead; `fedgalore run --resume {g.run_dir}` continues it)")
     lines = ["---", f"library_name: {lib}", f"tags: [fedgalore, federated-learning, {cfg.method.name}]", "---", "",
              f"# {cfg.name}: {cfg.method.name} on {cfg.task.name}, round {g.round}", "",
              f"The global model after round {g.round} of the federated run `{g.run_dir}` ({status}, "
@@ -271,7 +298,7 @@ def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, process
     rows = _metric_rows(record)
     lines += rows if rows else [f"Round {g.round} was not evaluated (federation.eval_every={cfg.federation.eval_every})."]
     if summary.get("final") and summary.get("rounds_completed") != g.round:
-        which = "newest test metrics when exported" if g.live is not None else "final test metrics"
+        which = "newest test metrics when exported" if g.live is not None or dead else "final test metrics"
         lines += ["", f"The run's {which} (round {summary.get('rounds_completed')}): "
                   + ", ".join(f"{k}={_fmt(v)}" for k, v in summary["final"].items()) + "."]
     lines += ["", "## Load", ""]

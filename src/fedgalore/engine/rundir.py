@@ -37,7 +37,7 @@ import torch
 from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
 from fedgalore.engine.identity import (Difference, RunIdentity, compare_with_saved, run_identity, summarize, task_label,
                                        write_identity)
-from fedgalore.engine.liveness import is_finished, run_state
+from fedgalore.engine.liveness import LOCK_FILE, is_finished, run_state
 from fedgalore.engine.partition_files import partition_record, write_partition_files
 from fedgalore.engine.runtime import Runtime
 from fedgalore.federated.checkpoint import atomic_write_text
@@ -46,7 +46,8 @@ from fedgalore.optim import cpu_kernels
 from fedgalore.protocol.payload import Ledger
 from fedgalore.tasks.base import Task
 
-__all__ = ["RunDirectory", "choose_run_dir", "run_summary", "saved_summary", "extension_problem"]
+__all__ = ["RunDirectory", "choose_run_dir", "run_summary", "saved_summary", "extension_problem", "missing_dirs",
+           "discard_unstarted"]
 
 
 class RunDirectory:
@@ -225,6 +226,47 @@ def choose_run_dir(cfg: FederatedConfig, run_dir: str | Path | None, resume: boo
     if candidate != base:
         say(f"{base} holds {first}; this run goes to {candidate}{_extend_hint(base, cfg, identity)}")
     return candidate
+
+
+def missing_dirs(path: str | Path) -> list[Path]:
+    """``path`` and those of its parent folders that do not exist yet, deepest first ([] when
+    ``path`` exists): the folders a run about to start in ``path`` creates, which
+    :func:`discard_unstarted` removes again if the run fails before its first round."""
+    out: list[Path] = []
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        out.append(p)
+        p = p.parent
+    return out
+
+
+def discard_unstarted(created: Sequence[Path], release: Callable[[], None]) -> None:
+    """A run that failed before its first round (its task, data or model did not build) leaves
+    no folder behind: ``created`` (:func:`missing_dirs` of its run directory, taken before it
+    was made: [] for a directory that existed, e.g. one being resumed) is removed — the run
+    directory with what its setup wrote (never when it holds a ``summary.json`` or checkpoints:
+    a run's results), then each new parent folder left empty. ``release`` gives up the run's
+    lock; it is called in every case, after the files and before the folders go (a process
+    that took the folder meanwhile keeps it)."""
+    import shutil
+
+    run = Path(created[0]) if created else None
+    if run is None or not run.is_dir() or (run / "summary.json").exists() or (run / "checkpoints").exists():
+        release()
+        return
+    for p in run.iterdir():
+        if p.name == LOCK_FILE:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    release()
+    for d in created:
+        try:
+            d.rmdir()  # only an empty folder: one another process wrote into meanwhile stays
+        except OSError:
+            break
 
 
 def _another(diffs: Sequence[Difference]) -> str:

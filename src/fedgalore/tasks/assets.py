@@ -23,6 +23,7 @@ import importlib.util
 import logging
 import lzma
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -37,6 +38,7 @@ from typing import Any, Sequence
 from fedgalore.tasks.base import TaskError
 
 __all__ = [
+    "folder_hub_id",
     "AssetError",
     "DEBIAN_PACKAGES",
     "cache_dir",
@@ -339,3 +341,42 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+#: a hub model id as ``_name_or_path`` records one: ``org/name`` (a bare name may be a relative folder)
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]*[A-Za-z0-9_]")
+#: a folder of the Hugging Face hub cache: ``.../models--ORG--NAME/snapshots/REVISION``
+_SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<rev>[0-9a-f]+)$")
+
+
+def folder_hub_id(path: object) -> tuple[str, str] | None:
+    """``(hub id, how this folder relates to it)`` of a local model folder that is a copy of a hub
+    model, else None (a hub id, a folder of one's own, no such folder). Known, in this order: one
+    of fedgalore's offline models (:func:`fedgalore.tasks.assets.hub_id`, e.g. the packaged
+    MiniLM, the converted SmolLM2); a snapshot folder of the Hugging Face cache
+    (``models--ORG--NAME/snapshots/REV``); a folder whose ``config.json`` names a hub id
+    (``org/name``) as ``_name_or_path`` — what ``transformers`` recorded where the weights were
+    loaded from before they were saved there. Exports name their base by this id, so that they load
+    on another machine; the folder stays the offline fallback."""
+    if not isinstance(path, (str, Path)) or not str(path):
+        return None
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return None
+    known = hub_id(folder, note=True)
+    if known:
+        name, _, how = known.partition(" (")
+        return name, how[:-1] if how else "fedgalore's offline copy of it"
+    snap = _SNAPSHOT.search(folder.resolve().as_posix())
+    if snap:
+        return f"{snap['org']}/{snap['name']}", f"a snapshot of the Hugging Face cache (revision {snap['rev'][:12]})"
+    import json
+
+    try:
+        named = json.loads((folder / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(named, str) or not _HUB_ID.fullmatch(named) or Path(named).exists() or (folder / named).exists():
+        return None
+    return named, ("its config.json names it as the model it was saved from (_name_or_path); if these weights were "
+                   "changed after loading (a fine-tuned copy), load the base from this folder instead")

@@ -29,6 +29,7 @@ metric is ``exact_match`` with a pattern, else ``loss`` (lower is better).
 """
 from __future__ import annotations
 
+import logging
 import math
 import re
 import string
@@ -81,6 +82,9 @@ class CausalLMOptions(FileTaskOptions):
     answer_column: str | None = task_option(None, "column holding the gold answer (default: answer_pattern applied to the response)")
     category_column: str | None = task_option(None, "column of each row's category (a task type, a source): what partitions "
                                                     "and the test split are stratified by; null: one category")
+    system_prompt: str | None = task_option(None, "a system turn put first in every prompt without one (chat template only; "
+                                            "'' for an empty one); null: the template's own default — SmolLM2's adds its "
+                                            "own system prompt, and the run says so once")
     max_length: int = task_option(512, "tokens of prompt + response (a longer prompt keeps its end; the response is cut)")
     max_new_tokens: int = task_option(64, "tokens generated per test prompt (with answer_pattern)")
     dtype: str = task_option("float32", "weights' dtype: float32, bfloat16 or float16")
@@ -188,6 +192,7 @@ class GenericCausalLMTask(FileTask, CausalLMTask):
             raise TaskError(f"the tokenizer of {self.model_id!r} has no chat template; leave task.options.chat_template out "
                             "(or false) for the plain prompt (docs/data.md, \"Instruction formats\")")
         self.use_chat = has_template if opts.chat_template is None else bool(opts.chat_template)
+        self._note_default_system_prompt(opts)
         self.data_format, self.cols = opts.resolved_format(), opts.columns()
         self.max_length, self.max_new_tokens, self.seed = opts.max_length, opts.max_new_tokens, opts.seed
         self.dtype = torch_dtype(opts.dtype)
@@ -245,15 +250,41 @@ class GenericCausalLMTask(FileTask, CausalLMTask):
         here = f"format {self.data_format}" + (" (from the columns named)" if self.options.format is None else "")
         return f"{here} reads other columns; these look like {guess[0]}: set {guess[1]}"
 
+    def _with_system(self, turns: list[dict[str, str]]) -> list[dict[str, str]]:
+        """``turns`` with ``task.options.system_prompt`` as a first system turn when they have none."""
+        sp = self.options.system_prompt
+        if sp is None or not self.use_chat or (turns and turns[0].get("role") == "system"):
+            return turns
+        return [{"role": "system", "content": sp}, *turns]
+
+    def _note_default_system_prompt(self, opts: CausalLMOptions) -> None:
+        """Say once when the chat template adds a system prompt of its own to turns without one
+        (SmolLM2's does) and ``system_prompt`` does not choose it."""
+        if not self.use_chat or opts.system_prompt is not None:
+            return
+        marker = "\u2063user-turn\u2063"
+        try:
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+        except Exception:  # a template that needs more than one turn: nothing to say
+            return
+        before = text.split(marker)[0]
+        if "system" in before.lower():
+            shown = " ".join(before.split())[:120]
+            logging.getLogger("fedgalore").warning(
+                "causal_lm: the chat template of %s adds its own system prompt to every row without one (%s...); set "
+                "task.options.system_prompt to choose it ('' for an empty one)", self.model_id, shown)
+
     def _wrap(self, user: str) -> str:
         if not self.use_chat:
             return user
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.apply_chat_template(self._with_system([{"role": "user", "content": user}]), tokenize=False,
+                                                  add_generation_prompt=True)
 
     def _render(self, turns: list[dict[str, str]], generation: bool) -> str:
         """Turns as text: the tokenizer's chat template, else (or with chat_template: false) the plain one."""
         template = None if self.use_chat else PLAIN_CHAT_TEMPLATE
-        return self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation, chat_template=template)
+        return self.tokenizer.apply_chat_template(self._with_system(turns), tokenize=False, add_generation_prompt=generation,
+                                                  chat_template=template)
 
     def _conversations(self, rows: Rows) -> tuple[list[str], list[str], list]:
         """Prompts, responses and segments of a sharegpt / messages column (formats module doc)."""

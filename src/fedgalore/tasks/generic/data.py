@@ -227,6 +227,7 @@ def _read_file(path: Path, csv_options: CsvOptions | None = None) -> Any:
     from fedgalore.tasks.assets import cache_dir
 
     builder, kwargs = _READERS[path.suffix.lower()]
+    _check_not_empty(path, csv_options)
     choice = None
     if builder == "csv":
         choice = csv_reader_options(path, csv_options)
@@ -249,6 +250,30 @@ def _read_file(path: Path, csv_options: CsvOptions | None = None) -> Any:
     if choice is not None:
         _say_csv_choice(path, choice)
     return rows
+
+
+#: what a data file of each format holds, for the line that says a file is empty
+_FILE_CONTENT = {
+    ".csv": "a header line naming the columns, then one comma-separated row per example",
+    ".tsv": "a header line naming the columns, then one tab-separated row per example",
+    ".json": "an array of records ([{\"column\": value, ...}, ...]) or one JSON record per line",
+    ".jsonl": "one JSON record per line ({\"column\": value, ...})",
+    ".parquet": "a table with one row per example (e.g. pandas' DataFrame.to_parquet)",
+}
+
+
+def _check_not_empty(path: Path, csv_options: CsvOptions | None = None) -> None:
+    """One line when the data file ``path`` is empty (0 bytes, or only whitespace in a text
+    format): it names the file and what to put in it, instead of a parser's complaint (for a
+    ``.csv`` with ``task.options.csv.delimiter`` set, rows separated by that delimiter)."""
+    size = path.stat().st_size
+    suffix = path.suffix.lower()
+    if size == 0 or (suffix != ".parquet" and size <= 65536 and not path.read_bytes().strip()):
+        what = _FILE_CONTENT[suffix]
+        sep = getattr(csv_options, "delimiter", None)
+        if suffix == ".csv" and sep not in (None, ","):
+            what = what.replace("comma-separated", f"{sep!r}-separated")
+        raise TaskError(f"{path} is empty; put {what} in it")
 
 
 def _bad_json_line(path: Path) -> tuple[int, str] | None:

@@ -89,7 +89,8 @@ def decide_regression(rows: Rows, column: str, given: bool | None) -> tuple[bool
                       "to treat its values as classes")
     names = sorted({int(v) for v in rows.data[column] if v is not None})
     shown = ", ".join(map(str, names[:8])) + (", ..." if len(names) > 8 else "")
-    return False, (f"text_classification: column {column!r} holds whole numbers stored as floats (3.0): {len(names)} "
+    example = f"{float(names[-1]):.1f}" if names else "3.0"  # one of the column's own values, as it was written
+    return False, (f"text_classification: column {column!r} holds whole numbers stored as floats ({example}): {len(names)} "
                    f"classes ({shown}); set task.options.regression: true for regression")
 
 
