@@ -41,7 +41,7 @@ from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.federated.seeding import DP_CLIENT_NOISE, client_seed
 from fedgalore.privacy.client_dp import (DataDrivenBasis, add_noise, calibrate_client_noise, clip_upload,
                                          client_epsilon, combined_multiplier, is_moment, shared_noise)
-from fedgalore.privacy.accounting import bisect_noise
+from fedgalore.privacy.accounting import solve_noise
 from fedgalore.privacy.config import ClientPrivacy
 from fedgalore.privacy.randomness import dp_generator, gaussian
 from fedgalore.protocol.payload import Payload
@@ -165,19 +165,16 @@ class ClientRelease:
         """σ whose uploads, one per round for ``rounds`` rounds, cost at most ``target`` as the server
         sees each (no subsampling: the server knows whom it sampled)."""
         c = self.client
-        ratio = None if not self.moments else (None if c.moment_noise_multiplier is not None else 1.0)
 
-        def eps(sigma: float) -> float:
-            sm = None if not self.moments else (c.moment_noise_multiplier if ratio is None else ratio * sigma)
+        def eps(sigma: float) -> float:  # σ_m as the run sets it: the fixed moment_noise_multiplier, else σ
+            sm = (c.moment_noise_multiplier or sigma) if self.moments else None
             return client_epsilon([(self._upload_multiplier(sigma, sm), 1, rounds)], 1, c.delta)
 
-        lo, hi = 0.0, 1.0
-        while eps(hi) > target:
-            lo, hi = hi, hi * 2.0
-            if hi > 1e6:
-                raise ValueError(f"no noise multiplier reaches ε={target:g} at δ={c.delta:g} over {rounds} uploads as the "
-                                 "server sees them (distributed noise without secure aggregation)")
-        return bisect_noise(eps, target, lo, hi, 0.01)
+        sigma = solve_noise(eps, target, limit=1e6)
+        if sigma is None:
+            raise ValueError(f"no noise multiplier reaches ε={target:g} at δ={c.delta:g} over {rounds} uploads as the "
+                             "server sees them (distributed noise without secure aggregation)")
+        return sigma
 
     def round_multiplier(self, received: int) -> float:
         """The noise multiplier of one round's release (both releases combined): σ on the sum for
@@ -235,10 +232,9 @@ class ClientRelease:
         return out
 
     def _draw(self, shape, std: float, g: torch.Generator) -> torch.Tensor:
-        """N(0, std²) of ``shape``: Opacus' secure sampling unless ``privacy.reproducible``."""
-        if self.reproducible:  # the studies' seeded stream, as before
-            return torch.randn(tuple(shape), generator=g, dtype=torch.float32) * float(std)
-        return gaussian(shape, std, g, secure=True)
+        """N(0, std²) of ``shape``: Opacus' secure sampling unless ``privacy.reproducible`` (the studies'
+        seeded stream, one ``torch.randn`` draw as before)."""
+        return gaussian(shape, std, g, secure=not self.reproducible)
 
     def server_side(self, uploads: Sequence[Payload], broadcast: Payload | None, round_idx: int,
                     attempt: int = 0, clip: float | None = None) -> list[Payload]:

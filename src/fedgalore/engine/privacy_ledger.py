@@ -26,7 +26,7 @@ each round, the adaptive clip norm — writes privacy.json's ``client`` part, an
 ``target_epsilon``.
 
 The cap holds at every release: before each attempt (a retry included) :meth:`PrivacyLedger.
-attempt_stop` checks the client-level budget with that attempt's worst case (distributed noise
+budget_stop` checks the client-level budget with that attempt's worst case (distributed noise
 through secure aggregation: only the fewest shares SecAgg+ still unmasks in the sum; without it: each
 sampled client's next upload as the server sees it), and :meth:`PrivacyLedger.spent_sites` holds
 back a site whose next client-round would take its record-level ε past ``privacy.record.
@@ -262,9 +262,8 @@ class PrivacyLedger:
                 book["epsilon"][c] = epsilon(book["sites"][c], self.record.delta, self.record.accountant)
             elif e.get("level") == "client" and self.release is not None:
                 cb = self._client_book(state)
-                cb["history"] = _merge_client([*cb["history"], [e["event"][0], e["event"][1], 1]])
-                for c in e.get("uploads", []):
-                    cb.setdefault("uploads", {})[str(c)] = cb.setdefault("uploads", {}).get(str(c), 0) + 1
+                cb["history"] = _merge_client([*cb["history"], *_as_rounds([e["event"]])])
+                _count_uploads(cb, e.get("uploads", []))
                 self._client_headline(cb)
             else:
                 continue
@@ -314,6 +313,13 @@ class PrivacyLedger:
 
         return client_epsilon([(self.release.upload_multiplier(), 1, int(uploads))], 1, self.release.client.delta)
 
+    def _flush_client(self, cb: dict[str, Any]) -> list[list[float]]:
+        """The round's pending releases join the history (ε updated); returns them."""
+        events, cb["pending"] = cb["pending"], []
+        cb["history"] = _merge_client([*cb["history"], *_as_rounds(events)])
+        self._client_headline(cb)
+        return events
+
     def _client_headline(self, cb: dict[str, Any]) -> None:
         """The federation's ε after the book's releases: the sum's (amplified by the server's
         sampling) and, when the server sees each upload, the worst client's as the server sees it
@@ -336,19 +342,16 @@ class PrivacyLedger:
         target = float(self.release.client.target_epsilon)
         book = self._client_book(state)
         rel, k = self.release, self.release.sample
-        if rel.client.noise == "distributed" and rel.server_sees_uploads:
+        # released so far: the history and this round's earlier attempts (pending only under distributed noise)
+        released = [*book["history"], *_as_rounds(book["pending"])]
+        distributed_sum = rel.client.noise == "distributed" and not rel.server_sees_uploads
+        worst = self.cfg.federation.secure_aggregation.min_survivors(k) if distributed_sum else k
+        nxt = self.client_epsilon([*released, [rel.round_multiplier(worst), k, 1]])
+        if rel.server_sees_uploads:  # each sampled client's next upload, as the server sees it
             counts = book.get("uploads", {})
             pool = [str(c) for c in clients] if clients is not None else list(counts) or ["-"]
             most = max((counts.get(c, 0) for c in pool), default=0)
-            nxt = max(self.server_view_epsilon(most + 1),
-                      self.client_epsilon([*book["history"], *[[e[0], e[1], 1] for e in book["pending"]],
-                                           [rel.round_multiplier(k), k, 1]]))
-        elif rel.client.noise == "distributed":  # through SecAgg+: the fewest survivors it still unmasks
-            worst = self.cfg.federation.secure_aggregation.min_survivors(k)
-            nxt = self.client_epsilon([*book["history"], *[[e[0], e[1], 1] for e in book["pending"]],
-                                       [rel.round_multiplier(worst), k, 1]])
-        else:
-            nxt = self.client_epsilon([*book["history"], [rel.round_multiplier(k), k, 1]])
+            nxt = max(nxt, self.server_view_epsilon(most + 1))
         if nxt <= target * (1 + 1e-9):
             return None
         what = f"round {round_idx + 1}" + (f" (attempt {attempt + 1})" if attempt else "")
@@ -378,10 +381,7 @@ class PrivacyLedger:
         """A round abandoned after some of its attempts released (the budget stop): their
         releases join the history now, and privacy.json says so."""
         if self.release is not None:
-            cb = self._client_book(state)
-            events, cb["pending"] = cb["pending"], []
-            cb["history"] = _merge_client([*cb["history"], *[[e[0], e[1], 1] for e in events]])
-            self._client_headline(cb)
+            self._flush_client(self._client_book(state))
         if self.record is not None:
             book = self._book(state)
             for c in book["pending"]:
@@ -402,8 +402,7 @@ class PrivacyLedger:
                 cb = self._client_book(state)
                 event = self._client_event(cb, len(out), len(results))
                 ups = [int(r.client) for r in out] if self.release.server_sees_uploads else []
-                for c in ups:
-                    cb.setdefault("uploads", {})[str(c)] = cb.setdefault("uploads", {}).get(str(c), 0) + 1
+                _count_uploads(cb, ups)
                 self._journal(state, {"level": "client", "round": round_idx + 1, "attempt": attempt, "event": event,
                                       "uploads": ups})
         if self.record is None:
@@ -454,9 +453,7 @@ class PrivacyLedger:
             if self.release.client.noise == "central":  # the server released the noised aggregate of the kept uploads
                 event = self._client_event(cb, len(uploads), self.release.sample)
                 self._journal(state, {"level": "client", "round": round_idx + 1, "event": event, "uploads": []})
-            events, cb["pending"] = cb["pending"], []
-            cb["history"] = _merge_client([*cb["history"], *[[e[0], e[1], 1] for e in events]])
-            self._client_headline(cb)
+            events = self._flush_client(cb)
             clip = self.current_clip(state)
             rec["client"] = {"releases": [{"noise_multiplier": e[0], "sampled": e[1], "uploads": e[2]} for e in events],
                              "epsilon": cb["epsilon"], "clip": clip}
@@ -554,6 +551,18 @@ class PrivacyLedger:
         """Rewrite ``<run_dir>/privacy.json`` (atomically)."""
         doc = self.document(state)
         atomic_write_text(Path(run_dir) / PRIVACY_FILE, json.dumps(_finite(doc), indent=1, ensure_ascii=False))
+
+
+def _as_rounds(events: Sequence[Sequence[float]]) -> list[list[float]]:
+    """Release events ``(σ, K, uploads)`` as history entries ``(σ, K, 1 round)``."""
+    return [[e[0], e[1], 1] for e in events]
+
+
+def _count_uploads(cb: dict[str, Any], clients: Sequence[int]) -> None:
+    """One more noised upload seen by the server for each of ``clients`` (``cb["uploads"]``)."""
+    counts = cb.setdefault("uploads", {})
+    for c in clients:
+        counts[str(c)] = counts.get(str(c), 0) + 1
 
 
 def _merge_client(history: Sequence[Sequence[float]]) -> list[list[float]]:

@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 from fedgalore.privacy.config import RecordPrivacy
 
-__all__ = ["History", "merge_history", "epsilon", "reference_epsilon", "calibrate_noise", "bisect_noise", "SiteSchedule",
+__all__ = ["History", "merge_history", "epsilon", "reference_epsilon", "calibrate_noise", "bisect_noise", "solve_noise", "SiteSchedule",
            "site_schedule", "sample_rate"]
 
 #: (noise multiplier σ, sampling rate q, steps)
@@ -169,6 +169,18 @@ def bisect_noise(eps, target_epsilon: float, lo: float, hi: float, tolerance: fl
         else:
             lo = mid
     return hi
+
+
+def solve_noise(eps, target_epsilon: float, tolerance: float = 0.01, limit: float = 1e4) -> float | None:
+    """The noise multiplier whose ``eps(σ)`` (decreasing in σ) spends at most ``target_epsilon`` and
+    no more than ``tolerance`` below it: σ doubled from 1 until it meets the target, then
+    :func:`bisect_noise`; None when no σ ≤ ``limit`` meets it (the caller says why in its words)."""
+    lo, hi = 0.0, 1.0
+    while eps(hi) > target_epsilon:
+        lo, hi = hi, hi * 2.0
+        if hi > limit:
+            return None
+    return bisect_noise(eps, target_epsilon, lo, hi, tolerance)
 
 
 def sample_rate(num_examples: int, batch_size: int, grad_accum_steps: int = 1) -> float:

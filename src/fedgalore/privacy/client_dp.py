@@ -43,7 +43,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from fedgalore.privacy.accounting import bisect_noise
+from fedgalore.privacy.accounting import solve_noise
 from fedgalore.protocol.payload import Dense, Entry, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank
 
 __all__ = ["DataDrivenBasis", "slots", "is_moment", "clip_upload", "add_noise", "shared_noise", "combined_multiplier",
@@ -238,10 +238,8 @@ def calibrate_client_noise(target_epsilon: float, delta: float, population: int,
         eff = sigma if moment_ratio is None else combined_multiplier([sigma, moment_ratio * sigma])
         return client_epsilon([(eff, sample, rounds)], population, delta)
 
-    lo, hi = 0.0, 1.0
-    while eps(hi) > target_epsilon:
-        lo, hi = hi, hi * 2.0
-        if hi > 1e4:
-            raise ValueError(f"no noise multiplier reaches ε={target_epsilon:g} at δ={delta:g} over {rounds} rounds of "
-                             f"{sample} of {population} clients")
-    return bisect_noise(eps, target_epsilon, lo, hi, tolerance)
+    sigma = solve_noise(eps, target_epsilon, tolerance, limit=1e4)
+    if sigma is None:
+        raise ValueError(f"no noise multiplier reaches ε={target_epsilon:g} at δ={delta:g} over {rounds} rounds of "
+                         f"{sample} of {population} clients")
+    return sigma
