@@ -20,7 +20,7 @@ Cases (``--cases``):
   each: BBC News is too small for the issue's 250 rows per site, so the sites are smaller and the
   per-site overhead larger than in the issue);
 * ``tiny`` — ``tiny_text`` with 50,000 training rows over 200 sites, the engine's own split
-  (:func:`fedgalore.engine.clients.split_clients`: IID, ``client_test_fraction`` 0.2 → 10,000
+  (:func:`fedgalore.job.clients.split_clients`: IID, ``client_test_fraction`` 0.2 → 10,000
   held-out rows, 50 per site): the issue's row counts on a model small enough to measure quickly.
 
 Single-threaded (``torch.set_num_threads(1)``; run with ``OMP_NUM_THREADS=1``). Every timing
@@ -58,7 +58,7 @@ def _per_site(task, model, data, parts, batch_size):
 
 
 def _one_pass(task, model, data, parts, batch_size):
-    from fedgalore.engine.clients import Clients
+    from fedgalore.job.clients import Clients
     from fedgalore.engine.client_eval import evaluate_clients
 
     clients = Clients([np.zeros(0, np.int64)] * len(parts), np.zeros(0, np.int64), np.zeros(0), test_parts=list(parts))
@@ -76,8 +76,8 @@ VARIANTS = {"per_site": _per_site, "one_pass": _one_pass, "pooled": _pooled}
 
 def _case(name: str, quick: bool):
     """``(task, model, data, parts, description)`` of a case."""
-    from fedgalore.engine.clients import split_clients
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.clients import split_clients
+    from fedgalore.job.config import FederatedConfig
     from fedgalore.federated.partition import make_partition
     from fedgalore.tasks import get_task
 

@@ -47,7 +47,7 @@ class _StopAfterFirstRound(Exception):
 def _round_one(task: str, variant: str, out: Path) -> dict:
     """Round 1 of ``task``'s pipeline under ``variant``: the loop's time split."""
     import fedgalore
-    from fedgalore.engine.config import load_config
+    from fedgalore.job.config import load_config
     from fedgalore.engine.events import ProgressSink
 
     cfg = load_config(TASKS[task])

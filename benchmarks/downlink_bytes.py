@@ -42,7 +42,7 @@ RESULT = ROOT / "benchmarks" / "results" / "downlink_bytes.json"
 
 
 def _scenario(name: str) -> dict:
-    from fedgalore.engine.config import load_config
+    from fedgalore.job.config import load_config
 
     if name.startswith("minilm"):
         d = load_config(ROOT / "conf" / "pipeline" / "offline_text.yaml").to_dict()
@@ -78,7 +78,7 @@ def _down(run_dir: Path) -> list[dict]:
 
 def run_scenario(name: str, out: Path) -> dict:
     import fedgalore
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
 
     res: dict = {"scenario": name, "variants": {}}
     finals = {}

@@ -200,7 +200,7 @@ def run_cell(method: str, lr: float, eps: float | None, seed: int, quick: bool) 
     import torch
 
     import fedgalore
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
 
     torch.set_num_threads(1)
     out = RUNS.parent / results_dir(quick).name / name

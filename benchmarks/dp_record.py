@@ -41,7 +41,7 @@ SIGMAS = [None, 0.0, 1.0, 0.5]  # none, clipping only (σ = 0: ε = ∞), the tw
 
 
 def config(method: str, sigma: float | None, seed: int, out: Path, large: bool = False):
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
 
     d = {
         "name": "dp", "seed": seed,

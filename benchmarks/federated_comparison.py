@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 import fedgalore
-from fedgalore.engine.config import load_config
+from fedgalore.job.config import load_config
 from fedgalore.federated.partition import parse_setting
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -222,7 +222,7 @@ def cell_out(budget: Budget, cell: CellSpec) -> Path:
 
 @lru_cache(maxsize=8)
 def _base_config(budget: Budget):
-    from fedgalore.engine.config import load_config
+    from fedgalore.job.config import load_config
 
     return load_config(budget.config, budget.overrides)
 
@@ -240,7 +240,7 @@ def same_run(old: dict, new: dict) -> str | None:
     study (``config_difference``), the ``device`` aside: a cell run on a GPU (``--device cuda``)
     is the same cell as on the CPU -- same partition, client samples and schedule; only its
     floating-point arithmetic differs. Its device stays in its ``config`` and the report names it."""
-    from fedgalore.engine.config import config_difference
+    from fedgalore.job.config import config_difference
 
     return config_difference({**old, "device": "cpu"}, {**new, "device": "cpu"})
 
@@ -1182,7 +1182,7 @@ def main(argv: list[str] | None = None) -> int:
         bad = [x for x in seeds if x not in budget.seeds]
         if bad:
             raise SystemExit(f"--seeds: {bad[0]} is not a held-out seed of this budget ({','.join(map(str, budget.seeds))})")
-    from fedgalore.engine.config import device_error
+    from fedgalore.job.config import device_error
 
     if a.device and (why := device_error(a.device)):
         raise SystemExit(f"--device {a.device!r} {why}")

@@ -92,7 +92,7 @@ def _task(name: str):
 
 
 def _config(name: str, method: str, out_dir: str):
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
 
     options = {"update_proj_gap": 1, "adaptive_proj_steps": 1} if method.startswith("fedgalore") else {}
     return FederatedConfig.from_dict({
@@ -431,7 +431,7 @@ def main(argv=None) -> int:
 def plan_check(run: dict) -> dict:
     """The plan's exact components for the measured configuration (from the shape miniature of the
     same model) next to the measured ones."""
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
     from fedgalore.plan import ModelSpec, probe_method
 
     import torch

@@ -49,8 +49,8 @@ def main() -> None:
     import torch
 
     import fedgalore
-    from fedgalore.engine.config import load_config
-    from fedgalore.engine.evaluate import load_for_inference
+    from fedgalore.job.config import load_config
+    from fedgalore.trained.evaluate import load_for_inference
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

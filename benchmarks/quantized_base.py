@@ -76,7 +76,7 @@ def model_folder(name: str, work: Path, tokenizer: str | None = None) -> Path:
 
 
 def config(model: Path, data: Path, out: Path, quantization: str | None, args: argparse.Namespace):
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
 
     return FederatedConfig.from_dict({
         "name": f"qbase-{quantization or 'bf16'}", "seed": 0, "device": "cuda",

@@ -37,7 +37,7 @@ import torch
 
 from fedgalore.engine.backends.ray import RayBackend, _rss_bytes
 from fedgalore.engine.backends.sequential import SequentialBackend
-from fedgalore.engine.config import FederatedConfig
+from fedgalore.job.config import FederatedConfig
 from fedgalore.engine.runtime import ClientJob, Runtime
 from fedgalore.federated.seeding import round_seed, sample_clients
 from fedgalore.protocol.payload import encode

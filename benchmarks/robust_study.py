@@ -72,7 +72,7 @@ def run_all() -> None:
     import torch
 
     import fedgalore
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
     from fedgalore.jsonl import read_jsonl
 
     torch.set_num_threads(1)

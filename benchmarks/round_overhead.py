@@ -79,7 +79,7 @@ class Clock:
 
 
 def _config(scale: str, method: str, out: str):
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
 
     s = SCALES[scale]
     opts = {"update_proj_gap": 200, "projector": "rsvd_then_random"} if method == "fedgalore" else {}

@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     import fedgalore
     import fedgalore.federated.sharded_site as sharded_site
-    from fedgalore.engine.config import load_config
+    from fedgalore.job.config import load_config
 
     held: list[dict[str, int]] = []
     real = sharded_site.gather_back

@@ -42,7 +42,7 @@ VARIANTS = {
 
 def run(rounds: int, out_dir: Path) -> dict:
     import fedgalore
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
 
     result: dict = {"budget": None, "variants": {}}
     for label, opts in VARIANTS.items():

@@ -60,7 +60,7 @@ PARTS = ("train", "client_other", "io", "aggregate", "sync", "evaluate", "rest")
 def _config(method: str, lr: float, rounds: int, out: str, device: str):
     import yaml
 
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
 
     raw = yaml.safe_load((ROOT / "conf" / "repro" / "offline_text_50.yaml").read_text())
     raw["seed"] = 1

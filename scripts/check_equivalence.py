@@ -68,7 +68,7 @@ LOW_ISA_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "AVX
 
 
 def _config(out: Path, method: str):
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
 
     return FederatedConfig.from_dict({
         "name": "equiv", "seed": 0,

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from fedgalore.cli import main
-from fedgalore.engine.config import ConfigError, FederatedConfig
-from fedgalore.engine.export import ExportError, export_run
-from fedgalore.engine.global_model import load_global_model
+from fedgalore.job.config import ConfigError, FederatedConfig
+from fedgalore.trained.export import ExportError, export_run
+from fedgalore.trained.global_model import load_global_model
 from fedgalore.engine.loop import Federation
 from fedgalore.engine.round_adapters import round_adapter_dir
 from fedgalore.methods.base import MethodError

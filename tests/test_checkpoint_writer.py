@@ -179,7 +179,7 @@ def test_checkpoint_every_auto_spends_at_most_its_budget(tmp_path, budget, expec
 
 
 def test_checkpoint_settings_are_checked():
-    from fedgalore.engine.config import ConfigError, FederatedConfig
+    from fedgalore.job.config import ConfigError, FederatedConfig
 
     for bad, msg in (({"checkpoint_every": "sometimes"}, "checkpoint_every"), ({"checkpoint_every": 0}, "checkpoint_every"),
                      ({"checkpoint_budget": 0}, "checkpoint_budget")):

@@ -24,9 +24,9 @@ from omegaconf import OmegaConf
 
 import fedgalore
 from fedgalore.cli import main
-from fedgalore.engine.config import load_config
-from fedgalore.engine.export import export_run
-from fedgalore.engine.liveness import LOCK_FILE, run_state
+from fedgalore.job.config import load_config
+from fedgalore.trained.export import export_run
+from fedgalore.records.liveness import LOCK_FILE, run_state
 from fedgalore.engine.loop import Federation, RoundFailed
 from fedgalore.jsonl import read_json
 from fedgalore.methods.base import option, register

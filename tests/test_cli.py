@@ -303,7 +303,7 @@ def test_compare_grid_skips_finished_cells(tmp_path, capsys) -> None:
 # ----------------------------------------------------------------------------- grid planning
 def test_plan_grid_budgets_options_and_aliases(tmp_path) -> None:
     from fedgalore.compare import plan_grid
-    from fedgalore.engine.config import ConfigError, load_config
+    from fedgalore.job.config import ConfigError, load_config
     from fedgalore.methods.base import MethodError
 
     base = load_config(tiny_config(tmp_path), ["method.options.update_proj_gap=7", "federation.partition.min_size=3"])
@@ -351,7 +351,7 @@ def test_compare_section_in_config(tmp_path) -> None:
 
 
 def test_config_difference_ignores_schema_changes_and_the_display() -> None:
-    from fedgalore.engine.config import config_difference
+    from fedgalore.job.config import config_difference
 
     old = {"train": {"lr": 1e-3}, "federation": {"rounds": 2}, "output": {"progress": "rich"}}
     assert config_difference(old, {"train": {"lr": 1e-3}, "federation": {"rounds": 2, "new_key": 5}}) is None
@@ -365,7 +365,7 @@ def test_config_difference_ignores_schema_changes_and_the_display() -> None:
 def test_plan_grid_per_row_train_overrides(tmp_path) -> None:
     """A row's ``train`` mapping changes only that row's train section (e.g. a per-method lr)."""
     from fedgalore.compare import plan_grid
-    from fedgalore.engine.config import ConfigError, load_config
+    from fedgalore.job.config import ConfigError, load_config
 
     base = load_config(tiny_config(tmp_path))
     opts = {"fedit": {"train": {"lr": 5e-3}}, "galore_hi": {"method": "fedgalore", "scale": 1.0, "train": {"lr": 2e-3, "warmup_ratio": 0.1}}}

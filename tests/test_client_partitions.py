@@ -1,4 +1,4 @@
-"""The run's clients (fedgalore.engine.clients): partitions by a column (natural, partition.by), the
+"""The run's clients (fedgalore.job.clients): partitions by a column (natural, partition.by), the
 validation and per-client hold-outs, partition.json / partition.png, ``fedgalore partition``, per-client
 evaluation (fedgalore.engine.client_eval) in metrics.jsonl and the report, and their bad inputs."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 import fedgalore
 from fedgalore.cli import main
-from fedgalore.engine.clients import resolve_clients, split_clients
-from fedgalore.engine.config import ConfigError, FederatedConfig, config_difference
+from fedgalore.job.clients import resolve_clients, split_clients
+from fedgalore.job.config import ConfigError, FederatedConfig, config_difference
 from fedgalore.federated.partition import PartitionError
 from fedgalore.jsonl import read_jsonl
 from fedgalore.tasks.base import TaskError
@@ -159,7 +159,7 @@ def test_partition_by_a_column_for_any_kind(tmp_path):
     np.testing.assert_array_equal(clients.categories, sites)
     val = sites[clients.validation_idx]  # the validation pool is stratified by the same column
     assert {s: int(np.sum(val == s)) for s in ("east", "north", "south")} == {"east": 6, "north": 16, "south": 10}
-    from fedgalore.engine.partition_files import partition_record
+    from fedgalore.job.partition_files import partition_record
 
     rec = partition_record(cfg, task, clients)
     assert rec["by"] == "site" and rec["label_names"] == ["east", "north", "south"]

@@ -30,7 +30,7 @@ pytest.importorskip("dp_accounting")
 
 import fedgalore  # noqa: E402
 from fedgalore.cli import main  # noqa: E402
-from fedgalore.engine.config import ConfigError  # noqa: E402
+from fedgalore.job.config import ConfigError  # noqa: E402
 from fedgalore.privacy.client_dp import (add_noise, calibrate_client_noise, client_epsilon, clip_upload,  # noqa: E402
                                          combined_multiplier, shared_noise)
 from fedgalore.protocol.payload import Dense, LowRank, Payload  # noqa: E402
@@ -139,7 +139,7 @@ def test_distributed_noise_per_client(tmp_path, method, individual):
     """Each client's share: σC/√K on a method whose A is a mean (the K shares sum to σC), σC on one
     that uses each upload on its own."""
     from fedgalore.engine.client_privacy import ClientRelease
-    from fedgalore.engine.resolve import method_options
+    from fedgalore.job.resolve import method_options
     from fedgalore.methods.base import method_class
 
     cfg = cdp_cfg(tmp_path, method, noise="distributed", clip=0.5, noise_multiplier=2.0)
@@ -272,7 +272,7 @@ def test_adaptive_clipping_follows_the_norm_quantile(tmp_path):
     assert [h["dp_clip"] for h in run.history] == pytest.approx(clips)
     # distributed: each client's bit carries σ_b/√K of noise, and leaves the site noised
     dist = cdp_cfg(tmp_path / "d", "fedavg_full", noise="distributed", adaptive_clipping={"count_noise_multiplier": 2.0})
-    from fedgalore.engine.resolve import method_options
+    from fedgalore.job.resolve import method_options
     from fedgalore.methods.base import method_class
 
     rel = ClientRelease(dist, dist.privacy.client, method_class("fedavg_full")(4, method_options(dist)), 6)
@@ -306,7 +306,7 @@ def test_record_and_client_level_together(tmp_path):
     cfg = cdp_cfg(tmp_path, "fedit", rounds=1)
     d = cfg.to_dict()
     d["privacy"]["record"] = {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
 
     run = fedgalore.run(FederatedConfig.from_dict(d))
     doc = json.loads((run.run_dir / "privacy.json").read_text())

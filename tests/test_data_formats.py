@@ -424,7 +424,7 @@ def test_integral_float_labels_are_classes_and_fractions_regression(tmp_path, be
 
 # ============================================================================ min_client_size
 def _site_cfg(tmp_path, data, **partition):
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
 
     return FederatedConfig.from_dict({
         "name": "sites",
@@ -438,8 +438,8 @@ def _site_cfg(tmp_path, data, **partition):
 
 
 def test_min_client_size_drops_small_sites_one_line_each(tmp_path, bert_dir, caplog):
-    from fedgalore.engine.clients import resolve_clients, split_clients
-    from fedgalore.engine.config import ConfigError
+    from fedgalore.job.clients import resolve_clients, split_clients
+    from fedgalore.job.config import ConfigError
 
     df = news_rows(63)
     df.loc[60:, "site"] = "tiny"  # a 3-row site

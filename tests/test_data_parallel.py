@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import fedgalore
-from fedgalore.engine.config import ConfigError
+from fedgalore.job.config import ConfigError
 from fedgalore.federated.client import ClientError, local_train
 from fedgalore.federated.data_parallel import shard_batch
 from fedgalore.optim import GaLoreAdamW

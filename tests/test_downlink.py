@@ -315,7 +315,7 @@ def test_factored_downlink_on_a_deployment_without_client_models_says_it_sends_d
 
 def test_sequential_backend_options_are_checked():
     from fedgalore.engine.backends import make_backend
-    from fedgalore.engine.config import ConfigError
+    from fedgalore.job.config import ConfigError
 
     with pytest.raises(ConfigError, match="keep_client_models"):
         make_backend("sequential", {"keep_models": True})

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fedgalore
-from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import ProgressSink
 from fedgalore.federated.seeding import round_seed, sample_clients
 from fedgalore.protocol.payload import (
@@ -152,7 +152,7 @@ def test_config_errors_are_one_clear_line(patch, msg):
 
 
 def test_invalid_yaml_is_one_line_with_its_place(tmp_path):
-    from fedgalore.engine.config import load_config
+    from fedgalore.job.config import load_config
 
     bad = tmp_path / "bad.yaml"
     bad.write_text("method:\n  name: fedgalore\n rank: 8\n")  # rank indented one space less than name

@@ -21,12 +21,12 @@ from safetensors.torch import load_file
 
 import fedgalore
 from fedgalore.cli import main
-from fedgalore.engine.config import FederatedConfig
+from fedgalore.job.config import FederatedConfig
 from fedgalore.engine.events import ProgressSink
-from fedgalore.engine.evaluate import with_test_data
-from fedgalore.engine.export import ExportError, export_run
-from fedgalore.engine.global_model import choose_round
-from fedgalore.engine.lora_extract import RANK_NOTES
+from fedgalore.trained.evaluate import with_test_data
+from fedgalore.trained.export import ExportError, export_run
+from fedgalore.trained.global_model import choose_round
+from fedgalore.trained.lora_extract import RANK_NOTES
 from fedgalore.engine.loop import Federation
 
 METHODS = ["fedgalore", "fedgalore_minus", "fedgalore_mean", "fedavg_full", "fedit", "ffa_lora", "flora", "fr_lora", "lora_fair"]
@@ -296,7 +296,7 @@ def test_test_data_override_uses_the_tasks_data_option(monkeypatch, runs):
     """``--data`` rewrites task option ``data`` (for the file-based tasks; their options class here a stand-in)."""
     from dataclasses import dataclass
 
-    from fedgalore.engine import evaluate as ev
+    from fedgalore.trained import evaluate as ev
     from fedgalore.tasks.base import TaskOptions, task_option
 
     @dataclass(frozen=True)

@@ -292,7 +292,7 @@ _KEYS = st.sampled_from([
 def test_config_loader_accepts_or_names_the_problem_in_one_line(flat):
     """Any mapping either validates into a FederatedConfig or raises ConfigError with one line
     naming a key — never another exception type."""
-    from fedgalore.engine.config import ConfigError, FederatedConfig
+    from fedgalore.job.config import ConfigError, FederatedConfig
 
     nested: dict = {}
     for dotted, value in flat.items():

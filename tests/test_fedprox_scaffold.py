@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import fedgalore
-from fedgalore.engine.config import ConfigError
+from fedgalore.job.config import ConfigError
 from fedgalore.federated.checkpoint import load_latest_checkpoint
 from fedgalore.federated.client import local_train
 from fedgalore.federated.scaffold import ScaffoldClient, update_controls
@@ -248,7 +248,7 @@ def test_remedies_doc_commands_run(tmp_path, monkeypatch, capsys):
 def test_a_remedy_differs_from_a_run_saved_before_the_option_existed():
     """A config saved by an older version lacks the new keys: they read as their defaults (the old
     behaviour), so a run with FedProx or a server optimizer is another run, and one without is the same."""
-    from fedgalore.engine.config import FederatedConfig, config_difference
+    from fedgalore.job.config import FederatedConfig, config_difference
 
     old = FederatedConfig().to_dict()
     del old["train"]["prox_mu"], old["train"]["scaffold"], old["federation"]["server_optimizer"]

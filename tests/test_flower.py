@@ -15,7 +15,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 import torch  # noqa: E402
 
 import fedgalore  # noqa: E402
-from fedgalore.engine.config import FederatedConfig  # noqa: E402
+from fedgalore.job.config import FederatedConfig  # noqa: E402
 
 
 def cfg(tmp: Path, method: str, opts: dict, **train) -> FederatedConfig:

@@ -38,7 +38,7 @@ psutil = pytest.importorskip("psutil")
 pytest.importorskip("cryptography")
 
 from fedgalore.engine.backends.sequential import SequentialBackend  # noqa: E402
-from fedgalore.engine.config import FederatedConfig  # noqa: E402
+from fedgalore.job.config import FederatedConfig  # noqa: E402
 from fedgalore.engine.loop import Federation  # noqa: E402
 from fedgalore.engine.runtime import ClientResult  # noqa: E402
 from fedgalore.jsonl import read_jsonl  # noqa: E402
@@ -512,7 +512,7 @@ def test_certificates_and_node_keys_are_what_flower_reads(tmp_path, capsys):
 
 
 def test_run_config_resume_flag():
-    from fedgalore.engine.config import ConfigError
+    from fedgalore.job.config import ConfigError
     from fedgalore.flower.server_app import run_config_flag
 
     assert run_config_flag({"resume": True}, "resume") and not run_config_flag({}, "resume")

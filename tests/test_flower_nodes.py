@@ -25,7 +25,7 @@ from flwr.app import Context, MessageType, RecordDict  # noqa: E402
 from flwr.serverapp import Grid  # noqa: E402
 
 import fedgalore  # noqa: E402
-from fedgalore.engine.config import ConfigError, FederatedConfig  # noqa: E402
+from fedgalore.job.config import ConfigError, FederatedConfig  # noqa: E402
 from fedgalore.jsonl import read_jsonl  # noqa: E402
 from tiny_assets import TOPICS, news_rows, news_site_files, write  # noqa: E402
 

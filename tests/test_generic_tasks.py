@@ -489,7 +489,7 @@ def _blocks(lang: str) -> list[str]:
 
 
 def test_docs_yaml_examples_are_valid_and_short(tmp_path):
-    from fedgalore.engine.config import load_config
+    from fedgalore.job.config import load_config
 
     yamls = _blocks("yaml")
     assert [re.search(r"name: (\w+)\n  options", y).group(1) for y in yamls] == ["text_classification", "causal_lm",

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.federated.client import local_train, loss_items, optimizer_steps
 from fedgalore.protocol.state import ClientContext, TrainConfig
 

@@ -50,7 +50,7 @@ def _evaluated_rounds(budget) -> list[int]:
 
 
 def test_full_budget_is_the_issue_budget(hz) -> None:
-    from fedgalore.engine.config import load_config
+    from fedgalore.job.config import load_config
 
     cfg = load_config(hz.FULL.config, hz.FULL.overrides)
     f = cfg.federation
@@ -177,7 +177,7 @@ def test_every_row_gets_the_same_partition_validation_split_and_batches_per_seed
     (client sampling takes no method either: ``sample_clients(seed, round, M, K)``)."""
     import torch
 
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
     from fedgalore.engine.runtime import Runtime
 
     b = hz.quick_budget(tmp_path)
@@ -318,9 +318,9 @@ def test_tolerance_stage_runs_the_six_round_rates_and_the_report_pairs_them(hz, 
 
 
 def test_driver_and_config_share_one_device_rule(hz) -> None:
-    """``--device`` is checked by the config's own rule (engine/config.py ``device_error``), so the driver
+    """``--device`` is checked by the config's own rule (job/config.py ``device_error``), so the driver
     cannot accept a device that every worker would then refuse, nor refuse one they accept."""
-    from fedgalore.engine.config import ConfigError, device_error, load_config
+    from fedgalore.job.config import ConfigError, device_error, load_config
 
     for ok in ("cpu", "mps", "cuda", "cuda:3"):
         assert device_error(ok) is None and load_config(None, [f"device={ok}"]).device == ok

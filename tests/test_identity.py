@@ -1,4 +1,4 @@
-"""A run's identity (fedgalore.engine.identity): a changed option, model or data file is never
+"""A run's identity (fedgalore.records.identity): a changed option, model or data file is never
 mistaken for a finished run — on `run`, `--resume` and `compare` — while an option written with
 its default value is the same run; run directories from before identities still resume and skip;
 a task object passed in code is recorded as what it is."""
@@ -13,8 +13,8 @@ import torch
 
 import fedgalore
 from fedgalore.cli import main
-from fedgalore.engine.config import ConfigError, load_config
-from fedgalore.engine.identity import IDENTITY_FILE, compare_with_saved, run_identity
+from fedgalore.job.config import ConfigError, load_config
+from fedgalore.records.identity import IDENTITY_FILE, compare_with_saved, run_identity
 from fedgalore.tasks import fingerprint
 from fedgalore.tasks.fingerprint import data_fingerprint, fingerprint_path
 from fedgalore.tasks.synthetic import TinyTextTask
@@ -292,7 +292,7 @@ def test_a_method_whose_rule_was_fixed_is_not_the_same_run(tmp_path) -> None:
     issue 40's schedule (``1 -> 2``); FedAvg-Full, whose results did not change, does not."""
     import yaml
 
-    from fedgalore.engine.identity import compare_with_saved, run_identity
+    from fedgalore.records.identity import compare_with_saved, run_identity
 
     for method, differs in (("fedgalore", "1 -> 3"), ("fedgalore_minus", "1 -> 2"), ("fedavg_full", None)):
         cfg = load_config(tiny_config(tmp_path), [f"method.name={method}"])

@@ -17,7 +17,7 @@ import pytest
 import fedgalore
 from fedgalore.cli import main
 from fedgalore.engine.events import ProgressSink
-from fedgalore.engine.liveness import LOCK_FILE, Heartbeat, RunBusy, RunLock, run_state
+from fedgalore.records.liveness import LOCK_FILE, Heartbeat, RunBusy, RunLock, run_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_cli import tiny_config  # noqa: E402
@@ -183,7 +183,7 @@ def test_live_run_is_watched_refused_exported_and_found_dead_after_kill_9(tmp_pa
     assert js["looks_dead"] is True and js["verdict"].startswith(f"{run_dir}: looks dead — summary.json says running but "
                                                                  f"process {proc.pid} is not running")
     # resuming takes the stale lock over, saying so once
-    from fedgalore.engine.config import load_config
+    from fedgalore.job.config import load_config
     from fedgalore.engine.loop import Federation
 
     said: list[str] = []

@@ -278,7 +278,7 @@ def test_flora_fresh_adapters_per_client_and_round(task):
 
 # ----------------------------------------------------------------------------- the real round loop
 def loop_cfg(tmp_path: Path, name: str, rounds: int = 2):
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
 
     return FederatedConfig.from_dict(
         {

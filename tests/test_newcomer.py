@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fedgalore.cli import main
-from fedgalore.engine.resolve import config_for_method
+from fedgalore.job.resolve import config_for_method
 from test_cli import _error, cli, tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -95,7 +95,7 @@ def test_unknown_method_option_is_still_one_line(tmp_path, capsys) -> None:
 
 
 def test_method_options_can_be_cleared() -> None:
-    from fedgalore.engine.config import load_config
+    from fedgalore.job.config import load_config
 
     path = REPO / "conf" / "pipeline" / "offline_text.yaml"
     assert load_config(path).method.options["update_proj_gap"] == 50

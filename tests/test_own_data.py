@@ -23,10 +23,10 @@ import torch
 
 import fedgalore
 from fedgalore.cli import main
-from fedgalore.engine.config import load_config
-from fedgalore.engine.export import ExportError, export_run
-from fedgalore.engine.global_model import load_global_model
-from fedgalore.engine.identity import run_identity
+from fedgalore.job.config import load_config
+from fedgalore.trained.export import ExportError, export_run
+from fedgalore.trained.global_model import load_global_model
+from fedgalore.records.identity import run_identity
 from fedgalore.jsonl import read_jsonl
 from test_export import Run, logits_of, same_metrics
 from tiny_assets import TOPICS, news_rows, save_tiny_bert, write

@@ -293,8 +293,8 @@ def test_golden_iid_and_dirichlet_splits_unchanged():
     (commit 00b00fc), for make_partition and for a run's split (validation hold-out + Dirichlet on
     tiny_text). Integers from numpy Generator streams: a numpy release that changed a stream would
     change them (and every recorded run); re-record then and say why."""
-    from fedgalore.engine.clients import split_clients
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.clients import split_clients
+    from fedgalore.job.config import FederatedConfig
     from fedgalore.tasks.synthetic import TinyTextTask
 
     y = np.random.default_rng(0).integers(0, 10, size=2000)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from fedgalore.engine.config import FederatedConfig
+from fedgalore.job.config import FederatedConfig
 from fedgalore.memory import PeakTracker, peak_tracking_available, tensor_bytes
 from fedgalore.plan import PlanError, make_plan, phase_peaks
 

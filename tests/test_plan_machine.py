@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fedgalore.cli import main
-from fedgalore.engine.config import FederatedConfig
+from fedgalore.job.config import FederatedConfig
 from fedgalore.plan import (ACT_COEF, CUDA_RESERVE, GIB, activation_bytes, detect_machine, fit_verdict, host_memory, make_plan,
                             model_spec, usable_memory)
 
@@ -203,7 +203,7 @@ def test_a_model_not_here_is_said_at_once(llama_dir, qa, tmp_path, capsys, monke
 @pytest.mark.parametrize("kind", ["Ctrl-C", "SIGTERM"])
 def test_an_interrupted_plan_gives_no_run_advice(llama_dir, qa, tmp_path, capsys, monkeypatch, kind):
     import fedgalore.plan as plan_mod
-    from fedgalore.engine.liveness import Terminated
+    from fedgalore.records.liveness import Terminated
 
     def interrupted(*a, **k):  # as the miniature's Federation re-raises it: naming its (temporary) run directory
         exc = Terminated("SIGTERM") if kind == "SIGTERM" else KeyboardInterrupt()

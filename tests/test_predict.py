@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from fedgalore.cli import main
-from fedgalore.engine.config import FederatedConfig
-from fedgalore.engine.evaluate import LoadedModel, evaluate
-from fedgalore.engine.global_model import load_global_model
-from fedgalore.engine.predict import predict
+from fedgalore.job.config import FederatedConfig
+from fedgalore.trained.evaluate import LoadedModel, evaluate
+from fedgalore.trained.global_model import load_global_model
+from fedgalore.trained.predict import predict
 from fedgalore.tasks import get_task
 from fedgalore.tasks.base import subset_examples
 
@@ -139,7 +139,7 @@ def _loaded(monkeypatch, task):
     """predict on ``task``'s freshly built model (no run needed for checking inputs and outputs)."""
     cfg = FederatedConfig.from_dict({"task": {"name": task.name}})
     loaded = LoadedModel(task.build_model(), task, cfg, "test model")
-    monkeypatch.setattr("fedgalore.engine.predict.load_for_inference", lambda *a, **k: loaded)
+    monkeypatch.setattr("fedgalore.trained.predict.load_for_inference", lambda *a, **k: loaded)
     return loaded
 
 

@@ -23,9 +23,9 @@ import pandas as pd
 import pytest
 
 from fedgalore.cli import main
-from fedgalore.engine.evaluate import MIN_GROUP, evaluate
-from fedgalore.engine.global_model import load_global_model
-from fedgalore.engine.predict import _read, predict
+from fedgalore.trained.evaluate import MIN_GROUP, evaluate
+from fedgalore.trained.global_model import load_global_model
+from fedgalore.trained.predict import _read, predict
 from fedgalore.tasks import get_task
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -284,8 +284,8 @@ def test_causal_predict_merges_the_lora_adapters_and_generates_the_same_text(tmp
     import torch
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    from fedgalore.engine.config import FederatedConfig
-    from fedgalore.engine.evaluate import LoadedModel
+    from fedgalore.job.config import FederatedConfig
+    from fedgalore.trained.evaluate import LoadedModel
 
     monkeypatch.setenv("FEDGALORE_CACHE", str(tmp_path / "cache"))
     qa = [{"question": f"What is {a} plus {b}?", "solution": f"The answer is {a + b}"} for a in range(3) for b in range(3)]
@@ -300,7 +300,7 @@ def test_causal_predict_merges_the_lora_adapters_and_generates_the_same_text(tmp
     new = write(pd.DataFrame({"question": [q["question"] for q in qa[:3]]}), tmp_path / "new.csv")
     expected = task.generate(model, task.prediction_prompts(_read(new)[0]))  # unmerged
     loaded = LoadedModel(model, task, FederatedConfig.from_dict({"task": {"name": task.name}}), "lora model")
-    monkeypatch.setattr("fedgalore.engine.predict.load_for_inference", lambda *a, **k: loaded)
+    monkeypatch.setattr("fedgalore.trained.predict.load_for_inference", lambda *a, **k: loaded)
     seen = []
     plain_generate = task.generate
     monkeypatch.setattr(task, "generate", lambda m, *a, **k: seen.append(isinstance(m, PeftModel)) or plain_generate(m, *a, **k))

@@ -30,7 +30,7 @@ pytest.importorskip("dp_accounting")
 
 import fedgalore  # noqa: E402
 from fedgalore.cli import main  # noqa: E402
-from fedgalore.engine.config import ConfigError, FederatedConfig  # noqa: E402
+from fedgalore.job.config import ConfigError, FederatedConfig  # noqa: E402
 from fedgalore.federated.client import local_train  # noqa: E402
 from fedgalore.optim import GaLoreAdamW  # noqa: E402
 from fedgalore.privacy.accounting import calibrate_noise, epsilon, reference_epsilon, site_schedule  # noqa: E402
@@ -416,7 +416,7 @@ def test_docs_yaml_is_a_valid_config():
     """docs/privacy.md's and README's YAML, added to the default pipeline, load as written."""
     import re
 
-    from fedgalore.engine.config import load_config
+    from fedgalore.job.config import load_config
 
     repo = Path(__file__).resolve().parents[1]
     base = (repo / "conf/pipeline/offline_text.yaml").read_text()
@@ -518,7 +518,7 @@ def test_target_epsilon_is_spent_over_every_round(tmp_path):
 
 
 def test_extension_secure_mode_and_release_metrics():
-    from fedgalore.engine.rundir import extension_problem
+    from fedgalore.records.rundir import extension_problem
 
     cfg = FederatedConfig.from_dict({"train": {"schedule_scope": "round"}, "federation": {"rounds": 3},
                                      "privacy": {"record": {"target_epsilon": 8.0}}})

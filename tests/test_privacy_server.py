@@ -27,10 +27,10 @@ pytest.importorskip("dp_accounting")
 import fedgalore  # noqa: E402
 from fedgalore.engine.backends.sequential import SequentialBackend  # noqa: E402
 from fedgalore.engine.client_privacy import ClientRelease  # noqa: E402
-from fedgalore.engine.config import ConfigError, FederatedConfig  # noqa: E402
+from fedgalore.job.config import ConfigError, FederatedConfig  # noqa: E402
 from fedgalore.engine.loop import Federation  # noqa: E402
 from fedgalore.engine.privacy_ledger import SitePrivacy  # noqa: E402
-from fedgalore.engine.resolve import method_options  # noqa: E402
+from fedgalore.job.resolve import method_options  # noqa: E402
 from fedgalore.federated.seeding import DP_CLIENT_NOISE, client_seed  # noqa: E402
 from fedgalore.federated.client import ClientError  # noqa: E402
 from fedgalore.methods.base import method_class, register  # noqa: E402

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fedgalore.cli import main
-from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.tasks.base import TaskError
 from fedgalore.tasks.quantize import quantization_unavailable, quantized_bytes
 

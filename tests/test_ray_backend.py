@@ -10,7 +10,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import fedgalore  # noqa: E402
-from fedgalore.engine.config import FederatedConfig  # noqa: E402
+from fedgalore.job.config import FederatedConfig  # noqa: E402
 
 CRASH_PLUGIN = '''
 import os

@@ -85,7 +85,7 @@ def _labels_fit(fig, axes_labels) -> None:
 
 
 def test_partition_heatmap_labels_fit(tmp_path):
-    from fedgalore.engine.partition_files import partition_figure, wrap_label
+    from fedgalore.job.partition_files import partition_figure, wrap_label
     from fedgalore.report.plots import plot_partition
 
     assert wrap_label("prescription_refill_requests") == "prescription_\nrefill_requests"

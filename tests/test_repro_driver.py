@@ -65,7 +65,7 @@ def test_vision_study_covers_every_method(driver) -> None:
     vision = importlib.import_module("repro_offline_vision").VISION
     assert vision.config.is_file() and vision.runs.name == "repro_vision"
     assert set(vision.lrs) == set(driver.METHODS) and all(vision.lrs.values())
-    from fedgalore.engine.config import load_config
+    from fedgalore.job.config import load_config
 
     cfg = load_config(vision.config)
     assert (cfg.federation.num_clients, cfg.federation.clients_per_round, cfg.train.local_epochs) == (50, 5, 2)
@@ -84,7 +84,7 @@ def test_math_driver_runs_the_command_it_documents(driver) -> None:
     assert cmd[cmd.index("--out") + 1] == str(math.OUT) and not math.OUT.is_absolute()
     assert tuple(a for a in cmd if "=" in a) == math.OVERRIDES
     assert math.MATH.results / math.OUT.name == BENCH / "results" / "repro_math"
-    from fedgalore.engine.config import load_config
+    from fedgalore.job.config import load_config
 
     cfg = load_config(math.MATH.config, math.OVERRIDES)
     assert cfg.task.options["n_test"] == 30 and cfg.federation.eval_every == cfg.federation.rounds == 4
@@ -96,7 +96,7 @@ def test_remedy_rows_are_valid_compare_rows_and_the_choice_uses_validation(drive
     the row says, the issue-17 client rate), labels are unique, and the chosen remedy value is the
     best on *validation* (not test), ties to the smaller value."""
     from fedgalore.compare import plan_grid
-    from fedgalore.engine.config import load_config
+    from fedgalore.job.config import load_config
 
     rows = driver.remedy_probe_rows("dirichlet:0.3")
     assert len(rows) == len(set(rows)) == sum(len(driver._remedy_values(b, r)) for b, r in driver.REMEDY_ROWS)

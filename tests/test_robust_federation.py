@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fedgalore
-from fedgalore.engine.config import ConfigError
+from fedgalore.job.config import ConfigError
 from fedgalore.federated import robust
 from fedgalore.jsonl import read_jsonl
 

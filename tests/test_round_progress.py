@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fedgalore.engine.events import ProgressSink, TrackingProgress, phase_note
-from fedgalore.engine.liveness import Heartbeat, RunState
+from fedgalore.records.liveness import Heartbeat, RunState
 from fedgalore.federated.diagnostics import (EXACT_MAX_FLOPS, tail_energy, tail_energy_sketch,
                                              update_space_diagnostics)
 from fedgalore.progress import PlainProgress

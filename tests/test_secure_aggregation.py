@@ -27,7 +27,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
 from flwr.app import MessageType  # noqa: E402
 
-from fedgalore.engine.config import ConfigError, FederatedConfig  # noqa: E402
+from fedgalore.job.config import ConfigError, FederatedConfig  # noqa: E402
 from fedgalore.flower.secagg import from_summed, secagg_mod, summable  # noqa: E402
 from fedgalore.jsonl import read_jsonl  # noqa: E402
 from fedgalore.methods.base import available_methods, method_class  # noqa: E402

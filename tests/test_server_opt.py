@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fedgalore
-from fedgalore.engine.config import ConfigError
+from fedgalore.job.config import ConfigError
 from fedgalore.federated.checkpoint import load_latest_checkpoint
 from fedgalore.federated.server_opt import ServerOptimizerConfig, server_step
 
@@ -112,7 +112,7 @@ def test_factored_downlink_with_server_optimizer_is_a_config_error(tmp_path):
         tiny_cfg(tmp_path, "fedgalore", federation=fed, method_options={"downlink": "factored"})
     tiny_cfg(tmp_path, "fedgalore", federation=fed, method_options={"downlink": "dense"})  # dense downlink: fine
     # the default (auto) resolves to dense under a server optimizer, factored without one
-    from fedgalore.engine.resolve import method_options
+    from fedgalore.job.resolve import method_options
 
     assert method_options(tiny_cfg(tmp_path, "fedgalore", federation=fed)).downlink == "dense"
     assert method_options(tiny_cfg(tmp_path, "fedgalore")).downlink == "factored"

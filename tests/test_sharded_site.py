@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fedgalore.federated.sharded_site as sharded_site
-from fedgalore.engine.config import ConfigError
+from fedgalore.job.config import ConfigError
 from fedgalore.federated.client import ClientError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 import fedgalore
-from fedgalore.engine.config import ConfigError
+from fedgalore.job.config import ConfigError
 from fedgalore.jsonl import read_jsonl
 from fedgalore.tasks import get_task
 from fedgalore.tasks.base import subset_examples
@@ -145,7 +145,7 @@ def test_client_eval_uses_one_pass_and_matches_per_client_evaluation(tmp_path, m
     """A run with ``client_eval``: each client's metrics in metrics.jsonl equal evaluating the final
     global model on that client's held-out rows alone, and the loop ran the model once over their
     union (one ``example_outputs`` call per evaluation, no per-client ``evaluate``)."""
-    from fedgalore.engine.global_model import load_global_model
+    from fedgalore.trained.global_model import load_global_model
     from fedgalore.tasks.synthetic import TinyTextTask
 
     passes = []

@@ -19,7 +19,7 @@ import pytest
 
 import fedgalore
 from fedgalore.cli import main
-from fedgalore.engine.config import load_config
+from fedgalore.job.config import load_config
 from fedgalore.jsonl import read_jsonl
 from fedgalore.tasks import get_task
 from tiny_assets import TOPICS, news_rows, news_site_files, write
@@ -162,8 +162,8 @@ def test_participation_and_batch_mistakes_name_the_sites(tmp_path, bert_dir, mon
 def test_evaluate_on_one_sites_test_file_gives_that_sites_metrics(tmp_path, bert_dir, monkeypatch, capsys):
     """``fedgalore evaluate --data FILE`` on a per-site run or its export: the test file alone with
     the run's classes; on a site's own test file it gives that site's last client_eval metrics."""
-    from fedgalore.engine.evaluate import evaluate
-    from fedgalore.engine.export import export_run
+    from fedgalore.trained.evaluate import evaluate
+    from fedgalore.trained.export import export_run
 
     monkeypatch.chdir(tmp_path)
     data = site_files(tmp_path)

@@ -167,7 +167,7 @@ def test_a_fedgalore_run_with_batched_sync_matches_the_per_matrix_run(tmp_path, 
     """``sync_batched`` (default true) against ``false`` (the reference) in a whole run: the same
     metrics to float rounding, the same sync ranks, and the batched path really taken."""
     import fedgalore
-    from fedgalore.engine.config import FederatedConfig
+    from fedgalore.job.config import FederatedConfig
     from fedgalore.jsonl import read_jsonl
 
     calls = []

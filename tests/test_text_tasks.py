@@ -351,7 +351,7 @@ def test_text_pipeline_configs_are_valid():
 
     from omegaconf import OmegaConf
 
-    from fedgalore.engine.config import FederatedConfig, load_config
+    from fedgalore.job.config import FederatedConfig, load_config
 
     conf = Path(__file__).resolve().parents[1] / "conf" / "pipeline"
     for name, task in (("offline_text", "offline_text"), ("offline_text_amazon", "offline_text_amazon")):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import fedgalore
-from fedgalore.engine.config import ConfigError
+from fedgalore.job.config import ConfigError
 from fedgalore.tasks.base import stratified_split, subset_examples
 
 from test_engine import tiny_cfg

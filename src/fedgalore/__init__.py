@@ -25,19 +25,19 @@ def __getattr__(name):  # lazy: importing fedgalore stays cheap
 
         return getattr(api, name)
     if name == "export_run":
-        from fedgalore.engine.export import export_run
+        from fedgalore.trained.export import export_run
 
         return export_run
     if name == "evaluate":
-        from fedgalore.engine.evaluate import evaluate
+        from fedgalore.trained.evaluate import evaluate
 
         return evaluate
     if name == "predict":
-        from fedgalore.engine.predict import predict
+        from fedgalore.trained.predict import predict
 
         return predict
     if name == "run_state":
-        from fedgalore.engine.liveness import run_state
+        from fedgalore.records.liveness import run_state
 
         return run_state
     if name in ("RunResult", "Federation"):
@@ -45,7 +45,7 @@ def __getattr__(name):  # lazy: importing fedgalore stays cheap
 
         return getattr(loop, name)
     if name in ("FederatedConfig", "load_config", "ConfigError"):
-        from fedgalore.engine import config
+        from fedgalore.job import config
 
         return getattr(config, name)
     if name == "GaLoreAdamW":

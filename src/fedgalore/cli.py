@@ -31,7 +31,7 @@ _COMPARE_KEYS = ("methods", "settings", "seeds", "method_options", "out")
 def _user_errors() -> tuple[type[BaseException], ...]:
     """The exception types that mean "the user asked for something wrong" (ValueError subclasses
     raised by the library with a message that says how to fix it)."""
-    from fedgalore.engine.config import ConfigError
+    from fedgalore.job.config import ConfigError
     from fedgalore.federated.partition import PartitionError
     from fedgalore.methods.base import MethodError
     from fedgalore.report import ReportError
@@ -56,7 +56,7 @@ def _load_config(path: str | None, overrides: Sequence[str]) -> tuple[Any, dict[
     """
     from omegaconf import OmegaConf
 
-    from fedgalore.engine.config import ConfigError, load_config
+    from fedgalore.job.config import ConfigError, load_config
 
     cmp_over = [o for o in overrides if o.split("=", 1)[0].strip().startswith("compare.")]
     cfg_over = [o for o in overrides if o not in cmp_over]
@@ -92,7 +92,7 @@ def _load_config(path: str | None, overrides: Sequence[str]) -> tuple[Any, dict[
 
 
 def _split_list(value: Any, what: str) -> list[str]:
-    from fedgalore.engine.config import ConfigError
+    from fedgalore.job.config import ConfigError
 
     if value is None:
         return []
@@ -108,7 +108,7 @@ def _split_list(value: Any, what: str) -> list[str]:
 
 
 def _parse_seeds(value: Any) -> list[int]:
-    from fedgalore.engine.config import ConfigError
+    from fedgalore.job.config import ConfigError
 
     out = []
     for v in _split_list(value, "--seeds"):
@@ -122,7 +122,7 @@ def _parse_seeds(value: Any) -> list[int]:
 def _read_method_options(path: str) -> dict[str, dict[str, Any]]:
     from omegaconf import OmegaConf
 
-    from fedgalore.engine.config import ConfigError
+    from fedgalore.job.config import ConfigError
 
     p = Path(path)
     if not p.is_file():
@@ -135,7 +135,7 @@ def _read_method_options(path: str) -> dict[str, dict[str, Any]]:
 
 
 def _check_method_options(data: Any, where: str) -> dict[str, dict[str, Any]]:
-    from fedgalore.engine.config import ConfigError
+    from fedgalore.job.config import ConfigError
 
     if data is None:
         return {}
@@ -157,7 +157,7 @@ def _fmt_metrics(final: dict[str, Any]) -> str:
 
 def _resume_rounds(overrides: Sequence[str]) -> int | None:
     """``federation.rounds=N`` is the one override ``--resume`` takes (extending a run)."""
-    from fedgalore.engine.config import ConfigError
+    from fedgalore.job.config import ConfigError
 
     rounds = None
     for ov in overrides:
@@ -196,7 +196,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     valid uploads after its retries) ends it with one line naming the kept checkpoint and the
     command that continues, and exit status 3."""
     from fedgalore.engine.api import resume, run
-    from fedgalore.engine.config import ConfigError
+    from fedgalore.job.config import ConfigError
     from fedgalore.engine.loop import RoundFailed
 
     try:
@@ -229,7 +229,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from fedgalore.compare import run_grid
-    from fedgalore.engine.config import ConfigError
+    from fedgalore.job.config import ConfigError
     from fedgalore.engine.loop import RoundFailed
 
     cfg, section = _load_config(args.config, args.overrides)
@@ -276,7 +276,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_partition(args: argparse.Namespace) -> int:
     """The split a run would train on: a table, partition.json and partition.png, no training."""
-    from fedgalore.engine.partition_files import format_partition, preview_partition
+    from fedgalore.job.partition_files import format_partition, preview_partition
 
     cfg, _ = _load_config(args.config, args.overrides)
     _hub_note(cfg.task.name, cfg.task.options)
@@ -289,7 +289,7 @@ def cmd_partition(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Bytes and memory of a run of the config, judged against this machine (or --gpu-gib / --host-gib);
     progress on stderr; Ctrl-C / SIGTERM: "plan interrupted", never run advice (nothing was run)."""
-    from fedgalore.engine.liveness import Terminated, sigterm_stops
+    from fedgalore.records.liveness import Terminated, sigterm_stops
     from fedgalore.plan import format_plan, make_plan
 
     def progress(line: str) -> None:
@@ -338,8 +338,8 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from fedgalore.engine.export import PROBE_EXAMPLES, export_run
-    from fedgalore.engine.lora_extract import RANK_NOTES
+    from fedgalore.trained.export import PROBE_EXAMPLES, export_run
+    from fedgalore.trained.lora_extract import RANK_NOTES
 
     res = export_run(args.run_dir, args.out, round=args.round, best=args.best, format=args.format, rank=args.rank,
                      force=args.force, verify=not args.no_verify, device=args.device, exact=args.exact)
@@ -380,8 +380,8 @@ def _mib(n: int | None) -> str:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from fedgalore.engine.config import ConfigError
-    from fedgalore.engine.evaluate import MIN_GROUP, evaluate
+    from fedgalore.job.config import ConfigError
+    from fedgalore.trained.evaluate import MIN_GROUP, evaluate
 
     if args.min_group is not None and args.by is None:
         raise ConfigError(f"--min-group {args.min_group} ranks the groups of --by COLUMN: give --by too (e.g. --by site)")
@@ -410,7 +410,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def _group_table(ev: Any) -> str:
     """``evaluate --by``: one line per group (rows, whether it took part in training, metrics) and
     the worst group among those of at least ``--min-group`` rows."""
-    from fedgalore.engine.evaluate import TRAINING_STATES
+    from fedgalore.trained.evaluate import TRAINING_STATES
 
     names = list(ev.groups)
     metrics = [k for k in ev.groups[names[0]] if k != "n"]
@@ -441,9 +441,9 @@ def _group_table(ev: Any) -> str:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    """Predictions of an exported folder or a run for every row of a file (fedgalore.engine.predict)."""
-    from fedgalore.engine.config import ConfigError
-    from fedgalore.engine.predict import parse_csv_options, predict
+    """Predictions of an exported folder or a run for every row of a file (fedgalore.trained.predict)."""
+    from fedgalore.job.config import ConfigError
+    from fedgalore.trained.predict import parse_csv_options, predict
 
     if args.overrides and args.config is None:
         raise ConfigError("key=value overrides change a --config: give --config CONFIG with them")
@@ -492,9 +492,9 @@ class _row_progress:
 
 def cmd_status(args: argparse.Namespace) -> int:
     """Whether a run (or each run under a folder) is running, complete, failed or interrupted,
-    and whether its process is alive (fedgalore.engine.liveness)."""
-    from fedgalore.engine.config import ConfigError
-    from fedgalore.engine.liveness import run_state
+    and whether its process is alive (fedgalore.records.liveness)."""
+    from fedgalore.job.config import ConfigError
+    from fedgalore.records.liveness import run_state
 
     root = Path(args.run_dir)
     if not root.is_dir():
@@ -543,7 +543,7 @@ def _benchmarks(d: Path | None) -> list[str]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fedgalore.engine.config import ConfigError
+    from fedgalore.job.config import ConfigError
 
     d = _benchmarks_dir()
     names = _benchmarks(d)
@@ -576,7 +576,7 @@ def _experiments() -> list[str]:
 
 
 def cmd_repro(args: argparse.Namespace) -> int:
-    from fedgalore.engine.config import ConfigError
+    from fedgalore.job.config import ConfigError
 
     names = _experiments()
     if args.list or args.name is None:
@@ -744,7 +744,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "COLUMN (e.g. site), from one pass, whether each group took part in training, and the worst group")
     ev.add_argument("--min-group", type=int, metavar="N",
                     help="with --by: name the worst group among groups of at least N test rows (default 20, "
-                         "fedgalore.engine.evaluate.MIN_GROUP)")
+                         "fedgalore.trained.evaluate.MIN_GROUP)")
     ev.add_argument("--json", action="store_true", help="print the result as one JSON object")
     ev.set_defaults(func=cmd_evaluate)
 
@@ -829,7 +829,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         warnings.filterwarnings("ignore", category=FutureWarning, module=r"(transformers|peft)(\.|$)")
     try:
         return args.func(args)
-    except KeyboardInterrupt as exc:  # Ctrl-C; SIGTERM arrives as its subclass Terminated (fedgalore.engine.liveness)
+    except KeyboardInterrupt as exc:  # Ctrl-C; SIGTERM arrives as its subclass Terminated (fedgalore.records.liveness)
         term = type(exc).__name__ == "Terminated"
         print(f"fedgalore: {'stopped by SIGTERM' if term else 'interrupted'}; {_continue_hint(args, getattr(exc, 'run_dir', None))}",
               file=sys.stderr)

@@ -1,12 +1,12 @@
 """Comparison grids: methods × partition settings × seeds under one identical budget.
 
-:func:`run_grid` takes a base :class:`~fedgalore.engine.config.FederatedConfig` and changes
+:func:`run_grid` takes a base :class:`~fedgalore.job.config.FederatedConfig` and changes
 only the method, the partition setting and the seed per cell — rounds, local steps, rank, lr,
 clients, evaluation and everything else stay those of the base config, so every method gets the
 same training budget (docs/design.md §4). Cells run one after another; each cell's resolved config is
 saved before it runs, and a restart skips the finished cells (``summary.json`` says
 ``status: finished``; ``complete`` in runs from before issue 44) and resumes an unfinished one from its last checkpoint — only when the
-cell's run is this cell's: the same identity (:mod:`fedgalore.engine.identity`: the resolved
+cell's run is this cell's: the same identity (:mod:`fedgalore.records.identity`: the resolved
 config with every option's default filled in, and the model and data files it read). A cell that
 ran with another config or inputs is refused before any cell runs, naming what differs;
 ``rerun_changed=True`` (``--rerun-changed``) re-runs it instead, after moving its old run
@@ -59,10 +59,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import ProgressSink
-from fedgalore.engine.identity import Difference, RunIdentity, compare_with_saved, run_identity, summarize
-from fedgalore.engine.liveness import is_finished
+from fedgalore.records.identity import Difference, RunIdentity, compare_with_saved, run_identity, summarize
+from fedgalore.records.liveness import is_finished
 from fedgalore.federated.partition import PartitionConfig, parse_setting
 from fedgalore.methods.base import MethodError, available_methods, parse_options, split_options
 
@@ -338,7 +338,7 @@ def run_grid(
     such cells instead (module doc).
     """
     from fedgalore.engine.api import run as run_one
-    from fedgalore.engine.resolve import check_device
+    from fedgalore.job.resolve import check_device
 
     check_device(base_cfg.device)
     out = Path(out_dir)

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.engine.privacy_ledger import privacy_plan
 from fedgalore.federated.client import optimizer_steps
 from fedgalore.methods.base import MethodOptions, parse_options, split_options
@@ -916,11 +916,11 @@ def fit_verdict(peak: dict[str, int], usable: dict[str, Any]) -> dict[str, Any]:
 
 # ============================================================================ the plan
 def _client_sizes(cfg: FederatedConfig, task: Task | None, train_examples: int | None) -> list[int]:
-    """Examples per client: the run's split (:func:`fedgalore.engine.clients.split_clients`) when
+    """Examples per client: the run's split (:func:`fedgalore.job.clients.split_clients`) when
     the task is built here, else an equal split of the training set (``train_examples``, the task's
     ``n_train`` or a known data set size)."""
     if task is not None and train_examples is None:
-        from fedgalore.engine.clients import split_clients
+        from fedgalore.job.clients import split_clients
 
         return [len(p) for p in split_clients(cfg, task).parts]
     M = cfg.federation.num_clients

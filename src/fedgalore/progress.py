@@ -266,7 +266,7 @@ class RichProgress(ProgressSink):
 def make_progress(mode: str = "auto", stream: TextIO | None = None) -> ProgressSink:
     """The progress sink for ``mode`` (auto | rich | plain | quiet)."""
     if mode not in PROGRESS_MODES:
-        from fedgalore.engine.config import ConfigError
+        from fedgalore.job.config import ConfigError
 
         raise ConfigError(f"progress mode {mode!r} is not one of {', '.join(PROGRESS_MODES)}")
     if mode == "auto":

@@ -1,6 +1,6 @@
 """Typed dataclasses from plain data (YAML / JSON mappings) and back, with one-line errors.
 
-The one parser behind the run configuration (:mod:`fedgalore.engine.config`) and the methods'
+The one parser behind the run configuration (:mod:`fedgalore.job.config`) and the methods'
 option dataclasses (:mod:`fedgalore.methods.base`): library code takes the dataclasses, and only
 this module turns plain values into them (docs/design.md §2, "Library functions take typed
 objects"). Each value is checked against its field's type — ``bool``, ``int`` (an integral

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
+from fedgalore.job.config import ConfigError, FederatedConfig, load_config
 from fedgalore.engine.events import LogProgress, ProgressSink
-from fedgalore.engine.identity import compare_with_saved, run_identity, summarize
-from fedgalore.engine.liveness import is_finished
+from fedgalore.records.identity import compare_with_saved, run_identity, summarize
+from fedgalore.records.liveness import is_finished
 from fedgalore.engine.loop import Federation, RunResult
-from fedgalore.engine.resolve import config_for_method
-from fedgalore.engine.rundir import extension_problem, saved_summary
+from fedgalore.job.resolve import config_for_method
+from fedgalore.records.rundir import extension_problem, saved_summary
 from fedgalore.jsonl import read_jsonl
 from fedgalore.methods.base import Method
 from fedgalore.tasks.base import Task
@@ -31,7 +31,7 @@ def run(cfg: FederatedConfig, *, resume: str | Path | None = None, progress: Pro
 
     ``fedgalore.run(FederatedConfig(...))`` is the Python API behind ``fedgalore run``. With
     ``resume``, ``cfg`` (and ``task`` / ``method``) must be the saved run's — the same identity
-    (:mod:`fedgalore.engine.identity`: resolved config and the model and data files it read) —
+    (:mod:`fedgalore.records.identity`: resolved config and the model and data files it read) —
     except ``federation.rounds``, which extends (or shortens) the run as :func:`resume`'s
     ``rounds`` does; any other difference is a :class:`ConfigError` naming it. A task object
     passed in code is recorded as such (``task.object`` in ``config.yaml``); resuming its run
@@ -51,7 +51,7 @@ def resume(run_dir: str | Path, *, progress: ProgressSink | None = None, rounds:
     result equals an uninterrupted run of ``rounds`` rounds, i.e. when the learning-rate schedule
     does not depend on the total (``train.schedule_scope=round``, or ``train.schedule=constant``
     with ``train.warmup_ratio=0``); otherwise :class:`ConfigError` says why and what to run
-    instead (:func:`~fedgalore.engine.rundir.extension_problem`).
+    instead (:func:`~fedgalore.records.rundir.extension_problem`).
     """
     return _resume(Path(run_dir), progress=progress, rounds=rounds)
 

@@ -2,7 +2,7 @@
 
 A real federation judges a model by its worst site as much as by a pooled test set. With
 ``client_eval: true`` every client's share is split before training into its training part and a
-held-out part of ``client_test_fraction`` (:func:`fedgalore.engine.clients.split_clients`), and
+held-out part of ``client_test_fraction`` (:func:`fedgalore.job.clients.split_clients`), and
 every evaluation round the server evaluates the global model on each held-out part with the
 task's own ``evaluate``. The round's ``metrics.jsonl`` record gets
 
@@ -32,7 +32,7 @@ from typing import Any, Sequence
 import numpy as np
 from torch import nn
 
-from fedgalore.engine.clients import Clients
+from fedgalore.job.clients import Clients
 from fedgalore.tasks.base import Task
 
 __all__ = ["evaluate_clients", "summarize_clients"]

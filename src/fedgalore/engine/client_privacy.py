@@ -37,7 +37,7 @@ from typing import Any, Sequence
 
 import torch
 
-from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.federated.seeding import DP_CLIENT_NOISE, client_seed
 from fedgalore.privacy.client_dp import (DataDrivenBasis, add_noise, calibrate_client_noise, clip_upload,
                                          client_epsilon, combined_multiplier, is_moment, shared_noise)

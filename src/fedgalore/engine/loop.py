@@ -2,7 +2,7 @@
 
 Nothing method-specific lives here: a method supplies T (``client_update``), A (``aggregate``)
 and S (``synchronize``); a backend decides where T runs; the run directory's files are written by
-:mod:`fedgalore.engine.rundir`. Per round k (:meth:`Federation._round`):
+:mod:`fedgalore.records.rundir`. Per round k (:meth:`Federation._round`):
 
 1. K of the M clients are sampled uniformly without replacement from a per-round seed
    (or all of them), with weights p̃_i = N_i / Σ_{j∈P_k} N_j;
@@ -24,7 +24,7 @@ and S (``synchronize``); a backend decides where T runs; the run directory's fil
 
 The process holds the run directory's lock from the moment it is chosen to the end of the run,
 keeps ``summary.json`` current (status, rounds done, pid, heartbeat) and records how the run
-ended — complete, interrupted (Ctrl-C, SIGTERM) or failed (:mod:`fedgalore.engine.liveness`).
+ended — complete, interrupted (Ctrl-C, SIGTERM) or failed (:mod:`fedgalore.records.liveness`).
 
 Every random choice derives from (run seed, round, client) (:mod:`fedgalore.federated.seeding`),
 so a run resumed from any checkpoint ends with exactly the metrics of an uninterrupted one.
@@ -43,15 +43,15 @@ import torch
 from fedgalore.engine.attack import hostile_upload
 from fedgalore.engine.backends import Backend, make_backend
 from fedgalore.engine.client_eval import evaluate_clients, summarize_clients
-from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import LogProgress, ProgressSink, TrackingProgress, phase_note
-from fedgalore.engine.identity import run_identity
-from fedgalore.engine.liveness import FINISHED, Heartbeat, RunLock, Terminated, sigterm_stops
+from fedgalore.records.identity import run_identity
+from fedgalore.records.liveness import FINISHED, Heartbeat, RunLock, Terminated, sigterm_stops
 from fedgalore.engine.privacy_ledger import BudgetStop, PrivacyLedger
-from fedgalore.engine.resolve import check_device, config_for_method
+from fedgalore.job.resolve import check_device, config_for_method
 from fedgalore.engine.round_adapters import save_round_adapter
 from fedgalore.engine.robust_stage import apply_robust
-from fedgalore.engine.rundir import RunDirectory, choose_run_dir, run_summary
+from fedgalore.records.rundir import RunDirectory, choose_run_dir, run_summary
 from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
 from fedgalore.engine.validation import expected_keys, norm_problem, update_norm, validate_upload
 from fedgalore.federated.partitioners.nodes import NODES_ONLY
@@ -119,16 +119,16 @@ class Federation:
         check_device(cfg.device)
         self.cfg = cfg
         self.progress = progress or LogProgress()
-        identity = run_identity(cfg, task=task, method=method)  # what shapes this run (fedgalore.engine.identity)
+        identity = run_identity(cfg, task=task, method=method)  # what shapes this run (fedgalore.records.identity)
         # the directory is chosen before the slow model load
         self.files = RunDirectory(choose_run_dir(cfg, run_dir, resume, self.progress.message, identity))
         self.run_dir = self.files.path
         # the folders this call creates (never a resumed run's): removed again if the task, data or model
         # fails to build, so a run that never started leaves no empty run directory behind
-        from fedgalore.engine.rundir import discard_unstarted, missing_dirs
+        from fedgalore.records.rundir import discard_unstarted, missing_dirs
 
         created = [] if resume else missing_dirs(self.run_dir)
-        # one process per run directory (fedgalore.engine.liveness): locked before anything in it changes,
+        # one process per run directory (fedgalore.records.liveness): locked before anything in it changes,
         # released when run() ends, or when this object is dropped without running
         self._lock = RunLock(self.run_dir)
         try:
@@ -216,7 +216,7 @@ class Federation:
     def run(self) -> RunResult:
         """Run the remaining rounds. ``summary.json`` is kept current (``running``, rewritten after
         every round and by a heartbeat in between) and ends ``complete``; Ctrl-C and SIGTERM end it
-        ``interrupted``, an exception ``failed`` with its ``error`` line (fedgalore.engine.liveness);
+        ``interrupted``, an exception ``failed`` with its ``error`` line (fedgalore.records.liveness);
         either way the started checkpoint is finished and the run directory's lock released."""
         cfg, fed = self.cfg, self.cfg.federation
         t_start = time.perf_counter()

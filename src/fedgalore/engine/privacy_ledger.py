@@ -46,7 +46,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.federated.checkpoint import atomic_write_text
 from fedgalore.federated.client import optimizer_steps
 from fedgalore.federated.seeding import BATCHES, DP_NOISE, client_seed
@@ -625,7 +625,7 @@ def client_plan(cfg: FederatedConfig, num_clients: int) -> dict[str, Any] | None
     if c is None:
         return None
     from fedgalore.engine.client_privacy import ClientRelease
-    from fedgalore.engine.resolve import method_options
+    from fedgalore.job.resolve import method_options
     from fedgalore.methods.base import method_class
 
     out: dict[str, Any] = {"clip": c.clip, "noise": c.noise, "delta": c.delta, "target_epsilon": c.target_epsilon,

@@ -7,7 +7,7 @@ each round's aggregation, ``<run dir>/adapters/round-NNNN/`` — ``adapter_confi
 and the head as ``modules_to_save`` — so any round loads with
 ``PeftModel.from_pretrained(base, "<run dir>/adapters/round-0003")`` on the same base as
 ``fedgalore export --format peft`` uses, and gives that round's global model. The config names the
-base portably (:func:`~fedgalore.engine.model_card.base_model_name_for`). Each folder is written
+base portably (:func:`~fedgalore.records.identity.base_model_name_for`). Each folder is written
 beside its place and renamed into it (never half-written); a resumed run rewrites the rounds it
 repeats. Cost: the adapters' bytes per round (a FedIT rank-8 adapter of MiniLM-L6: about 1 MiB).
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fedgalore.engine.model_card import base_model_name_for
+from fedgalore.records.identity import base_model_name_for
 from fedgalore.protocol.state import ServerState
 
 __all__ = ["ADAPTERS_DIR", "round_adapter_dir", "save_round_adapter"]

@@ -22,11 +22,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from fedgalore.engine.clients import Clients, resolve_clients, split_clients
-from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.job.clients import Clients, resolve_clients, split_clients
+from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.engine.client_privacy import ClientRelease
 from fedgalore.engine.privacy_ledger import SitePrivacy
-from fedgalore.engine.resolve import method_options, resolve_method
+from fedgalore.job.resolve import method_options, resolve_method
 from fedgalore.engine.start_adapter import continues_adapter, merge_start_adapter, start_adapter_of
 from fedgalore.federated.client import ClientError
 from fedgalore.federated.scaffold import CORR, ScaffoldClient, split_entries
@@ -68,7 +68,7 @@ class Runtime:
     def __init__(self, cfg: FederatedConfig, parts: Sequence[np.ndarray] | None = None, task: Task | None = None, method: Method | None = None,
                  clients: Clients | None = None):
         self.task = task if task is not None else get_task(cfg.task.name, **cfg.task.options)
-        #: the clients' training parts (and held-out parts, names), the validation pool (fedgalore.engine.clients);
+        #: the clients' training parts (and held-out parts, names), the validation pool (fedgalore.job.clients);
         #: ``clients`` given: a nodes deployment's server, whose parts are stand-ins of the nodes' sizes
         self.clients = clients if clients is not None else split_clients(cfg, self.task, parts)
         #: the config as it runs (a natural partition's client count filled in)

@@ -91,7 +91,7 @@ def _runtime(job: ConfigRecord, node_config=None):
     if key not in _RUNTIMES:
         import numpy as np
 
-        from fedgalore.engine.config import FederatedConfig
+        from fedgalore.job.config import FederatedConfig
         from fedgalore.engine.runtime import Runtime
         from fedgalore.federated.partition import decode_partition
 
@@ -161,7 +161,7 @@ def whoami(msg: Message, context: Context) -> Message:
     training rows per class), having read and checked that data against the task."""
     q = msg.content["q"] if "q" in msg.content else ConfigRecord()
     if str(q.get("ask", "")) == "site":
-        from fedgalore.engine.config import FederatedConfig
+        from fedgalore.job.config import FederatedConfig
 
         site = ""
         try:

@@ -48,7 +48,7 @@ class FlowerRunError(RuntimeError):
 
 def config_from_run_config(run_config, app_dir: str | Path | None = None) -> "FederatedConfig":  # noqa: F821
     """The pipeline the run config names (``config``, relative to ``app_dir`` first) with its ``overrides``."""
-    from fedgalore.engine.config import ConfigError, load_config
+    from fedgalore.job.config import ConfigError, load_config
 
     path = str(run_config.get("config", ""))
     if not path:
@@ -61,7 +61,7 @@ def config_from_run_config(run_config, app_dir: str | Path | None = None) -> "Fe
 
 def run_config_flag(run_config, key: str) -> bool:
     """A boolean run-config value: TOML ``true``/``false``, or the strings true/false/1/0/yes/no."""
-    from fedgalore.engine.config import ConfigError
+    from fedgalore.job.config import ConfigError
 
     v = run_config.get(key, False)
     if isinstance(v, bool):

@@ -47,10 +47,10 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedgalore.engine.backends.base import Backend
-from fedgalore.engine.clients import Clients
-from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.job.clients import Clients
+from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import ProgressSink
-from fedgalore.engine.liveness import is_finished
+from fedgalore.records.liveness import is_finished
 from fedgalore.engine.loop import Federation, RunResult
 from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
 from fedgalore.federated.partition import encode_partition
@@ -671,8 +671,8 @@ class FedGaLoreStrategy(Strategy):
         return fed.run()
 
     def _resumed(self, cfg: FederatedConfig, backend: GridBackend) -> "Federation | RunResult":
-        from fedgalore.engine.identity import compare_with_saved, run_identity, summarize
-        from fedgalore.engine.rundir import choose_run_dir, saved_summary
+        from fedgalore.records.identity import compare_with_saved, run_identity, summarize
+        from fedgalore.records.rundir import choose_run_dir, saved_summary
 
         run_dir = Path(choose_run_dir(cfg, self.run_dir, True, lambda _m: None))
         if not (run_dir / "config.yaml").is_file():

@@ -73,7 +73,7 @@ class Method(abc.ABC):
     options_class: ClassVar[type[MethodOptions]] = MethodOptions
     #: what the method computes, versioned: bumped when the same options give another result (a
     #: fixed rule), so a run made before is not taken for this method's run
-    #: (:mod:`fedgalore.engine.identity`; a run recorded without it counts as version 1)
+    #: (:mod:`fedgalore.records.identity`; a run recorded without it counts as version 1)
     behaviour: ClassVar[int] = 1
 
     #: whether ``train.scaffold`` applies: the server parameters are exactly the dense tensors the

@@ -15,7 +15,7 @@ backend ``downlink_base``; nothing in it is method-specific.
 Option ``downlink`` of such a method: ``factored`` (the chain, dense per matrix where the chain
 would be larger), ``dense`` (Algorithm 1's broadcast of ``W``), ``auto`` (factored, unless the
 engine resolves it to dense because a server optimizer rewrites the aggregate:
-:func:`fedgalore.engine.resolve.method_options`).
+:func:`fedgalore.job.resolve.method_options`).
 """
 from __future__ import annotations
 

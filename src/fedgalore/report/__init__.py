@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fedgalore.engine.liveness import is_finished
+from fedgalore.records.liveness import is_finished
 from fedgalore.jsonl import read_jsonl
 
 __all__ = ["RunRecord", "ReportError", "load_run", "find_runs", "build_report", "method_display_name"]

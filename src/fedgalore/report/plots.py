@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from fedgalore.engine.partition_files import wrap_label
+from fedgalore.job.partition_files import wrap_label
 from fedgalore.report import RunRecord, method_display_name
 from fedgalore.report.client_eval import evaluated_rounds, run_title
 from fedgalore.report.tables import setting_sort_key

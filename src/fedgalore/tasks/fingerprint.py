@@ -1,5 +1,5 @@
 """Fingerprints of what a run reads: files, folders and in-memory examples (a run's identity,
-:mod:`fedgalore.engine.identity`).
+:mod:`fedgalore.records.identity`).
 
 Cheap by design — a model folder of several GB is fingerprinted by reading a few MB:
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from fedgalore.engine.backends.base import Backend
-from fedgalore.engine.config import ConfigError
+from fedgalore.job.config import ConfigError
 
 __all__ = ["Backend", "make_backend"]
 

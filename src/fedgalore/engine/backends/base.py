@@ -49,7 +49,7 @@ class Backend(abc.ABC):
     def node_clients(self, cfg) -> "Clients | None":  # noqa: F821
         """The clients of a deployment whose nodes bring their own data (``federation.partition.
         kind: nodes``): names and example counts as the nodes report them
-        (:class:`~fedgalore.engine.clients.Clients` whose parts are stand-ins of those sizes), asked
+        (:class:`~fedgalore.job.clients.Clients` whose parts are stand-ins of those sizes), asked
         before the runtime is built. None (the default): this backend has no such nodes."""
         return None
 

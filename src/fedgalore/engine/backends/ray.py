@@ -42,7 +42,7 @@ import ray
 import torch
 
 from fedgalore.engine.backends.base import Backend
-from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import ProgressSink
 from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
 from fedgalore.federated.partition import decode_partition, encode_partition

@@ -20,7 +20,7 @@ clients start again from W_0 (bytes may differ after the resume; the model does 
 from __future__ import annotations
 
 from fedgalore.engine.backends.base import Backend
-from fedgalore.engine.config import ConfigError
+from fedgalore.job.config import ConfigError
 from fedgalore.engine.events import ProgressSink
 from fedgalore.engine.runtime import ClientJob, ClientResult
 from fedgalore.protocol.downlink import ClientCache

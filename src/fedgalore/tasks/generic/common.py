@@ -73,7 +73,7 @@ class FileTask:
     def input_paths(cls, options: FileTaskOptions | None) -> dict[str, Path]:
         """The default model folder (:meth:`default_model`) when ``task.options.model`` is null, and
         the local base folder of a PEFT adapter given as ``model``; the model and data paths the
-        options name are fingerprinted from the options themselves (:mod:`fedgalore.engine.identity`)."""
+        options name are fingerprinted from the options themselves (:mod:`fedgalore.records.identity`)."""
         model = getattr(options, "model", None)
         if not model:
             return {"model": cls.default_model()}

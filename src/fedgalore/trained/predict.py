@@ -7,7 +7,7 @@
     res = fedgalore.predict("runs/news-fedgalore-naturalsite-s0", "new.jsonl", "out.jsonl")  # a run's newest checkpoint
 
 The model and its task are loaded as ``fedgalore evaluate`` loads them
-(:func:`~fedgalore.engine.evaluate.load_for_inference`: a run directory's newest kept checkpoint —
+(:func:`~fedgalore.trained.evaluate.load_for_inference`: a run directory's newest kept checkpoint —
 said when a process is still running it —, or an exported folder with the config it carries; the
 task is rebuilt from that config, so its data files must be readable here, as for ``evaluate``).
 The file (``.csv``, ``.tsv``, ``.json``, ``.jsonl``, ``.parquet``, read like the task's own data)
@@ -55,9 +55,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
-from fedgalore.engine.config import FederatedConfig
-from fedgalore.engine.evaluate import load_for_inference
-from fedgalore.engine.global_model import ExportError
+from fedgalore.job.config import FederatedConfig
+from fedgalore.trained.evaluate import load_for_inference
+from fedgalore.trained.global_model import ExportError
 from fedgalore.tasks.base import Task, TaskError
 
 __all__ = ["predict", "Predictions", "OUT_FORMATS", "CSV_KEYS", "CsvStyle", "parse_csv_options"]

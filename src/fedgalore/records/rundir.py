@@ -3,9 +3,9 @@
 ::
 
     <run>/config.yaml         the resolved config (what ran: the method's own options)
-          identity.json       what shaped the run (fedgalore.engine.identity): compared before reusing it
+          identity.json       what shaped the run (fedgalore.records.identity): compared before reusing it
           partition.json      the split: per client its name, size and category histogram
-          partition.png       the split drawn (fedgalore.engine.partition_files)
+          partition.png       the split drawn (fedgalore.job.partition_files)
           task.json           the task's description (sizes, labels, model)
           environment.json    versions, CPU and kernel set, the method as it ran (describe())
           metrics.jsonl       one record per round (losses, evaluation, bytes, times)
@@ -15,11 +15,11 @@
           metrics.csv         metrics.jsonl as a table, rewritten every round
           summary.json        status (running | complete | failed | interrupted), rounds done, pid and
                               heartbeat (kept current every round), final / best metrics, traffic, wall time
-          run.lock            while a process runs it: that process (fedgalore.engine.liveness)
+          run.lock            while a process runs it: that process (fedgalore.records.liveness)
           checkpoints/        fedgalore.federated.checkpoint
 
 :func:`choose_run_dir` picks the directory (and refuses one that already holds this run: the same
-identity, :mod:`fedgalore.engine.identity`);
+identity, :mod:`fedgalore.records.identity`);
 :class:`RunDirectory` writes the files; :func:`run_summary` is ``summary.json``;
 :func:`extension_problem` says whether a stopped run can be continued to more rounds exactly.
 """
@@ -34,12 +34,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
-from fedgalore.engine.identity import (Difference, RunIdentity, compare_with_saved, run_identity, summarize, task_label,
+from fedgalore.job.config import ConfigError, FederatedConfig, load_config
+from fedgalore.records.identity import (Difference, RunIdentity, compare_with_saved, run_identity, summarize, task_label,
                                        write_identity)
-from fedgalore.engine.liveness import LOCK_FILE, is_finished, run_state
-from fedgalore.engine.partition_files import partition_record, write_partition_files
-from fedgalore.engine.runtime import Runtime
+from fedgalore.records.liveness import LOCK_FILE, is_finished, run_state
+from fedgalore.job.partition_files import partition_record, write_partition_files
 from fedgalore.federated.checkpoint import atomic_write_text
 from fedgalore.jsonl import append_jsonl, read_json, read_jsonl
 from fedgalore.optim import cpu_kernels
@@ -77,7 +76,7 @@ class RunDirectory:
                 ledger = recs
         return history, ledger
 
-    def write_static(self, cfg: FederatedConfig, runtime: Runtime, identity: RunIdentity | None = None) -> None:
+    def write_static(self, cfg: FederatedConfig, runtime: Any, identity: RunIdentity | None = None) -> None:
         """config.yaml, identity.json, partition.json and partition.png, task.json and
         environment.json. A task object passed in code is recorded in config.yaml as what it is
         (``task.object``: its class; its name and the options it reports), not as the config's task."""
@@ -144,7 +143,7 @@ class RunDirectory:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """``summary.json``, atomically (the round loop writes it through a
-        :class:`~fedgalore.engine.liveness.Heartbeat`: status, rounds, pid, heartbeat time)."""
+        :class:`~fedgalore.records.liveness.Heartbeat`: status, rounds, pid, heartbeat time)."""
         atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=1))
 
 
@@ -201,7 +200,7 @@ def choose_run_dir(cfg: FederatedConfig, run_dir: str | Path | None, resume: boo
                    identity: RunIdentity | None = None) -> Path:
     """The run directory: ``run_dir``, else ``<output.dir>/<output.run_name>``, else the default
     name ``<name>-<method>-<setting>-s<seed>``. A directory that already holds this very run
-    (the same identity: :mod:`fedgalore.engine.identity`; ``identity`` defaults to
+    (the same identity: :mod:`fedgalore.records.identity`; ``identity`` defaults to
     ``run_identity(cfg)``) is refused with what to do instead; under the default name, a
     directory holding another run (another config, e.g. other rounds, or other model or data
     files) is left alone and this run goes to the first free ``<default name>-2``, ``-3``, ...

@@ -33,7 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.federated.partition import make_partition
 from fedgalore.federated.partitioners import infers_clients
 from fedgalore.federated.partitioners.nodes import NODES_ONLY

@@ -8,7 +8,7 @@
     ev = fedgalore.evaluate("exported/tiny", cfg, data="new.csv")  # a file-based task on another test file
 
 The model: a run directory's global model at its newest kept checkpoint
-(:func:`~fedgalore.engine.global_model.load_global_model`), or a folder written by
+(:func:`~fedgalore.trained.global_model.load_global_model`), or a folder written by
 ``fedgalore export`` — any Hugging Face model folder, or a PEFT adapter folder on the task's
 pretrained model (:func:`load_exported`). The task: ``cfg``'s, else the run's saved config (an
 export carries it as ``fedgalore_config.yaml``). ``data`` replaces the task's test data by a file
@@ -32,11 +32,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from fedgalore.engine.config import FederatedConfig, load_config
-from fedgalore.engine.global_model import ExportError, load_global_model
-from fedgalore.engine.identity import with_recorded_paths
-from fedgalore.engine.model_card import EXPORT_CONFIG, EXPORT_IDENTITY
-from fedgalore.engine.resolve import check_device
+from fedgalore.job.config import FederatedConfig, load_config
+from fedgalore.trained.global_model import ExportError, load_global_model
+from fedgalore.records.identity import with_recorded_paths
+from fedgalore.trained.model_card import EXPORT_CONFIG, EXPORT_IDENTITY
+from fedgalore.job.resolve import check_device
 from fedgalore.tasks import get_task, task_class
 from fedgalore.tasks.base import Task, TaskError, quiet_transformers
 
@@ -145,7 +145,7 @@ class LoadedModel:
     cfg: FederatedConfig
     #: ``run <dir> round <n>`` or ``folder <dir>``
     source: str
-    #: set when the run was live (a process running it) as it was read (fedgalore.engine.liveness.live_note)
+    #: set when the run was live (a process running it) as it was read (fedgalore.records.liveness.live_note)
     live: str | None = None
     #: the run directory that trained the model and the round it was taken at, when known (an export
     #: names them in ``fedgalore_export.json``): where :func:`group_training` reads who trained
@@ -156,7 +156,7 @@ class LoadedModel:
 def load_for_inference(path: str | Path, cfg: FederatedConfig | None = None, *, data: str | Path | None = None,
                        device: str = "cpu") -> LoadedModel:
     """The model of the run or exported folder ``path`` (a run directory's newest kept checkpoint,
-    :func:`~fedgalore.engine.global_model.load_global_model`; a folder by :func:`load_exported`)
+    :func:`~fedgalore.trained.global_model.load_global_model`; a folder by :func:`load_exported`)
     on ``device``, and the task of ``cfg`` (default: the run's saved config, which an export
     carries), its test split read from the file ``data`` when given (:func:`with_test_data`)."""
     path = Path(path)

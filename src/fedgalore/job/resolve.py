@@ -13,12 +13,12 @@
   server optimizer, and an explicit ``factored`` with a server optimizer that rewrites the
   aggregate is refused (the recorded chain would not rebuild the server's model);
 * :func:`check_device` — ``device=cuda`` on a torch without CUDA (or ``cuda:3`` with one GPU, or
-  ``mps`` off Apple silicon) is one :class:`~fedgalore.engine.config.ConfigError` line that
+  ``mps`` off Apple silicon) is one :class:`~fedgalore.job.config.ConfigError` line that
   says what to change, before any model or data is loaded.
 """
 from __future__ import annotations
 
-from fedgalore.engine.config import ConfigError, FederatedConfig
+from fedgalore.job.config import ConfigError, FederatedConfig
 
 __all__ = ["config_for_method", "method_options", "resolve_method", "check_device"]
 

@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from fedgalore.engine.config import ConfigError
+from fedgalore.job.config import ConfigError
 from fedgalore.federated.checkpoint import kept_rounds
 from fedgalore.jsonl import read_json, read_jsonl
 
@@ -103,16 +103,6 @@ def pid_alive(pid: int, proc_start: str | None = None) -> bool:
 
 def _read_json(path: Path) -> dict[str, Any]:
     return read_json(path) or {}
-
-
-def _age(when: str | None) -> str:
-    if not when:
-        return "unknown"
-    try:
-        started = datetime.strptime(when, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
-    except ValueError:
-        return when
-    return _seconds(time.time() - started.timestamp())
 
 
 def _seconds(s: float) -> str:

@@ -6,7 +6,7 @@ written to ``<run>/identity.json``, is
 
 * ``config`` — the fully resolved config: every option of the task
   (:func:`fedgalore.tasks.resolved_task_options`) and of the method (its options dataclass, as the
-  method runs them: :func:`fedgalore.engine.resolve.method_options`) with its default filled in,
+  method runs them: :func:`fedgalore.job.resolve.method_options`) with its default filled in,
   so an option left out and the same option written with its default value are the same run, and
   anything else differs. ``output`` (where the run is written, the display, the checkpoint
   cadence) does not count, nor ``federation.num_clients`` of a ``natural`` partition (inferred
@@ -40,15 +40,15 @@ from typing import Any, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
-from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
-from fedgalore.engine.resolve import method_options
+from fedgalore.job.config import ConfigError, FederatedConfig, load_config
+from fedgalore.job.resolve import method_options
 from fedgalore.federated.partitioners import infers_clients
 from fedgalore.methods.base import Method, available_methods, method_class
 from fedgalore.tasks import Task, TaskError, parse_task_options, resolved_task_options, task_class
 from fedgalore.tasks.fingerprint import data_fingerprint, fingerprint_path
 from fedgalore.typed import to_plain
 
-__all__ = ["CONFIG_SCHEMA", "IDENTITY_FILE", "RunIdentity", "Difference", "run_identity", "resolved_config", "saved_identity",
+__all__ = ["CONFIG_SCHEMA", "IDENTITY_FILE", "RunIdentity", "Difference", "run_identity", "resolved_config", "saved_identity", "base_model_name_for", "base_model_local",
            "compare_with_saved", "write_identity", "with_recorded_paths", "task_label", "summarize"]
 
 #: the config schema version of this code (bump when a config value's meaning changes, its value not)
@@ -320,3 +320,47 @@ def _changes(old: dict[str, Any], new: dict[str, Any]) -> str:
         if names:
             parts.append(", ".join(names[:3]) + (f" (+{len(names) - 3})" if len(names) > 3 else "") + f" {what}")
     return ", ".join(parts) or "contents changed"
+
+
+def base_model_name_for(task: Any, run_dir: Path) -> tuple[str | None, str | None]:
+    """:func:`base_model_name` of ``task`` run in ``run_dir`` (whose ``config.yaml`` says what the user gave)."""
+    from fedgalore.tasks.assets import folder_hub_id, hub_id
+
+    desc = task.describe()
+    local = desc.get("model") or desc.get("checkpoint")
+    try:
+        given = dict(load_config(Path(run_dir) / "config.yaml").task.options)
+    except (OSError, ConfigError):
+        given = {}
+    adapter = getattr(task, "adapter", None)
+    if adapter is not None:
+        local = adapter.base
+    found = folder_hub_id(local) if local else None  # a local copy of a hub model: named by its hub id
+    if found is not None:
+        name = found[0]
+    elif adapter is not None:
+        name = str(given.get("base_model") or adapter.base_name)
+    elif given.get("model"):
+        name = str(given["model"])
+    elif local:
+        name = hub_id(local) or str(local)
+    else:
+        return None, None
+    notes = []
+    if local and str(local) != name:
+        notes.append(f"this run read {local}")
+    if found is not None:
+        notes.append(found[1])
+    return name, "; ".join(notes) or None
+
+
+def base_model_local(task: Any) -> str | None:
+    from fedgalore.tasks.assets import folder_hub_id
+
+    """The local folder the run's base model was read from, when :func:`base_model_name` names it
+    by a hub id (:func:`fedgalore.tasks.assets.folder_hub_id`): the offline fallback a model card names
+    beside that id; None otherwise."""
+    adapter = getattr(task, "adapter", None)
+    desc = task.describe()
+    local = adapter.base if adapter is not None else (desc.get("model") or desc.get("checkpoint"))
+    return str(local) if local and folder_hub_id(local) is not None else None

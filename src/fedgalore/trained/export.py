@@ -7,7 +7,7 @@
     res = fedgalore.export_run(run_dir, "exported/tiny-adapter", format="peft")               # FedIT's adapter
     res = fedgalore.export_run(run_dir, "exported/tiny-r8", format="peft", rank=8)            # any method
 
-Formats (the global model is :func:`~fedgalore.engine.global_model.load_global_model`'s: the
+Formats (the global model is :func:`~fedgalore.trained.global_model.load_global_model`'s: the
 model the round loop evaluates, from a kept checkpoint):
 
 * ``hf`` — a Hugging Face folder (``config.json`` with ``id2label``/``label2id`` for classifiers,
@@ -21,15 +21,15 @@ model the round loop evaluates, from a kept checkpoint):
   FedIT, FFA-LoRA, LoRA-FAIR), their ``(B, A)`` and α as trained. ``PeftModel.from_pretrained(
   base, DIR)`` loads it on ``base = task.build_model()``.
 * ``peft`` with ``rank`` — for any method: per adapted matrix the best rank-R approximation of
-  ``W − W0`` (:mod:`~fedgalore.engine.lora_extract`), its relative error reported.
+  ``W − W0`` (:mod:`~fedgalore.trained.lora_extract`), its relative error reported.
 * ``peft`` with ``exact`` — for a method whose update is exactly low-rank (FedGaLore trained
-  without weight decay, FLoRA, FR-LoRA; :mod:`~fedgalore.engine.lora_exact`): ``W − W0`` as an
+  without weight decay, FLoRA, FR-LoRA; :mod:`~fedgalore.trained.lora_exact`): ``W − W0`` as an
   exact LoRA of each matrix's numerical rank (PEFT ``rank_pattern``), checked to the same strict
   tolerance as ``peft``; its ranks and size reported. The methods with explicit adapters export
   their own adapter (already exact).
 
 Every ``peft`` adapter records a portable name of its base in ``base_model_name_or_path`` (the
-hub id or the name the run's config gave; :func:`~fedgalore.engine.model_card.base_model_name`),
+hub id or the name the run's config gave; :func:`~fedgalore.trained.model_card.base_model_name`),
 never a path into this machine's cache: the model card notes that path.
 
 In both ``peft`` forms the classifier head — trained and averaged by every method — and any other
@@ -40,7 +40,7 @@ norms, biases) travel whole as PEFT ``modules_to_save`` (biases of adapted layer
 Every export is checked before it is put in place: the written folder is loaded back the way a
 user loads it and its logits on a few test examples are compared with the run's global model
 (``hf`` and plain ``peft`` must agree to fp32 rounding; an extraction reports its difference).
-The folder also gets ``README.md`` (:mod:`~fedgalore.engine.model_card`), the run's config
+The folder also gets ``README.md`` (:mod:`~fedgalore.trained.model_card`), the run's config
 (``fedgalore_config.yaml``), its identity (``fedgalore_identity.json``: the files it read) and
 ``fedgalore_export.json``. It is written beside ``out`` and renamed into place: an export never
 leaves a half-written folder.
@@ -57,8 +57,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedgalore.engine.evaluate import class_names, load_exported
-from fedgalore.engine.global_model import (
+from fedgalore.trained.evaluate import class_names, load_exported
+from fedgalore.trained.global_model import (
     ExportError,
     GlobalModel,
     choose_round,
@@ -68,10 +68,10 @@ from fedgalore.engine.global_model import (
     probe_logits,
     run_config,
 )
-from fedgalore.engine.lora_exact import ExactFactors, exact_factors, exact_problem
-from fedgalore.engine.lora_extract import LoraFactors, lora_factors, total_error
-from fedgalore.engine.identity import IDENTITY_FILE
-from fedgalore.engine.model_card import EXPORT_CONFIG, EXPORT_IDENTITY, base_model_name, model_card
+from fedgalore.trained.lora_exact import ExactFactors, exact_factors, exact_problem
+from fedgalore.trained.lora_extract import LoraFactors, lora_factors, total_error
+from fedgalore.records.identity import IDENTITY_FILE
+from fedgalore.trained.model_card import EXPORT_CONFIG, EXPORT_IDENTITY, base_model_name, model_card
 from fedgalore.methods.base import Method, available_methods, method_class
 from fedgalore.tasks.base import Task, quiet_transformers
 
@@ -106,7 +106,7 @@ class ExportResult:
     dense: list[str] = field(default_factory=list)
     #: the task's classes in id order (:func:`class_names`; None: no classes — regression, a language model)
     labels: list[str] | None = None
-    #: the run was live (a process running it) when exported: which round this took (fedgalore.engine.liveness)
+    #: the run was live (a process running it) when exported: which round this took (fedgalore.records.liveness)
     live: str | None = None
     #: ``exact``: each adapted matrix the run changed with its exact factors (rank = numerical rank of W − W0)
     exact: list[tuple[str, ExactFactors]] = field(default_factory=list)
@@ -128,7 +128,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None
     ``verify``: load the folder back and compare its logits with the run's model (on by default;
     it costs a second copy of the model). ``task`` / ``method``: the objects the run was given
     instead of built from its config. ``exact`` (with ``format="peft"``): the update as an exact
-    LoRA adapter (:mod:`~fedgalore.engine.lora_exact`). Bad input is one :class:`ExportError` line."""
+    LoRA adapter (:mod:`~fedgalore.trained.lora_exact`). Bad input is one :class:`ExportError` line."""
     run_dir, out = Path(run_dir), Path(out)
     if format not in FORMATS:
         raise ExportError(f"--format {format!r} is not one of {', '.join(FORMATS)}")
@@ -233,7 +233,7 @@ def _require_transformers_model(g: GlobalModel) -> None:
     inner = getattr(g.model, "get_base_model", lambda: g.model)()
     if not isinstance(inner, PreTrainedModel):
         raise ExportError(f"the run's model ({type(inner).__name__}) is not a transformers model, so there is no Hugging Face "
-                          f"folder to write; its global model: fedgalore.engine.global_model.load_global_model({str(g.run_dir)!r}, "
+                          f"folder to write; its global model: fedgalore.trained.global_model.load_global_model({str(g.run_dir)!r}, "
                           "task=<the task object>).model")
 
 
@@ -318,7 +318,7 @@ def _changed_outside(g: GlobalModel, now: dict[str, torch.Tensor], pre_params: d
 
 def _write_exact(g: GlobalModel, tmp: Path, result: Any, device: str) -> ExportResult:
     """``--exact``: every adapted matrix's ``W − W0`` as an exact LoRA of its numerical rank
-    (:func:`~fedgalore.engine.lora_exact.exact_factors`), per-matrix ranks as PEFT ``rank_pattern``."""
+    (:func:`~fedgalore.trained.lora_exact.exact_factors`), per-matrix ranks as PEFT ``rank_pattern``."""
     pre = g.task.build_model()
     pre_params = {n: p.detach() for n, p in pre.named_parameters()}
     now = {n: p.detach().cpu() for n, p in merged_model(g.model).named_parameters()}
@@ -392,7 +392,7 @@ def _write_peft(g: GlobalModel, tmp: Path, base: nn.Module, factors: dict[str, t
     """A PEFT LoRA adapter of ``base`` (the task's pretrained model) with ``B``, ``A`` per adapted
     module (``W0 + (α/r)·BA``), the ``dense`` tensors carried whole (``modules_to_save``) and the
     adapted layers' ``biases``; written with ``save_pretrained`` to ``tmp``, its config naming the
-    base portably (:func:`~fedgalore.engine.model_card.base_model_name`). ``ranks``: a rank per
+    base portably (:func:`~fedgalore.trained.model_card.base_model_name`). ``ranks``: a rank per
     module (``rank_pattern``, α = rank: scaling 1) instead of one ``r``. Returns the carried tensors."""
     import re
 

@@ -15,13 +15,13 @@ import statistics
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from fedgalore.engine.config import ConfigError
-from fedgalore.engine.global_model import GlobalModel
-from fedgalore.engine.identity import IDENTITY_FILE, run_identity
-from fedgalore.engine.lora_extract import RANK_NOTES, LoraFactors
-from fedgalore.engine.liveness import run_state
+from fedgalore.job.config import ConfigError
+from fedgalore.trained.global_model import GlobalModel
+from fedgalore.records.identity import IDENTITY_FILE, base_model_local, base_model_name_for, run_identity
+from fedgalore.trained.lora_extract import RANK_NOTES, LoraFactors
+from fedgalore.records.liveness import run_state
 from fedgalore.engine.privacy_ledger import read_privacy
-from fedgalore.engine.rundir import saved_summary
+from fedgalore.records.rundir import saved_summary
 from fedgalore.privacy.statement import summary_line
 from fedgalore.tasks.assets import folder_hub_id
 from fedgalore.tasks.base import TaskError
@@ -37,7 +37,7 @@ EXPORT_IDENTITY = "fedgalore_identity.json"
 
 def recorded_inputs(g: GlobalModel) -> tuple[list[dict[str, Any]], str]:
     """The model and data files the run read, as its identity recorded them when it started
-    (``identity.json``'s ``inputs``: :func:`fedgalore.engine.identity.run_identity`, fingerprints
+    (``identity.json``'s ``inputs``: :func:`fedgalore.records.identity.run_identity`, fingerprints
     by :func:`fedgalore.tasks.fingerprint.fingerprint_path`) — one source of truth with the check
     that refuses to mix runs on changed files; plus, for a task object passed in code, the digests
     of its in-memory examples. Each entry: ``label`` and the fingerprint's fields (``path`` absent
@@ -70,49 +70,6 @@ def base_model_name(g: GlobalModel) -> tuple[str | None, str | None]:
     config gave it. The note: the folder this run read, and for a copy how it relates to the hub's.
     ``(None, None)`` for a task that builds its model itself (``tiny_text``)."""
     return base_model_name_for(g.task, g.run_dir)
-
-
-def base_model_name_for(task: Any, run_dir: Path) -> tuple[str | None, str | None]:
-    """:func:`base_model_name` of ``task`` run in ``run_dir`` (whose ``config.yaml`` says what the user gave)."""
-    from fedgalore.engine.config import load_config
-    from fedgalore.tasks.assets import hub_id
-
-    desc = task.describe()
-    local = desc.get("model") or desc.get("checkpoint")
-    try:
-        given = dict(load_config(Path(run_dir) / "config.yaml").task.options)
-    except (OSError, ConfigError):
-        given = {}
-    adapter = getattr(task, "adapter", None)
-    if adapter is not None:
-        local = adapter.base
-    found = folder_hub_id(local) if local else None  # a local copy of a hub model: named by its hub id
-    if found is not None:
-        name = found[0]
-    elif adapter is not None:
-        name = str(given.get("base_model") or adapter.base_name)
-    elif given.get("model"):
-        name = str(given["model"])
-    elif local:
-        name = hub_id(local) or str(local)
-    else:
-        return None, None
-    notes = []
-    if local and str(local) != name:
-        notes.append(f"this run read {local}")
-    if found is not None:
-        notes.append(found[1])
-    return name, "; ".join(notes) or None
-
-
-def base_model_local(task: Any) -> str | None:
-    """The local folder the run's base model was read from, when :func:`base_model_name` names it
-    by a hub id (:func:`fedgalore.tasks.assets.folder_hub_id`): the offline fallback a model card names
-    beside that id; None otherwise."""
-    adapter = getattr(task, "adapter", None)
-    desc = task.describe()
-    local = adapter.base if adapter is not None else (desc.get("model") or desc.get("checkpoint"))
-    return str(local) if local and folder_hub_id(local) is not None else None
 
 
 def _input_row(f: Mapping[str, Any]) -> str:
@@ -206,7 +163,7 @@ def start_folder(g: GlobalModel) -> Path | None:
     relative ``task.options`` path ``V`` that the run's identity recorded as the absolute ``P``
     gives ``P`` minus ``V``. None when the config names no relative path (or the run recorded no
     inputs)."""
-    from fedgalore.engine.config import load_config
+    from fedgalore.job.config import load_config
 
     try:
         inputs = json.loads((g.run_dir / IDENTITY_FILE).read_text()).get("inputs") or {}
@@ -321,7 +278,7 @@ def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, process
         ranks = [f.rank for _, f in kept]
         lines += ["", "## Exact LoRA", "",
                   f"The run's update W − W0 of each adapted matrix is exactly low-rank; it is stored at its numerical rank "
-                  f"(the singular values above the rounding floor of the fp32 weights; fedgalore.engine.lora_exact): ranks "
+                  f"(the singular values above the rounding floor of the fp32 weights; fedgalore.trained.lora_exact): ranks "
                   f"{min(ranks)}–{max(ranks)} (sum {sum(ranks)}) over {len(kept)} matrices"
                   + (f"; {len(exact) - len(kept)} unchanged matrices left out" if len(kept) < len(exact) else "") + "."]
         if adapter_bytes is not None and dense_bytes:

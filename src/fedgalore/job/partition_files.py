@@ -1,6 +1,6 @@
 """``partition.json`` and ``partition.png``: the split a run trains on, recorded and drawn.
 
-Every run writes both into its directory (:meth:`fedgalore.engine.rundir.RunDirectory.write_static`),
+Every run writes both into its directory (:meth:`fedgalore.records.rundir.RunDirectory.write_static`),
 and ``fedgalore partition --config CONFIG`` (:func:`preview_partition`) writes them — and prints
 :func:`format_partition` — without training, so a user sees the split before paying for a run.
 ``partition.json``::
@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from fedgalore.engine.clients import Clients, resolve_clients, split_clients
-from fedgalore.engine.config import FederatedConfig
+from fedgalore.job.clients import Clients, resolve_clients, split_clients
+from fedgalore.job.config import FederatedConfig
 from fedgalore.federated.checkpoint import atomic_write_text
 from fedgalore.federated.partition import label_histograms
 from fedgalore.tasks.base import Task

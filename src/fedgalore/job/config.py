@@ -410,7 +410,7 @@ def config_difference(old: dict[str, Any], new: dict[str, Any]) -> str | None:
     (a new option's default is the old behaviour, e.g. ``train.prox_mu: 0``), so a run with the
     option set differs from an older run without it; keys that are not config fields (inside
     option pools) present on one side only are ignored. Whether a run directory holds a given
-    run is decided by the run identity (:mod:`fedgalore.engine.identity`), which resolves those
+    run is decided by the run identity (:mod:`fedgalore.records.identity`), which resolves those
     pools against the task's and the method's options."""
     defaults = _comparable(FederatedConfig().to_dict())
     return _first_difference(_with_defaults(_comparable(old), defaults), _with_defaults(_comparable(new), defaults))

@@ -8,7 +8,7 @@ checkpoint of the chosen round (:func:`choose_round`: a kept round, the newest, 
 validation round), the task and the method rebuilt from the config. It works on a finished, a
 stopped (checkpointed but not complete) and a resumed run alike: all three keep the same files —
 and on a live run (a process running it now): :attr:`GlobalModel.live` then says so and which
-round was taken (:func:`~fedgalore.engine.liveness.live_note`).
+round was taken (:func:`~fedgalore.records.liveness.live_note`).
 
 :func:`merged_model` turns the prepared model (PEFT-wrapped for the LoRA baselines) into the
 plain model with every adapter merged into its weights; :func:`probe_logits` is the check every
@@ -24,11 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fedgalore.engine.config import ConfigError, FederatedConfig, load_config
-from fedgalore.engine.identity import IDENTITY_FILE, with_recorded_paths
-from fedgalore.engine.resolve import check_device, config_for_method
-from fedgalore.engine.liveness import live_note, run_state
-from fedgalore.engine.rundir import saved_summary
+from fedgalore.job.config import ConfigError, FederatedConfig, load_config
+from fedgalore.records.identity import IDENTITY_FILE, with_recorded_paths
+from fedgalore.job.resolve import check_device, config_for_method
+from fedgalore.records.liveness import live_note, run_state
+from fedgalore.records.rundir import saved_summary
 from fedgalore.engine.runtime import Runtime
 from fedgalore.federated.checkpoint import CheckpointError, kept_rounds, load_checkpoint
 from fedgalore.jsonl import read_jsonl
@@ -55,7 +55,7 @@ class GlobalModel:
     cfg: FederatedConfig
     runtime: Runtime
     state: ServerState
-    #: set when a process was running the run as it was read: which round this took (fedgalore.engine.liveness.live_note)
+    #: set when a process was running the run as it was read: which round this took (fedgalore.records.liveness.live_note)
     live: str | None = None
 
     @property
