@@ -4,7 +4,7 @@ Federation (CPU, nothing to download): ``tiny_text`` (random-weight 2-layer BERT
 learnable 4-class synthetic task, 160 training examples) over 6 sites (Dirichlet α = 0.5, at least
 5 examples each), every site in every round, 8 rounds of 3 local epochs, batch 16, rank 4. Site 0 is
 hostile (``federation.attack``): its update ×50 (``scale``) or ×−5 (``sign_flip:5``) — for FedIT the
-change of each uploaded factor from what it started with (fedgalore.engine.attack).
+change of each uploaded factor from what it started with (fedgalore.engine.stages.attack).
 
 Defences (``federation.robust``): none, ``norm_filter`` (drop ‖ΔW_i‖ > 3 × the round's median),
 ``krum`` (Multi-Krum, f = 1, keep 4 of 6), and for the dense FedAvg-Full the coordinate-wise

@@ -138,7 +138,7 @@ def test_central_noise_is_one_draw_on_the_sum():
 def test_distributed_noise_per_client(tmp_path, method, individual):
     """Each client's share: σC/√K on a method whose A is a mean (the K shares sum to σC), σC on one
     that uses each upload on its own."""
-    from fedgalore.engine.client_privacy import ClientRelease
+    from fedgalore.engine.stages.client_dp import ClientRelease
     from fedgalore.job.resolve import method_options
     from fedgalore.methods.base import method_class
 
@@ -254,7 +254,7 @@ def test_adaptive_clipping_follows_the_norm_quantile(tmp_path):
     """Andrew et al.: with every client's change far above C, the noised share of bits is ≈ 0 and C
     grows by exp(lr·γ) per round; the update's σ_Δ = (σ⁻² − (2σ_b)⁻²)^(-1/2) so the round's release
     is one Gaussian of σ (ε as for fixed clipping); the bits leave the sites noised."""
-    from fedgalore.engine.client_privacy import ClientRelease
+    from fedgalore.engine.stages.client_dp import ClientRelease
 
     cfg = cdp_cfg(tmp_path, "fedavg_full", rounds=3, clip=1e-4, noise_multiplier=1.0,
                   adaptive_clipping={"target_quantile": 0.5, "lr": 0.2, "count_noise_multiplier": 0.01 + 0.5})

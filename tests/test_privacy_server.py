@@ -26,10 +26,10 @@ pytest.importorskip("dp_accounting")
 
 import fedgalore  # noqa: E402
 from fedgalore.engine.backends.sequential import SequentialBackend  # noqa: E402
-from fedgalore.engine.client_privacy import ClientRelease  # noqa: E402
+from fedgalore.engine.stages.client_dp import ClientRelease  # noqa: E402
 from fedgalore.job.config import ConfigError, FederatedConfig  # noqa: E402
 from fedgalore.engine.loop import Federation  # noqa: E402
-from fedgalore.engine.privacy_ledger import SitePrivacy  # noqa: E402
+from fedgalore.engine.stages.record_dp import SitePrivacy  # noqa: E402
 from fedgalore.job.resolve import method_options  # noqa: E402
 from fedgalore.federated.seeding import DP_CLIENT_NOISE, client_seed  # noqa: E402
 from fedgalore.federated.client import ClientError  # noqa: E402

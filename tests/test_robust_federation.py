@@ -82,10 +82,10 @@ def test_a_scaled_lora_site_is_filtered_by_its_factored_norm(tmp_path):
 def test_factored_updates_have_the_dense_updates_inner_products(tmp_path, monkeypatch, method, options):
     """Every method's :meth:`update_terms` (factors, never m×n where they suffice) has the Gram matrix
     of its dense :meth:`client_deltas`, on real uploads of a round (rtol 1e-5: fp32 uploads)."""
-    import fedgalore.engine.loop as loop
+    import fedgalore.engine.stages.robust as stage
 
     seen = []
-    real = loop.apply_robust
+    real = stage.apply_robust
 
     def spy(cfg, m, state, uploads):
         g = robust.gram([m.update_terms(state, u) for u in uploads])
@@ -94,7 +94,7 @@ def test_factored_updates_have_the_dense_updates_inner_products(tmp_path, monkey
         seen.append((g, ref))
         return real(cfg, m, state, uploads)
 
-    monkeypatch.setattr(loop, "apply_robust", spy)
+    monkeypatch.setattr(stage, "apply_robust", spy)
     cfg = tiny_cfg(tmp_path, method, rounds=2, method_options=options,
                    federation={**FED, "rounds": 2, "robust": {"kind": "krum", "num_malicious": 1, "to_keep": 3}})
     fedgalore.run(cfg)

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from fedgalore.job.config import ConfigError, FederatedConfig
-from fedgalore.engine.privacy_ledger import privacy_plan
+from fedgalore.engine.stages.privacy_ledger import privacy_plan
 from fedgalore.federated.client import optimizer_steps
 from fedgalore.methods.base import MethodOptions, parse_options, split_options
 from fedgalore.methods.fedgalore import FedGaLoreOptions
@@ -1117,7 +1117,7 @@ def _eps(x: float) -> str:
 
 
 def _client_plan_lines(cp: dict[str, Any] | None) -> list[str]:
-    """The plan's lines for client-level DP (:func:`fedgalore.engine.privacy_ledger.client_plan`)."""
+    """The plan's lines for client-level DP (:func:`fedgalore.engine.stages.privacy_ledger.client_plan`)."""
     if not cp:
         return []
     if "error" in cp:
@@ -1133,7 +1133,7 @@ def _client_plan_lines(cp: dict[str, Any] | None) -> list[str]:
 
 
 def format_privacy_plan(priv: dict[str, Any], max_rows: int = 12) -> list[str]:
-    """The plan's privacy section (:func:`fedgalore.engine.privacy_ledger.privacy_plan`): the ε(δ)
+    """The plan's privacy section (:func:`fedgalore.engine.stages.privacy_ledger.privacy_plan`): the ε(δ)
     each site will spend, before the run."""
     rec = priv.get("record")
     client = _client_plan_lines(priv.get("client"))

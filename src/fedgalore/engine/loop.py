@@ -38,33 +38,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from fedgalore.engine.attack import hostile_upload
 from fedgalore.engine.backends import Backend, make_backend
 from fedgalore.engine.client_eval import evaluate_clients, summarize_clients
 from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import LogProgress, ProgressSink, TrackingProgress, phase_note
 from fedgalore.records.identity import run_identity
 from fedgalore.records.liveness import FINISHED, Heartbeat, RunLock, Terminated, sigterm_stops
-from fedgalore.engine.privacy_ledger import BudgetStop, PrivacyLedger
 from fedgalore.job.resolve import check_device, config_for_method
 from fedgalore.engine.round_adapters import save_round_adapter
-from fedgalore.engine.robust_stage import apply_robust
 from fedgalore.records.rundir import RunDirectory, choose_run_dir, run_summary
-from fedgalore.engine.runtime import ClientJob, ClientResult, Runtime
-from fedgalore.engine.validation import expected_keys, norm_problem, update_norm, validate_upload
+from fedgalore.engine.collect import Collector
+from fedgalore.engine.jobs import ClientJob, ClientResult
+from fedgalore.engine.runtime import Runtime
+from fedgalore.engine.stages import Attempt, RunView, StopRun, backend_problems, compose
 from fedgalore.federated.partitioners.nodes import NODES_ONLY
 from fedgalore.federated.checkpoint import CheckpointError, CheckpointWriter, kept_rounds, load_latest_checkpoint
 from fedgalore.federated.diagnostics import drift_diagnostics, update_space_diagnostics
-from fedgalore.federated.scaffold import CORR, NEW_CI, correction, split_entries, update_controls
-from fedgalore.federated.server_opt import STATE_PREFIX, server_step
 from fedgalore.federated.seeding import round_seed, sample_clients
 from fedgalore.methods.base import Method
-from fedgalore.privacy.randomness import REPRODUCIBLE_REFUSED
-from fedgalore.protocol.payload import Dense, Ledger, Payload, PayloadError, decode, encode, encoded_size
+from fedgalore.protocol.payload import Ledger, Payload, encode, encoded_size
 from fedgalore.protocol.state import RoundContext
-from fedgalore.sync.ajive import all_finite
 from fedgalore.tasks.base import Task
 
 __all__ = ["Federation", "RunResult"]
@@ -83,16 +76,15 @@ class RunResult:
 
 @dataclass
 class _Round:
-    """The valid uploads of a round and what the loop recorded while collecting them."""
+    """A round's collected uploads: the attempt that succeeded and the context A and S get."""
 
     ctx: RoundContext  # the clients whose uploads were kept, weights renormalised over them
-    uploads: list[Payload]
-    deltas: list[dict[str, Any]]  # each kept client's ΔW_i against the round's start ({} when not needed)
-    sampled: list[int]  # the last sample drawn (retries draw new ones)
-    client_recs: list[dict[str, Any]]
+    att: Attempt  # the kept uploads (att.kept), the round's client records, the stages' numbers
     time_clients: float
-    controls: dict[int, dict[str, Any]] = field(default_factory=dict)  # SCAFFOLD: each kept client's c_i⁺
-    robust: dict[str, float] = field(default_factory=dict)  # federation.robust's counts (robust_kept, robust_excluded)
+
+    @property
+    def uploads(self) -> list[Payload]:
+        return [item.upload for item in self.att.kept]
 
 
 class Federation:
@@ -144,12 +136,7 @@ class Federation:
         """Everything after the directory is chosen and locked: backend, runtime (model and data),
         the server state (fresh, or the newest checkpoint's with ``resume``), the static files."""
         self.backend = backend if backend is not None else make_backend(cfg.backend.name, cfg.backend.options)
-        if cfg.federation.secure_aggregation is not None and not self.backend.secure_aggregation:
-            raise ConfigError(f"federation.secure_aggregation runs Flower's SecAgg+ between SuperNodes, and the "
-                              f"{self.backend.name} backend has none; run the job as a Flower app (examples/flower/README.md, "
-                              "\"Secure aggregation (SecAgg+)\") or set federation.secure_aggregation=null")
-        if cfg.privacy.enabled and cfg.privacy.reproducible and not self.backend.simulated:
-            raise ConfigError(REPRODUCIBLE_REFUSED)
+        backend_problems(cfg, self.backend)  # a stage this backend cannot run (e.g. SecAgg+ without Flower)
         nodes = None
         if cfg.federation.partition.kind == "nodes":  # each node brings its own data: ask them who they are
             nodes = self.backend.node_clients(cfg)
@@ -174,7 +161,6 @@ class Federation:
         self.history: list[dict[str, Any]] = []
         self.start_round = 0
         self.wall_time_before = 0.0
-        self._controls: dict[int, dict[str, Any]] = {}  # SCAFFOLD c_i⁺ of the uploads being collected
         #: the loop's own state, checkpointed with the server state: the accepted upload key set
         self.upload_keys: list[str] | None = None
         ckpt = load_latest_checkpoint(self.run_dir, log=self.progress.message) if resume else None
@@ -189,22 +175,14 @@ class Federation:
             self.history, self.ledger.records = self.files.restore(self.start_round)
             self.progress.message(f"resuming {self.run_dir} after round {self.start_round}")
         self.files.write_static(cfg, self.runtime, self.identity)
-        #: what the server saw and what it cost (privacy.json; the per-site accountant lives in state.meta["privacy"])
-        rt = self.runtime
-        self.privacy = PrivacyLedger(cfg, rt.head_params, rt.clients.name, [len(p) for p in rt.parts],
-                                     rt.privacy.support if rt.privacy is not None else None, rt.client_dp,
-                                     sites=rt.privacy, run_dir=self.run_dir)
-        if ckpt is not None:  # releases a crash lost after the checkpoint still count (privacy_journal.jsonl)
-            self.privacy.recover(self.state)
-        #: why the run stopped before its last round (privacy.client.target_epsilon spent), or None
+        #: the round's stages (fedgalore.engine.stages): the runtime's client side and the server's own, composed from the config
+        view = RunView(self.run_dir, self.method, self.runtime, self.backend, lambda line: self.progress.message(line))
+        self.stages = compose(cfg, self.runtime, view, have=self.runtime.stages)
+        collector = self.stages.collector or Collector
+        self.collector = collector(cfg, self.method, self.runtime, self.backend, self.ledger, self.stages, view.say)
+        #: why the run stopped before its last round (e.g. privacy.client.target_epsilon spent), or None
         self.stopped: str | None = None
-        if self.start_round < cfg.federation.rounds:
-            why = self.privacy.budget_stop(self.state, self.start_round)
-            if why is not None:
-                raise ConfigError(why.split("; the run stops")[0] + (
-                    "; nothing to resume — a larger budget needs a new run" if self.start_round else
-                    "; not even one round fits: raise privacy.client.target_epsilon or the noise"))
-        self.privacy.write(self.run_dir, self.state)
+        self.stages.start(self.state, ckpt is not None, self.start_round, cfg.federation.rounds)
         if self.backend.startup_records:  # e.g. SuperNodes whose data did not fit the task (kind nodes)
             self.files.append_round(0, self.backend.startup_records, Ledger())
         self._first_round_here = len(self.history)  # checkpoint_every=auto counts this process's rounds
@@ -235,15 +213,15 @@ class Federation:
                 for k in range(self.start_round, fed.rounds):
                     try:
                         self._round(k)
-                    except BudgetStop as stop:  # a retry (or a sample) whose release would pass the budget
+                    except StopRun as stop:  # a stage ends the run inside a round (e.g. a retry past the privacy budget)
                         self.stopped = str(stop)
-                        self.privacy.close_attempts(self.state, self.run_dir)
+                        self.stages.stopped(self.state)
                         if k > self.start_round and not self._checkpointed(k):
                             self._checkpoint(k - 1, t_start)
                         self.progress.message(self.stopped)
                         break
-                    if k + 1 < fed.rounds:  # privacy.client.target_epsilon: the next round must fit the budget
-                        self.stopped = self.privacy.budget_stop(self.state, k + 1)
+                    if k + 1 < fed.rounds:  # a stage may stop the run before the next round (e.g. the privacy budget)
+                        self.stopped = self.stages.next_round_stop(self.state, k + 1)
                     if self._checkpoint_due(k, t_start) or self.stopped:
                         self._checkpoint(k, t_start)
                     if self.stopped:
@@ -349,26 +327,23 @@ class Federation:
         rnd = self._train_clients(k)  # sample → broadcast → T → collect (retried while too few uploads)
         self._checkpoint_wait()  # the last checkpoint has the state's tensors: done before A changes them
         t_server = time.perf_counter()
-        opt = self.cfg.federation.server_optimizer
-        before = None if opt.identity else {kk: v.clone() for kk, v in self.state.params.items()}
-        applied = self.method.aggregate(self.state, rnd.uploads, rnd.ctx.weights, rnd.ctx)  # A
-        if before is not None:
-            applied = self._server_step(before, applied)
-        if self.cfg.train.scaffold:
-            update_controls(self.state.extras, rnd.controls, self.state.params, self.cfg.federation.num_clients)
-        sync_diag = self.method.synchronize(self.state, rnd.uploads, rnd.ctx.weights, rnd.ctx)  # S
+        uploads = rnd.uploads
+        applied = self.stages.aggregate(self.state, lambda: self.method.aggregate(self.state, uploads, rnd.ctx.weights, rnd.ctx))  # A
+        self.stages.after_aggregate(self.state, rnd.att)
+        sync_diag = self.method.synchronize(self.state, uploads, rnd.ctx.weights, rnd.ctx)  # S
         t_server = time.perf_counter() - t_server
         t_diag = time.perf_counter()
-        diag = {"round": k + 1, **sync_diag, **self._diagnostics(applied, rnd), **rnd.robust}
+        diag = {"round": k + 1, **sync_diag, **self._diagnostics(applied, rnd), **rnd.att.diag}
         t_diag = time.perf_counter() - t_diag
         evals, t_eval = self._evaluate(k)
         if self.cfg.export.every_round:  # this round's PEFT adapter (fedgalore.engine.round_adapters)
             save_round_adapter(self.runtime, self.state, self.run_dir, k + 1)
-        losses = [r["loss_mean"] for r in rnd.client_recs if "loss_mean" in r and math.isfinite(r["loss_mean"])]
+        client_recs = rnd.att.records
+        losses = [r["loss_mean"] for r in client_recs if "loss_mean" in r and math.isfinite(r["loss_mean"])]
         rec = {
             "round": k + 1,
-            "clients": rnd.sampled,
-            "dropped": [r["client"] for r in rnd.client_recs if "error" in r],
+            "clients": rnd.att.clients,
+            "dropped": [r["client"] for r in client_recs if "error" in r],
             "train_loss": sum(losses) / len(losses) if losses else float("nan"),
             **{f"eval/{kk}": float(v) for kk, v in evals.items()},
             "bytes_up": self.ledger.total("up", k + 1),
@@ -381,13 +356,13 @@ class Federation:
             "time_eval": t_eval,
             "time_round": time.perf_counter() - t0,
         }
-        rec.update(self.privacy.end_round(self.state, k, rnd.uploads, self.run_dir))  # privacy.json; dp_epsilon
+        rec.update(self.stages.round_record(self.state, k, uploads))  # e.g. privacy.json and dp_epsilon
         if self._client_eval is not None:  # federation.client_eval: each client's metrics (fedgalore.engine.client_eval)
             rec["client_eval"], self._client_eval = self._client_eval, None
         if self.backend.eval_bytes:  # a deployment's federated evaluation: the model sent to the nodes, their replies
             rec["bytes_eval"], self.backend.eval_bytes = self.backend.eval_bytes, 0
         self.history.append(rec)
-        self.files.append_round(k + 1, rnd.client_recs, self.ledger, diag, rec)
+        self.files.append_round(k + 1, client_recs, self.ledger, diag, rec)
         self.files.write_csv(self.history)
         self.progress.round_end(k, rec)
         if len(self.history) == self._first_round_here + 1:  # after this process's first round: where did the time go
@@ -395,104 +370,53 @@ class Federation:
             if note:
                 self.progress.message(note)
 
-    def _server_step(self, before: dict[str, Any], applied: dict[str, Any]) -> dict[str, Any]:
-        """The server optimizer on A's result: θ_{k+1} from θ_k (``before``) and the aggregate now
-        in ``state.params`` (fedgalore.federated.server_opt); its buffers live in
-        ``state.extras["server_opt/..."]`` and its step count in ``state.meta["server_opt"]``, so
-        they are checkpointed with the state. ``applied`` entries that are server parameters
-        become the update actually applied; others (the LoRA methods' ΔW̄ of the factor
-        products) stay A's, before the server optimizer."""
-        meta = self.state.meta.setdefault("server_opt", {"step": 0})
-        step = int(meta["step"]) + 1
-        buffers = {kk[len(STATE_PREFIX):]: v for kk, v in self.state.extras.items() if kk.startswith(STATE_PREFIX)}
-        new = server_step(self.cfg.federation.server_optimizer, before, self.state.params, buffers, step)
-        self.state.params.update(new)
-        self.state.extras.update({STATE_PREFIX + kk: v for kk, v in buffers.items()})
-        meta["step"] = step
-        return {kk: (new[kk] - before[kk] if kk in new else v) for kk, v in applied.items()}
-
     def _train_clients(self, k: int) -> _Round:
         """Sample the round's clients, broadcast, run T on the backend and collect the valid
         uploads; a round with fewer than ``federation.min_clients`` is retried with a new sample
         (``federation.max_round_retries`` times, then the run stops at its last checkpoint)."""
         cfg, fed = self.cfg, self.cfg.federation
         seed_k = round_seed(cfg.seed, k)
-        client_recs: list[dict[str, Any]] = []
+        records: list[dict[str, Any]] = []  # the round's client records, over its attempts
         t_clients = 0.0
         for attempt in range(fed.max_round_retries + 1):
             clients = sample_clients(cfg.seed, k, fed.num_clients, fed.clients_per_round, attempt)
             sizes = [len(self.runtime.parts[c]) for c in clients]
-            weights = [s / sum(sizes) for s in sizes]
-            if self.runtime.client_dp is not None:  # privacy.client: uniform weights (the sum's sensitivity is C)
-                weights = self.runtime.client_dp.uniform(len(clients))
-            # privacy: the cap holds at every release — this attempt's worst case must fit the client-level budget,
-            # and a site whose next round would pass its record-level target is held back (fedgalore.engine.privacy_ledger)
-            why = self.privacy.budget_stop(self.state, k, clients, attempt)
-            if why is not None:
-                if client_recs:  # the earlier attempts' evidence (their releases are accounted)
-                    self.files.append_round(k + 1, client_recs, self.ledger)
-                raise BudgetStop(why)
-            held_back = self.privacy.spent_sites(self.state, clients)
+            att = Attempt(k, attempt, clients, sizes, [s / sum(sizes) for s in sizes], records=records)
+            try:
+                self.stages.plan(att, self.state)  # weights, held-back sites, the budget
+            except StopRun:
+                if records:  # the earlier attempts' evidence (their releases are accounted)
+                    self.files.append_round(k + 1, records, self.ledger)
+                raise
             self.progress.round_start(k, clients)
-            rctx = RoundContext(k, fed.rounds, seed_k, clients, weights, cfg.diagnostics)
-            blob = self._broadcast(k, rctx)
-            jobs = [ClientJob(k, fed.rounds, c, seed_k) for c in clients if c not in held_back]
+            rctx = RoundContext(k, fed.rounds, seed_k, clients, att.weights, cfg.diagnostics)
+            blob = self._broadcast(k, rctx, att)
+            jobs = [ClientJob(k, fed.rounds, c, seed_k) for c in clients if c not in att.held_back]
             t1 = time.perf_counter()
-            if fed.secure_aggregation is not None:  # SecAgg+: the server gets the weighted mean of the uploads only
-                ints = [1 if self.runtime.client_dp is not None else s for c, s in zip(clients, sizes) if c not in held_back]
-                results, summed = self.backend.run_clients_summed(blob, jobs, ints, self.progress) if jobs else ([], None)
-            else:
-                results, summed = (self.backend.run_clients(blob, jobs, self.progress) if jobs else []), None
-            if held_back:  # in the sample's order, as dropped clients
+            results, summed = self.collector.run(blob, jobs, att, self.progress)  # T on the backend
+            if att.held_back:  # in the sample's order, as dropped clients
                 got = {r.client: r for r in results}
-                results = [got.get(c) or ClientResult(c, None, held_back[c], 0.0) for c in clients]
+                results = [got.get(c) or ClientResult(c, None, att.held_back[c], 0.0) for c in clients]
             t_clients += time.perf_counter() - t1
-            self.privacy.observe(self.state, k, attempt, results)  # every upload the server saw counts (privacy.record)
-            if fed.secure_aggregation is not None:
-                uploads, deltas, kept_w, kept_c = self._collect_summed(k, attempt, rctx, results, summed, client_recs)
-            else:
-                uploads, deltas, kept_w, kept_c = self._collect(k, attempt, rctx, results, weights, client_recs)
-            robust_diag: dict[str, float] = {}
-            if fed.robust is not None and uploads:  # a hostile site's upload dropped or outvoted before A
-                uploads, deltas, kept_w, kept_c, robust_diag = self._robust(k, attempt, uploads, deltas, kept_w, kept_c, client_recs)
-            if uploads and len(kept_c) >= fed.min_clients:
-                if self.runtime.client_dp is not None:  # privacy.client, central noise: the server clips and noises
-                    uploads = self.runtime.client_dp.server_side(uploads, self._round_bcast, k, attempt,
-                                                                 self.privacy.current_clip(self.state))
-                total = sum(kept_w)
-                self.upload_keys = sorted(uploads[0].entries)
-                ctx = RoundContext(k, fed.rounds, seed_k, kept_c, [w / total for w in kept_w], cfg.diagnostics)
-                controls = {c: self._controls.pop(c) for c in kept_c if c in self._controls}
-                self._controls = {}
-                return _Round(ctx, uploads, deltas, clients, client_recs, t_clients, controls, robust_diag)
+            self.stages.observe(att, results, self.state)
+            self.collector.collect(att, results, summed, self.state, rctx, self.upload_keys)
+            self.stages.screen(att, self.state)  # e.g. robust aggregation drops or outvotes uploads
+            if att.kept and len(att.kept_clients) >= fed.min_clients:
+                self.stages.release(att, self.state)  # e.g. client-level DP's central noise
+                total = sum(item.weight for item in att.kept)
+                self.upload_keys = sorted(att.kept[0].upload.entries)
+                ctx = RoundContext(k, fed.rounds, seed_k, att.kept_clients, [item.weight / total for item in att.kept],
+                                   cfg.diagnostics)
+                return _Round(ctx, att, t_clients)
             self.progress.message(
-                f"round {k + 1}: only {len(kept_c) if uploads else 0} valid upload(s) < federation.min_clients={fed.min_clients}"
+                f"round {k + 1}: only {len(att.kept_clients)} valid upload(s) < federation.min_clients={fed.min_clients}"
                 + ("; retrying with a new sample" if attempt < fed.max_round_retries else "")
             )
-        self.files.append_round(k + 1, client_recs, self.ledger)  # keep the evidence of why the round failed
-        first = next((r.get("error") for r in client_recs if "error" in r), None)
+        self.files.append_round(k + 1, records, self.ledger)  # keep the evidence of why the round failed
+        first = next((r.get("error") for r in records if "error" in r), None)
         raise RoundFailed(
             f"round {k + 1} failed {fed.max_round_retries + 1} time(s): fewer than {fed.min_clients} valid uploads "
             f"(first error: {first}); the run stops at its last checkpoint", k + 1, self.run_dir)
-
-    def _robust(self, k: int, attempt: int, uploads: list[Payload], deltas: list[dict[str, Any]], kept_w: list[float],
-                kept_c: list[int], client_recs: list[dict[str, Any]]):
-        """``federation.robust`` on one attempt's valid uploads (fedgalore.engine.robust_stage): the
-        dropped clients' records get ``robust_excluded``; a coordinate-wise statistic comes back as
-        the one upload A applies, with weight 1 (its clients all counted in it)."""
-        out = apply_robust(self.cfg.federation.robust, self.method, self.state, uploads)
-        for i, why in out.excluded.items():
-            c = kept_c[i]
-            for rec in reversed(client_recs):
-                if rec["round"] == k + 1 and rec["attempt"] == attempt and rec["client"] == c:
-                    rec["robust_excluded"] = why
-                    break
-            self.progress.message(f"round {k + 1}: client {self.runtime.clients.name(c)} excluded by federation.robust ({why})")
-        if out.combined is not None:
-            return [out.combined], [{}], [1.0], [kept_c[i] for i in out.keep], out.diag
-        keep = out.keep
-        return ([uploads[i] for i in keep], [deltas[i] for i in keep], [kept_w[i] for i in keep], [kept_c[i] for i in keep],
-                out.diag)
 
     def _downlink_mode(self) -> str | None:
         """How a method's per-client (factored) downlink runs on this backend: ``replay`` (the
@@ -506,7 +430,7 @@ class Federation:
             return "replay"
         return "account" if self.backend.simulated else "dense"
 
-    def _broadcast(self, k: int, rctx: RoundContext) -> bytes | Payload | dict[int, bytes | Payload]:
+    def _broadcast(self, k: int, rctx: RoundContext, att: Attempt) -> bytes | Payload | dict[int, bytes | Payload]:
         """The round's broadcast, serialised (an :attr:`~Backend.in_process` backend gets the
         payloads themselves and the ledger their exact encoded size) and counted per client. A method with a
         per-client downlink (``client_broadcast(state, ctx, common, held)``, e.g. FedGaLore's
@@ -515,10 +439,8 @@ class Federation:
         it sent it (``account``; :meth:`_downlink_mode`); the ledger counts that message. The
         backend gets the messages themselves (``replay``, and SCAFFOLD's per-client c − c_i) or,
         in an ``account`` simulation, the dense broadcast, which yields the same model."""
-        bcast = self.method.broadcast(self.state, rctx)
-        if self.runtime.client_dp is not None:  # privacy.client: the round's clip norm (adaptive clipping moves it)
-            bcast = Payload(bcast.entries, {**bcast.meta, "dp_clip": self.privacy.current_clip(self.state)})
-        self._round_bcast = bcast  # what the clients started from: client-level DP's public reference
+        bcast = self.stages.broadcast(self.method.broadcast(self.state, rctx), self.state)  # e.g. the round's DP clip norm
+        att.reference = bcast  # what the clients started from: client-level DP's public reference
         per_client = getattr(self.method, "client_broadcast", None)
         mode = self._downlink_mode()
         if mode == "replay":
@@ -538,14 +460,9 @@ class Federation:
         msgs = {c: message(c) if per_client is not None else bcast for c in rctx.clients}
         if mode in ("replay", "account"):
             self.method.downlink_sent(self.state, rctx.clients)
-        train = {c: bcast for c in rctx.clients} if mode == "account" else dict(msgs)
-        if self.cfg.train.scaffold:  # each client's c − c_i (fedgalore.federated.scaffold): counted down
-            def with_correction(m: Payload, c: int) -> Payload:
-                corr = correction(self.state.extras, c, self.state.params)
-                return Payload({**m.entries, **{CORR + kk: Dense(v) for kk, v in corr.items()}}, dict(m.meta))
-
-            msgs = {c: with_correction(m, c) for c, m in msgs.items()}
-            train = msgs if mode != "account" else {c: with_correction(m, c) for c, m in train.items()}
+        # a stage's per-client entries (e.g. SCAFFOLD's c − c_i), counted down
+        msgs = {c: self.stages.message(m, c, self.state) for c, m in msgs.items()}
+        train = msgs if mode != "account" else {c: self.stages.message(bcast, c, self.state) for c in rctx.clients}
         in_process = self.backend.in_process
         blob_of: dict[int, Any] = {}  # encode (or size) each distinct message once
 
@@ -567,120 +484,15 @@ class Federation:
             return blob(bcast)
         return {c: blob(m) for c, m in train.items()}
 
-    def _collect_summed(self, k: int, attempt: int, rctx: RoundContext, results: list[ClientResult], summed: Payload | None,
-                        client_recs: list[dict[str, Any]]) -> tuple[list[Payload], list[dict[str, Any]], list[float], list[int]]:
-        """Secure aggregation's collect: the clients' records (no individual upload exists on the
-        server) and the one summed upload — validated as any upload (finite, shapes, keys, the
-        method's checks; a rejected sum drops the whole attempt) — that A applies with weight 1. The
-        ledger counts, per client, what the server received from its node in every SecAgg+ stage."""
-        received = getattr(self.backend, "secure_received", {})
-        node_of = getattr(self.backend, "node_of", {})
-        kept_c = [r.client for r in results if r.error is None and (r.stats or {}).get("secagg_summed")]
-        reason = None
-        if summed is not None and kept_c:
-            reason = validate_upload(self.method, self.state, summed, rctx, expected_keys(self.upload_keys, [summed]))
-        private = self.runtime.client_dp is not None  # privacy.client: no client time, size or error text recorded
-        for res in results:
-            rec = {"round": k + 1, "attempt": attempt, "client": res.client, "secure_aggregation": True}
-            if not private:
-                rec.update({"time": res.time, "num_examples": len(self.runtime.parts[res.client])})
-            if self.runtime.clients.names is not None:
-                rec["client_name"] = self.runtime.clients.name(res.client)
-            got = received.get(node_of.get(res.client))
-            if got:
-                self.ledger.record(k + 1, res.client, "up", Payload(), int(got))
-            if res.error is None and reason is not None:
-                res.error = f"rejected: the secure sum: {reason}"
-            if res.error is None:
-                rec.update({kk: v for kk, v in (res.stats or {}).items() if isinstance(v, (int, float)) and kk not in rec})
-            else:
-                rec["error"] = _public_error(res.error) if private else res.error.splitlines()[0]
-                self.progress.message(f"round {k + 1}: client {self.runtime.clients.name(res.client)} dropped ({rec['error']})")
-            client_recs.append(rec)
-        if summed is None or reason is not None or not kept_c:
-            return [], [], [], []
-        return [summed], [{}], [1.0], kept_c
-
-    def _collect(self, k: int, attempt: int, rctx: RoundContext, results: list[ClientResult], weights: list[float],
-                 client_recs: list[dict[str, Any]]) -> tuple[list[Payload], list[dict[str, Any]], list[float], list[int]]:
-        """Decode, validate (and optionally clip) the uploads of one attempt; returns the kept
-        uploads, their deltas (built once, before aggregation; {} when nothing needs them),
-        weights and clients."""
-        fed = self.cfg.federation
-        private = self.runtime.client_dp is not None  # privacy.client: nothing raw about a client is logged
-        need_deltas = fed.max_update_norm is not None or fed.clip_update_norm is not None or (self.cfg.diagnostics and not private)
-        decoded = []
-        for res in results:
-            up = None
-            if isinstance(res.upload, Payload):  # handed over in process (a private copy); counted as encoded
-                up = res.upload
-                self.ledger.record(k + 1, res.client, "up", up)
-            elif res.upload is not None:
-                try:
-                    up = decode(res.upload)
-                except PayloadError as exc:
-                    res.error = f"undecodable upload: {exc}"
-                self.ledger.record(k + 1, res.client, "up", up if up is not None else Payload(), res.upload)
-            if up is not None and fed.attack is not None and res.client in fed.attack.clients:  # a simulated hostile site
-                up = hostile_upload(fed.attack, self.method, up, self._round_bcast)
-            if up is not None and self.cfg.train.scaffold:  # c_i⁺ (counted up above) is the server's, not A's
-                up, self._controls[res.client] = split_entries(up, NEW_CI)
-                ci = self._controls[res.client]
-                if set(ci) != set(self.state.params) or not all(all_finite(v) for v in ci.values()):
-                    res.error, up = "rejected: SCAFFOLD control variate missing or non-finite", None
-            decoded.append(up)
-        keys = expected_keys(self.upload_keys, [u for u in decoded if u is not None])
-        uploads, deltas, kept_w, kept_c = [], [], [], []
-        for res, up, w in zip(results, decoded, weights):
-            rec = {"round": k + 1, "attempt": attempt, "client": res.client}
-            if not private:  # under privacy.client a client's time and size are not recorded (they track its data)
-                rec.update({"time": res.time, "num_examples": len(self.runtime.parts[res.client])})
-            if self.runtime.clients.names is not None:  # a natural partition's clients are named by the data
-                rec["client_name"] = self.runtime.clients.name(res.client)
-            if up is not None and fed.client_timeout_s is not None and res.time > fed.client_timeout_s:
-                # the sequential backend cannot preempt a client; a late upload is discarded
-                res.error = f"timed out: {res.time:.1f}s > federation.client_timeout_s={fed.client_timeout_s:g}"
-                up = None
-            if up is not None:
-                reason = validate_upload(self.method, self.state, up, rctx, keys)
-                delta: dict[str, Any] = {}
-                if reason is None and need_deltas:
-                    delta = self.method.client_deltas(self.state, up)  # once per client, before A
-                    norm = update_norm(delta)
-                    reason = norm_problem(norm, fed.max_update_norm)
-                    if reason is None and fed.clip_update_norm is not None and norm > fed.clip_update_norm:
-                        factor = fed.clip_update_norm / norm
-                        up = self.method.scale_upload(up, factor)
-                        delta = {kk: d * factor for kk, d in delta.items()}
-                        rec["clipped_from_norm"] = norm
-                if reason is None:
-                    uploads.append(up)
-                    deltas.append(delta)
-                    kept_w.append(w)
-                    kept_c.append(res.client)
-                    # the upload's numeric stats; its own "round"/"client" (0-based job fields) never replace the record's
-                    rec.update({kk: v for kk, v in up.meta.items() if isinstance(v, (int, float)) and kk not in rec})
-                else:
-                    res.error = f"rejected: {reason}"
-                    for r in reversed(self.ledger.records):
-                        if r["round"] == k + 1 and r["client"] == res.client and r["direction"] == "up":
-                            r["rejected"] = reason
-                            break
-            if res.error is not None:
-                rec["error"] = _public_error(res.error) if private else res.error.splitlines()[0]
-                self.progress.message(f"round {k + 1}: client {self.runtime.clients.name(res.client)} dropped ({rec['error']})")
-            client_recs.append(rec)
-        return uploads, deltas, kept_w, kept_c
-
     def _diagnostics(self, applied: dict[str, Any], rnd: _Round) -> dict[str, float]:
         """The update-space mismatch of the applied update and the client drift of the round's
         deltas (``diagnostics: true``)."""
         if not self.cfg.diagnostics:
             return {}
         space = update_space_diagnostics(applied, self.method.rank, exact=self.cfg.diagnostics_exact)
-        if self.runtime.client_dp is not None:  # privacy.client: the client-to-client drift would read raw uploads
+        if self.stages.hides_clients:  # e.g. privacy.client: the client-to-client drift would read raw uploads
             return space
-        return {**space, **drift_diagnostics(rnd.deltas, rnd.ctx.weights)}
+        return {**space, **drift_diagnostics([item.delta for item in rnd.att.kept], rnd.ctx.weights)}
 
     def _evaluate(self, k: int) -> tuple[dict[str, float], float]:
         """The global model's test (and validation) metrics, every ``eval_every`` rounds, after
@@ -712,19 +524,6 @@ class Federation:
             evals.update(summary)
             self._client_eval = {"worst_client": worst, "clients": per}
         return evals, time.perf_counter() - t0
-
-
-#: errors the server itself decides on released (clipped, noised) values or the protocol alone: recorded as they are
-_SERVER_ERRORS = ("rejected:", "timed out", "privacy budget", "no reply", "undecodable upload", "secure aggregation:")
-
-
-def _public_error(error: str) -> str:
-    """A client's error as the server records it under ``privacy.client``: the server's own
-    decisions in full, a client's own failure without its text (it may quote the site's data)."""
-    line = error.splitlines()[0]
-    if line.startswith(_SERVER_ERRORS):
-        return line
-    return "the client failed (its message stays at the site under privacy.client)"
 
 
 class RoundFailed(RuntimeError):

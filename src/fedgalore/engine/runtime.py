@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -24,12 +23,11 @@ import torch
 
 from fedgalore.job.clients import Clients, resolve_clients, split_clients
 from fedgalore.job.config import ConfigError, FederatedConfig
-from fedgalore.engine.client_privacy import ClientRelease
-from fedgalore.engine.privacy_ledger import SitePrivacy
 from fedgalore.job.resolve import method_options, resolve_method
-from fedgalore.engine.start_adapter import continues_adapter, merge_start_adapter, start_adapter_of
+from fedgalore.engine.jobs import ClientJob, ClientResult
+from fedgalore.engine.stages import compose
 from fedgalore.federated.client import ClientError
-from fedgalore.federated.scaffold import CORR, ScaffoldClient, split_entries
+from fedgalore.engine.start_adapter import continues_adapter, merge_start_adapter, start_adapter_of
 from fedgalore.federated.seeding import BATCHES, DROPOUT, client_seed
 from fedgalore.methods.base import Method, method_class
 from fedgalore.methods.lora_common import matrix_shape
@@ -39,27 +37,6 @@ from fedgalore.tasks import Task, get_task, resolve_target_modules
 from fedgalore.tasks.base import head_parameters, subset_examples
 
 __all__ = ["Runtime", "ClientJob", "ClientResult"]
-
-
-@dataclass
-class ClientJob:
-    """One client's training in round ``round``, with the round seed s_k it was broadcast."""
-
-    round: int
-    total_rounds: int
-    client: int
-    round_seed: int
-
-
-@dataclass
-class ClientResult:
-    """What came back from a client: its serialised upload, or why there is none."""
-
-    client: int
-    upload: bytes | Payload | None  # serialised Payload (a transferred one in process), None on failure
-    error: str | None = None
-    time: float = 0.0
-    stats: dict = field(default_factory=dict)
 
 
 class Runtime:
@@ -96,10 +73,9 @@ class Runtime:
         tc: TrainConfig = cfg.train
         mean_steps = self._steps_for(int(round(sum(sizes) / len(sizes))), tc)
         self.steps_per_round = max(mean_steps, 1)
-        #: record-level DP-SGD of the clients this process trains (privacy.record; None: none)
-        self.privacy = SitePrivacy.build(cfg, self.task, self.model, sizes, lambda n: self._steps_for(n, tc))
-        #: client-level DP (privacy.client; None: none): the clipping and noise of distributed noise run here
-        self.client_dp = ClientRelease.build(cfg, self.method, len(self.parts))
+        #: the round's stages this process runs on its clients (record-level DP-SGD, SCAFFOLD, client-level
+        #: DP's clipping and noise: fedgalore.engine.stages), composed from the config; the server's loop adds its own
+        self.stages = compose(cfg, self)
 
     def _check_rank(self, model: torch.nn.Module) -> None:
         mods = dict(model.named_modules())
@@ -129,12 +105,18 @@ class Runtime:
             return int(tc.local_steps) * max(int(tc.grad_accum_steps), 1)
         return int(math.ceil(float(tc.local_epochs) * n / tc.batch_size)) if n > 0 else 0
 
+    def micro_batches(self, n: int) -> int:
+        """Micro-batches per round of a client with ``n`` examples (:meth:`_steps_for` under ``train``)."""
+        return self._steps_for(n, self.cfg.train)
+
     def batches(self, client: int, round_idx: int) -> tuple[Callable, int]:
-        """This round's local mini-batches: E epochs (or T steps) of fresh permutations."""
+        """This round's local mini-batches: E epochs (or T steps) of fresh permutations, unless a
+        stage draws them (record-level DP's Poisson-sampled steps)."""
+        drawn = self.stages.client_batches(self, client, round_idx)
+        if drawn is not None:
+            return drawn
         tc = self.cfg.train
         idx = self.parts[client]
-        if self.privacy is not None:  # DP-SGD: Poisson-sampled steps instead (fedgalore.engine.privacy_ledger)
-            return self.privacy.batches(idx, client, round_idx, self._batch_of)
         steps = self._steps_for(len(idx), tc)
         rng = np.random.default_rng(client_seed(self.cfg.seed, round_idx, client, BATCHES))
         need = steps * tc.batch_size
@@ -148,11 +130,11 @@ class Runtime:
 
         def gen():
             for c in chunks:
-                yield self._batch_of(c.tolist())
+                yield self.batch_of(c.tolist())
 
         return gen, len(chunks)
 
-    def _batch_of(self, indices: list[int]) -> dict:
+    def batch_of(self, indices: list[int]) -> dict:
         """The batch of these training examples."""
         if hasattr(self.train_data, "batch"):
             return self.train_data.batch(indices)
@@ -167,7 +149,7 @@ class Runtime:
         :func:`~fedgalore.protocol.payload.transfer` — exactly what decoding its bytes gives — and
         the upload comes back transferred too, instead of serialised."""
         t0 = time.perf_counter()
-        private = None
+        ctx = None
         try:
             gen, steps = self.batches(job.client, job.round)
             ctx = ClientContext(
@@ -189,8 +171,7 @@ class Runtime:
                 state=client_state if client_state is not None
                 else None if self.client_state is None else self.client_state.setdefault(job.client, {}),
             )
-            if self.privacy is not None:  # DP-SGD in local_train (fedgalore.privacy.dpsgd)
-                ctx.privacy = private = self.privacy.client(job.client, job.round)
+            self.stages.client_start(ctx)  # e.g. DP-SGD attached to local training (privacy.record)
             seed = int(client_seed(self.cfg.seed, job.round, job.client, DROPOUT).generate_state(1)[0])
             devices = [self.device.index or 0] if self.device.type == "cuda" else []
             # Dropout draws from the global RNG. Fork it (restored on exit, so callers see no
@@ -202,18 +183,9 @@ class Runtime:
                     with torch.cuda.device(devices[0]):
                         torch.cuda.manual_seed(seed)
                 payload = transfer(broadcast) if isinstance(broadcast, Payload) else decode(broadcast)
-                if self.cfg.train.scaffold:  # c − c_i rides along the broadcast (fedgalore.federated.scaffold)
-                    payload, corr = split_entries(payload, CORR)
-                    ctx.scaffold = ScaffoldClient(corr, self.method.scaffold_params(self.model))
-                upload = self.method.client_update(self.model, payload, ctx)
-                if ctx.scaffold is not None:
-                    if ctx.scaffold.new_ci is None:
-                        raise ClientError(f"client {job.client}: SCAFFOLD needs at least one local step")
-                    upload = Payload({**upload.entries, **ctx.scaffold.upload_entries()}, dict(upload.meta))
-                if self.privacy is not None:
-                    upload = self.privacy.redact(upload)  # raw training losses stay home (privacy.record.release_metrics)
-                if self.client_dp is not None:  # privacy.client: clipped and (distributed) noised before it leaves
-                    upload = self.client_dp.client_side(upload, payload, job.round, job.client)
+                payload = self.stages.client_receive(payload, ctx)  # a stage's own entries out (SCAFFOLD's c − c_i)
+                upload = self.method.client_update(self.model, payload, ctx)  # T
+                upload = self.stages.client_release(upload, payload, ctx)  # as it leaves the site (DP, SCAFFOLD's c_i⁺)
             blob = transfer(upload) if isinstance(broadcast, Payload) else encode(upload)
             return ClientResult(job.client, blob, None, time.perf_counter() - t0, dict(upload.meta))
         except ClientError as exc:
@@ -221,5 +193,5 @@ class Runtime:
         except Exception as exc:  # a failing client must not take the federation down
             return ClientResult(job.client, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}", time.perf_counter() - t0)
         finally:
-            if private is not None:  # Opacus' hooks off the shared model, also after an error
-                private.detach()
+            if ctx is not None:
+                self.stages.client_close(ctx)  # e.g. Opacus' hooks off the shared model, also after an error

@@ -10,7 +10,7 @@
   server would need to see per client (robust aggregation, ``federation.max_update_norm`` /
   ``clip_update_norm``, central client-level DP noise). Deployments only (the Flower backend).
 * **Robust aggregation** (``federation.robust``): the server drops or down-weights a hostile site's
-  upload before A (fedgalore.federated.robust; the round loop's seam fedgalore.engine.robust_stage).
+  upload before A (fedgalore.federated.robust; the round loop's seam fedgalore.engine.stages.robust).
 
 Both are plain dataclasses checked with one-line :class:`~fedgalore.typed.ConfigError` messages.
 """
@@ -151,7 +151,7 @@ class AttackConfig:
     (``scale``, default ×50) or ``−factor`` times it (``sign_flip``, default ×−1): exactly, through
     the method's own scaling where its update is linear in the upload (FedAvg-Full, FedGaLore); for
     factored uploads (the LoRA family) each uploaded tensor's change from what the client started
-    from is scaled (fedgalore.engine.attack)."""
+    from is scaled (fedgalore.engine.stages.attack)."""
 
     clients: list[int] = field(default_factory=lambda: [0])
     kind: str = "scale"

@@ -34,7 +34,7 @@ HOLD_OUT = 3
 #: :func:`client_seed` stream of a client's DP-SGD noise (``privacy.record`` without secure_mode; fedgalore.privacy.dpsgd)
 DP_NOISE = 4
 #: :func:`client_seed` stream of client-level DP noise (``privacy.client`` without secure_mode;
-#: fedgalore.engine.client_privacy): a client's own share (distributed) or the server's (central, client 2³¹ + attempt)
+#: fedgalore.engine.stages.client_dp): a client's own share (distributed) or the server's (central, client 2³¹ + attempt)
 DP_CLIENT_NOISE = 5
 
 

@@ -246,7 +246,7 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
     behaviour = 3
     default_sync = "ajive"
     #: with weight decay the record carries decay·W0 beside its terms, outside client-level DP's clipped change
-    #: (fedgalore.engine.client_privacy refuses train.weight_decay > 0 under privacy.client)
+    #: (fedgalore.engine.stages.client_dp refuses train.weight_decay > 0 under privacy.client)
     decay_in_upload = True
     #: variants pin their sync mode; a ``sync`` option from a shared config does not override it
     fixed_sync: str | None = None

@@ -74,7 +74,7 @@ class RecordPrivacy:
     accountant: Literal["rdp", "prv"] = "rdp"
     #: target_epsilon: plan σ for every round (the worst case: the target is never passed) or for the site's expected
     #: participation (clients_per_round/num_clients of the rounds; a site whose next round would pass the target
-    #: is not trained again). Either way target_epsilon is a cap (fedgalore.engine.privacy_ledger.PrivacyLedger.site_stop)
+    #: is not trained again). Either way target_epsilon is a cap (fedgalore.engine.stages.privacy_ledger.PrivacyLedger.site_stop)
     calibration: Literal["expected", "every_round"] = "every_round"
     #: true: each client's training-loss statistics (raw, NOT protected) are uploaded; false: withheld
     release_metrics: bool = False

@@ -161,7 +161,7 @@ def summary_line(doc: Mapping[str, Any] | None, upto_round: int | None = None) -
 
 
 # ---------------------------------------------------------------------- client-level (privacy.client)
-# ``release`` below: the run's fedgalore.engine.client_privacy.ClientRelease (its ``client`` config,
+# ``release`` below: the run's fedgalore.engine.stages.client_dp.ClientRelease (its ``client`` config,
 # σ, σ_m, K, M and whether A is a mean), read by attribute so this module stays below the engine.
 
 def client_mechanism(release: Any) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from fedgalore.engine.privacy_ledger import read_privacy
+from fedgalore.engine.stages.privacy_ledger import read_privacy
 from fedgalore.report import RunRecord, method_display_name
 
 __all__ = ["privacy_line"]

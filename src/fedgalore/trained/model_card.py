@@ -20,10 +20,9 @@ from fedgalore.trained.global_model import GlobalModel
 from fedgalore.records.identity import IDENTITY_FILE, base_model_local, base_model_name_for, run_identity
 from fedgalore.trained.lora_extract import RANK_NOTES, LoraFactors
 from fedgalore.records.liveness import run_state
-from fedgalore.engine.privacy_ledger import read_privacy
+from fedgalore.engine.stages.privacy_ledger import read_privacy
 from fedgalore.records.rundir import saved_summary
 from fedgalore.privacy.statement import summary_line
-from fedgalore.tasks.assets import folder_hub_id
 from fedgalore.tasks.base import TaskError
 
 __all__ = ["model_card", "recorded_inputs", "base_model_name", "base_model_name_for", "base_model_local", "EXPORT_CONFIG",

@@ -1,11 +1,8 @@
-"""Record-level DP in a run: each site's DP-SGD from the config, the server's per-site accountant, ``privacy.json``.
+"""The privacy accountant of a run as a round stage: what the server saw, what it cost, ``privacy.json``.
 
-:class:`SitePrivacy` is the side of every process that trains clients (:class:`~fedgalore.engine.
-runtime.Runtime`): it checks up front what would make the guarantee false or the run fail —
-``delta`` ≥ 1/n for a site, a model Opacus cannot make private, a loss that is not a mean over
-examples — and gives each client-round its Poisson batches and its :class:`~fedgalore.privacy.
-dpsgd.DPSGD` (σ per site: ``noise_multiplier``, or calibrated to ``target_epsilon``,
-:func:`~fedgalore.privacy.accounting.site_schedule`).
+Each site's DP-SGD is :mod:`fedgalore.engine.stages.record_dp`; client-level DP's clipping and
+noise :mod:`fedgalore.engine.stages.client_dp`. :class:`PrivacyAccountant` is the stage (always
+on: a run without DP writes that nothing was protected); it keeps one :class:`PrivacyLedger`.
 
 :class:`PrivacyLedger` is the server's: every upload that came back — kept, rejected or from a
 retried attempt, since the server saw it — adds the site's ``(σ, q, steps)`` (the client's
@@ -17,7 +14,7 @@ per release type (update, moment, basis, head, control variate, metrics, counts)
 clipped, its sensitivity and σ, and per site its ε. A run without DP writes that nothing was
 protected.
 
-Client-level DP (``privacy.client``; the mechanism is fedgalore.engine.client_privacy): the same
+Client-level DP (``privacy.client``; the mechanism is fedgalore.engine.stages.client_dp): the same
 ledger keeps the federation's accountant in ``ServerState.meta["privacy_client"]`` — one
 ``(σ of the round, K, rounds)`` history entry per release (the server's noised aggregate under
 central noise; every attempt whose noised uploads came back under distributed noise), ε(δ) after
@@ -44,121 +41,22 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
+from fedgalore.engine.stages.base import Attempt, RoundStage, RunView, StopRun
+from fedgalore.engine.stages.client_dp import client_book
 from fedgalore.job.config import ConfigError, FederatedConfig
+from fedgalore.privacy.randomness import REPRODUCIBLE_REFUSED
 from fedgalore.federated.checkpoint import atomic_write_text
-from fedgalore.federated.client import optimizer_steps
-from fedgalore.federated.seeding import BATCHES, DP_NOISE, client_seed
 from fedgalore.jsonl import read_json
-from fedgalore.privacy.accounting import SiteSchedule, epsilon, merge_history, site_schedule
-from fedgalore.privacy.config import RecordPrivacy
-from fedgalore.privacy.randomness import dp_seed
+from fedgalore.privacy.accounting import epsilon, merge_history, site_schedule
 from fedgalore.privacy.statement import (NOT_AGAINST_CONFIG, NOTHING_PROTECTED, client_mechanism, client_release_record, client_statement,
                                          mechanism, not_protected, record_statement, release_record, upload_fields)
 from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, Payload
 
-__all__ = ["SitePrivacy", "PrivacyLedger", "BudgetStop", "PRIVACY_FILE", "JOURNAL_FILE", "release_kinds", "read_privacy", "privacy_plan", "LOSS_KEYS"]
+__all__ = ["PrivacyAccountant", "PrivacyLedger", "BudgetStop", "PRIVACY_FILE", "JOURNAL_FILE", "release_kinds", "read_privacy", "privacy_plan"]
 
 PRIVACY_FILE = "privacy.json"
 #: every release as the server received it, appended and fsynced (module doc)
 JOURNAL_FILE = "privacy_journal.jsonl"
-#: upload meta computed from raw training losses: withheld unless privacy.record.release_metrics
-LOSS_KEYS = ("loss_first", "loss_last", "loss_mean")
-
-
-class SitePrivacy:
-    """DP-SGD for the clients a runtime trains (module doc). Build with :meth:`build`."""
-
-    def __init__(self, cfg: FederatedConfig, record: RecordPrivacy, sizes: Sequence[int], steps: Sequence[int],
-                 support: dict[str, list[str]]) -> None:
-        self.cfg, self.record = cfg, record
-        self.sizes = [int(n) for n in sizes]
-        #: optimizer steps per round of each site
-        self.steps = [int(t) for t in steps]
-        #: which layers get Opacus' per-example rules and which torch.func (fedgalore.privacy.dpsgd.per_sample_support)
-        self.support = support
-        self._schedules: dict[int, SiteSchedule] = {}
-
-    @classmethod
-    def build(cls, cfg: FederatedConfig, task: Any, model: Any, sizes: Sequence[int],
-              micro_batches: Callable[[int], int]) -> "SitePrivacy | None":
-        """The runtime's DP-SGD, or None without ``privacy.record``. ``sizes``: each site's
-        examples; ``micro_batches(n)``: a site's micro-batches per round. A setting under which
-        the guarantee would not hold is a :class:`ConfigError` (one line saying what to change)."""
-        record = cfg.privacy.record
-        if record is None:
-            return None
-        try:
-            from fedgalore.privacy.dpsgd import per_sample_support, wrap_problem
-        except ImportError as exc:
-            raise ConfigError(f"privacy.record needs Opacus and dp-accounting ({exc.name} is missing); install them with "
-                              "pip install 'fedgalore[privacy]'") from None
-        if getattr(task, "loss_items", None) is not None:
-            raise ConfigError(f"privacy.record: task {task.name!r} averages its loss over tokens, so one example's gradient "
-                              "depends on the others' lengths and the clipping bound would not hold; record-level DP needs "
-                              "a per-example mean loss (text/image classification tasks)")
-        why = wrap_problem(model)
-        if why is not None:
-            raise ConfigError(f"privacy.record: Opacus cannot compute private per-example gradients for method "
-                              f"{cfg.method.name!r} on this model: {why}; freeze that layer or use another model")
-        live = [(n, i) for i, n in enumerate(sizes) if n > 0]
-        if live:
-            n, i = min(live)
-            if record.delta >= 1.0 / n:
-                raise ConfigError(f"privacy.record.delta={record.delta:g} must be below 1/n = {1.0 / n:.3g} for the smallest "
-                                  f"site ({n} examples, client {i}); set privacy.record.delta below that (e.g. 1e-5)")
-        k = max(int(cfg.train.grad_accum_steps), 1)
-        steps = [optimizer_steps(micro_batches(int(n)), k) for n in sizes]
-        return cls(cfg, record, sizes, steps, per_sample_support(model))
-
-    # ------------------------------------------------------------------ per site
-    def schedule(self, client: int) -> SiteSchedule:
-        """Site ``client``'s q, steps and σ (calibrated once per process for ``target_epsilon``)."""
-        if client not in self._schedules:
-            fed, tc = self.cfg.federation, self.cfg.train
-            m = len(self.sizes)
-            participation = (fed.clients_per_round or m) / m
-            self._schedules[client] = site_schedule(self.record, self.sizes[client], tc.batch_size, tc.grad_accum_steps,
-                                                    self.steps[client], fed.rounds, participation)
-        return self._schedules[client]
-
-    def batches(self, part: np.ndarray, client: int, round_idx: int, make: Callable[[list[int]], dict]) -> tuple[Callable, int]:
-        """This round's Poisson batches of a site whose examples are ``part`` (``T × k``
-        micro-batches, possibly empty: ``{}``); ``make(indices)`` builds a batch."""
-        sch = self.schedule(client)
-        # the Poisson draws: OS entropy unless privacy.reproducible (fedgalore.privacy.randomness)
-        seed = dp_seed(client_seed(self.cfg.seed, round_idx, client, BATCHES), self.cfg.privacy.reproducible)
-        chunks = [part[c] for c in _poisson(len(part), sch.sample_rate, sch.steps_per_round,
-                                            max(int(self.cfg.train.grad_accum_steps), 1), seed)]
-
-        def gen():
-            for c in chunks:
-                yield make(c.tolist()) if len(c) else {}
-
-        return gen, len(chunks)
-
-    def client(self, client: int, round_idx: int) -> Any:
-        """The :class:`~fedgalore.privacy.dpsgd.DPSGD` of one client-round."""
-        from fedgalore.privacy.dpsgd import DPSGD
-
-        sch = self.schedule(client)
-        return DPSGD(noise_multiplier=sch.noise_multiplier, max_grad_norm=self.record.max_grad_norm,
-                     sample_rate=sch.sample_rate, num_examples=sch.num_examples,
-                     noise_seed=dp_seed(client_seed(self.cfg.seed, round_idx, client, DP_NOISE), self.cfg.privacy.reproducible),
-                     secure_mode=not self.cfg.privacy.reproducible)
-
-    def redact(self, upload: Payload) -> Payload:
-        """The upload without the raw training losses, unless ``release_metrics``."""
-        if self.record.release_metrics:
-            return upload
-        return Payload(upload.entries, {k: v for k, v in upload.meta.items() if k not in LOSS_KEYS})
-
-
-def _poisson(n: int, rate: float, steps: int, k: int, seed: int) -> list[np.ndarray]:
-    from fedgalore.privacy.dpsgd import poisson_steps
-
-    return poisson_steps(n, rate, steps, k, seed)
 
 
 def release_kinds(upload: Payload, heads: Sequence[str], scaffold: bool = False) -> list[str]:
@@ -207,7 +105,7 @@ def read_privacy(run_dir: str | Path) -> dict[str, Any] | None:
     return read_json(Path(run_dir) / PRIVACY_FILE)
 
 
-class BudgetStop(Exception):
+class BudgetStop(StopRun):
     """The next release would pass ``privacy.client.target_epsilon``: the run ends cleanly (its
     message is the one line that says so)."""
 
@@ -217,10 +115,10 @@ class PrivacyLedger:
 
     def __init__(self, cfg: FederatedConfig, heads: Sequence[str], names: Callable[[int], str],
                  sizes: Sequence[int], support: dict[str, list[str]] | None = None, release: Any = None,
-                 sites: SitePrivacy | None = None, run_dir: Path | None = None) -> None:
+                 sites: Any = None, run_dir: Path | None = None) -> None:
         self.cfg, self.record = cfg, cfg.privacy.record
         self.heads, self.names, self.sizes, self.support = list(heads), names, list(sizes), support
-        #: client-level DP (fedgalore.engine.client_privacy.ClientRelease; None: off)
+        #: client-level DP (fedgalore.engine.stages.client_dp.ClientRelease; None: off)
         self.release = release
         #: record-level DP-SGD's schedules (σ, q, steps per site), for the per-site cap (None: off)
         self.sites = sites
@@ -279,7 +177,7 @@ class PrivacyLedger:
     # ------------------------------------------------------------------ client-level (privacy.client)
     @staticmethod
     def _client_book(state: Any) -> dict[str, Any]:
-        return state.meta.setdefault("privacy_client", {"history": [], "pending": [], "epsilon": 0.0})
+        return client_book(state)
 
     def _client_event(self, book: dict[str, Any], received: int, sampled: int) -> list:
         """One release of the sampled clients' uploads: ``(σ of the round, K, 1)`` joins the history.
@@ -297,7 +195,7 @@ class PrivacyLedger:
         """The clip norm C of the next round (adaptive clipping moves it; else ``privacy.client.clip``)."""
         if self.release is None:
             return None
-        return float(self._client_book(state).get("clip", self.release.client.clip))
+        return self.release.clip_now(state)
 
     def client_epsilon(self, history: Sequence[Sequence[float]]) -> float:
         """ε(δ) of the federation after ``history`` (fedgalore.privacy.client_dp.client_epsilon)."""
@@ -624,7 +522,7 @@ def client_plan(cfg: FederatedConfig, num_clients: int) -> dict[str, Any] | None
     c = cfg.privacy.client
     if c is None:
         return None
-    from fedgalore.engine.client_privacy import ClientRelease
+    from fedgalore.engine.stages.client_dp import ClientRelease
     from fedgalore.job.resolve import method_options
     from fedgalore.methods.base import method_class
 
@@ -663,3 +561,62 @@ def _released(res: Any, unknown_counts: bool = False) -> bool:
     if res.upload is not None or bool((res.stats or {}).get("secagg_summed")):
         return True
     return unknown_counts and any(m in (res.error or "") for m in _UNKNOWN)
+
+
+class PrivacyAccountant(RoundStage):
+    """The run's :class:`PrivacyLedger` at the round's seams (module doc): the budget checked
+    before every attempt (a site past its record-level target held back), every upload the
+    server saw counted, the round's ε and ``privacy.json`` after it, the next round's budget."""
+
+    name = "privacy"
+    server_only = True
+
+    def __init__(self, ledger: PrivacyLedger, run_dir: Path) -> None:
+        self.ledger, self.run_dir = ledger, Path(run_dir)
+
+    @classmethod
+    def backend_problem(cls, cfg: FederatedConfig, backend: Any) -> str | None:
+        if cfg.privacy.enabled and cfg.privacy.reproducible and not backend.simulated:
+            return REPRODUCIBLE_REFUSED
+        return None
+
+    @classmethod
+    def build(cls, cfg: FederatedConfig, runtime: Any, run: RunView | None) -> "PrivacyAccountant":
+        record = runtime.stages.get("record_dp")
+        client = runtime.stages.get("client_dp")
+        sites = record.sites if record is not None else None
+        ledger = PrivacyLedger(cfg, runtime.head_params, runtime.clients.name, [len(p) for p in runtime.parts],
+                               sites.support if sites is not None else None, client.mechanism if client is not None else None,
+                               sites=sites, run_dir=run.run_dir)
+        return cls(ledger, run.run_dir)
+
+    def start(self, state: Any, resumed: bool, start_round: int, rounds: int) -> None:
+        if resumed:  # releases a crash lost after the checkpoint still count (privacy_journal.jsonl)
+            self.ledger.recover(state)
+        if start_round < rounds:
+            why = self.ledger.budget_stop(state, start_round)
+            if why is not None:
+                raise ConfigError(why.split("; the run stops")[0] + (
+                    "; nothing to resume — a larger budget needs a new run" if start_round else
+                    "; not even one round fits: raise privacy.client.target_epsilon or the noise"))
+        self.ledger.write(self.run_dir, state)
+
+    def plan(self, att: Attempt, state: Any) -> None:
+        # the cap holds at every release: this attempt's worst case must fit the client-level budget,
+        # and a site whose next round would pass its record-level target is held back
+        why = self.ledger.budget_stop(state, att.round, att.clients, att.number)
+        if why is not None:
+            raise BudgetStop(why)
+        att.held_back.update(self.ledger.spent_sites(state, att.clients))
+
+    def observe(self, att: Attempt, results: list[Any], state: Any) -> None:
+        self.ledger.observe(state, att.round, att.number, results)  # every upload the server saw counts
+
+    def round_record(self, state: Any, round_idx: int, uploads: list[Payload]) -> dict[str, float]:
+        return self.ledger.end_round(state, round_idx, uploads, self.run_dir)  # privacy.json; dp_epsilon
+
+    def next_round_stop(self, state: Any, round_idx: int) -> str | None:
+        return self.ledger.budget_stop(state, round_idx)
+
+    def stopped(self, state: Any) -> None:
+        self.ledger.close_attempts(state, self.run_dir)

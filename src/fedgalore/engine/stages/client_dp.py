@@ -1,5 +1,5 @@
-"""Client-level DP in a run (``privacy.client``): where the clipping and the noise happen, and what
-one round costs (docs/privacy.md "Client-level DP"; the mechanism: fedgalore.privacy.client_dp).
+"""Client-level DP in a run (``privacy.client``) as a round stage: where the clipping and the noise
+happen, and what one round costs (docs/privacy.md "Client-level DP"; the mechanism: fedgalore.privacy.client_dp).
 
 :class:`ClientRelease` is built once per process from the config and the method. It checks up
 front what would make the guarantee false — a method whose upload carries a data-driven basis
@@ -15,7 +15,7 @@ front what would make the guarantee false — a method whose upload carries a da
 
 Under client-level DP the round's weights are uniform (``1/k``): weights proportional to the
 sites' sizes would make the sum's sensitivity depend on them. :meth:`round_multiplier` is the
-noise multiplier the round's release carries, for the accountant (fedgalore.engine.privacy_ledger).
+noise multiplier the round's release carries, for the accountant (fedgalore.engine.stages.privacy_ledger).
 
 Nothing raw reaches the server's view (:data:`KEPT_META`, :meth:`ClientRelease.build`'s
 refusals): every value a client sends is inside the clip and the noise, or a public constant of
@@ -29,6 +29,13 @@ Distributed noise without secure aggregation: the server sees each upload with �
 method), not only their sum — :attr:`ClientRelease.server_sees_uploads`; the accountant's
 headline ε is then what one upload costs as the server sees it (:meth:`upload_multiplier`, no
 amplification: the server knows whom it sampled) and ``target_epsilon`` calibrates σ to it.
+
+:class:`ClientDP` is the stage: uniform weights, the round's clip C stamped on the broadcast
+(:data:`ROUND_CLIP`; adaptive clipping moves it, the accountant keeps it in the state:
+:meth:`ClientRelease.clip_now`), the client's release (:meth:`ClientRelease.client_side`) and the
+server's central noise (:meth:`ClientRelease.server_side`). ``privacy.client.clip`` is read in
+:meth:`ClientRelease.clip_now` alone and reaches the clipping in two hops: the broadcast's
+:data:`ROUND_CLIP`, then :func:`round_clip` on the client.
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ from typing import Any, Sequence
 
 import torch
 
+from fedgalore.engine.stages.base import Attempt, RoundStage, RunView
 from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.federated.seeding import DP_CLIENT_NOISE, client_seed
 from fedgalore.privacy.client_dp import (DataDrivenBasis, add_noise, calibrate_client_noise, clip_upload,
@@ -46,7 +54,22 @@ from fedgalore.privacy.config import ClientPrivacy
 from fedgalore.privacy.randomness import dp_generator, gaussian
 from fedgalore.protocol.payload import Payload
 
-__all__ = ["ClientRelease", "KEPT_META"]
+__all__ = ["ClientRelease", "ClientDP", "KEPT_META", "ROUND_CLIP", "CLIENT_BOOK", "client_book", "round_clip"]
+
+#: the broadcast's meta field with the round's clip norm C
+ROUND_CLIP = "dp_clip"
+#: ServerState.meta's key of the client-level accountant (history, ε, the adaptive clip)
+CLIENT_BOOK = "privacy_client"
+
+
+def client_book(state: Any) -> dict[str, Any]:
+    """The client-level accountant kept in ``state.meta`` (checkpointed with the state)."""
+    return state.meta.setdefault(CLIENT_BOOK, {"history": [], "pending": [], "epsilon": 0.0})
+
+
+def round_clip(broadcast: Payload) -> float:
+    """The round's clip norm C as the client got it (the broadcast's :data:`ROUND_CLIP`)."""
+    return float(broadcast.meta[ROUND_CLIP])
 
 #: upload meta released under client-level DP: the job's own ids (client, round — the server assigned them), the
 #: downlink version the client holds (the server's own bookkeeping) and the noised clip bit; nothing counted on the
@@ -207,14 +230,14 @@ class ClientRelease:
 
     def client_side(self, upload: Payload, broadcast: Payload | None, round_idx: int, client: int) -> Payload:
         """``noise: distributed``: the upload as the client releases it — its change clipped to the
-        round's C (the broadcast's ``dp_clip``), its own share of the noise added (N(0, σ_Δ²C²/K) on
+        round's C (the broadcast's :data:`ROUND_CLIP`), its own share of the noise added (N(0, σ_Δ²C²/K) on
         a mean method, N(0, σ_Δ²C²) otherwise; the moments N(0, σ_m²C_m²)), with adaptive clipping
         its bit ``1[‖Δ‖ ≤ C]`` noised likewise (``dp_clip_bit``), the raw training losses and
         diagnostics withheld. ``central``: only the withholding (the server clips and noises)."""
         upload = self._redact(upload)
         if self.client.noise != "distributed":
             return upload
-        clip = float(broadcast.meta.get("dp_clip", self.client.clip)) if broadcast is not None else self.client.clip
+        clip = round_clip(broadcast) if broadcast is not None else self.client.clip  # no broadcast: the mechanism alone
         refs, changes, stats = self._clip(upload, broadcast, clip)
         g = dp_generator(client_seed(self.cfg.seed, round_idx, client, DP_CLIENT_NOISE), self.reproducible)
         share = self._share()
@@ -278,6 +301,11 @@ class ClientRelease:
         share = sum(bits) / len(bits)
         return float(clip) * math.exp(-a.lr * (share - a.target_quantile))
 
+    def clip_now(self, state: Any) -> float:
+        """The clip norm C of the next round: the adaptive clip the accountant keeps in ``state``,
+        else ``privacy.client.clip`` (the one place the config's clip is read)."""
+        return float(client_book(state).get("clip", self.client.clip))
+
     def uniform(self, k: int) -> list[float]:
         """The round's weights under client-level DP: ``1/k`` each."""
         return [1.0 / k] * k
@@ -291,3 +319,35 @@ def _calibrate_with_fixed_moment(target: float, delta: float, population: int, s
     if sigma_m <= eff:
         raise ValueError(f"moment_noise_multiplier={sigma_m:g} alone spends more than ε={target:g} (it needs > {eff:.3g})")
     return (eff ** -2 - sigma_m ** -2) ** -0.5
+
+
+class ClientDP(RoundStage):
+    """``privacy.client`` as a stage (module doc): uniform weights, the round's C on the broadcast,
+    clipping and noise at the client (distributed) or at the server (central), nothing raw about a
+    client in the server's records."""
+
+    name = "client_dp"
+    hides_clients = True
+
+    def __init__(self, release: ClientRelease) -> None:
+        self.mechanism = release
+
+    @classmethod
+    def build(cls, cfg: FederatedConfig, runtime: Any, run: RunView | None) -> "ClientDP | None":
+        release = ClientRelease.build(cfg, runtime.method, len(runtime.parts))
+        return None if release is None else cls(release)
+
+    def client_release(self, upload: Payload, broadcast: Payload, ctx: Any) -> Payload:
+        return self.mechanism.client_side(upload, broadcast, ctx.round, ctx.client)
+
+    def plan(self, att: Attempt, state: Any) -> None:
+        att.weights = self.mechanism.uniform(len(att.clients))  # the sum's sensitivity is C
+
+    def broadcast(self, bcast: Payload, state: Any) -> Payload:
+        return Payload(bcast.entries, {**bcast.meta, ROUND_CLIP: self.mechanism.clip_now(state)})
+
+    def release(self, att: Attempt, state: Any) -> None:  # central noise: the server clips and noises
+        noised = self.mechanism.server_side([k.upload for k in att.kept], att.reference, att.round, att.number,
+                                          self.mechanism.clip_now(state))
+        for item, up in zip(att.kept, noised):
+            item.upload = up

@@ -1,4 +1,4 @@
-"""The round loop's robust-aggregation stage (``federation.robust``): between collecting the valid
+"""Robust aggregation (``federation.robust``) as a round stage: between collecting the valid
 uploads and the method's operator A, the server drops — or, for coordinate-wise statistics,
 replaces — what a hostile site could use to steer the model.
 
@@ -24,15 +24,16 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
+from fedgalore.engine.stages.base import Attempt, Contribution, RoundStage, RunView
 from fedgalore.federated import robust
 from fedgalore.federated.guards import RobustConfig
 from fedgalore.methods.base import Method
 from fedgalore.protocol.payload import Dense, Payload
 from fedgalore.protocol.state import ServerState
 
-__all__ = ["RobustOutcome", "apply_robust"]
+__all__ = ["RobustOutcome", "apply_robust", "Robust"]
 
 
 @dataclass
@@ -105,3 +106,34 @@ def apply_robust(cfg: RobustConfig, method: Method, state: ServerState, uploads:
     out.diag.update({"robust_kept": float(len(keep)), "robust_excluded": float(len(out.excluded))})
     return out
 
+
+class Robust(RoundStage):
+    """``federation.robust`` between collect and A (module doc): the dropped clients' records get
+    ``robust_excluded``; a coordinate-wise statistic comes back as the one upload A applies, with
+    weight 1 (its clients all counted in it)."""
+
+    name = "robust"
+    server_only = True
+
+    def __init__(self, cfg: RobustConfig, run: RunView) -> None:
+        self.cfg, self.run = cfg, run
+
+    @classmethod
+    def build(cls, cfg: Any, runtime: Any, run: RunView | None) -> "Robust | None":
+        return None if cfg.federation.robust is None else cls(cfg.federation.robust, run)
+
+    def screen(self, att: Attempt, state: ServerState) -> None:
+        if not att.kept:
+            return
+        out = apply_robust(self.cfg, self.run.method, state, [item.upload for item in att.kept])
+        for i, why in out.excluded.items():
+            c = att.kept[i].clients[0]
+            rec = att.record_of(c)
+            if rec is not None:
+                rec["robust_excluded"] = why
+            self.run.say(f"round {att.round + 1}: client {self.run.runtime.clients.name(c)} excluded by federation.robust ({why})")
+        if out.combined is not None:
+            att.kept = [Contribution(out.combined, [c for i in out.keep for c in att.kept[i].clients], 1.0)]
+        else:
+            att.kept = [att.kept[i] for i in out.keep]
+        att.diag.update(out.diag)
