@@ -10,7 +10,8 @@ from torch import nn
 
 from fedgalore.engine.config import ConfigError, FederatedConfig
 from fedgalore.federated.client import local_train, loss_items, optimizer_steps
-from fedgalore.protocol.state import ClientContext, TrainConfig
+from fedgalore.protocol.state import ClientContext
+from fedgalore.protocol.train_config import TrainConfig
 
 
 def _data(n=20, d=6, seed=0):

@@ -38,7 +38,7 @@ from fedgalore.methods.base import MethodOptions, available_methods, method_clas
 from fedgalore.privacy.config import PrivacyConfig, RecordPrivacy
 from fedgalore.federated.data_parallel import devices_problem
 from fedgalore.federated.sharded_site import shard_problem
-from fedgalore.protocol.state import TrainConfig
+from fedgalore.protocol.train_config import TrainConfig
 from fedgalore.typed import ConfigError, from_plain, to_plain
 
 __all__ = [

@@ -34,7 +34,8 @@ from fedgalore.federated.seeding import BATCHES, DROPOUT, client_seed
 from fedgalore.methods.base import Method, method_class
 from fedgalore.methods.lora_common import matrix_shape
 from fedgalore.protocol.payload import Payload, decode, encode, transfer
-from fedgalore.protocol.state import ClientContext, TrainConfig
+from fedgalore.protocol.state import ClientContext
+from fedgalore.protocol.train_config import TrainConfig
 from fedgalore.tasks import Task, get_task, resolve_target_modules
 from fedgalore.tasks.base import head_parameters, subset_examples
 
