@@ -31,7 +31,7 @@ from fedgalore.engine.start_adapter import continues_adapter, merge_start_adapte
 from fedgalore.federated.client import ClientError
 from fedgalore.federated.scaffold import CORR, ScaffoldClient, split_entries
 from fedgalore.federated.seeding import BATCHES, DROPOUT, client_seed
-from fedgalore.methods.base import Method, method_class
+from fedgalore.methods.base import Method, build_method
 from fedgalore.methods.lora_common import matrix_shape
 from fedgalore.protocol.payload import Payload, decode, encode, transfer
 from fedgalore.protocol.state import ClientContext
@@ -75,7 +75,7 @@ class Runtime:
         #: the config as it runs (a natural partition's client count filled in)
         self.cfg = cfg = resolve_clients(cfg, self.clients)
         self.method = (resolve_method(method, cfg) if method is not None
-                       else method_class(cfg.method.name)(cfg.method.rank, method_options(cfg)))
+                       else build_method(cfg.method.name, cfg.method.rank, method_options(cfg)))
         model = self.task.build_model()
         start = start_adapter_of(self.task)  # task.options.model a PEFT adapter (fedgalore.engine.start_adapter)
         if start is not None and not continues_adapter(self.method):

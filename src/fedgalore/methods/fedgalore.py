@@ -117,7 +117,7 @@ from torch import nn
 from fedgalore.federated.client import epoch_switch_step, local_train, optimizer_steps
 from fedgalore.federated.robust import update_terms as robust_update_terms
 from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
-from fedgalore.methods.base import MethodError, MethodOptions, load_params, named_params, option, register
+from fedgalore.methods.base import MethodError, MethodOptions, load_params, named_params, option, register, register_preset
 from fedgalore.methods.fedavg_full import DenseTargetsMethod
 from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank
 from fedgalore.optim.galore_adamw import (
@@ -243,20 +243,18 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
     #: 2: issue 33 — paper mode is Algorithm 1 as written, the aligned mode caps steps at the cold
     #: start's, the server pools estimates by their evidence; 3: issue 40 — the epoch schedule is the
     #: default, AJIVE's joint subspace from evidence-weighted views
-    behaviour = 3
+    behaviour_version = 3
     default_sync = "ajive"
     #: with weight decay the record carries decay·W0 beside its terms, outside client-level DP's clipped change
     #: (fedgalore.engine.client_privacy refuses train.weight_decay > 0 under privacy.client)
     decay_in_upload = True
-    #: variants pin their sync mode; a ``sync`` option from a shared config does not override it
-    fixed_sync: str | None = None
 
     @classmethod
     def resolve_options(cls, options: FedGaLoreOptions, rank: int) -> FedGaLoreOptions:
-        """Sync mode (the variant's, else the option, else ajive), view basis (by protocol) and
-        joint rank (= r) filled in; the protocol's combinations checked."""
+        """Sync mode (the option, else ajive; the ablations' names pin it: :func:`register_preset`),
+        view basis (by protocol) and joint rank (= r) filled in; the protocol's combinations checked."""
         o = options
-        sync = cls.fixed_sync or (cls.default_sync if o.sync is None else o.sync)
+        sync = cls.default_sync if o.sync is None else o.sync
         view_basis = o.view_basis or ("seeded" if o.moment_protocol == "paper" else "consensus")
         transfer = o.moment_transfer or ("linear" if o.moment_protocol == "paper" else "squared")
         if o.moment_protocol == "paper" and view_basis != "seeded":
@@ -646,18 +644,11 @@ def _client_diagnostics(per_param: dict[str, dict[str, float]]) -> dict[str, flo
     return out
 
 
-@register
-class FedGaLoreMinus(FedGaLore):
-    name = "fedgalore_minus"
-    summary = "FedGaLore without second-moment synchronisation (paper's FedGaLore⁻ ablation)"
-    fixed_sync = "none"
-    #: 2: issue 40 — the epoch schedule is the default (the second-moment fixes of issue 33 touched only
-    #: the synchronised state and left this variant unchanged)
-    behaviour = 2
-
-
-@register
-class FedGaLoreMean(FedGaLore):
-    name = "fedgalore_mean"
-    summary = "FedGaLore with plain weighted-mean second-moment sync (ablation)"
-    fixed_sync = "mean"
+# the paper's ablations: FedGaLore with its S pinned (a shared method.options pool's ``sync`` does not override it)
+register_preset("fedgalore_minus", FedGaLore, {"sync": "none"},
+                "FedGaLore without second-moment synchronisation (paper's FedGaLore⁻ ablation)",
+                # 2: issue 40 — the epoch schedule is the default (the second-moment fixes of issue 33
+                # touched only the synchronised state and left this variant unchanged)
+                behaviour_version=2)
+register_preset("fedgalore_mean", FedGaLore, {"sync": "mean"},
+                "FedGaLore with plain weighted-mean second-moment sync (ablation)")
