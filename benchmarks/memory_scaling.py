@@ -75,7 +75,7 @@ def _task(name: str):
     """offline_math (SmolLM2 tokenizer and data), with a random-weight Llama for the larger sizes."""
     import torch
 
-    from fedgalore.tasks.causal_lm.gsm_symbolic import OfflineGsmSymbolicTask
+    from fedgalore.tasks.paper_math.gsm_symbolic import OfflineGsmSymbolicTask
 
     class RandomLlamaMath(OfflineGsmSymbolicTask):
         def build_model(self):
@@ -177,7 +177,7 @@ def child_activations(name: str, out: Path) -> None:
 
     from fedgalore.memory import PeakTracker, rss_bytes, tensor_bytes
     from fedgalore.tasks.base import resolve_target_modules
-    from fedgalore.tasks.causal_lm.base import LLAMA_TARGET_MODULES
+    from fedgalore.tasks.paper_math.base import LLAMA_TARGET_MODULES
 
     tracker = PeakTracker()
     if name == "smollm2-135m":
@@ -439,7 +439,7 @@ def plan_check(run: dict) -> dict:
 
     from fedgalore.tasks.base import resolve_target_modules
     from fedgalore.tasks.assets import smollm2_path
-    from fedgalore.tasks.causal_lm.base import LLAMA_TARGET_MODULES
+    from fedgalore.tasks.paper_math.base import LLAMA_TARGET_MODULES
 
     if run["size"] == "smollm2-135m":
         from transformers import AutoConfig

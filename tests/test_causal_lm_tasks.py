@@ -15,8 +15,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from fedgalore.tasks import get_task  # noqa: E402
 from fedgalore.tasks.base import TaskError, resolve_target_modules  # noqa: E402
-from fedgalore.tasks.causal_lm.base import LLAMA_TARGET_MODULES  # noqa: E402
-from fedgalore.tasks.causal_lm.grading import (  # noqa: E402
+from fedgalore.tasks.paper_math.base import LLAMA_TARGET_MODULES  # noqa: E402
+from fedgalore.tasks.paper_math.grading import (  # noqa: E402
     answers_match,
     extract_gsm8k_answer,
     extract_math_answer,
@@ -24,7 +24,7 @@ from fedgalore.tasks.causal_lm.grading import (  # noqa: E402
     normalize_math_answer,
     normalize_number,
 )
-from fedgalore.tasks.causal_lm.metamath import MetaMathQATask  # noqa: E402
+from fedgalore.tasks.paper_math.metamath import MetaMathQATask  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- extraction

@@ -17,7 +17,8 @@ from fedgalore.job.config import ConfigError
 from fedgalore.federated.client import ClientError, local_train
 from fedgalore.federated.data_parallel import shard_batch
 from fedgalore.optim import GaLoreAdamW
-from fedgalore.protocol.state import ClientContext, TrainConfig
+from fedgalore.protocol.state import ClientContext
+from fedgalore.protocol.train_config import TrainConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_engine import killed_and_resumed, tiny_cfg  # noqa: E402

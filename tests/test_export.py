@@ -404,7 +404,7 @@ def test_domainnet_vit_family(tmp_path):
 def test_offline_vit_processor_is_to_pixels():
     from PIL import Image
 
-    from fedgalore.tasks.image_classification import vit_image_processor
+    from fedgalore.tasks.paper_vision import vit_image_processor
     from fedgalore.tasks.mnist import to_pixels
 
     images = np.random.default_rng(0).integers(0, 256, (3, 28, 28), dtype=np.uint8)

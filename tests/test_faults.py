@@ -22,7 +22,7 @@ import fedgalore
 from fedgalore.federated.checkpoint import load_latest_checkpoint
 from fedgalore.methods.base import option, register
 from fedgalore.methods.fedavg_full import FedAvgFull, FedAvgFullOptions
-from fedgalore.methods.fedgalore import FedGaLoreMinus
+from fedgalore.methods.fedgalore import FedGaLore
 from fedgalore.protocol.payload import Dense, GaLoreUpdate, Payload, PayloadError, SeededLowRank, decode, encode
 
 from test_engine import strip_times, tiny_cfg
@@ -125,7 +125,7 @@ def test_min_clients_retry_draws_a_new_sample(tmp_path):
 
 
 @register
-class WrongSeedGaLore(FedGaLoreMinus):
+class WrongSeedGaLore(FedGaLore):
     name = "test_wrong_seed_galore"
 
     def client_update(self, model, broadcast, ctx):
@@ -141,7 +141,7 @@ class WrongSeedGaLore(FedGaLoreMinus):
 
 
 def test_basis_seed_from_another_round_is_rejected(tmp_path):
-    opts = {"projector": "random", "update_proj_gap": 2}
+    opts = {"projector": "random", "update_proj_gap": 2, "sync": "none"}  # as FedGaLore⁻
     cfg = tiny_cfg(tmp_path, "test_wrong_seed_galore", rounds=1, method_options=opts)
     cfg.federation.clients_per_round = None
     res = fedgalore.run(cfg)

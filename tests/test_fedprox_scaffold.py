@@ -21,7 +21,8 @@ from fedgalore.job.config import ConfigError
 from fedgalore.federated.checkpoint import load_latest_checkpoint
 from fedgalore.federated.client import local_train
 from fedgalore.federated.scaffold import ScaffoldClient, update_controls
-from fedgalore.protocol.state import ClientContext, TrainConfig
+from fedgalore.protocol.state import ClientContext
+from fedgalore.protocol.train_config import TrainConfig
 
 from test_engine import assert_same_checkpointed_state, killed_and_resumed, tiny_cfg
 

@@ -10,7 +10,8 @@ from torch import nn
 
 from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.federated.client import local_train, loss_items, optimizer_steps
-from fedgalore.protocol.state import ClientContext, TrainConfig
+from fedgalore.protocol.state import ClientContext
+from fedgalore.protocol.train_config import TrainConfig
 
 
 def _data(n=20, d=6, seed=0):
@@ -134,7 +135,7 @@ def test_causal_lm_loss_items_are_the_tokens_its_mean_runs_over():
     by it reproduces the loss of the whole batch (HF's token-mean causal LM loss)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fedgalore.tasks.causal_lm.base import CausalLMTask
+    from fedgalore.tasks.paper_math.base import CausalLMTask
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,

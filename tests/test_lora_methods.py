@@ -14,7 +14,8 @@ from fedgalore.methods.fr_lora import pissa_factors
 from fedgalore.methods.lora_common import a_key, b_key, pair_key, w_key
 from fedgalore.methods.lora_fair import fair_correction
 from fedgalore.protocol.payload import Dense, LowRank, Payload, encode
-from fedgalore.protocol.state import ClientContext, RoundContext, ServerState, TrainConfig
+from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
+from fedgalore.protocol.train_config import TrainConfig
 from fedgalore.tasks.base import resolve_target_modules
 from fedgalore.tasks.synthetic import TinyTextTask
 

@@ -15,7 +15,8 @@ import torch
 from fedgalore.methods.base import available_methods, get_method
 from fedgalore.optim.galore_adamw import GaLoreAdamW
 from fedgalore.protocol.payload import transfer
-from fedgalore.protocol.state import ClientContext, RoundContext, TrainConfig
+from fedgalore.protocol.state import ClientContext, RoundContext
+from fedgalore.protocol.train_config import TrainConfig
 from fedgalore.tasks.base import resolve_target_modules
 from fedgalore.tasks.synthetic import TinyTextTask
 

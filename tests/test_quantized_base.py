@@ -47,7 +47,7 @@ def test_methods_that_train_the_matrices_are_refused(llama_dir, qa):
         from fedgalore.tasks.generic.causal import CausalLMOptions
 
         CausalLMOptions(prompt_column="q", response_column="a", quantization="3bit")
-    from fedgalore.tasks.causal_lm.metamath import MetaMathOptions
+    from fedgalore.tasks.paper_math.metamath import MetaMathOptions
 
     with pytest.raises(TaskError, match="load_in_4bit: true and quantization: 8bit disagree"):
         MetaMathOptions(load_in_4bit=True, quantization="8bit")

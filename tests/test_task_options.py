@@ -74,7 +74,7 @@ def test_misspelled_or_bad_task_option_is_one_line_through_the_cli(tmp_path, cap
 
 
 def test_options_checks_run_in_code_too_and_objects_record_their_options() -> None:
-    from fedgalore.tasks.text_classification.bbc import OfflineBBCNewsTask
+    from fedgalore.tasks.paper_text.bbc import OfflineBBCNewsTask
 
     with pytest.raises(TaskError, match=r"test_fraction=1.5 must be in \(0, 1\)"):
         OfflineBBCNewsTask(test_fraction=1.5)  # the options' check, before any asset is read

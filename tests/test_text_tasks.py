@@ -1,4 +1,4 @@
-"""Text classification tasks and offline asset plumbing (fedgalore.tasks.text_classification,
+"""Text classification tasks and offline asset plumbing (fedgalore.tasks.paper_text,
 fedgalore.tasks.assets).
 
 The GLUE path runs end to end on a tiny random RoBERTa with a byte-level BPE tokenizer trained
@@ -23,8 +23,8 @@ from fedgalore.tasks import assets
 from fedgalore.tasks.assets import AssetError
 from fedgalore.tasks import TaskError, get_task, resolve_target_modules
 from fedgalore.tasks.base import stratified_split
-from fedgalore.tasks.text_classification.base import TokenizedDataset
-from fedgalore.tasks.text_classification.glue import GlueTask
+from fedgalore.tasks.paper_text.base import TokenizedDataset
+from fedgalore.tasks.paper_text.glue import GlueTask
 
 POS = ["good", "great", "fine", "lovely", "superb", "happy"]
 NEG = ["bad", "awful", "poor", "sad", "terrible", "boring"]
@@ -333,7 +333,7 @@ def test_amazon_reviews_task():
         assets.debian_root("r-cran-modeldata")
     except AssetError as exc:
         pytest.skip(f"Amazon reviews not fetched: {exc}")
-    from fedgalore.tasks.text_classification.amazon import load_amazon_reviews
+    from fedgalore.tasks.paper_text.amazon import load_amazon_reviews
 
     train_df, test_df = load_amazon_reviews()
     assert (len(train_df), len(test_df)) == (4000, 1000)

@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from fedgalore.tasks import get_task  # noqa: E402
 from fedgalore.tasks.base import TaskError  # noqa: E402
-from fedgalore.tasks.image_classification import (  # noqa: E402
+from fedgalore.tasks.paper_vision import (  # noqa: E402
     DomainNetTask,
     VIT_TARGET_PATTERNS,
     vit_target_modules,

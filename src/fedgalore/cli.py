@@ -603,7 +603,7 @@ def cmd_methods(args: argparse.Namespace) -> int:
     import types
     from typing import Literal, Union, get_args, get_origin, get_type_hints
 
-    from fedgalore.methods.base import available_methods, method_class
+    from fedgalore.methods.base import available_methods, registration
 
     def choices(tp: Any) -> list[str]:  # the values of a Literal (or Literal | None) field
         if get_origin(tp) is Literal:
@@ -613,8 +613,9 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
     listed: dict[type, str] = {}
     for name in available_methods():
-        cls = method_class(name)
-        print(f"{name:<18} {cls.summary}".rstrip())
+        reg = registration(name)
+        cls = reg.cls
+        print(f"{name:<18} {reg.summary}".rstrip())
         opts = cls.options_class
         if opts in listed:
             print(f"    options: as {listed[opts]}")

@@ -186,7 +186,7 @@ def model_spec(cfg: FederatedConfig) -> tuple[ModelSpec, Task | None]:
         from transformers import AutoModelForCausalLM
 
         from fedgalore.tasks.assets import smollm2_path
-        from fedgalore.tasks.causal_lm.base import LLAMA_TARGET_MODULES, torch_dtype
+        from fedgalore.tasks.paper_math.base import LLAMA_TARGET_MODULES, torch_dtype
 
         model_id = opts.get("model") or ("meta-llama/Llama-2-7b-hf" if name == "metamath" else str(smollm2_path()))
         config, source = _causal_lm_config(model_id)

@@ -29,10 +29,11 @@ from fedgalore.engine.stages import compose
 from fedgalore.federated.client import ClientError
 from fedgalore.engine.start_adapter import continues_adapter, merge_start_adapter, start_adapter_of
 from fedgalore.federated.seeding import BATCHES, DROPOUT, client_seed
-from fedgalore.methods.base import Method, method_class
+from fedgalore.methods.base import Method, build_method
 from fedgalore.methods.lora_common import matrix_shape
 from fedgalore.protocol.payload import Payload, decode, encode, transfer
-from fedgalore.protocol.state import ClientContext, TrainConfig
+from fedgalore.protocol.state import ClientContext
+from fedgalore.protocol.train_config import TrainConfig
 from fedgalore.tasks import Task, get_task, resolve_target_modules
 from fedgalore.tasks.base import head_parameters, subset_examples
 
@@ -51,7 +52,7 @@ class Runtime:
         #: the config as it runs (a natural partition's client count filled in)
         self.cfg = cfg = resolve_clients(cfg, self.clients)
         self.method = (resolve_method(method, cfg) if method is not None
-                       else method_class(cfg.method.name)(cfg.method.rank, method_options(cfg)))
+                       else build_method(cfg.method.name, cfg.method.rank, method_options(cfg)))
         model = self.task.build_model()
         start = start_adapter_of(self.task)  # task.options.model a PEFT adapter (fedgalore.engine.start_adapter)
         if start is not None and not continues_adapter(self.method):

@@ -136,19 +136,19 @@ def local_train(
     optimizer steps: ``⌈micro-batches / train.grad_accum_steps⌉`` (module doc).
     """
     tc = ctx.train
-    k = max(int(getattr(tc, "grad_accum_steps", 1)), 1)
+    k = max(int(tc.grad_accum_steps), 1)
     if tc.schedule_scope == "global":
         per_round = optimizer_steps(ctx.steps_per_round, k)
         offset, total = ctx.round * per_round, ctx.total_rounds * per_round
     else:
         offset, total = 0, optimizer_steps(ctx.steps, k)
     params = [p for p in (clip_params if clip_params is not None else model.parameters()) if p.requires_grad]
-    mu = float(getattr(tc, "prox_mu", 0.0) or 0.0)
+    mu = float(tc.prox_mu)
     anchor = [p.detach().clone() for p in params] if mu > 0.0 else None  # θ_global (FedProx)
-    scaffold = getattr(ctx, "scaffold", None)
+    scaffold = ctx.scaffold
     if scaffold is not None:
         scaffold.begin()
-    private = getattr(ctx, "privacy", None)  # DP-SGD (module doc): per-example clipping and noise
+    private = ctx.privacy  # DP-SGD (module doc): per-example clipping and noise
     if private is not None:
         private.attach(model, optimizer)
     model.train()
@@ -156,13 +156,13 @@ def local_train(
     micro = 0
     batches = iter(ctx.batches())
     site = copy = None  # a site with several devices: ranks 1..N-1 (module doc of fedgalore.federated.data_parallel)
-    n_dev = int(getattr(tc, "devices_per_client", 1) or 1)
+    n_dev = int(tc.devices_per_client)
     if n_dev > 1:
         if private is not None:
             raise ClientError(f"client {ctx.client}: train.devices_per_client={n_dev} cannot run record-level DP-SGD")
         from fedgalore.federated.data_parallel import site_workers
 
-        shard = bool(getattr(tc, "shard_params", False))
+        shard = bool(tc.shard_params)
         if shard and scaffold is not None:
             raise ClientError(f"client {ctx.client}: train.shard_params=true cannot run SCAFFOLD")
         site = site_workers(n_dev, ctx.device, sharded=shard)

@@ -38,7 +38,7 @@ from fedgalore.methods.base import MethodOptions, available_methods, method_clas
 from fedgalore.privacy.config import PrivacyConfig, RecordPrivacy
 from fedgalore.federated.data_parallel import devices_problem
 from fedgalore.federated.sharded_site import shard_problem
-from fedgalore.protocol.state import TrainConfig
+from fedgalore.protocol.train_config import TrainConfig
 from fedgalore.typed import ConfigError, from_plain, to_plain
 
 __all__ = [
@@ -294,7 +294,7 @@ class FederatedConfig:
                    f"clients per round (K − f − 2 >= 1 and to_keep <= K); raise federation.clients_per_round or lower "
                    f"num_malicious")
             if cls is not None:
-                why = cls.robust_problem(r.kind)
+                why = cls.robust_problem(r.kind, name)
                 _check(why is None, str(why))
         if f.secure_aggregation is not None:
             f.secure_aggregation.check()

@@ -15,7 +15,10 @@ A federated method is data, not a fork of the round loop (docs/design.md §2). I
   loaded (:func:`split_options`, :func:`parse_options`).
 
 Methods register themselves with :func:`register`; the loop looks them up by name. A method
-defined outside the package is one class and its options dataclass (tests/test_engine.py).
+defined outside the package is one class and its options dataclass (tests/test_engine.py). One
+class may stand under several names: :func:`register_preset` registers a name that runs a class
+with some options pinned (``fedgalore_minus`` is FedGaLore with ``sync: none``); build a method
+by its name with :func:`build_method` (or :func:`get_method`), which gives it that name.
 """
 from __future__ import annotations
 
@@ -34,6 +37,11 @@ from fedgalore.typed import ConfigError, coerce, to_plain
 __all__ = [
     "Method",
     "register",
+    "register_preset",
+    "Registration",
+    "registration",
+    "build_method",
+    "method_behaviour",
     "get_method",
     "available_methods",
     "MethodError",
@@ -71,10 +79,11 @@ class Method(abc.ABC):
     summary: ClassVar[str] = ""
     #: the method's options (a :class:`MethodOptions` dataclass; the base has none)
     options_class: ClassVar[type[MethodOptions]] = MethodOptions
-    #: what the method computes, versioned: bumped when the same options give another result (a
-    #: fixed rule), so a run made before is not taken for this method's run
-    #: (:mod:`fedgalore.records.identity`; a run recorded without it counts as version 1)
-    behaviour: ClassVar[int] = 1
+    #: the behaviour version: what the method computes, bumped when the same options give another
+    #: result (a fixed rule), so a run made before is not taken for this method's run (the run
+    #: identity's ``method.behaviour``, :mod:`fedgalore.records.identity`; a run recorded without it
+    #: counts as version 1). A name registered with :func:`register_preset` may carry its own.
+    behaviour_version: ClassVar[int] = 1
 
     #: whether ``train.scaffold`` applies: the server parameters are exactly the dense tensors the
     #: clients train (:meth:`scaffold_params`), so a control variate per parameter makes sense
@@ -136,13 +145,13 @@ class Method(abc.ABC):
                 "fedavg_full, fedit, ffa_lora, fr_lora or fedgalore on seeded bases, or set federation.secure_aggregation=null")
 
     @classmethod
-    def robust_problem(cls, kind: str) -> str | None:
-        """Why ``federation.robust.kind`` cannot apply to this method, or None. Coordinate-wise
+    def robust_problem(cls, kind: str, name: str | None = None) -> str | None:
+        """Why ``federation.robust.kind`` cannot apply to this method (registered as ``name``), or None. Coordinate-wise
         statistics need :attr:`coordinate_uploads`; Krum and the norm filter compare the clients'
         effective updates ΔW_i (:meth:`update_terms`), which every method has."""
         if kind in ("trimmed_mean", "median") and not cls.coordinate_uploads:
             return (f"federation.robust.kind={kind} is a coordinate-wise statistic of dense uploads, and method "
-                    f"{cls.name!r} uploads factors (two clients' factor coordinates are not the same coordinates); use "
+                    f"{(name or cls.name)!r} uploads factors (two clients' factor coordinates are not the same coordinates); use "
                     "kind krum or norm_filter, which compare the updates ΔW_i themselves")
         return None
 
@@ -237,20 +246,55 @@ class Method(abc.ABC):
 
 
 # ----------------------------------------------------------------------------- the registry
-_REGISTRY: dict[str, type[Method]] = {}
+@dataclass(frozen=True)
+class Registration:
+    """One name of the method registry: the class that runs it and what the name fixes.
+
+    ``presets``: options the name pins — applied over the options a config gives (a shared
+    ``method.options`` pool cannot override them; its values are still type-checked), e.g.
+    ``fedgalore_minus`` = :class:`~fedgalore.methods.fedgalore.FedGaLore` with ``sync: none``.
+    ``summary`` (``fedgalore methods``) and ``behaviour_version`` (:attr:`Method.behaviour_version`)
+    are the name's: a preset is another method of the paper, versioned on its own."""
+
+    name: str
+    cls: type[Method]
+    presets: Mapping[str, Any]
+    summary: str
+    behaviour_version: int
 
 
-def register(cls: type[Method]) -> type[Method]:
-    """Class decorator: make a method available by ``cls.name`` (its options: ``cls.options_class``,
-    a frozen :class:`MethodOptions` dataclass whose every field has a default and a doc)."""
+_REGISTRY: dict[str, Registration] = {}
+
+
+def _check_options_class(cls: type[Method]) -> None:
     opts = cls.options_class
     if not (issubclass(opts, MethodOptions) and dataclasses.is_dataclass(opts) and opts.__dataclass_params__.frozen):
         raise TypeError(f"{cls.__name__}.options_class must be a frozen dataclass subclassing MethodOptions")
     for f in dataclasses.fields(opts):
         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING or not f.metadata.get("doc"):
             raise TypeError(f"{opts.__name__}.{f.name} needs a default and a doc: use option(default, doc)")
-    _REGISTRY[cls.name] = cls
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Class decorator: make a method available by ``cls.name`` (its options: ``cls.options_class``,
+    a frozen :class:`MethodOptions` dataclass whose every field has a default and a doc)."""
+    _check_options_class(cls)
+    _REGISTRY[cls.name] = Registration(cls.name, cls, {}, cls.summary, cls.behaviour_version)
     return cls
+
+
+def register_preset(name: str, cls: type[Method], presets: Mapping[str, Any], summary: str,
+                    behaviour_version: int | None = None) -> None:
+    """Make ``name`` available as method ``cls`` with the options ``presets`` pinned (e.g. an
+    ablation of a method: one option fixed); ``behaviour_version``: the name's own (default: the
+    class's). Built by :func:`build_method`, which names the method ``name``."""
+    _check_options_class(cls)
+    fields = {f.name for f in dataclasses.fields(cls.options_class)}
+    unknown = sorted(set(presets) - fields)
+    if unknown:
+        raise TypeError(f"preset {name!r}: {cls.options_class.__name__} has no option(s) {unknown}")
+    _REGISTRY[name] = Registration(name, cls, dict(presets), summary,
+                                   cls.behaviour_version if behaviour_version is None else behaviour_version)
 
 
 def available_methods() -> list[str]:
@@ -258,11 +302,35 @@ def available_methods() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def method_class(name: str) -> type[Method]:
-    """The method registered as ``name``."""
+def registration(name: str) -> Registration:
+    """The registry's entry for method ``name``."""
     if name not in _REGISTRY:
         raise MethodError(f"unknown method {name!r}; available: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
+
+
+def method_class(name: str) -> type[Method]:
+    """The class that runs method ``name`` (several names may share one: :func:`register_preset`)."""
+    return registration(name).cls
+
+
+def method_behaviour(name: str) -> int:
+    """The behaviour version of method ``name`` (:attr:`Method.behaviour_version`; a preset's own)."""
+    return registration(name).behaviour_version
+
+
+def build_method(name: str, rank: int = 8, options: MethodOptions | None = None) -> Method:
+    """Method ``name`` built with ``options`` (parsed: :func:`parse_options`; default: the class's
+    defaults) and the name's presets pinned; the object carries the name, summary and behaviour
+    version it was registered with."""
+    reg = registration(name)
+    options = reg.cls.options_class() if options is None else options
+    if reg.presets and type(options) is reg.cls.options_class:
+        options = dataclasses.replace(options, **reg.presets)
+    method = reg.cls(rank=rank, options=options)
+    if name != reg.cls.name:
+        method.name, method.summary, method.behaviour_version = name, reg.summary, reg.behaviour_version  # type: ignore[misc]
+    return method
 
 
 def option_fields(name: str) -> dict[str, dataclasses.Field]:
@@ -283,6 +351,7 @@ def parse_options(name: str, options: Mapping[str, Any], rank: int = 8) -> Metho
     hints = get_type_hints(cls.options_class)
     try:
         values = {k: coerce(hints[k], v, f"option {k}") for k, v in options.items()}
+        values.update(_REGISTRY[name].presets)  # the name's pinned options (register_preset) win
         return cls.resolve_options(cls.options_class(**values), int(rank))
     except (ConfigError, ValueError, TypeError) as exc:  # MethodError is a ConfigError
         raise MethodError(f"method {name!r}: {exc}") from None
@@ -312,7 +381,7 @@ def split_options(name: str, pool: Mapping[str, Any]) -> tuple[dict[str, Any], d
     for k, v in ignored.items():
         other = takers[k][0]
         try:
-            coerce(get_type_hints(_REGISTRY[other].options_class)[k], v, f"option {k}")
+            coerce(get_type_hints(method_class(other).options_class)[k], v, f"option {k}")
         except ConfigError as exc:
             raise MethodError(f"method {other!r}: {exc}") from None
     return {k: v for k, v in pool.items() if k in own}, ignored
@@ -321,7 +390,7 @@ def split_options(name: str, pool: Mapping[str, Any]) -> tuple[dict[str, Any], d
 def get_method(name: str, rank: int = 8, **options: Any) -> Method:
     """Build the registered method ``name``; ``options`` by keyword are parsed as the config's
     ``method.options`` are (:func:`parse_options`)."""
-    return method_class(name)(rank=rank, options=parse_options(name, options, rank))
+    return build_method(name, rank, parse_options(name, options, rank))
 
 
 # ----------------------------------------------------------------------------- shared helpers

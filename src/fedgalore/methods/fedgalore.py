@@ -109,7 +109,7 @@ import math
 import statistics
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Sequence
+from typing import Any, Callable, Literal, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -117,7 +117,7 @@ from torch import nn
 from fedgalore.federated.client import epoch_switch_step, local_train, optimizer_steps
 from fedgalore.federated.robust import update_terms as robust_update_terms
 from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
-from fedgalore.methods.base import MethodError, MethodOptions, load_params, named_params, option, register
+from fedgalore.methods.base import MethodError, MethodOptions, load_params, named_params, option, register, register_preset
 from fedgalore.methods.fedavg_full import DenseTargetsMethod
 from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank
 from fedgalore.optim.galore_adamw import (
@@ -180,7 +180,9 @@ def aggregate_galore_updates(
 @dataclass(frozen=True)
 class FedGaLoreOptions(MethodOptions):
     """FedGaLore's options: the client optimizer's GaLore keys (paper App. B, App. E) and the
-    server's second-moment protocol (§5, docs/design.md §3.1–3.2)."""
+    server's second-moment protocol (§5, docs/design.md §3.1–3.2); the study options last (their
+    comment block). Ranges: :meth:`__post_init__`; the combinations refused:
+    :data:`REFUSED_COMBINATIONS` (checked by :meth:`FedGaLore.resolve_options`)."""
 
     update_proj_gap: int = option(200, "τ: optimizer steps between projector refreshes (epoch schedule: in the data-driven phase)")
     scale: float = option(0.25, "GaLore scale α of the back-projected update")
@@ -193,8 +195,6 @@ class FedGaLoreOptions(MethodOptions):
                  "budgets); steps: after adaptive_proj_steps refreshes every update_proj_gap steps (never reaches R_k)")
     adaptive_epochs: float = option(1.0, "epoch schedule: local epochs on data-driven (RSVD) bases before R_k (0: R_k from the start)")
     adaptive_share: float = option(0.5, "share schedule: share of the round's local steps on data-driven bases before R_k")
-    adaptive_proj_steps: int = option(1, "steps schedule: data-driven refreshes before the seeded random ones (S)")
-    adaptive_scope: Literal[ADAPTIVE_SCOPES] = option(GALORE_DEFAULTS["adaptive_scope"], "count those refreshes per round or over the whole run (global)")
     moment_transfer: Literal[MOMENT_TRANSFERS] | None = option(
         None, "how the moments move when the basis changes (null: linear for moment_protocol=paper, App. B; squared otherwise)")
     rsvd_oversample: int = option(GALORE_DEFAULTS["rsvd_oversample"], "oversampling of the randomised SVD")
@@ -216,15 +216,22 @@ class FedGaLoreOptions(MethodOptions):
               "builds v̄'s shape on R_k from the round's aggregated update (zero extra release under privacy.client) "
               "and each client puts it at its own gradient scale")
     joint_rank: int | Literal["auto"] | None = option(None, "AJIVE joint rank k (null: the rank r; auto: Wedin/random-direction bounds)")
+    moment_protocol: Literal[_PROTOCOLS] = option("aligned", "paper: Algorithm 1 as written; aligned: estimates with their evidence across rounds")
+    view_basis: Literal[_VIEW_BASES] | None = option(None, "shared view basis B (null: seeded for paper, consensus for aligned)")
+    downlink: Literal["auto", "dense", "factored"] = option("auto", DOWNLINK_HELP)
+
+    # --- study options: reference and ablation switches of our studies (benchmarks/, tests); no
+    # shipped config (conf/) sets them and a run keeps their defaults. The steps schedule's refresh
+    # count and scope (before issue 40), AJIVE's centring and batching, the aligned protocol's cap,
+    # and the official optimizer's rule. Keys as before: method.options.<name>.
+    adaptive_proj_steps: int = option(1, "steps schedule: data-driven refreshes before the seeded random ones (S)")
+    adaptive_scope: Literal[ADAPTIVE_SCOPES] = option(GALORE_DEFAULTS["adaptive_scope"], "count those refreshes per round or over the whole run (global)")
     sync_center: bool = option(True, "AJIVE centres each view (the mean joins the synchronised state)")
     sync_batched: bool = option(True, "run S on same-shape matrices together (batched linear algebra, the same "
                                       "equations and decisions; false: one matrix at a time, the reference)")
-    moment_protocol: Literal[_PROTOCOLS] = option("aligned", "paper: Algorithm 1 as written; aligned: estimates with their evidence across rounds")
     cold_cap: bool = option(True, "aligned: no coordinate steps larger than a cold start (denominator max(V̂, V̂_cold)); "
                                   "false = the uncapped prior")
-    view_basis: Literal[_VIEW_BASES] | None = option(None, "shared view basis B (null: seeded for paper, consensus for aligned)")
     galore_torch_compat: bool = option(False, "the official galore_torch update rule (needs moment_protocol=paper when synced)")
-    downlink: Literal["auto", "dense", "factored"] = option("auto", DOWNLINK_HELP)
 
     def __post_init__(self) -> None:
         if self.update_proj_gap < 1:
@@ -235,6 +242,51 @@ class FedGaLoreOptions(MethodOptions):
             raise MethodError(f"option adaptive_share must be a number in [0, 1], got {self.adaptive_share!r}")
 
 
+class _Resolving(NamedTuple):
+    """The options with their method-dependent defaults resolved, as the refusals read them."""
+
+    o: FedGaLoreOptions
+    sync: str
+    view_basis: str
+    transfer: str
+    schedule: str
+
+
+#: FedGaLore's cross-option refusals, in the order they are checked: (refused when, why and what to set).
+#: The options' own ranges are checked by FedGaLoreOptions.__post_init__.
+REFUSED_COMBINATIONS: tuple[tuple[Callable[[_Resolving], bool], str], ...] = (
+    (lambda r: r.o.moment_protocol == "paper" and r.view_basis != "seeded",
+     "moment_protocol='paper' synchronises on the round's seeded basis R_k: use view_basis='seeded' (or moment_protocol='aligned')"),
+    (lambda r: r.o.galore_torch_compat and r.o.moment_protocol == "aligned" and r.sync != "none",
+     "galore_torch_compat reproduces the official optimizer, which has no prior weights: use moment_protocol='paper'"),
+    (lambda r: r.o.moment_protocol == "aligned" and r.sync != "none" and r.transfer == "linear",
+     "moment_transfer='linear' cannot move the aligned protocol's per-coordinate evidence "
+     "(V C / c is no longer an average of old estimates): use moment_transfer='squared', "
+     "or moment_protocol='paper'"),
+    (lambda r: r.sync == "aggregate" and r.o.moment_protocol != "aligned",
+     "sync='aggregate' puts a shape prior at each client's own gradient scale, which needs the "
+     "aligned protocol's estimates: use moment_protocol='aligned' (or another sync)"),
+    (lambda r: r.sync == "aggregate" and r.o.view_basis not in (None, "seeded"),
+     "sync='aggregate' builds v̄ on the round's seeded basis R_k (no client views to fit a "
+     "consensus basis to): use view_basis='seeded' (or leave it null)"),
+    (lambda r: r.sync == "aggregate" and r.o.projector != "random"
+     and not (r.o.projector.endswith("_then_random") and r.schedule != "steps"),
+     "sync='aggregate' reads v̄ from the aggregated update's block on R_k, which only a round "
+     "that ends on R_k has: use projector='random', or a *_then_random projector with "
+     "projector_schedule epoch or share"),
+    (lambda r: r.schedule != "steps" and r.o.adaptive_scope == "global",
+     "adaptive_scope='global' counts data-driven refreshes across rounds, which only the steps "
+     "schedule has: set projector_schedule: steps (or adaptive_scope: round)"),
+)
+
+
+def refuse_combinations(resolving: _Resolving) -> None:
+    """The first of :data:`REFUSED_COMBINATIONS` that ``resolving`` meets, as a :class:`MethodError`."""
+    for refused, why in REFUSED_COMBINATIONS:
+        if refused(resolving):
+            raise MethodError(why)
+
+
 @register
 class FedGaLore(FactoredDownlink, DenseTargetsMethod):
     name = "fedgalore"
@@ -243,46 +295,24 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
     #: 2: issue 33 — paper mode is Algorithm 1 as written, the aligned mode caps steps at the cold
     #: start's, the server pools estimates by their evidence; 3: issue 40 — the epoch schedule is the
     #: default, AJIVE's joint subspace from evidence-weighted views
-    behaviour = 3
+    behaviour_version = 3
     default_sync = "ajive"
     #: with weight decay the record carries decay·W0 beside its terms, outside client-level DP's clipped change
     #: (fedgalore.engine.stages.client_dp refuses train.weight_decay > 0 under privacy.client)
     decay_in_upload = True
-    #: variants pin their sync mode; a ``sync`` option from a shared config does not override it
-    fixed_sync: str | None = None
 
     @classmethod
     def resolve_options(cls, options: FedGaLoreOptions, rank: int) -> FedGaLoreOptions:
-        """Sync mode (the variant's, else the option, else ajive), view basis (by protocol) and
-        joint rank (= r) filled in; the protocol's combinations checked."""
+        """Sync mode (the option, else ajive; the ablations' names pin it: :func:`register_preset`),
+        view basis (by protocol) and joint rank (= r) filled in; the protocol's combinations checked."""
         o = options
-        sync = cls.fixed_sync or (cls.default_sync if o.sync is None else o.sync)
+        sync = cls.default_sync if o.sync is None else o.sync
         view_basis = o.view_basis or ("seeded" if o.moment_protocol == "paper" else "consensus")
         transfer = o.moment_transfer or ("linear" if o.moment_protocol == "paper" else "squared")
-        if o.moment_protocol == "paper" and view_basis != "seeded":
-            raise MethodError("moment_protocol='paper' synchronises on the round's seeded basis R_k: use view_basis='seeded' (or moment_protocol='aligned')")
-        if o.galore_torch_compat and o.moment_protocol == "aligned" and sync != "none":
-            raise MethodError("galore_torch_compat reproduces the official optimizer, which has no prior weights: use moment_protocol='paper'")
-        if o.moment_protocol == "aligned" and sync != "none" and transfer == "linear":
-            raise MethodError("moment_transfer='linear' cannot move the aligned protocol's per-coordinate evidence "
-                              "(V C / c is no longer an average of old estimates): use moment_transfer='squared', "
-                              "or moment_protocol='paper'")
         schedule = o.projector_schedule if o.projector.endswith("_then_random") else "steps"  # one phase: nothing to switch
+        refuse_combinations(_Resolving(o, sync, view_basis, transfer, schedule))
         if sync == "aggregate":
-            if o.moment_protocol != "aligned":
-                raise MethodError("sync='aggregate' puts a shape prior at each client's own gradient scale, which needs the "
-                                  "aligned protocol's estimates: use moment_protocol='aligned' (or another sync)")
-            if o.view_basis not in (None, "seeded"):
-                raise MethodError("sync='aggregate' builds v̄ on the round's seeded basis R_k (no client views to fit a "
-                                  "consensus basis to): use view_basis='seeded' (or leave it null)")
             view_basis = "seeded"
-            if o.projector != "random" and not (o.projector.endswith("_then_random") and schedule != "steps"):
-                raise MethodError("sync='aggregate' reads v̄ from the aggregated update's block on R_k, which only a round "
-                                  "that ends on R_k has: use projector='random', or a *_then_random projector with "
-                                  "projector_schedule epoch or share")
-        if schedule != "steps" and o.adaptive_scope == "global":
-            raise MethodError("adaptive_scope='global' counts data-driven refreshes across rounds, which only the steps "
-                              "schedule has: set projector_schedule: steps (or adaptive_scope: round)")
         return replace(o, sync=sync, view_basis=view_basis, moment_transfer=transfer, projector_schedule=schedule,
                        joint_rank=rank if o.joint_rank is None else o.joint_rank)
 
@@ -646,18 +676,11 @@ def _client_diagnostics(per_param: dict[str, dict[str, float]]) -> dict[str, flo
     return out
 
 
-@register
-class FedGaLoreMinus(FedGaLore):
-    name = "fedgalore_minus"
-    summary = "FedGaLore without second-moment synchronisation (paper's FedGaLore⁻ ablation)"
-    fixed_sync = "none"
-    #: 2: issue 40 — the epoch schedule is the default (the second-moment fixes of issue 33 touched only
-    #: the synchronised state and left this variant unchanged)
-    behaviour = 2
-
-
-@register
-class FedGaLoreMean(FedGaLore):
-    name = "fedgalore_mean"
-    summary = "FedGaLore with plain weighted-mean second-moment sync (ablation)"
-    fixed_sync = "mean"
+# the paper's ablations: FedGaLore with its S pinned (a shared method.options pool's ``sync`` does not override it)
+register_preset("fedgalore_minus", FedGaLore, {"sync": "none"},
+                "FedGaLore without second-moment synchronisation (paper's FedGaLore⁻ ablation)",
+                # 2: issue 40 — the epoch schedule is the default (the second-moment fixes of issue 33
+                # touched only the synchronised state and left this variant unchanged)
+                behaviour_version=2)
+register_preset("fedgalore_mean", FedGaLore, {"sync": "mean"},
+                "FedGaLore with plain weighted-mean second-moment sync (ablation)")

@@ -5,8 +5,9 @@
 * :mod:`~fedgalore.protocol.payload` — typed payload entries, :class:`Payload`, the safetensors
   wire format and the communication :class:`Ledger` (docs/design.md §2);
 * :mod:`~fedgalore.protocol.state` — what the server owns (:class:`ServerState`) and what a
-  round and a client are told (:class:`RoundContext`, :class:`ClientContext`,
-  :class:`TrainConfig`).
+  round and a client are told (:class:`RoundContext`, :class:`ClientContext`);
+* :mod:`~fedgalore.protocol.train_config` — the local-training hyperparameters every method
+  shares (:class:`TrainConfig`, the config's ``train`` section).
 
 Nothing here imports another fedgalore package (torch, numpy and safetensors only).
 """

@@ -14,7 +14,7 @@ written to ``<run>/identity.json``, is
   its class, name, the options it reports (:meth:`~fedgalore.tasks.Task.reported_options`), its
   ``describe()`` and fingerprints of its train, test and partition data
   (:func:`~fedgalore.tasks.fingerprint.data_fingerprint`); a method object, its class, name, rank
-  and options. The method's behaviour version (:attr:`~fedgalore.methods.base.Method.behaviour`)
+  and options. The method's behaviour version (:attr:`~fedgalore.methods.base.Method.behaviour_version`)
   counts too, so a run of a method whose rule was fixed since (FedGaLore before issue 33's
   second-moment fixes) is not taken for this version's; a saved run that did not record it ran
   version 1;
@@ -43,7 +43,7 @@ import numpy as np
 from fedgalore.job.config import ConfigError, FederatedConfig, load_config
 from fedgalore.job.resolve import method_options
 from fedgalore.federated.partitioners import infers_clients
-from fedgalore.methods.base import Method, available_methods, method_class
+from fedgalore.methods.base import Method, available_methods, method_behaviour
 from fedgalore.tasks import Task, TaskError, parse_task_options, resolved_task_options, task_class
 from fedgalore.tasks.fingerprint import data_fingerprint, fingerprint_path
 from fedgalore.typed import to_plain
@@ -169,10 +169,10 @@ def resolved_config(cfg: FederatedConfig, *, task: Task | None = None, method: M
         d["task"]["options"] = resolved_task_options(cfg.task.name, cfg.task.options)
     if method is not None:
         d["method"] = {"name": method.name, "object": f"{type(method).__module__}:{type(method).__qualname__}",
-                       "rank": method.rank, "options": to_plain(method.options), "behaviour": type(method).behaviour}
+                       "rank": method.rank, "options": to_plain(method.options), "behaviour": method.behaviour_version}
     elif cfg.method.name in available_methods():
         d["method"]["options"] = to_plain(method_options(cfg))
-        d["method"]["behaviour"] = method_class(cfg.method.name).behaviour
+        d["method"]["behaviour"] = method_behaviour(cfg.method.name)
     return json.loads(json.dumps(d, default=str))
 
 

@@ -16,21 +16,22 @@ __all__ = ["Task", "TaskError", "TaskOptions", "task_option", "ArrayDataset", "r
            "task_class", "parse_task_options", "resolved_task_options", "available_tasks", "TASKS", "TASK_NEEDS",
            "HUB_TASKS"]
 
-#: name -> "module:Class" (paper-scale hub tasks and their offline CPU counterparts)
+#: name -> "module:Class" (paper-scale hub tasks and their offline CPU counterparts: modules paper_text,
+#: paper_vision, paper_math; the generic tasks named text_classification / causal_lm / image_classification: generic/)
 TASKS: dict[str, str] = {
     # tiny random-weight task for tests and smoke runs (seconds)
     "tiny_text": "fedgalore.tasks.synthetic:TinyTextTask",
     # text classification (paper: RoBERTa-base x GLUE)
-    "offline_text": "fedgalore.tasks.text_classification.bbc:OfflineBBCNewsTask",
-    "offline_text_amazon": "fedgalore.tasks.text_classification.amazon:OfflineAmazonReviewsTask",
-    "glue": "fedgalore.tasks.text_classification.glue:GlueTask",
+    "offline_text": "fedgalore.tasks.paper_text.bbc:OfflineBBCNewsTask",
+    "offline_text_amazon": "fedgalore.tasks.paper_text.amazon:OfflineAmazonReviewsTask",
+    "glue": "fedgalore.tasks.paper_text.glue:GlueTask",
     # image classification (paper: ViT-base x DomainNet)
-    "offline_vision": "fedgalore.tasks.image_classification:OfflineFashionMnistTask",
-    "offline_vision_mnist": "fedgalore.tasks.image_classification:OfflineMnistTask",
-    "domainnet": "fedgalore.tasks.image_classification:DomainNetTask",
+    "offline_vision": "fedgalore.tasks.paper_vision:OfflineFashionMnistTask",
+    "offline_vision_mnist": "fedgalore.tasks.paper_vision:OfflineMnistTask",
+    "domainnet": "fedgalore.tasks.paper_vision:DomainNetTask",
     # causal LM for math (paper: Llama-2-7B x MetaMathQA -> GSM8K / MATH)
-    "offline_math": "fedgalore.tasks.causal_lm.gsm_symbolic:OfflineGsmSymbolicTask",
-    "metamath": "fedgalore.tasks.causal_lm.metamath:MetaMathQATask",
+    "offline_math": "fedgalore.tasks.paper_math.gsm_symbolic:OfflineGsmSymbolicTask",
+    "metamath": "fedgalore.tasks.paper_math.metamath:MetaMathQATask",
     # generic tasks: your model and your files, configured by task.options (docs/data.md)
     "text_classification": "fedgalore.tasks.generic.text:GenericTextClassificationTask",
     "causal_lm": "fedgalore.tasks.generic.causal:GenericCausalLMTask",

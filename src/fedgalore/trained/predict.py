@@ -214,7 +214,7 @@ def _line_end(path: Path, encoding: str) -> str:
 
 
 def _kind(task: Task) -> str:
-    from fedgalore.tasks.text_classification.base import TextClassificationTask
+    from fedgalore.tasks.paper_text.base import TextClassificationTask
 
     if isinstance(task, TextClassificationTask):
         return "text"

@@ -524,13 +524,13 @@ def client_plan(cfg: FederatedConfig, num_clients: int) -> dict[str, Any] | None
         return None
     from fedgalore.engine.stages.client_dp import ClientRelease
     from fedgalore.job.resolve import method_options
-    from fedgalore.methods.base import method_class
+    from fedgalore.methods.base import build_method
 
     out: dict[str, Any] = {"clip": c.clip, "noise": c.noise, "delta": c.delta, "target_epsilon": c.target_epsilon,
                            "calibrated": c.noise_multiplier is None,
                            "num_clients": int(num_clients), "rounds": cfg.federation.rounds}
     try:
-        method = method_class(cfg.method.name)(cfg.method.rank, method_options(cfg))
+        method = build_method(cfg.method.name, cfg.method.rank, method_options(cfg))
         rel = ClientRelease.build(cfg, method, num_clients)
     except (ConfigError, ValueError) as exc:
         return {**out, "error": str(exc)}

@@ -10,8 +10,8 @@
   any ``AutoModelForImageClassification`` checkpoint on an image folder or an image column.
 
 They are thin, option-driven front ends over the paper's task machinery
-(:mod:`fedgalore.tasks.text_classification.base`, :mod:`fedgalore.tasks.causal_lm`,
-:mod:`fedgalore.tasks.image_classification`) with one data loader
+(:mod:`fedgalore.tasks.paper_text.base`, :mod:`fedgalore.tasks.paper_math`,
+:mod:`fedgalore.tasks.paper_vision`) with one data loader
 (:mod:`~fedgalore.tasks.generic.data`, through ``datasets``) and one place that knows
 architectures (:mod:`~fedgalore.tasks.generic.architectures`: target modules, heads, tokenizers).
 :mod:`~fedgalore.tasks.generic.common` holds what the three share.

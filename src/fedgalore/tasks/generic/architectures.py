@@ -42,7 +42,6 @@ __all__ = [
     "TOKENIZER_FILES",
     "quiet_transformers",
     "load_config",
-    "is_local",
     "require_tokenizer_files",
     "skeleton",
     "classifier_head_modules",
@@ -75,11 +74,6 @@ TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-
-
-def is_local(model: str) -> bool:
-    """Whether ``model`` names an existing local folder (else it is a hub id)."""
-    return Path(model).expanduser().is_dir()
 
 
 def load_config(model: str) -> Any:

@@ -1,7 +1,7 @@
 """``causal_lm``: instruction tuning of any ``AutoModelForCausalLM`` checkpoint on your files.
 
-A front end over :class:`~fedgalore.tasks.causal_lm.base.CausalLMTask` (response-only loss,
-greedy generation, exact match) and :class:`~fedgalore.tasks.causal_lm.data.PromptDataset`.
+A front end over :class:`~fedgalore.tasks.paper_math.base.CausalLMTask` (response-only loss,
+greedy generation, exact match) and :class:`~fedgalore.tasks.paper_math.data.PromptDataset`.
 Each row becomes a prompt and a response in the ``format`` it is written in
 (:mod:`~fedgalore.tasks.generic.formats`; null: from the columns named, as before formats had
 names):
@@ -41,9 +41,9 @@ import numpy as np
 from torch import nn
 
 from fedgalore.tasks.base import TaskError, task_option
-from fedgalore.tasks.causal_lm.base import CausalLMTask, torch_dtype
-from fedgalore.tasks.causal_lm.data import PromptDataset
-from fedgalore.tasks.causal_lm.grading import normalize_number
+from fedgalore.tasks.paper_math.base import CausalLMTask, torch_dtype
+from fedgalore.tasks.paper_math.data import PromptDataset
+from fedgalore.tasks.paper_math.grading import normalize_number
 from fedgalore.tasks.generic.architectures import load_config, pick_target_modules, quiet_transformers, require_tokenizer_files, skeleton
 from fedgalore.tasks.generic.common import FileTask, FileTaskOptions
 from fedgalore.tasks.generic.data import Rows

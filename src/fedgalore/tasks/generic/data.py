@@ -439,7 +439,7 @@ def site_sources(data: Any) -> dict[str, Any] | None:
 def data_fingerprint(data: str | Mapping[str, str], data_config: str | None = None) -> str:
     """Identity of the data ``data`` names: names, sizes and modification times of every local file
     (folders: all files below), or the hub id and configuration; per site for per-site data."""
-    from fedgalore.tasks.text_classification.base import fingerprint_files
+    from fedgalore.tasks.paper_text.base import fingerprint_files
 
     sites = site_sources(data)
     if sites is not None:
@@ -472,7 +472,7 @@ def split_rows(rows: Rows, test_fraction: float, seed: int, strata: Sequence[Any
 
 def limit_rows(rows: Rows, limit: int | None, seed: int) -> Rows:
     """All rows, or ``limit`` of them drawn by a seeded permutation (kept in file order)."""
-    from fedgalore.tasks.text_classification.base import subset_indices
+    from fedgalore.tasks.paper_text.base import subset_indices
 
     if limit is None or limit >= len(rows):
         return rows

@@ -1,6 +1,6 @@
 """``image_classification``: any ``AutoModelForImageClassification`` checkpoint on your images.
 
-A front end over :class:`~fedgalore.tasks.image_classification.ImageClassificationTask` (its
+A front end over :class:`~fedgalore.tasks.paper_vision.ImageClassificationTask` (its
 loss, collate and metrics: ``accuracy`` (primary), ``macro_f1``). Images come from an image
 folder (one sub-folder per class; ``train/`` + ``test/`` folders, or ``test_fraction``) or from a
 data set's ``image_column`` (image files' paths — relative ones to the data file's folder — or a
@@ -25,7 +25,7 @@ from fedgalore.tasks.generic.architectures import (classifier_head_modules, load
                                                    quiet_transformers, skeleton)
 from fedgalore.tasks.generic.common import FileTask, FileTaskOptions
 from fedgalore.tasks.generic.data import LabelSet, Rows, is_missing
-from fedgalore.tasks.image_classification import ImageClassificationTask
+from fedgalore.tasks.paper_vision import ImageClassificationTask
 from fedgalore.typed import to_plain
 
 __all__ = ["ImageClassificationOptions", "ImageExamples", "GenericImageClassificationTask"]

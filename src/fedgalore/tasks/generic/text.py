@@ -1,6 +1,6 @@
 """``text_classification``: any ``AutoModelForSequenceClassification`` checkpoint on your files.
 
-A front end over :class:`~fedgalore.tasks.text_classification.base.TextClassificationTask` (its
+A front end over :class:`~fedgalore.tasks.paper_text.base.TextClassificationTask` (its
 tokenisation, cache, loss and metrics): the options name the model, the data and the columns.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fedgalore.tasks.generic.architectures import (classifier_head_modules, load
 from fedgalore.tasks.generic.common import FileTask, FileTaskOptions
 from fedgalore.tasks.generic.data import LabelSet, Rows
 from fedgalore.tasks.quantize import check_quantization, prepare_quantized, quantized_load_kwargs
-from fedgalore.tasks.text_classification.base import TextClassificationTask, TextExamples, TokenizedDataset
+from fedgalore.tasks.paper_text.base import TextClassificationTask, TextExamples, TokenizedDataset
 from fedgalore.typed import to_plain
 
 __all__ = ["TextClassificationOptions", "GenericTextClassificationTask", "decide_regression"]

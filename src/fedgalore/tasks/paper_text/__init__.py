@@ -1,5 +1,8 @@
 """Text classification tasks (paper §6, NLU): a pretrained encoder + a sequence-classification head.
 
+(``paper_text``: the paper's and the offline text tasks; the registry's ``text_classification``
+— your files — is :mod:`fedgalore.tasks.generic.text`.)
+
 * :class:`TextClassificationTask` — the shared machinery (the registry's ``text_classification``,
   which reads your files, is :mod:`fedgalore.tasks.generic.text` on top of it): any Hugging Face
   ``AutoModelForSequenceClassification`` checkpoint (local folder or hub id) on single sentences
@@ -23,7 +26,7 @@ matrix on the classification path; PEFT's suffix matching adapts it too); RoBERT
 in its classification model and its ``classifier.dense``/``classifier.out_proj`` are head
 modules, trained fully and averaged by every method.
 
-One concern per module: :mod:`~fedgalore.tasks.text_classification.base` (the generic task,
-tokenisation and its cache, metrics), :mod:`~fedgalore.tasks.text_classification.bbc`,
-:mod:`~fedgalore.tasks.text_classification.amazon` and :mod:`~fedgalore.tasks.text_classification.glue`.
+One concern per module: :mod:`~fedgalore.tasks.paper_text.base` (the generic task,
+tokenisation and its cache, metrics), :mod:`~fedgalore.tasks.paper_text.bbc`,
+:mod:`~fedgalore.tasks.paper_text.amazon` and :mod:`~fedgalore.tasks.paper_text.glue`.
 """

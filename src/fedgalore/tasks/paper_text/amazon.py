@@ -10,8 +10,8 @@ import numpy as np
 
 from fedgalore.tasks.assets import debian_root, minilm_path, read_r_lazyload
 from fedgalore.tasks.base import TaskError, TaskOptions
-from fedgalore.tasks.text_classification.base import TextClassificationTask, TextExamples, fingerprint_files, subset_indices
-from fedgalore.tasks.text_classification.bbc import OfflineTextOptions
+from fedgalore.tasks.paper_text.base import TextClassificationTask, TextExamples, fingerprint_files, subset_indices
+from fedgalore.tasks.paper_text.bbc import OfflineTextOptions
 
 __all__ = ["OfflineAmazonReviewsTask", "load_amazon_reviews", "AMAZON_PACKAGE"]
 

@@ -1,5 +1,8 @@
 """Image classification with a ViT (paper §6: ViT-base on DomainNet; CPU: a small ViT).
 
+(``paper_vision``: the paper's and the offline vision tasks; the registry's
+``image_classification`` — your images — is :mod:`fedgalore.tasks.generic.image`.)
+
 Tasks:
 
 * ``domainnet`` — :class:`DomainNetTask`: a hub ViT (default ``google/vit-base-patch16-224-in21k``)

@@ -16,8 +16,8 @@ from torch import nn
 
 from fedgalore.tasks.assets import smollm2_path
 from fedgalore.tasks.base import TaskError, TaskOptions, task_option
-from fedgalore.tasks.causal_lm.base import CausalLMTask
-from fedgalore.tasks.causal_lm.data import PromptDataset
+from fedgalore.tasks.paper_math.base import CausalLMTask
+from fedgalore.tasks.paper_math.data import PromptDataset
 
 __all__ = ["OfflineGsmSymbolicTask", "GsmSymbolicOptions"]
 

@@ -10,7 +10,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from fedgalore.tasks.base import TaskError, task_option
-from fedgalore.tasks.text_classification.base import TextClassificationTask, TextExamples, TextOptions, fingerprint_files, subset_indices
+from fedgalore.tasks.paper_text.base import TextClassificationTask, TextExamples, TextOptions, fingerprint_files, subset_indices
 
 __all__ = ["GlueTask", "GlueOptions", "GLUE_SUBTASKS"]
 

@@ -13,9 +13,9 @@ import numpy as np
 from torch import nn
 
 from fedgalore.tasks.base import TaskError, TaskOptions, task_option
-from fedgalore.tasks.causal_lm.base import CausalLMTask, torch_dtype
-from fedgalore.tasks.causal_lm.data import PromptDataset, read_records
-from fedgalore.tasks.causal_lm.grading import extract_gsm8k_answer, last_boxed
+from fedgalore.tasks.paper_math.base import CausalLMTask, torch_dtype
+from fedgalore.tasks.paper_math.data import PromptDataset, read_records
+from fedgalore.tasks.paper_math.grading import extract_gsm8k_answer, last_boxed
 from fedgalore.tasks.quantize import check_quantization, prepare_quantized, quantized_load_kwargs
 
 __all__ = ["MetaMathQATask", "MetaMathOptions", "ALPACA_PROMPT"]

@@ -1,5 +1,8 @@
 """Causal language modelling for math word problems (paper §6, NLG setting).
 
+(``paper_math``: the paper's and the offline math tasks; the registry's ``causal_lm`` — your
+files — is :mod:`fedgalore.tasks.generic.causal`.)
+
 Two tasks share one implementation (:class:`CausalLMTask`):
 
 * ``metamath`` — :class:`MetaMathQATask`: the paper's setting. A causal LM (Llama-2-7B) is
@@ -28,12 +31,12 @@ et al.'s ``is_equiv`` (``\\dfrac``→``\\frac``, ``\\left``/``\\right``, units, 
 
 One concern per module:
 
-* :mod:`~fedgalore.tasks.causal_lm.grading` — answer extraction, normalisation and exact match;
-* :mod:`~fedgalore.tasks.causal_lm.data` — :class:`PromptDataset` (prompt/response pairs
+* :mod:`~fedgalore.tasks.paper_math.grading` — answer extraction, normalisation and exact match;
+* :mod:`~fedgalore.tasks.paper_math.data` — :class:`PromptDataset` (prompt/response pairs
   tokenised on access), padding, reading local or hub records;
-* :mod:`~fedgalore.tasks.causal_lm.base` — :class:`CausalLMTask` (loss, greedy generation,
+* :mod:`~fedgalore.tasks.paper_math.base` — :class:`CausalLMTask` (loss, greedy generation,
   evaluation) and the adapted Llama matrices;
-* :mod:`~fedgalore.tasks.causal_lm.metamath` — ``metamath``;
-* :mod:`~fedgalore.tasks.causal_lm.gsm_symbolic` — ``offline_math`` (its SmolLM2 weights:
+* :mod:`~fedgalore.tasks.paper_math.metamath` — ``metamath``;
+* :mod:`~fedgalore.tasks.paper_math.gsm_symbolic` — ``offline_math`` (its SmolLM2 weights:
   :func:`fedgalore.tasks.assets.smollm2_path`).
 """

@@ -10,7 +10,7 @@ import numpy as np
 
 from fedgalore.tasks.assets import bbc_news_dir, minilm_path
 from fedgalore.tasks.base import TaskError, TaskOptions, stratified_split, task_option
-from fedgalore.tasks.text_classification.base import (TextClassificationTask, TextExamples, TextOptions, fingerprint_files,
+from fedgalore.tasks.paper_text.base import (TextClassificationTask, TextExamples, TextOptions, fingerprint_files,
                                                        subset_indices)
 
 __all__ = ["OfflineBBCNewsTask", "OfflineTextOptions", "BBCNewsOptions"]

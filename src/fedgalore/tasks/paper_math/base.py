@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from fedgalore.tasks.base import Task, TaskError
-from fedgalore.tasks.causal_lm.data import PromptDataset, pad_batch, pad_id
-from fedgalore.tasks.causal_lm.grading import answers_match, extract_answer
+from fedgalore.tasks.paper_math.data import PromptDataset, pad_batch, pad_id
+from fedgalore.tasks.paper_math.grading import answers_match, extract_answer
 
 __all__ = ["CausalLMTask", "LLAMA_TARGET_MODULES", "torch_dtype"]
 
@@ -178,11 +178,11 @@ class CausalLMTask(Task):
         return sums, counts
 
     def extract_answer(self, text: str, kind: str) -> str | None:
-        """The final answer in a generated ``text`` (:func:`~fedgalore.tasks.causal_lm.grading.extract_answer`)."""
+        """The final answer in a generated ``text`` (:func:`~fedgalore.tasks.paper_math.grading.extract_answer`)."""
         return extract_answer(text, kind)
 
     def answers_match(self, pred: str | None, gold: str, kind: str) -> bool:
-        """Whether an extracted answer is the gold one (:func:`~fedgalore.tasks.causal_lm.grading.answers_match`)."""
+        """Whether an extracted answer is the gold one (:func:`~fedgalore.tasks.paper_math.grading.answers_match`)."""
         return answers_match(pred, gold, kind)
 
     @torch.no_grad()
