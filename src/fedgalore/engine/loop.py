@@ -1,22 +1,26 @@
-"""The round loop (paper §3 and Algorithm 1): sample → broadcast → T → A → S → evaluate → checkpoint.
+"""The round loop (paper §3 and Algorithm 1): sample → broadcast → T → collect → A → S → evaluate → checkpoint.
 
-Nothing method-specific lives here: a method supplies T (``client_update``), A (``aggregate``)
-and S (``synchronize``); a backend decides where T runs; the run directory's files are written by
-:mod:`fedgalore.records.rundir`. Per round k (:meth:`Federation._round`):
+Nothing method-specific and no round feature lives here: a method supplies T (``client_update``),
+A (``aggregate``) and S (``synchronize``); a backend decides where T runs; every feature that
+changes a round — client- and record-level DP and their accountant, secure aggregation, robust
+aggregation, a simulated attack, SCAFFOLD's controls, the server optimizer, the norm guard — is a
+stage (:mod:`fedgalore.engine.stages`) composed from the config in one place and called at the
+round's seams; the run directory's files are written by :mod:`fedgalore.records.rundir`. Per
+round k (:meth:`Federation._round`):
 
 1. K of the M clients are sampled uniformly without replacement from a per-round seed
-   (or all of them), with weights p̃_i = N_i / Σ_{j∈P_k} N_j;
-2. the server broadcasts the method's payload (and the round seed s_k);
-3. each client runs T; its upload is decoded, counted in the ledger and validated, and its
-   dense deltas ΔW_i (:meth:`~fedgalore.methods.base.Method.client_deltas`) are built once,
-   against the state the round started from, for whoever needs them (the norm bound,
-   clipping, the drift diagnostics) — a round with fewer than ``federation.min_clients`` valid
-   uploads is retried with a new sample;
-4. A and S update the server state — between them, a server optimizer
-   (``federation.server_optimizer``, :mod:`fedgalore.federated.server_opt`) treats A's change of
-   the server parameters as a pseudo-gradient, and SCAFFOLD (``train.scaffold``,
-   :mod:`fedgalore.federated.scaffold`) updates its control variates; diagnostics measure the
-   two mismatches;
+   (or all of them), with weights p̃_i = N_i / Σ_{j∈P_k} N_j (the stages may change them, e.g.
+   uniform under client-level DP, and hold sites back);
+2. the server broadcasts the method's payload (and the round seed s_k), each client's message
+   with the stages' own entries;
+3. each client runs T; the collector (:mod:`fedgalore.engine.collect`) decodes each upload,
+   counts it in the ledger, validates it and builds its dense deltas ΔW_i once, against the
+   state the round started from, for whoever needs them — one typed
+   :class:`~fedgalore.engine.stages.base.Attempt` of :class:`~fedgalore.engine.stages.base.
+   Contribution` objects; a round with fewer than ``federation.min_clients`` valid uploads is
+   retried with a new sample;
+4. A (wrapped by the stages, e.g. a server optimizer) and S update the server state;
+   diagnostics measure the two mismatches;
 5. the global model is evaluated every ``eval_every`` rounds and after each of the last
    ``eval_last`` (with ``federation.client_eval`` also on each client's held-out share, every
    ``client_eval_every`` rounds, :mod:`fedgalore.engine.client_eval`) and the state is checkpointed (streamed to disk; the
