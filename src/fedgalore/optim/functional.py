@@ -44,7 +44,8 @@ __all__ = ["StepEnv", "MatrixStep", "init_state", "whole_state", "current_basis"
 @dataclass
 class StepEnv:
     """What a step needs from its optimizer besides a group: each parameter's name, the persistent
-    bucket stacks (:class:`fedgalore.optim.bucket.MomentBuckets`) and ``compile_moments``."""
+    bucket stacks (:class:`fedgalore.optim.bucket.MomentBuckets`), ``compile_moments`` and the
+    optimizer's ``state`` mapping (parameter → typed state)."""
 
     names: dict[torch.Tensor, str]
     buckets: bucket.MomentBuckets
@@ -126,6 +127,7 @@ def reset_cold(state: GaLoreParamState) -> None:
 
 
 def has_basis(group: dict[str, Any], state: GaLoreParamState) -> bool:
+    """Whether a basis ``P`` is in use (the identity projector's ``I`` always is; else after the first refresh)."""
     return group["projector"] == "identity" or state.basis is not None
 
 

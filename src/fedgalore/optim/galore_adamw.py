@@ -147,7 +147,8 @@ import fedgalore.optim.sharded as sharded
 from fedgalore.optim.client_protocol import GaLoreStateEntry, rebuild_delta
 from fedgalore.optim.groups import (ADAPTIVE_SCOPES, BIAS_CORRECTIONS, BUCKET_GEMMS, GALORE_DEFAULTS, LOW_PRECISION,
                                     MOMENT_TRANSFERS, NONFINITE_POLICIES, PROJECTORS, WARM_SCALES, fill_galore_group, is_int)
-from fedgalore.optim.state import SHARDED, WEIGHT_SHAPED, AdamParamState, GaLoreParamState, ParamState, from_plain, map_tensors, to_plain
+from fedgalore.optim.state import (ADAM_WEIGHT_SHAPED, SHARDED, WEIGHT_SHAPED, AdamParamState, GaLoreParamState, ParamState,
+                                   from_plain, map_tensors, to_plain)
 
 __all__ = ["GaLoreAdamW", "GaLoreStateEntry", "rebuild_delta", "PROJECTORS", "MOMENT_TRANSFERS", "ADAPTIVE_SCOPES", "NONFINITE_POLICIES",
            "GALORE_DEFAULTS", "LOW_PRECISION", "BIAS_CORRECTIONS", "BUCKET_GEMMS", "WARM_SCALES"]  # the group keys: fedgalore.optim.groups
@@ -305,7 +306,7 @@ class GaLoreAdamW(Optimizer):
         p, dim = (new, dst) if src is None else (old, src)
         device = sharded.local(new).device
         if "rank" not in group:
-            fields: tuple[str, ...] = ("exp_avg", "exp_avg_sq")  # a plain group's moments: shaped like the weight
+            fields: tuple[str, ...] = ADAM_WEIGHT_SHAPED  # a plain group's moments: shaped like the weight
             moments = False
         else:
             moments = F.moments_sharded(p, name, group, st.side, dim)
@@ -370,6 +371,6 @@ class GaLoreAdamW(Optimizer):
         for k, v in state_dict["state"].items():
             if k in id_map:
                 p = id_map[k]
-                typed = from_plain(v) if isinstance(v, dict) else v
+                typed = from_plain(v) if isinstance(v, dict) and v else v  # ({}: a parameter never stepped)
                 self.state[p] = map_tensors(typed, lambda x, d=p.device: x.detach().to(device=d, copy=True))
         self._buckets = bucket.MomentBuckets()

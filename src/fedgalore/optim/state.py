@@ -25,7 +25,7 @@ import torch
 from fedgalore.protocol.bases import SIDES
 
 __all__ = ["RecordTerm", "UpdateRecord", "WarmStart", "RatioHistogram", "GaLoreParamState", "AdamParamState", "ParamState",
-           "STACKED", "SHARDED", "WEIGHT_SHAPED", "map_tensors", "to_plain", "from_plain"]
+           "STACKED", "SHARDED", "WEIGHT_SHAPED", "ADAM_WEIGHT_SHAPED", "map_tensors", "to_plain", "from_plain"]
 
 
 @dataclass
@@ -124,8 +124,10 @@ ParamState = Union[GaLoreParamState, AdamParamState]
 STACKED = ("exp_avg", "exp_avg_sq", "v_weight", "cold_v")
 #: the GaLore fields sharded like their matrix (:mod:`fedgalore.optim.sharded`), besides the record
 SHARDED = ("exp_avg", "exp_avg_sq", "cold_v")
-#: the weight-shaped fields (the bf16 working weight's master copy or compensation; a plain group's moments)
+#: the weight-shaped fields of a GaLore state (the bf16 working weight's master copy or compensation)
 WEIGHT_SHAPED = ("master", "comp")
+#: the fields of a plain AdamW state shaped like its parameter (its moments)
+ADAM_WEIGHT_SHAPED = ("exp_avg", "exp_avg_sq")
 
 _NESTED = {"record": UpdateRecord, "warm": WarmStart, "ratio": RatioHistogram}
 
