@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from fedgalore.optim import client_protocol
 import torch
 from optimizer_step import _load_baseline  # (benchmarks/ is this script's folder)
 
@@ -65,7 +66,7 @@ def _opt(cls, params, together: bool, group: dict | None = None, **kw):
     named = [(f"w{i}", p) for i, p in enumerate(params)]
     groups = [{"params": named, **base}] if together else [{"params": [x], **base} for x in named]
     opt = cls(groups, lr=1e-3, weight_decay=0.01, projection_seed=3, **kw)
-    opt.mark()
+    client_protocol.mark(opt)
     return opt
 
 

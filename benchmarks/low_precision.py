@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from fedgalore.optim import client_protocol
 from fedgalore.optim.galore_adamw import GaLoreAdamW
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +65,7 @@ def run_shape(m: int, n: int, rank: int, steps: int, seed: int = 0) -> dict:
                       "opt": GaLoreAdamW([{"params": [("w", w)], "rank": rank, "update_proj_gap": 200, "scale": 0.25,
                                            "projector": "rsvd", "low_precision": "off" if name == "fp32" else name}],
                                          lr=1e-4, weight_decay=0.01)}
-        runs[name]["opt"].mark()
+        client_protocol.mark(runs[name]["opt"])
     # interleaved: every variant takes step t before any takes step t + 1
     for grad in _gradients(m, n, steps, seed + 2):
         for name, r in runs.items():
@@ -77,7 +78,7 @@ def run_shape(m: int, n: int, rank: int, steps: int, seed: int = 0) -> dict:
     out = {"shape": [m, n], "rank": rank, "steps": steps, "variants": {}}
     for name in VARIANTS:
         r = runs[name]
-        record = r["opt"].export_update()["w"].materialize(r["w0"].float())
+        record = client_protocol.export_update(r["opt"])["w"].materialize(r["w0"].float())
         own = r["w"].detach().float() - r["w0"].float()
         out["variants"][name] = {
             "upload_gap": float((own - record).norm() / record.norm()),

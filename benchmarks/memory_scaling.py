@@ -223,12 +223,12 @@ def child_activations(name: str, out: Path) -> None:
                          "forward_graph": after_fwd - before, "forward_peak": tracker.records[-2]["peak"] - before,
                          "backward_peak": bwd_peak - before, "grads": grads})
     # one optimizer step of GaLore (the FedGaLore client's optimizer) on the targets
-    from fedgalore.optim import GaLoreAdamW
+    from fedgalore.optim import GaLoreAdamW, client_protocol
 
     opt = GaLoreAdamW([{"params": [(t, params[t]) for t in targets], "rank": RANK, "update_proj_gap": 1, "scale": 0.25,
                         "proj_type": "std", "projector": "rsvd_then_random"}], lr=1e-4)
     opt.set_projection_seed(1)
-    opt.mark()
+    client_protocol.mark(opt)
     for _ in range(STEPS):
         for t in targets:
             params[t].grad = torch.randn(params[t].shape, generator=g).to(params[t].dtype)

@@ -57,10 +57,10 @@ from pathlib import Path
 
 import torch
 
+from fedgalore.optim import client_protocol
 from fedgalore.optim import GaLoreAdamW, cpu_kernels
 from fedgalore.optim import kernels as _ga
 from fedgalore.optim.projector import project
-from fedgalore.protocol.bases import SIDES
 
 RANK, SCALE, TAUS = 8, 0.25, (200, 50)
 LR, WD = 1e-5, 0.01  # tiny lr: 1000s of steps on shared params stay well-conditioned
@@ -126,8 +126,8 @@ def _breakdown(params: list[torch.Tensor], opt: GaLoreAdamW, fused: torch.optim.
     gen = torch.Generator().manual_seed(1)
     for p in params:
         st = opt.state[p]
-        side, basis = SIDES[st["side"]], st["basis"]
-        u = torch.randn(st["exp_avg"].shape, generator=gen)
+        side, basis = st.side, st.basis
+        u = torch.randn(st.exp_avg.shape, generator=gen)
         a, b = (u, basis) if side == "right" else (basis, u)
         items.append((p, p.grad, side, basis, u, a, b))
     onednn = _ga.onednn_linear()
@@ -218,7 +218,7 @@ def main() -> None:
     opts["fedgalore_rsvd_then_random_cold"] = GaLoreAdamW(
         [galore_group("rsvd_then_random", BIG_GAP, track_cold=True)], lr=LR, weight_decay=WD)
     for k in ("fedgalore_rsvd_then_random_record", "fedgalore_rsvd_then_random_cold"):
-        opts[k].mark()  # update record on from the start, as in a federated round
+        client_protocol.mark(opts[k])  # update record on from the start, as in a federated round
     galore_kinds = [k for k in opts if "galore" in k]
     seeded_refresh = [k for k in galore_kinds if k.startswith("fedgalore_rsvd_then_random")]
 

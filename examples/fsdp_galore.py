@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fedgalore.optim import GaLoreAdamW
+from fedgalore.optim import GaLoreAdamW, client_protocol
 from fedgalore.optim.sharded import galore_placement
 
 
@@ -50,7 +50,7 @@ def main() -> None:
     others = [(n, p) for n, p in model.named_parameters() if p.dim() != 2]
     opt = GaLoreAdamW([{"params": matrices, "rank": 8, "projector": "rsvd_then_random", "update_proj_gap": 10,
                         "scale": 0.5}, {"params": others}], lr=1e-2, weight_decay=0.01)
-    opt.mark()  # record W_T - W_0 from here
+    client_protocol.mark(opt)  # record W_T - W_0 from here
     gen = torch.Generator().manual_seed(1 + rank)  # each rank its own batches
     target = 0.2 * torch.randn(64, 10, generator=torch.Generator().manual_seed(0)).to(device)
     for step in range(args.steps):
@@ -61,7 +61,7 @@ def main() -> None:
         opt.zero_grad()
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             print(f"step {step}: loss {loss.item():.4f}", flush=True)
-    update = opt.export_update()  # collective: every rank gets the whole record
+    update = client_protocol.export_update(opt)  # collective: every rank gets the whole record
     whole = {n: p.full_tensor() for n, p in matrices}  # collective too
     if rank == 0:
         w0 = {n: p.detach() for n, p in _model().named_parameters()}

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fedgalore.optim.bucket as bucket
+from fedgalore.optim import client_protocol
 from fedgalore.optim import GaLoreAdamW
 from fedgalore.optim import kernels
 
@@ -69,25 +70,25 @@ def test_a_bucket_steps_exactly_as_each_matrix_alone(variant):
     opts = VARIANTS[variant]
     a, b = _params(), _params()
     oa, ob = _opt(a, True, **opts), _opt(b, False, **opts)
-    oa.mark()
-    ob.mark()
+    client_protocol.mark(oa)
+    client_protocol.mark(ob)
     _run(oa, a, 7)
     _run(ob, b, 7)
     for pa, pb in zip(a, b):
         assert torch.equal(pa, pb)
         sa, sb = oa.state[pa], ob.state[pb]
         for k in ("exp_avg", "exp_avg_sq", "v_weight", "cold_v"):
-            assert (k in sa) == (k in sb)
-            if k in sa:
-                assert torch.equal(sa[k], sb[k]), k
-    ua, ub = oa.export_update(), ob.export_update()
+            assert (getattr(sa, k) is None) == (getattr(sb, k) is None)
+            if getattr(sa, k) is not None:
+                assert torch.equal(getattr(sa, k), getattr(sb, k)), k
+    ua, ub = client_protocol.export_update(oa), client_protocol.export_update(ob)
     w0 = dict(zip(ua, _params()))
     for n in ua:
         assert torch.equal(ua[n].materialize(w0[n].detach()), ub[n].materialize(w0[n].detach())), n
     # the six matrices' moments live in three stacks of two (views), the lone ones in their own
-    storages = {oa.state[p]["exp_avg"].untyped_storage().data_ptr() for p in a}
+    storages = {oa.state[p].exp_avg.untyped_storage().data_ptr() for p in a}
     assert len(storages) == 3
-    assert oa.state[a[0]]["exp_avg"]._base is not None and oa.state[a[0]]["exp_avg"]._base.shape[0] == 2
+    assert oa.state[a[0]].exp_avg._base is not None and oa.state[a[0]].exp_avg._base.shape[0] == 2
 
 
 def test_one_moment_call_per_bucket(monkeypatch):
@@ -115,7 +116,7 @@ def test_state_dict_pickle_and_resume_keep_the_run_exact():
     o_cut = _opt(cut, True, bias_correction="weight", cap_to_cold=True)
     _run(o_cut, cut, 3)
     sd = o_cut.state_dict()
-    assert all(sd["state"][i]["exp_avg"].shape == o_cut.state[p]["exp_avg"].shape for i, p in enumerate(cut))
+    assert all(sd["state"][i]["exp_avg"].shape == o_cut.state[p].exp_avg.shape for i, p in enumerate(cut))
     resumed = [torch.nn.Parameter(p.detach().clone()) for p in cut]
     o_res = _opt(resumed, True, bias_correction="weight", cap_to_cold=True)
     o_res.load_state_dict(pickle.loads(pickle.dumps(copy.deepcopy(sd))))
@@ -133,16 +134,16 @@ def test_replaced_moments_are_restacked():
     opt = _opt(params, True)
     _run(opt, params, 2)
     st = opt.state[params[0]]
-    st["exp_avg_sq"] = st["exp_avg_sq"].clone() * 2  # no longer a view of its stack
-    expect = st["exp_avg_sq"].clone()
+    st.exp_avg_sq = st.exp_avg_sq.clone() * 2  # no longer a view of its stack
+    expect = st.exp_avg_sq.clone()
     twin = _params()
     o2 = _opt(twin, False)
     _run(o2, twin, 2)
-    o2.state[twin[0]]["exp_avg_sq"].mul_(2)
+    o2.state[twin[0]].exp_avg_sq.mul_(2)
     _run(opt, params, 1, start=2)
     _run(o2, twin, 1, start=2)
-    assert torch.equal(params[0], twin[0]) and not torch.equal(expect, st["exp_avg_sq"])
-    assert opt.state[params[0]]["exp_avg_sq"]._base is not None
+    assert torch.equal(params[0], twin[0]) and not torch.equal(expect, st.exp_avg_sq)
+    assert opt.state[params[0]].exp_avg_sq._base is not None
 
 
 @pytest.mark.parametrize("policy", ["skip", "raise"])
@@ -159,6 +160,6 @@ def test_a_non_finite_matrix_in_a_bucket_is_handled_alone(policy):
             opt.step()
         return
     opt.step()
-    assert torch.equal(params[2], before[2]) and opt.state[params[2]]["skipped"] == 1 and opt.state[params[2]]["step"] == 0
+    assert torch.equal(params[2], before[2]) and opt.state[params[2]].skipped == 1 and opt.state[params[2]].step == 0
     for i in (0, 1, 3, 4, 5):
-        assert not torch.equal(params[i], before[i]) and opt.state[params[i]]["step"] == 1
+        assert not torch.equal(params[i], before[i]) and opt.state[params[i]].step == 1

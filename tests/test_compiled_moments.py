@@ -57,7 +57,7 @@ def _run_both(group) -> None:
     for pa, pb in zip(a, b):
         assert torch.allclose(pa, pb, rtol=1e-5, atol=1e-7)
     for pa, pb in zip(a, b):
-        assert torch.allclose(oa.state[pa]["exp_avg_sq"], ob.state[pb]["exp_avg_sq"], rtol=1e-5, atol=1e-12)
+        assert torch.allclose(oa.state[pa].exp_avg_sq, ob.state[pb].exp_avg_sq, rtol=1e-5, atol=1e-12)
 
 
 def test_compiled_optimizer_pickles_and_loads():

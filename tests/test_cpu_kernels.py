@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from fedgalore.optim import client_protocol
 from fedgalore.optim import GaLoreAdamW, cpu_kernels, rebuild_delta
 from fedgalore.optim import kernels
 
@@ -98,14 +99,14 @@ def test_optimizer_steps_the_same_with_and_without_the_kernels(wd, extra, one_th
             ps = [torch.nn.Parameter(x.clone()) for x in init]
             opt = GaLoreAdamW([{"params": [(f"w{i}", p) for i, p in enumerate(ps)], "rank": 8, "projector": "rsvd_then_random",
                                 "update_proj_gap": 200, "scale": 0.25, "nonfinite": "skip", **extra}], lr=1e-2, weight_decay=wd)
-            opt.mark()  # the update record on, as in every federated round
+            client_protocol.mark(opt)  # the update record on, as in every federated round
             for step, gs in enumerate([grads[0], bad, grads[2]]):
                 for p, g in zip(ps, gs):
                     p.grad = g.clone()
                 opt.step()
-            upd = opt.export_update()
-            out[on] = ([p.detach().clone() for p in ps], [opt.state[p]["skipped"] for p in ps],
-                       [rebuild_delta(upd[f"w{i}"], x) for i, x in enumerate(init)], opt.moment_diagnostics())
+            upd = client_protocol.export_update(opt)
+            out[on] = ([p.detach().clone() for p in ps], [opt.state[p].skipped for p in ps],
+                       [rebuild_delta(upd[f"w{i}"], x) for i, x in enumerate(init)], client_protocol.moment_diagnostics(opt))
     # with the kernels: 2 matrices x 3 steps projected and through the moment kernel (the NaN step
     # is refused there), the skipped one not back-projected; without them: no call
     assert calls == {"project": 6, "decay_back_project": 5, "adam_moments": 6}

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import fedgalore
+from fedgalore.optim import client_protocol
 from fedgalore.job.config import ConfigError
 from fedgalore.federated.client import ClientError, local_train
 from fedgalore.federated.data_parallel import shard_batch
@@ -36,7 +37,7 @@ def _loop(devices: int, optimizer: str, *, task=None, data=None, batch_size=5, k
         rest = [(n, p) for n, p in model.named_parameters() if p.dim() != 2]
         opt = GaLoreAdamW([{"params": mats, "rank": 2, "projector": "rsvd_then_random", "update_proj_gap": 2},
                            {"params": rest}], lr=tc.lr, weight_decay=tc.weight_decay)
-        opt.mark()
+        client_protocol.mark(opt)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
     n = len(x)
@@ -82,7 +83,7 @@ def test_two_processes_give_the_one_process_update(optimizer):
     moved = max(float((p - q).abs().max()) for p, q in zip(one.parameters(), _model(6).parameters()))
     assert moved > 1e-2 and _max_diff(one, two) < 1e-6 * max(1.0, moved) + 1e-7
     if optimizer == "galore":  # the record the method uploads: the same exact update
-        u1, u2 = o1.export_update(), o2.export_update()
+        u1, u2 = client_protocol.export_update(o1), client_protocol.export_update(o2)
         w0 = dict(_model(6).named_parameters())
         for name in u1:
             d1, d2 = u1[name].materialize(w0[name].detach()), u2[name].materialize(w0[name].detach())

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fedgalore
+from fedgalore.optim import client_protocol, moment_exchange
 from fedgalore.federated.client import epoch_switch_step
 from fedgalore.methods.base import MethodError, get_method
 from fedgalore.optim.galore_adamw import GaLoreAdamW
@@ -44,7 +45,7 @@ def _client(switch, protocol="paper", steps=6, seed=0, m=96, n=64, r=4):
                         "moment_transfer": "squared" if aligned else "linear", "bias_correction": "weight" if aligned else "steps",
                         "seeded_from_step": switch}], lr=1e-2)
     opt.set_projection_seed(123)
-    opt.mark()
+    client_protocol.mark(opt)
     for _ in range(steps):
         ((x @ w.T - y) ** 2).mean().backward()
         opt.step()
@@ -56,17 +57,17 @@ def _client(switch, protocol="paper", steps=6, seed=0, m=96, n=64, r=4):
 def test_the_round_ends_on_R_k_and_the_upload_is_not_moved(protocol):
     opt, w = _client(3, protocol)
     st = opt.state[w]
-    r_k = opt.view_seed("w")
-    assert r_k == basis_seed(123, "w", 0) and st["basis_seed"] == r_k
-    terms = opt.export_update()["w"].terms
+    r_k = client_protocol.view_seed(opt, "w")
+    assert r_k == basis_seed(123, "w", 0) and st.basis_seed == r_k
+    terms = client_protocol.export_update(opt)["w"].terms
     assert isinstance(terms[0], LowRank) and isinstance(terms[1], SeededLowRank) and terms[1].seed == r_k
-    raw, evidence = st["exp_avg_sq"].clone(), opt._v_weight(opt.param_groups[0], st).clone()
-    view = opt.export_moments({"w": r_k}, buffer=protocol == "paper")["w"]
+    raw, evidence = st.exp_avg_sq.clone(), moment_exchange.v_weight(st, st.side, opt.param_groups[0]["betas"][1]).clone()
+    view = client_protocol.export_moments(opt, {"w": r_k}, buffer=protocol == "paper")["w"]
     if protocol == "paper":
         assert torch.equal(view.moment, raw) and view.weight is None  # Algorithm 1 line 10: the raw buffer, exactly
     else:
         torch.testing.assert_close(view.moment * view.weight[None, :], raw, rtol=1e-6, atol=1e-12)
-    d = opt.moment_diagnostics()["w"]
+    d = client_protocol.moment_diagnostics(opt)["w"]
     assert d["upload_kept"] == 1.0 and d["view_step_share"] == pytest.approx(3 / 6)
 
 
@@ -74,16 +75,16 @@ def test_the_step_schedule_never_reaches_R_k_and_its_upload_is_moved():
     """The defect as measured: τ = 50 over 6 steps, every step on the client's RSVD basis; moving
     the buffer onto the unrelated R_k keeps a small share of it (the review: 6.8 % at 96×64, r 4)."""
     opt, w = _client(-1)
-    opt.export_moments({"w": opt.view_seed("w")}, buffer=True)
-    d = opt.moment_diagnostics()["w"]
+    client_protocol.export_moments(opt, {"w": client_protocol.view_seed(opt, "w")}, buffer=True)
+    d = client_protocol.moment_diagnostics(opt)["w"]
     assert d["view_step_share"] == 0.0 and d["upload_kept"] < 0.5
 
 
 def test_no_refresh_after_the_switch_and_r_k_from_step_zero():
     opt, w = _client(0, steps=4)
     st = opt.state[w]
-    assert st["refresh"] == 1 and st["basis_seed"] == opt.view_seed("w")  # one basis, R_k, the whole round
-    assert opt.moment_diagnostics()["w"]["view_step_share"] == 1.0
+    assert st.refresh == 1 and st.basis_seed == client_protocol.view_seed(opt, "w")  # one basis, R_k, the whole round
+    assert client_protocol.moment_diagnostics(opt)["w"]["view_step_share"] == 1.0
 
 
 @pytest.mark.parametrize("group,match", [

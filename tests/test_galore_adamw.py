@@ -11,6 +11,8 @@ import types
 import pytest
 import torch
 
+from fedgalore.optim import client_protocol
+from fedgalore.optim.state import map_tensors
 from fedgalore.optim import GaLoreAdamW, GaLoreStateEntry, rebuild_delta
 from fedgalore.protocol.bases import basis_seed, seeded_basis
 from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank, decode, encode
@@ -91,7 +93,7 @@ def test_full_rank_rotated_basis_is_not_adamw():
         b.grads(t)
         opt.step()
         ref.step()
-    assert opt.export_state()["w"].rank == 32  # min(rank, m, n)
+    assert client_protocol.export_state(opt)["w"].rank == 32  # min(rank, m, n)
     rel = ((a.w - b.w).norm() / (b.w - Problem(1).w).norm()).item()
     assert rel > 0.05
 
@@ -109,7 +111,7 @@ def test_seeded_bases_follow_basis_seed_and_agree_across_instances():
         b.grads(t)
         oa.step()
         ob.step()
-        ea, eb = oa.export_state(), ob.export_state()
+        ea, eb = client_protocol.export_state(oa), client_protocol.export_state(ob)
         for name in ("w", "w2"):
             assert torch.equal(ea[name].basis, eb[name].basis)
             assert ea[name].seed == eb[name].seed
@@ -129,7 +131,7 @@ def test_seeded_bases_follow_basis_seed_and_agree_across_instances():
 def test_unnamed_params_fall_back_to_group_index_names():
     pr = Problem(0)
     opt = GaLoreAdamW([{"params": [pr.b]}, {"params": [pr.w, pr.w2], **_galore()}])
-    assert set(opt.export_state()) == {"g1.p0", "g1.p1"}
+    assert set(client_protocol.export_state(opt)) == {"g1.p0", "g1.p1"}
     assert opt.param_name(pr.b) == "g0.p0"
 
 
@@ -144,7 +146,7 @@ def test_schedule_switches_after_adaptive_proj_steps_round_and_global_scope():
             pr.grads(t)
             opt.step()
             if t % 3 == 0:
-                kinds.append("random" if opt.export_state()["w"].seed is not None else "data")
+                kinds.append("random" if client_protocol.export_state(opt)["w"].seed is not None else "data")
         return kinds
 
     assert run("round", 0) == ["data", "data", "random"]
@@ -172,11 +174,11 @@ def test_moment_transfer_at_refresh(transfer):
     for t in range(3):
         pr.grads(t)
         opt.step()
-    before = opt.export_state()
+    before = client_protocol.export_state(opt)
     pr.grads(3)
     grads = {"w": pr.w.grad.clone(), "w2": pr.w2.grad.clone()}
     opt.step()  # refresh q=1 happens inside this step
-    after = opt.export_state()
+    after = client_protocol.export_state(opt)
     for name in ("w", "w2"):
         e0, e1 = before[name], after[name]
         p_old, p_new, side = e0.basis, e1.basis, e0.side
@@ -208,8 +210,8 @@ def test_moment_transfer_at_refresh(transfer):
         torch.testing.assert_close(e1.exp_avg_sq, b2 * v_moved + (1 - b2) * r * r, atol=1e-9, rtol=1e-5)
         assert bool((e1.exp_avg_sq >= 0).all())
     if transfer == "reset":
-        assert opt.state[pr.w]["v_step"] == 1  # the cold v restarts its bias correction
-        assert opt.state[pr.w]["step"] == 4  # the first moment's counter does not
+        assert opt.state[pr.w].v_step == 1  # the cold v restarts its bias correction
+        assert opt.state[pr.w].step == 4  # the first moment's counter does not
 
 
 def test_squared_transfer_stays_nonnegative_over_many_refreshes():
@@ -218,7 +220,7 @@ def test_squared_transfer_stays_nonnegative_over_many_refreshes():
     for t in range(25):
         pr.grads(t)
         opt.step()
-        for e in opt.export_state().values():
+        for e in client_protocol.export_state(opt).values():
             assert bool((e.exp_avg_sq >= 0).all())
 
 
@@ -237,7 +239,7 @@ def _run_record(projector, steps=60, tau=7, compat=False, proj_type="std"):
         opt.step()
         sched.step()
     w0 = {"w": pr.w.detach().clone(), "w2": pr.w2.detach().clone()}
-    opt.mark()
+    client_protocol.mark(opt)
     for t in range(3, steps):
         pr.grads(t)
         opt.step()
@@ -248,7 +250,7 @@ def _run_record(projector, steps=60, tau=7, compat=False, proj_type="std"):
 @pytest.mark.parametrize("projector", ["rsvd_then_random", "svd", "identity"])
 def test_update_record_rebuilds_exact_delta(projector):
     opt, pr, w0 = _run_record(projector)
-    updates = opt.export_update()
+    updates = client_protocol.export_update(opt)
     for name, w in (("w", pr.w), ("w2", pr.w2)):
         up = updates[name]
         true = w.detach() - w0[name]
@@ -275,7 +277,7 @@ def test_update_record_exact_in_compat_mode():
     opt, pr, w0 = _run_record("svd", compat=True)
     for name, w in (("w", pr.w), ("w2", pr.w2)):
         true = w.detach() - w0[name]
-        rel = ((rebuild_delta(opt.export_update()[name], w0[name]) - true).norm() / true.norm()).item()
+        rel = ((rebuild_delta(client_protocol.export_update(opt)[name], w0[name]) - true).norm() / true.norm()).item()
         assert rel < 1e-5
 
 
@@ -283,12 +285,12 @@ def test_export_update_requires_mark():
     pr = Problem(0)
     opt = _opt(pr, **_galore())
     with pytest.raises(RuntimeError, match="mark"):
-        opt.export_update()
+        client_protocol.export_update(opt)
 
 
 # ----------------------------------------------------------------------------- warm start
 def _view_of(opt, name, **kw):
-    return opt.export_moments(**kw)[name]
+    return client_protocol.export_moments(opt, **kw)[name]
 
 
 @pytest.mark.parametrize("shape_name", ["w", "w2"])
@@ -304,17 +306,17 @@ def test_lift_then_warm_start_on_the_same_basis_returns_v_exactly(shape_name):
     b.grads(0)
     ob.step()  # b is on the same seeded basis (same round seed, refresh 0)
     va = _view_of(oa, shape_name)
-    assert va.basis is None and va.seed == ob.export_state()[shape_name].seed
+    assert va.basis is None and va.seed == client_protocol.export_state(ob)[shape_name].seed
     torch.testing.assert_close(va.weight, torch.full((4,), 1 - 0.999**4))
-    ob.load_second_moment(shape_name, va)
-    st = ob.export_state()[shape_name]
-    raw = oa.export_state()[shape_name].exp_avg_sq
+    client_protocol.load_second_moment(ob, shape_name, va)
+    st = client_protocol.export_state(ob)[shape_name]
+    raw = client_protocol.export_state(oa)[shape_name].exp_avg_sq
     torch.testing.assert_close(st.exp_avg_sq, raw, atol=0, rtol=1e-6)  # c·(V/c) = V
     torch.testing.assert_close(st.v_weight, va.weight)
     vb = _view_of(ob, shape_name)
     torch.testing.assert_close(vb.moment, va.moment, atol=0, rtol=1e-6)
     torch.testing.assert_close(vb.weight, va.weight)
-    assert ob.moment_diagnostics()[shape_name]["prior_retained"] == pytest.approx(1.0)
+    assert client_protocol.moment_diagnostics(ob)[shape_name]["prior_retained"] == pytest.approx(1.0)
 
 
 def _flip(view, j):
@@ -341,10 +343,10 @@ def test_warm_start_sign_flip_invariance(rule):
     for v in (view, _flip(view, 1)):
         pr = Problem(14)
         o = _opt(pr, **_galore(rank=4, tau=50, projector="svd", bias_correction=rule))
-        o.load_second_moment("w", v)  # pending: applied on the first (data-driven) basis
+        client_protocol.load_second_moment(o, "w", v)  # pending: applied on the first (data-driven) basis
         pr.grads(0)
         o.step()
-        states.append(o.export_state()["w"].exp_avg_sq)
+        states.append(client_protocol.export_state(o)["w"].exp_avg_sq)
     if rule == "weight":
         torch.testing.assert_close(states[0], states[1], atol=1e-9, rtol=1e-6)
     else:
@@ -363,7 +365,7 @@ def test_paper_warm_start_is_algorithm_1_as_written():
     g = _gen(12)
     x = torch.randn(64, 5, generator=g)
     b = torch.linalg.qr(torch.randn(32, 5, generator=g))[0].T  # (5 x 32), orthonormal rows
-    opt.load_second_moment("w", MomentView(x, "right", (64, 32), b))
+    client_protocol.load_second_moment(opt, "w", MomentView(x, "right", (64, 32), b))
     w_before = pr.w.detach().clone()
     pr.grads(0)
     grad = pr.w.grad.clone()
@@ -371,18 +373,18 @@ def test_paper_warm_start_is_algorithm_1_as_written():
     p = seeded_basis(basis_seed(1, "w", 0), 64, 32, 4, "right")
     v_loaded = (x @ (b @ p.T)).clamp(min=0)
     assert (x @ (b @ p.T) < 0).any()  # the clamp mattered
-    assert opt.moment_diagnostics()["w"]["warm_clamped"] == pytest.approx(float((x @ (b @ p.T) < 0).float().mean()))
+    assert client_protocol.moment_diagnostics(opt)["w"]["warm_clamped"] == pytest.approx(float((x @ (b @ p.T) < 0).float().mean()))
     rproj = grad @ p.T
     v = b2 * v_loaded + (1 - b2) * rproj * rproj
     m = (1 - b1) * rproj
-    e = opt.export_state()["w"]
+    e = client_protocol.export_state(opt)["w"]
     torch.testing.assert_close(e.exp_avg_sq, v, atol=1e-5 * v.abs().max().item(), rtol=1e-5)
     expected = w_before - lr / (1 - b1) * (m / ((v / (1 - b2)).sqrt() + eps)) @ p
     torch.testing.assert_close(pr.w.detach(), expected, atol=1e-6, rtol=1e-5)
     uncorrected = w_before - lr / (1 - b1) * (m / (v.sqrt() + eps)) @ p
     assert (uncorrected - expected).abs().max() > 1e-3  # the rule is observable
     # the upload of Algorithm 1 line 10 is the raw buffer, no evidence
-    up = opt.export_moments(buffer=True)["w"]
+    up = client_protocol.export_moments(opt, buffer=True)["w"]
     assert up.weight is None and up.seed == basis_seed(1, "w", 0)
     torch.testing.assert_close(up.moment, e.exp_avg_sq, atol=0, rtol=0)
 
@@ -397,7 +399,7 @@ def test_weight_rule_warm_start_transfers_prior_weights_and_debiases():
     x = torch.rand(64, 4, generator=g)
     b = torch.linalg.qr(torch.randn(32, 4, generator=g))[0].T
     c = torch.tensor([0.2, 0.05, 0.5, 0.0])
-    opt.load_second_moment("w", MomentView(x, "right", (64, 32), b, None, c))
+    client_protocol.load_second_moment(opt, "w", MomentView(x, "right", (64, 32), b, None, c))
     w_before = pr.w.detach().clone()
     pr.grads(0)
     grad = pr.w.grad.clone()
@@ -405,10 +407,10 @@ def test_weight_rule_warm_start_transfers_prior_weights_and_debiases():
     p = seeded_basis(basis_seed(3, "w", 0), 64, 32, 4, "right")
     cc = (b @ p.T) ** 2
     v0, c0 = (x * c) @ cc, c[None, :] @ cc
-    assert opt.moment_diagnostics()["w"]["prior_retained"] == pytest.approx(float(c0.sum() / c.sum()), rel=1e-5)
+    assert client_protocol.moment_diagnostics(opt)["w"]["prior_retained"] == pytest.approx(float(c0.sum() / c.sum()), rel=1e-5)
     r = grad @ p.T
     v, c1 = b2 * v0 + (1 - b2) * r * r, b2 * c0 + (1 - b2)
-    e = opt.export_state()["w"]
+    e = client_protocol.export_state(opt)["w"]
     torch.testing.assert_close(e.exp_avg_sq, v, atol=1e-9, rtol=1e-5)
     torch.testing.assert_close(e.v_weight, c1.flatten(), atol=1e-9, rtol=1e-5)
     expected = w_before - lr / (1 - b1) * (((1 - b1) * r) / ((v / c1).sqrt() + eps)) @ p
@@ -427,7 +429,7 @@ def test_weight_rule_without_warm_start_is_adamw_bias_correction():
         ob.step()
     for pa, pb in zip(a.params(), b.params()):
         torch.testing.assert_close(pa, pb, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(oa.export_state()["w"].v_weight, ob.export_state()["w"].v_weight)
+    torch.testing.assert_close(client_protocol.export_state(oa)["w"].v_weight, client_protocol.export_state(ob)["w"].v_weight)
 
 
 @pytest.mark.parametrize("transfer,rule", [("squared", "weight"), ("linear", "steps"), ("squared", "steps")])
@@ -440,10 +442,10 @@ def test_export_moments_on_the_seeded_view_basis(transfer, rule):
     for t in range(5):
         pr.grads(t)
         opt.step()
-    st = opt.export_state()["w"]
-    seed = opt.view_seed("w")
+    st = client_protocol.export_state(opt)["w"]
+    seed = client_protocol.view_seed(opt, "w")
     assert seed == basis_seed(0, "w", 0)
-    view = opt.export_moments({"w": seed, "w2": opt.view_seed("w2")})["w"]
+    view = client_protocol.export_moments(opt, {"w": seed, "w2": client_protocol.view_seed(opt, "w2")})["w"]
     assert view.basis is None and view.seed == seed
     r = seeded_basis(seed, 64, 32, 4, "right")
     c = st.basis @ r.T
@@ -451,10 +453,10 @@ def test_export_moments_on_the_seeded_view_basis(transfer, rule):
     w = st.v_weight[None, :] @ (c * c) if rule == "weight" else torch.full((1, 4), 1 - 0.999**5)
     torch.testing.assert_close(view.weight, w.flatten(), atol=1e-9, rtol=1e-5)
     torch.testing.assert_close(view.moment, raw / w, atol=1e-9, rtol=1e-4)
-    own = opt.export_moments()["w"]
+    own = client_protocol.export_moments(opt)["w"]
     torch.testing.assert_close(own.basis, st.basis)
     torch.testing.assert_close(own.moment, st.exp_avg_sq / st.v_weight[None, :])
-    buf = opt.export_moments({"w": seed}, buffer=True)["w"]  # Algorithm 1's raw buffer, moved the same way
+    buf = client_protocol.export_moments(opt, {"w": seed}, buffer=True)["w"]  # Algorithm 1's raw buffer, moved the same way
     assert buf.weight is None
     torch.testing.assert_close(buf.moment, raw, atol=1e-9, rtol=1e-5)
 
@@ -475,17 +477,17 @@ def test_track_cold_compares_with_the_cold_start_and_the_paper_rule_restarts_the
         pr = Problem(19)
         opt = _opt(pr, lr=1e-2, wd=0.0, **_galore(rank=4, tau=50, projector="svd", bias_correction=rule, track_cold=True))
         if prior is not None:
-            opt.load_second_moment("w", prior)
-        opt.mark()
+            client_protocol.load_second_moment(opt, "w", prior)
+        client_protocol.mark(opt)
         for t in range(6):
             pr.grads(t)
             opt.step()
-        return opt.moment_diagnostics()["w"], opt
+        return client_protocol.moment_diagnostics(opt)["w"], opt
     cold, opt = run("steps", None)
     assert cold["update_norm"] == pytest.approx(cold["update_norm_cold"], rel=1e-6)
     assert cold["v_ratio_median"] == pytest.approx(1.0, rel=1e-5)
     assert cold["update_ratio_max"] == pytest.approx(1.0, rel=1e-6) and cold["update_ratio_above"] == 0.0
-    delta = opt.export_update()["w"].materialize()
+    delta = client_protocol.export_update(opt)["w"].materialize()
     assert cold["update_norm"] == pytest.approx(float(delta.norm()), rel=1e-4)  # wd = 0: the whole update
     tiny = MomentView(torch.full((64, 4), 1e-12), "right", (64, 32), torch.eye(32)[:4])
     paper, _ = run("steps", tiny)
@@ -509,14 +511,14 @@ def test_aligned_prior_on_the_training_basis_never_steps_larger_than_cold_with_t
     opt = _opt(pr, lr=1e-2, wd=0.0, **_galore(rank=4, tau=50, projector="random", bias_correction="weight",
                                                track_cold=True, cap_to_cold=cap))
     opt.set_projection_seed(7)
-    opt.load_second_moment("w", _prior_on_training_basis(1e-9, 0.5))
-    opt.mark()
+    client_protocol.load_second_moment(opt, "w", _prior_on_training_basis(1e-9, 0.5))
+    client_protocol.mark(opt)
     for t in range(4):
         pr.grads(t)
         opt.step()
-    d = opt.moment_diagnostics()["w"]
+    d = client_protocol.moment_diagnostics(opt)["w"]
     assert d["prior_retained"] == pytest.approx(1.0, rel=1e-5)
-    summary = opt.update_ratio_summary()
+    summary = client_protocol.update_ratio_summary(opt)
     if cap:
         assert summary["update_ratio_max"] <= 1.0 + 1e-6
         assert summary["update_ratio_above"] == 0.0 and summary["update_ratio_p99"] <= 1.0 + 1e-6  # rounding
@@ -533,13 +535,13 @@ def test_cold_cap_keeps_a_larger_prior():
     opt = _opt(pr, lr=1e-2, wd=0.0, **_galore(rank=4, tau=50, projector="random", bias_correction="weight",
                                                track_cold=True, cap_to_cold=True))
     opt.set_projection_seed(7)
-    opt.load_second_moment("w", _prior_on_training_basis(1e3, 0.5))
-    opt.mark()
+    client_protocol.load_second_moment(opt, "w", _prior_on_training_basis(1e3, 0.5))
+    client_protocol.mark(opt)
     pr.grads(0)
     opt.step()
-    d = opt.moment_diagnostics()["w"]
+    d = client_protocol.moment_diagnostics(opt)["w"]
     assert d["update_norm"] < 0.5 * d["update_norm_cold"]
-    assert opt.update_ratio_summary()["update_ratio_max"] <= 1.0 + 1e-6
+    assert client_protocol.update_ratio_summary(opt)["update_ratio_max"] <= 1.0 + 1e-6
 
 
 def test_load_second_moment_bad_input():
@@ -547,21 +549,21 @@ def test_load_second_moment_bad_input():
     opt = _opt(pr, **_galore())
     good = MomentView(torch.zeros(64, 4), "right", (64, 32), torch.eye(32)[:4])
     with pytest.raises(KeyError):
-        opt.load_second_moment("nope", good)
+        client_protocol.load_second_moment(opt, "nope", good)
     with pytest.raises(TypeError, match="MomentView"):
-        opt.load_second_moment("w", torch.zeros(64, 4))
+        client_protocol.load_second_moment(opt, "w", torch.zeros(64, 4))
     with pytest.raises(ValueError, match="does not fit"):
-        opt.load_second_moment("w", MomentView(torch.zeros(64, 4), "right", (64, 33), torch.eye(33)[:4]))
+        client_protocol.load_second_moment(opt, "w", MomentView(torch.zeros(64, 4), "right", (64, 33), torch.eye(33)[:4]))
     with pytest.raises(ValueError, match="does not fit"):
-        opt.load_second_moment("w", MomentView(torch.zeros(63, 4), "right", (64, 32), torch.eye(32)[:4]))
+        client_protocol.load_second_moment(opt, "w", MomentView(torch.zeros(63, 4), "right", (64, 32), torch.eye(32)[:4]))
     with pytest.raises(ValueError, match="not a GaLore"):
-        opt.load_second_moment("b", good)
+        client_protocol.load_second_moment(opt, "b", good)
     with pytest.raises(ValueError, match="negative prior"):
-        opt.load_second_moment("w", MomentView(torch.zeros(64, 4), "right", (64, 32), torch.eye(32)[:4], None, -torch.ones(4)))
+        client_protocol.load_second_moment(opt, "w", MomentView(torch.zeros(64, 4), "right", (64, 32), torch.eye(32)[:4], None, -torch.ones(4)))
     bad = torch.zeros(64, 4)
     bad[0, 0] = float("nan")
     with pytest.raises(FloatingPointError):
-        opt.load_second_moment("w", MomentView(bad, "right", (64, 32), torch.eye(32)[:4]))
+        client_protocol.load_second_moment(opt, "w", MomentView(bad, "right", (64, 32), torch.eye(32)[:4]))
 
 
 # ----------------------------------------------------------------------------- official compat
@@ -664,8 +666,8 @@ def test_state_dict_round_trip_weights_only_and_bitwise_resume(extra):
     a = Problem(15)
     oa = make(a)
     if extra:  # a warm-started state (prior weights, warm diagnostics) survives the round trip too
-        oa.load_second_moment("w", MomentView(torch.rand(64, 4), "right", (64, 32), torch.eye(32)[:4], None, torch.full((4,), 0.3)))
-    oa.mark()
+        client_protocol.load_second_moment(oa, "w", MomentView(torch.rand(64, 4), "right", (64, 32), torch.eye(32)[:4], None, torch.full((4,), 0.3)))
+    client_protocol.mark(oa)
     for t in range(5):
         a.grads(t)
         oa.step()
@@ -690,8 +692,8 @@ def test_state_dict_round_trip_weights_only_and_bitwise_resume(extra):
         ob.step()
     for pa, pb in zip(a.params(), b.params()):
         assert torch.equal(pa, pb)
-    assert oa.moment_diagnostics() == ob.moment_diagnostics()
-    ua, ub = oa.export_update(), ob.export_update()
+    assert client_protocol.moment_diagnostics(oa) == client_protocol.moment_diagnostics(ob)
+    ua, ub = client_protocol.export_update(oa), client_protocol.export_update(ob)
     for name in ("w", "w2"):
         assert len(ua[name].terms) == len(ub[name].terms)
         assert torch.equal(rebuild_delta(ua[name], a.w if name == "w" else a.w2),
@@ -706,12 +708,12 @@ def test_bf16_params_keep_fp32_state_and_checkpoint_dtype():
         pr.grads(t)
         opt.step()
     assert pr.w.dtype == torch.bfloat16 and not torch.equal(pr.w, w0)
-    e = opt.export_state()["w"]
+    e = client_protocol.export_state(opt)["w"]
     assert e.exp_avg.dtype == e.exp_avg_sq.dtype == e.basis.dtype == torch.float32
     opt2 = _opt(Problem(16, dtype=torch.bfloat16), **_galore(tau=2, projector="rsvd"))
     opt2.load_state_dict(opt.state_dict())
-    assert opt2.export_state()["w"].exp_avg_sq.dtype == torch.float32
-    assert isinstance(opt2.export_state()["w"], GaLoreStateEntry)
+    assert client_protocol.export_state(opt2)["w"].exp_avg_sq.dtype == torch.float32
+    assert isinstance(client_protocol.export_state(opt2)["w"], GaLoreStateEntry)
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -766,13 +768,13 @@ def test_nonfinite_gradient_skip_policy_leaves_param_and_state_untouched():
     pr.grads(0)
     opt.step()
     snapshot = pr.state()
-    st = {k: v.clone() if torch.is_tensor(v) else v for k, v in opt.state[pr.w].items()}
+    st = map_tensors(opt.state[pr.w], lambda v: v.clone())  # a snapshot of the typed state
     pr.grads(1)
     pr.w.grad[0, 0] = float("nan")
     pr.b.grad[0] = float("inf")
     opt.step()
     assert torch.equal(pr.w, snapshot[0]) and torch.equal(pr.b, snapshot[2])
     assert not torch.equal(pr.w2, snapshot[1])  # the finite parameter still stepped
-    assert opt.state[pr.w]["skipped"] == 1 and opt.state[pr.b]["skipped"] == 1
-    assert opt.state[pr.w]["step"] == st["step"]
-    assert torch.equal(opt.state[pr.w]["exp_avg"], st["exp_avg"])
+    assert opt.state[pr.w].skipped == 1 and opt.state[pr.b].skipped == 1
+    assert opt.state[pr.w].step == st.step
+    assert torch.equal(opt.state[pr.w].exp_avg, st.exp_avg)

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from fedgalore.optim import client_protocol
 from fedgalore.optim import GaLoreAdamW, rebuild_delta
 from fedgalore.optim import kernels as step_kernels
 from fedgalore.optim import plain_adamw
@@ -84,7 +85,7 @@ def test_step_matches_float64_reference(kernels, side, wd):
     for t in range(1, 7):
         p.grad = _grad(shape, t)
         opt.step()
-        basis = opt.state[p]["basis"].double()
+        basis = opt.state[p].basis.double()
         g = p.grad.double()
         r = g @ basis.T if side == "right" else basis.T @ g
         m = (1 - B1) * r if m is None else B1 * m + (1 - B1) * r
@@ -94,8 +95,8 @@ def test_step_matches_float64_reference(kernels, side, wd):
         w = (1 - LR * wd) * w - LR / (1 - B1**t) * SCALE * full
     w0 = _param(shape).detach().double()
     assert _rel(p.detach().double() - w0, w - w0) < 1e-5
-    assert _rel(opt.state[p]["exp_avg"].double(), m) < 1e-5
-    assert _rel(opt.state[p]["exp_avg_sq"].double(), v) < 1e-5
+    assert _rel(opt.state[p].exp_avg.double(), m) < 1e-5
+    assert _rel(opt.state[p].exp_avg_sq.double(), v) < 1e-5
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -105,14 +106,14 @@ def test_compat_step_matches_float64_reference(kernels, side):
     p = _param(shape)
     group = {"params": [("w", p)], "rank": 8, "update_proj_gap": 10**6, "scale": SCALE, "projector": "random"}
     opt = GaLoreAdamW([group], lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD, galore_torch_compat=True)
-    opt.mark()
+    client_protocol.mark(opt)
     w = p.detach().double().clone()
     w0 = w.clone()
     m = v = None
     for t in range(1, 7):
         p.grad = _grad(shape, t)
         opt.step()
-        basis = opt.state[p]["basis"].double()
+        basis = opt.state[p].basis.double()
         g = p.grad.double()
         r = g @ basis.T if side == "right" else basis.T @ g
         m = (1 - B1) * r if m is None else B1 * m + (1 - B1) * r
@@ -123,7 +124,7 @@ def test_compat_step_matches_float64_reference(kernels, side):
         w = (w - step * SCALE * full) * (1 - LR * WD)
     assert _rel(p.detach().double() - w0, w - w0) < 1e-5
     true = p.detach() - w0.float()
-    assert _rel(rebuild_delta(opt.export_update()["w"], w0.float()), true) < 1e-5
+    assert _rel(rebuild_delta(client_protocol.export_update(opt)["w"], w0.float()), true) < 1e-5
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -135,19 +136,19 @@ def test_record_rebuilds_delta_with_track_cold(kernels, side, mode):
     shape = SHAPES[side]
     p = _param(shape)
     opt = _galore_opt(p, projector="rsvd_then_random", update_proj_gap=3, track_cold=True, bias_correction=mode)
-    opt.mark()
+    client_protocol.mark(opt)
     w0 = p.detach().clone()
     for t in range(8):
         p.grad = _grad(shape, t)
         opt.step()
     true = p.detach() - w0
-    rebuilt = rebuild_delta(opt.export_update()["w"], w0)
+    rebuilt = rebuild_delta(client_protocol.export_update(opt)["w"], w0)
     assert true.norm() > 0.5
     assert _rel(rebuilt, true) < 1e-5
     if mode == "steps":
         st = opt.state[p]
-        assert _rel(st["rec_cold"], st["rec_coef"]) < 1e-5
-        d = opt.moment_diagnostics()["w"]
+        assert _rel(st.record.cold, st.record.coef) < 1e-5
+        d = client_protocol.moment_diagnostics(opt)["w"]
         assert d["update_norm_cold"] == pytest.approx(d["update_norm"], rel=1e-5)
 
 
@@ -165,15 +166,15 @@ def test_fast_and_plain_kernels_agree_with_warm_start_and_cold(monkeypatch):
         opt = _galore_opt(p, projector="random", update_proj_gap=4, track_cold=True)
         p.grad = _grad(shape, 0)
         opt.step()
-        view = opt.export_moments()["w"]
+        view = client_protocol.export_moments(opt)["w"]
         view = type(view)(view.moment * 3.0 + 1e-3, view.side, view.shape, view.basis, view.seed, view.weight)
-        opt.load_second_moment("w", view)
-        opt.mark()
+        client_protocol.load_second_moment(opt, "w", view)
+        client_protocol.mark(opt)
         w0 = p.detach().clone()
         for t in range(1, 7):
             p.grad = _grad(shape, t)
             opt.step()
-        out[name] = (p.detach().clone(), rebuild_delta(opt.export_update()["w"], w0), opt.moment_diagnostics()["w"], w0)
+        out[name] = (p.detach().clone(), rebuild_delta(client_protocol.export_update(opt)["w"], w0), client_protocol.moment_diagnostics(opt)["w"], w0)
     (pf, df, gf, w0), (pp, dp, gp, _) = out["fast"], out["plain"]
     assert _rel(pf - w0, pp - w0) < 1e-5
     assert _rel(df, pf - w0) < 1e-5
@@ -191,7 +192,7 @@ def _blind_basis(opt, p, side):
     st = opt.state[p]
     m, n = p.shape
     eye = torch.eye(n if side == "right" else m, 8)
-    st["basis"] = eye.T.contiguous() if side == "right" else eye.contiguous()
+    st.basis = eye.T.contiguous() if side == "right" else eye.contiguous()
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -216,12 +217,12 @@ def test_nonfinite_G_caught_through_zero_basis_entries(kernels, side, bad):
     opt.step()
     _blind_basis(opt, q, side)
     before = q.detach().clone()
-    m_before = opt.state[q]["exp_avg"].clone()
+    m_before = opt.state[q].exp_avg.clone()
     q.grad = _grad(shape, 1)
     q.grad[-1, -1] = bad
     opt.step()
-    assert torch.equal(q.detach(), before) and torch.equal(opt.state[q]["exp_avg"], m_before)
-    assert opt.state[q]["skipped"] == 1 and opt.state[q]["step"] == 1
+    assert torch.equal(q.detach(), before) and torch.equal(opt.state[q].exp_avg, m_before)
+    assert opt.state[q].skipped == 1 and opt.state[q].step == 1
 
 
 def test_kernel_that_drops_nonfinite_gets_G_checked(monkeypatch):
@@ -280,8 +281,8 @@ def test_plain_group_matches_torch_adamw(wd):
         ref.step()
     for pa, pb in zip(a, b):
         torch.testing.assert_close(pa, pb, rtol=1e-6, atol=1e-7)
-        torch.testing.assert_close(opt.state[pa]["exp_avg_sq"], ref.state[pb]["exp_avg_sq"], rtol=1e-6, atol=1e-9)
-        assert opt.state[pa]["step"] == 10 and isinstance(opt.state[pa]["step"], int)
+        torch.testing.assert_close(opt.state[pa].exp_avg_sq, ref.state[pb]["exp_avg_sq"], rtol=1e-6, atol=1e-9)
+        assert opt.state[pa].step == 10 and isinstance(opt.state[pa].step, int)
 
 
 def test_plain_group_nonfinite_raise_and_skip_keep_per_parameter_semantics():
@@ -301,8 +302,8 @@ def test_plain_group_nonfinite_raise_and_skip_keep_per_parameter_semantics():
     _plain_grads(params, 0)
     params[1].grad[0, 0] = float("inf")
     opt.step()
-    assert torch.equal(params[1], before[1]) and opt.state[params[1]]["skipped"] == 1
-    assert opt.state[params[1]]["step"] == 0
+    assert torch.equal(params[1], before[1]) and opt.state[params[1]].skipped == 1
+    assert opt.state[params[1]].step == 0
     assert not torch.equal(params[0], before[0]) and not torch.equal(params[2], before[2])
 
 

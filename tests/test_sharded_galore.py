@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from fedgalore.optim import client_protocol
 from fedgalore.optim import GaLoreAdamW
 
 dist_tensor = pytest.importorskip("torch.distributed.tensor")
@@ -73,15 +74,15 @@ def _warm_views() -> dict:
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    return opt.export_moments()
+    return client_protocol.export_moments(opt)
 
 
 def _train(model: nn.Module, variant: dict, rows: slice, rank: int) -> dict:
     opt = _opt(model, variant)
     if variant.get("warm"):
         for name, view in _warm_views().items():
-            opt.load_second_moment(name, view)
-    opt.mark()
+            client_protocol.load_second_moment(opt, name, view)
+    client_protocol.mark(opt)
     xs, ys = _data()
     for t, (x, y) in enumerate(zip(xs, ys)):
         nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
@@ -98,11 +99,11 @@ def _train(model: nn.Module, variant: dict, rows: slice, rank: int) -> dict:
             opt.load_state_dict(saved)
     whole = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
     w0 = {n: p.detach() for n, p in _model().named_parameters()}
-    exported = opt.export_update()
+    exported = client_protocol.export_update(opt)
     updates = {n: u.materialize(w0[n]) for n, u in exported.items()}  # ΔW = decay·W0 + Σ terms
     decays = {n: u.decay for n, u in exported.items()}
-    moments = {n: v.moment.clone() for n, v in opt.export_moments().items()}
-    skipped = {n: int(opt.state[p]["skipped"]) for n, p in model.named_parameters()}
+    moments = {n: v.moment.clone() for n, v in client_protocol.export_moments(opt).items()}
+    skipped = {n: int(opt.state[p].skipped) for n, p in model.named_parameters()}
     return {"weights": whole, "updates": updates, "decays": decays, "moments": moments, "skipped": skipped}
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import fedgalore
+from fedgalore.optim import client_protocol
 from fedgalore.methods.base import MethodError, get_method
 from fedgalore.optim.galore_adamw import GaLoreAdamW
 from fedgalore.protocol.bases import basis_seed
@@ -67,9 +68,9 @@ def _opt(scale: float, shape: torch.Tensor, weight: float = 0.2):
     opt = GaLoreAdamW([{"params": [("w", w)], "rank": 4, "update_proj_gap": 50, "projector": "random",
                         "moment_transfer": "squared", "bias_correction": "weight", "warm_scale": "gradient"}], lr=1e-2)
     opt.set_projection_seed(5)
-    seed = opt.view_seed("w")
-    opt.load_second_moment("w", MomentView(scale * shape, "right", (12, 10), None, seed, torch.full((4,), weight)))
-    opt.mark()
+    seed = client_protocol.view_seed(opt, "w")
+    client_protocol.load_second_moment(opt, "w", MomentView(scale * shape, "right", (12, 10), None, seed, torch.full((4,), weight)))
+    client_protocol.mark(opt)
     ((x @ w.T - y) ** 2).mean().backward()
     r = w.grad @ MomentView(shape, "right", (12, 10), None, seed).basis_matrix().T  # R = G Pᵀ (right side)
     opt.step()
@@ -84,8 +85,8 @@ def test_gradient_warm_scale_keeps_the_shape_and_takes_the_clients_scale():
     # after the step: V = β₂·(s·shape·c0) + (1−β₂)R², c = β₂c0 + (1−β₂); s = mean(R²)/mean(shape)
     s = float((r * r).mean()) / float(shape.mean())
     expect = b2 * s * shape * c0 + (1 - b2) * r * r
-    torch.testing.assert_close(st["exp_avg_sq"], expect, rtol=1e-4, atol=1e-12)
-    assert opt.moment_diagnostics()["w"]["warm_rescale"] == pytest.approx(s, rel=1e-5)
+    torch.testing.assert_close(st.exp_avg_sq, expect, rtol=1e-4, atol=1e-12)
+    assert client_protocol.moment_diagnostics(opt)["w"]["warm_rescale"] == pytest.approx(s, rel=1e-5)
     # the prior's own scale does not matter: ×1000 gives the same weights
     opt2, w2, _ = _opt(1000.0, shape)
     torch.testing.assert_close(w2.detach(), w.detach(), rtol=1e-5, atol=1e-7)

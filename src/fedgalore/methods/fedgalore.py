@@ -16,7 +16,7 @@ Projector schedule (option ``projector_schedule``; paper §4 "SVD-to-random proj
 projectors in early local epochs, a seeded random projector in later ones; App. E). ``epoch``
 (default): the client's GaLoreAdamW refreshes a data-driven (RSVD) basis at local steps 0, τ, 2τ, …
 of its first ``adaptive_epochs`` local epochs, then switches to the round's seeded basis R_k =
-``seeded_basis(basis_seed(s_k, name, 0))`` (``GaLoreAdamW.view_seed``) and keeps it to the end of
+``seeded_basis(basis_seed(s_k, name, 0))`` (``client_protocol.view_seed``) and keeps it to the end of
 the round (:func:`fedgalore.federated.client.epoch_switch_step`). So with E ≥ 2 every client ends
 the round on R_k: its second-moment view is already on Algorithm 1's shared basis and is uploaded
 as it is (paper mode: the raw buffer, exactly). ``share``: the same with the first
@@ -45,7 +45,7 @@ the rules for the moment and its evidence: :mod:`fedgalore.protocol.second_momen
   evidence; under the epoch schedule every client ends the round on R_k and sends ṽ_T exactly; a
   client whose last basis is not R_k (``projector_schedule: steps``) moves ṽ there by
   ``moment_transfer`` first (the paper does not say what such a client sends: our reading);
-  line 13: the views V_i = ṽ_i R_kᵀ on the round's seeded basis R_k (``GaLoreAdamW.view_seed``:
+  line 13: the views V_i = ṽ_i R_kᵀ on the round's seeded basis R_k (``client_protocol.view_seed``:
   seed s_k and the parameter only), identical for every client; the upload carries the seed;
   line 12–14: v̄ = AJIVE's joint component (+ the centring mean; AJIVE's k = r), pooled with the
   client weights p̃_i (:func:`fedgalore.sync.synchronize_moments`; the paper does not state the
@@ -130,6 +130,7 @@ from fedgalore.optim.galore_adamw import (
     PROJECTORS,
     GaLoreAdamW,
 )
+from fedgalore.optim import client_protocol
 from fedgalore.optim.projector import PROJ_TYPES
 from fedgalore.protocol import downlink
 from fedgalore.protocol.bases import basis_seed
@@ -416,10 +417,10 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
                         # a shape without evidence of its own: the evidence a client's round of these
                         # steps would carry, 1 − β₂^T (the optimizer rescales it to this client's gradient)
                         view = replace(view, weight=torch.full((view.rank,), 1.0 - tc.betas[1] ** max(total, 1)))
-                    opt.load_second_moment(n, view)
-        opt.mark()
+                    client_protocol.load_second_moment(opt, n, view)
+        client_protocol.mark(opt)
         stats = local_train(model, opt, ctx, params.values())
-        updates = opt.export_update()
+        updates = client_protocol.export_update(opt)
         entries: dict[str, Any] = dict(updates)
         for n in self.heads:
             entries[n] = Dense(params[n].detach().float().cpu() - start[n].float())
@@ -428,14 +429,14 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             seeded = self.options.view_basis == "seeded"
             # Algorithm 1 line 10: the raw buffer (paper); the estimate with its evidence (aligned).
             # A client that ends the round on R_k (epoch schedule) sends it as it is: no move.
-            views = opt.export_moments({n: opt.view_seed(n) for n in self.targets} if seeded else None,
-                                       buffer=not self.aligned)
+            views = client_protocol.export_moments(opt, {n: client_protocol.view_seed(opt, n) for n in self.targets}
+                                                   if seeded else None, buffer=not self.aligned)
             for n, view in views.items():
                 entries[f"moment/{n}"] = _share_basis(view, updates[n])
         if ctx.diagnostics:
-            meta.update(_client_diagnostics(opt.moment_diagnostics()))
+            meta.update(_client_diagnostics(client_protocol.moment_diagnostics(opt)))
             if self.synced:
-                meta.update(opt.update_ratio_summary())
+                meta.update(client_protocol.update_ratio_summary(opt))
         return Payload(entries, meta)
     # ------------------------------------------------------------------ A
     def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: RoundContext):

@@ -25,22 +25,20 @@ bucket; no recompilation across steps).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
-__all__ = ["MomentBuckets", "adam_moments", "bucket_key", "compiled_moments", "per_matrix", "stack_or_one"]
+from fedgalore.optim.state import STACKED, GaLoreParamState
 
-#: the state tensors a bucket stacks (in this order), when a matrix has them
-STACKED = ("exp_avg", "exp_avg_sq", "v_weight", "cold_v")
+__all__ = ["MomentBuckets", "MomentStack", "adam_moments", "bucket_key", "compiled_moments", "per_matrix", "stack_or_one"]
 
-
-def bucket_key(state: dict[str, Any]) -> tuple:
+def bucket_key(state: GaLoreParamState) -> tuple:
     """Which bucket a GaLore matrix's moments belong to: device, dtype, the shape of ``M`` and of
     the evidence ``c`` (or None), and whether it has a shadow cold moment."""
-    m = state["exp_avg"]
-    w8 = state.get("v_weight")
-    return (m.device, m.dtype, tuple(m.shape), None if w8 is None else tuple(w8.shape), "cold_v" in state)
+    m, evidence = state.exp_avg, state.v_weight
+    return (m.device, m.dtype, tuple(m.shape), None if evidence is None else tuple(evidence.shape), state.cold_v is not None)
 
 
 def per_matrix(values: list[float], like: torch.Tensor, tensor: bool = False) -> torch.Tensor | float:
@@ -58,32 +56,43 @@ def stack_or_one(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.stack(tensors)
 
 
+@dataclass
+class MomentStack:
+    """A bucket's moments, ``[B, a, b]`` stacks (or one matrix's own tensors): ``M``, ``V`` and,
+    when the bucket has them, the evidence ``c`` and the shadow cold moment."""
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    v_weight: Optional[torch.Tensor] = None
+    cold_v: Optional[torch.Tensor] = None
+
+
 class MomentBuckets:
     """The persistent stacks of an optimizer's buckets (keyed by group index and :func:`bucket_key`)."""
 
     def __init__(self) -> None:
         self._stacks: dict[tuple, dict[str, Any]] = {}
 
-    def bind(self, key: tuple, states: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    def bind(self, key: tuple, states: list[GaLoreParamState]) -> MomentStack:
         """The stacks of ``states`` (one bucket, in this order), each state's tensors views into
         them: the stored stacks when every slot still is its matrix's tensor, else new stacks (the
         tensors copied in, the states re-pointed at their views)."""
-        names = [n for n in STACKED if n in states[0]]
+        names = [n for n in STACKED if getattr(states[0], n) is not None]  # the state's fields, by name
         held = self._stacks.get(key)
         if held is not None and held["ids"] == [id(s) for s in states] and all(
-            s[n].data_ptr() == ptr and s[n].shape == shape
+            getattr(s, n).data_ptr() == ptr and getattr(s, n).shape == shape
             for n in names for s, ptr, shape in zip(states, held["slots"][n], held["shapes"][n])
         ):  # every state still holds its slot (the held stacks keep that memory theirs: no other tensor starts there)
-            return held["stacks"]
-        stacks = {n: torch.stack([s[n] for s in states]) for n in names}
+            return MomentStack(**held["stacks"])
+        stacks = {n: torch.stack([getattr(s, n) for s in states]) for n in names}
         slots: dict[str, list[int]] = {n: [] for n in names}
         for i, s in enumerate(states):
             for n in names:
-                s[n] = stacks[n][i]
-                slots[n].append(s[n].data_ptr())
+                setattr(s, n, stacks[n][i])
+                slots[n].append(getattr(s, n).data_ptr())
         self._stacks[key] = {"ids": [id(s) for s in states], "stacks": stacks, "slots": slots,
-                             "shapes": {n: [s[n].shape for s in states] for n in names}}
-        return stacks
+                             "shapes": {n: [getattr(s, n).shape for s in states] for n in names}}
+        return MomentStack(**stacks)
 
 
 def adam_moments(r: torch.Tensor, m: torch.Tensor, v: torch.Tensor, b1: float, b2: float, eps: torch.Tensor | float,
@@ -94,7 +103,7 @@ def adam_moments(r: torch.Tensor, m: torch.Tensor, v: torch.Tensor, b1: float, b
     ``M ← lerp(M, R, 1−β₁)``, ``V ← β₂V + (1−β₂) R∘R`` (the shadow ``cold_v`` alike),
     ``c ← β₂c + (1−β₂)`` for the evidence ``c``; ``U = M / (√(V/c) + ε)`` with evidence, else
     ``U = M / (√V + ε·c₂)`` (``eps`` per matrix, ``[B,1,1]``: AdamW's bias correction of ``V`` moved
-    into ε, see :meth:`fedgalore.optim.GaLoreAdamW._galore_prepare`); with ``cold_cap`` (``[B,1,1]``,
+    into ε, see :func:`fedgalore.optim.functional._ready`); with ``cold_cap`` (``[B,1,1]``,
     ``1/(1−β₂^s)`` or 0) the estimate is ``max(V/c, cold_cap · cold_v)`` (the aligned protocol's cap).
     ``compat``: the official galore-torch rule, ``M ← β₁M + (1−β₁)R``, ``U = M / (√V + ε)``.
 

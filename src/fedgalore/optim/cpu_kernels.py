@@ -1,6 +1,6 @@
 """AVX2/FMA kernels for the rank-``r`` GEMMs of a GaLore step on one CPU core (issue 18).
 
-A normal GaLore step (:meth:`fedgalore.optim.GaLoreAdamW._galore_group_step`) spends nearly all of its
+A normal GaLore step (:func:`fedgalore.optim.functional.galore_group_step`) spends nearly all of its
 time in two skinny GEMMs over the ``m × n`` matrix: the projection ``R = G Pᵀ`` (right) /
 ``Pᵀ G`` (left) and the decay + back-projection ``W ← d W + c U P`` / ``d W + c P U``. At
 ``r = 8`` they are compute-bound on a core like this box's (``2 r = 16`` flops per weight each,
@@ -73,11 +73,11 @@ def _supported() -> Optional[str]:
 
 def _build() -> Path:
     """The compiled library (built once per source, flags and compiler; cached)."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
         raise RuntimeError("no C compiler (set CC, or install cc/gcc)")
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *FLAGS]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(src + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
     out_dir = _cache_root() / "kernels"
     lib = out_dir / f"rank_r_avx2-{key}.so"
     if lib.exists():
@@ -86,9 +86,9 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".so.tmp", dir=out_dir)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:300]}")
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[:300]}")
         os.replace(tmp, lib)
     finally:
         if os.path.exists(tmp):
@@ -137,8 +137,8 @@ def _probe(lib: ctypes.CDLL) -> Optional[str]:
         m0, v0 = torch.randn(rows, cols, generator=gen), torch.rand(rows, cols, generator=gen)
         w0 = torch.rand(rows if per_row else cols, generator=gen) + 0.1
         for b1 in (0.9, 0.3):
-            m, v, cv, w8, u = m0.clone(), v0.clone(), v0.clone(), w0.clone(), torch.empty(rows, cols)
-            ok = _moments(lib, r_, m, v, cv, w8, u, per_row, b1, 0.99, 1e-3)
+            m, v, cv, evidence, u = m0.clone(), v0.clone(), v0.clone(), w0.clone(), torch.empty(rows, cols)
+            ok = _moments(lib, r_, m, v, cv, evidence, u, per_row, b1, 0.99, 1e-3)
             wb = (w0 * 0.99 + 0.01)[:, None] if per_row else (w0 * 0.99 + 0.01)[None, :]
             v_ref = v0 * 0.99 + 0.01 * r_ * r_
             m_ref = torch.lerp(m0, r_, 1.0 - b1)
@@ -147,9 +147,9 @@ def _probe(lib: ctypes.CDLL) -> Optional[str]:
                     and torch.equal(v, cv) and torch.allclose(u, u_ref, rtol=1e-4, atol=1e-6)):
                 return f"adam_moments ({rows}x{cols}, b1={b1}) disagrees with torch"
             # the cold cap: S = max(V / c, CV / (1 - b2^s)), here with a cold shadow 3x the warm V
-            m, v, w8, u = m0.clone(), v0.clone(), w0.clone(), torch.empty(rows, cols)
+            m, v, evidence, u = m0.clone(), v0.clone(), w0.clone(), torch.empty(rows, cols)
             cv = 3.0 * v0
-            ok = _moments(lib, r_, m, v, cv, w8, u, per_row, b1, 0.99, 1e-3, cap=1.0 / 0.5)
+            ok = _moments(lib, r_, m, v, cv, evidence, u, per_row, b1, 0.99, 1e-3, cap=1.0 / 0.5)
             s_ref = torch.maximum(v_ref / wb, (3.0 * v0 * 0.99 + 0.01 * r_ * r_) / 0.5)
             if not (ok and torch.allclose(u, m_ref / (s_ref.sqrt() + 1e-3), rtol=1e-4, atol=1e-6)):
                 return f"adam_moments with the cold cap ({rows}x{cols}, b1={b1}) disagrees with torch"
@@ -230,12 +230,12 @@ def _back(lib: ctypes.CDLL, w: torch.Tensor, u: torch.Tensor, basis: torch.Tenso
 
 
 def _moments(lib: ctypes.CDLL, r: torch.Tensor, m: torch.Tensor, v: torch.Tensor, cv: Optional[torch.Tensor],
-             w8: Optional[torch.Tensor], u: torch.Tensor, per_row: int, b1: float, b2: float, eps: float,
+             evidence: Optional[torch.Tensor], u: torch.Tensor, per_row: int, b1: float, b2: float, eps: float,
              cap: float = 0.0) -> bool:
     ptr = (lambda t: None if t is None else t.data_ptr())
     # 1 - beta in double, then rounded to fp32: as torch's ``lerp_(r, 1 - b1)`` / ``value=1 - b2``
     # (an fp32 1 - 0.999 is off by 1.3e-5 relative)
-    return bool(lib.adam_moments(r.data_ptr(), m.data_ptr(), v.data_ptr(), ptr(cv), ptr(w8), u.data_ptr(),
+    return bool(lib.adam_moments(r.data_ptr(), m.data_ptr(), v.data_ptr(), ptr(cv), ptr(evidence), u.data_ptr(),
                                  r.shape[0], r.shape[1], per_row, 1.0 - b1, b2, 1.0 - b2, eps, cap))
 
 

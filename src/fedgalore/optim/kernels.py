@@ -114,7 +114,7 @@ def decay_back_project(w: torch.Tensor, u: torch.Tensor, basis: Optional[torch.T
     """``W <- decay W + coef U P`` (right) / ``decay W + coef P U`` (left) / ``decay W + coef U``
     (identity, ``basis is None``), in place: one read and one write of ``W``.
 
-    torch order (decay first, then the update), as :meth:`fedgalore.optim.GaLoreAdamW._galore_finish` documents.
+    torch order (decay first, then the update), as :func:`fedgalore.optim.functional._finish` documents.
     ``addmm_``'s ``beta`` would fold the decay into the GEMM, but MKL scales ``C`` in a separate
     pass and measured slower than ``mul_`` + ``addmm_`` (benchmarks/RESULTS.md §1); instead, on
     CPU, the two run per row block of :data:`BLOCK_BYTES`, so the GEMM finds its rows in cache —

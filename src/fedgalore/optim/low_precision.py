@@ -13,28 +13,30 @@ from typing import Any
 
 import torch
 
+from fedgalore.optim.state import GaLoreParamState
+
 __all__ = ["MODES", "working_weight", "store_weight"]
 
 MODES = ("compensated", "master", "off")
 
 
-def working_weight(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any]) -> torch.Tensor:
+def working_weight(p: torch.Tensor, group: dict[str, Any], state: GaLoreParamState) -> torch.Tensor:
     """The fp32 weight this step updates: ``p`` (fp32); the master copy (``master``); ``p + c``
     (``compensated``); ``p`` cast to fp32 (``off``)."""
     if p.dtype == torch.float32:
         return p
     mode = group["low_precision"]
     if mode == "master":
-        if "master" not in state:
-            state["master"] = p.detach().float()
-        return state["master"]
+        if state.master is None:
+            state.master = p.detach().float()
+        return state.master
     w = p.float()
-    if mode == "compensated" and "comp" in state:
-        w.add_(state["comp"])
+    if mode == "compensated" and state.comp is not None:
+        w.add_(state.comp)
     return w
 
 
-def store_weight(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], w: torch.Tensor) -> None:
+def store_weight(p: torch.Tensor, group: dict[str, Any], state: GaLoreParamState, w: torch.Tensor) -> None:
     """Write the updated fp32 weight ``w`` back into ``p`` (rounded to its dtype) and, under
     ``compensated``, keep what the rounding lost, ``c = w − round(w)``, in ``p``'s dtype."""
     if w is p:
@@ -42,7 +44,7 @@ def store_weight(p: torch.Tensor, group: dict[str, Any], state: dict[str, Any], 
     p.copy_(w)
     if group["low_precision"] == "compensated":
         lost = w.sub_(p)  # w − round(w), computed in fp32 (w is a scratch copy here)
-        if "comp" in state:
-            state["comp"].copy_(lost)
+        if state.comp is not None:
+            state.comp.copy_(lost)
         else:
-            state["comp"] = lost.to(p.dtype)
+            state.comp = lost.to(p.dtype)

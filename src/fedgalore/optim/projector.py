@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from fedgalore.protocol.bases import change_of_basis  # the one change of basis, shared with sync
+
 __all__ = [
     "PROJ_TYPES",
     "resolve_side",
@@ -97,16 +99,6 @@ def rsvd_basis(
     if side == "right":
         return _range_finder_left(a.T, rank, gen, oversample, niter).T.contiguous()
     return _range_finder_left(a, rank, gen, oversample, niter).contiguous()
-
-
-def change_of_basis(p_old: torch.Tensor, p_new: torch.Tensor, side: str) -> torch.Tensor:
-    """``C (r_old x r_new)`` mapping old projected coordinates to new ones (docs/design.md §3.1).
-
-    Right: ``C = P_old P_new^T`` and ``M_new = M_old C``. Left: ``C = P_new^T P_old`` and
-    ``M_new = C M_old``. Exact for the component of ``M`` lifted to the full space that lies in
-    ``span(P_new)``; the rest is dropped.
-    """
-    return p_old @ p_new.T if side == "right" else p_new.T @ p_old
 
 
 def project(g: torch.Tensor, p: torch.Tensor, side: str) -> torch.Tensor:

@@ -12,7 +12,7 @@ Two schedules, by the group key ``seeded_from_step``:
   is the same), none after it, so the round ends on ``R_k``.
 
 Pure functions of the group's settings and the matrix's state (``step``, ``basis``, ``on_view``);
-:meth:`fedgalore.optim.galore_adamw.GaLoreAdamW._refresh` applies what they decide.
+:func:`fedgalore.optim.functional.refresh` applies what they decide.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from fedgalore.optim.projector import rsvd_basis, svd_basis
+from fedgalore.optim.state import GaLoreParamState
 from fedgalore.protocol.bases import basis_seed, seeded_basis
 
 __all__ = ["basis_kind", "refresh_due", "new_basis", "view_seed"]
@@ -41,17 +42,17 @@ def basis_kind(group: dict[str, Any], q: int, step: int = 0) -> str:
     return kind
 
 
-def refresh_due(group: dict[str, Any], state: dict[str, Any]) -> bool:
+def refresh_due(group: dict[str, Any], state: GaLoreParamState) -> bool:
     """Whether this step starts with a refresh: at the first step; then every ``τ =
     update_proj_gap`` steps — under the epoch schedule (``seeded_from_step = s``) only
     before step ``s``, once at step ``s`` (the switch to ``R_k``), and never after it, so
     the round ends on ``R_k``."""
-    if "basis" not in state:
+    if state.basis is None:
         return True
-    t, switch = state["step"], group["seeded_from_step"]
+    t, switch = state.step, group["seeded_from_step"]
     if switch >= 0 and group["projector"].endswith("_then_random"):
         if t >= switch:
-            return t == switch and not state.get("on_view", 0)
+            return t == switch and not state.on_view
     return t % group["update_proj_gap"] == 0
 
 

@@ -24,10 +24,10 @@ whose column count the ranks do not divide stays on rows) costs one all-reduce o
   locally from their seed;
 * the non-finite checks decide together (an all-reduce of one flag), so that every rank skips or
   raises at the same matrix and step;
-* the exports (:meth:`fedgalore.optim.GaLoreAdamW.export_update`,
-  :meth:`~fedgalore.optim.GaLoreAdamW.export_moments`, :meth:`~fedgalore.optim.GaLoreAdamW.export_state`)
+* the exports (:func:`fedgalore.optim.client_protocol.export_update`,
+  :func:`fedgalore.optim.client_protocol.export_moments`, :func:`fedgalore.optim.client_protocol.export_state`)
   gather the sharded tensors, once, into the whole record / moment every rank returns; a warm start
-  (:meth:`~fedgalore.optim.GaLoreAdamW.load_second_moment`) takes the whole ``v̄`` and keeps each
+  (:func:`fedgalore.optim.client_protocol.load_second_moment`) takes the whole ``v̄`` and keeps each
   rank's rows (columns).
 
 Not supported on sharded matrices (refused with a clear error): ``track_cold`` (its diagnostics
@@ -37,12 +37,14 @@ by bucket, is).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 from fedgalore.optim.projector import resolve_side
+from fedgalore.optim.state import GaLoreParamState, ParamState, map_tensors
 
 try:  # torch >= 2.4
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -50,15 +52,13 @@ except ImportError:  # pragma: no cover - older torch: nothing is ever sharded
     DTensor, Replicate, Shard = None, None, None  # type: ignore[assignment,misc]
 
 __all__ = ["is_sharded", "local", "galore_placement", "shard_dim", "along_basis", "all_reduce_sum", "any_rank", "any_rank_each", "gather",
-           "keep_local", "broadcast_basis", "SHARDED_STATE", "WEIGHT_STATE", "move_state"]
+           "keep_local", "broadcast_basis", "convert_state", "move_state"]
 
-#: the GaLore state tensors that are sharded like their matrix and that the exports read, gathered
-#: by :meth:`fedgalore.optim.GaLoreAdamW._whole` (the rest — basis, evidence c, numbers — is the
-#: same on every rank; the weight-shaped ``master`` / ``comp`` of bf16 weights stay local)
-SHARDED_STATE = ("exp_avg", "exp_avg_sq", "cold_v", "rec_coef", "rec_cold")
-#: state shaped like the weight in any group (a plain group's moments; the bf16 working weight's
-#: fp32 master or compensation): always sharded like the matrix
-WEIGHT_STATE = ("master", "comp")
+# Which fields of a state are sharded like their matrix: fedgalore.optim.state.SHARDED (the moments
+# and cold moment, with the update record's coefficients; gathered for the exports by
+# fedgalore.optim.functional.whole_state — the rest, basis, evidence c, numbers, is the same on every
+# rank) and fedgalore.optim.state.WEIGHT_SHAPED (the bf16 working weight's fp32 master or
+# compensation; like a plain group's moments, always sharded like the matrix).
 
 
 def is_sharded(x: Any) -> bool:
@@ -194,30 +194,34 @@ def broadcast_basis(basis: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return basis
 
 
-def move_state(state: dict[str, Any], p: torch.Tensor, dim: Optional[int], keys: tuple[str, ...], record: bool,
-               to_shard: bool, device: torch.device) -> dict[str, Any]:
+def convert_state(state: ParamState, conv: Callable[[torch.Tensor], torch.Tensor], fields: tuple[str, ...],
+                  record: bool) -> ParamState:
+    """A copy of ``state`` with ``conv`` applied to its tensors named in ``fields`` and, with
+    ``record``, to the update record's (the open term's and every closed term's ``coef`` and
+    ``cold``); ``state`` itself is not changed."""
+    changes = {k: conv(getattr(state, k)) for k in fields if isinstance(getattr(state, k, None), torch.Tensor)}
+    if record and isinstance(state, GaLoreParamState):
+        rec = state.record
+
+        def opt(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if x is None else conv(x)
+
+        changes["record"] = dataclasses.replace(rec, coef=opt(rec.coef), cold=opt(rec.cold),
+                                                terms=[dataclasses.replace(t, coef=conv(t.coef), cold=opt(t.cold)) for t in rec.terms])
+    return dataclasses.replace(state, **changes)
+
+
+def move_state(state: ParamState, p: torch.Tensor, dim: Optional[int], fields: tuple[str, ...], record: bool,
+               to_shard: bool, device: torch.device) -> ParamState:
     """``state`` of one parameter moved between the whole matrix and ``p``'s shards (``p`` the
     sharded one, split along ``dim``): ``to_shard`` keeps this rank's block (:func:`keep_local`) of
-    each tensor named in ``keys`` and, with ``record``, of the update record's terms (``coef``,
+    each tensor named in ``fields`` and, with ``record``, of the update record's terms (``coef``,
     ``cold``); otherwise those are gathered (:func:`gather`, collective: every rank calls it for the
     same parameters in the same order). Every other tensor (basis, evidence, pending warm state) is
-    the same whole on every rank and only moves to ``device``. A new dict; ``state`` is not changed."""
+    the same whole on every rank and only moves to ``device``. A new state; ``state`` is not changed."""
     def conv(x: torch.Tensor) -> torch.Tensor:
         if dim is None:
             return x
         return keep_local(x.to(device), p, dim) if to_shard else gather(x, p, dim)
 
-    def to_dev(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.to(device)
-        if isinstance(x, dict):
-            return {k: to_dev(v) for k, v in x.items()}
-        if isinstance(x, list):
-            return [to_dev(v) for v in x]
-        return x
-
-    out = {k: (conv(v) if k in keys and isinstance(v, torch.Tensor) else v) for k, v in state.items()}
-    if record and "rec_terms" in out:
-        out["rec_terms"] = [{**t, **{k: conv(t[k]) for k in ("coef", "cold") if isinstance(t.get(k), torch.Tensor)}}
-                            for t in out["rec_terms"]]
-    return to_dev(out)
+    return map_tensors(convert_state(state, conv, fields, record), lambda x: x.to(device))

@@ -9,9 +9,11 @@ percentile is read to 1.1 %. Nothing here changes a weight or a moment.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Optional
 
 import torch
+
+from fedgalore.optim.state import GaLoreParamState, RatioHistogram
 
 __all__ = ["RATIO_EDGES", "observe_ratio", "ratio_summary"]
 
@@ -19,28 +21,29 @@ __all__ = ["RATIO_EDGES", "observe_ratio", "ratio_summary"]
 RATIO_EDGES = torch.arange(-8 * 64, 8 * 64 + 1, dtype=torch.float32) / 64.0
 
 
-def observe_ratio(state: dict[str, Any], v: torch.Tensor, w8: Optional[torch.Tensor], cv: torch.Tensor,
-                  c2: float, cc: float, cap: float, eps: float) -> None:
+def observe_ratio(state: GaLoreParamState, v: torch.Tensor, evidence: Optional[torch.Tensor], cold_v: torch.Tensor,
+                  v_bias: float, cold_bias: float, cold_cap: float, eps: float) -> None:
     """This step's ``|U| / |U_cold| = D_cold / D`` on every coordinate, added to the matrix's
-    histogram (``ratio_hist``), maximum (``ratio_max``), count above 1 (``ratio_above``) and
-    count (``ratio_n``). ``V̂ = V / c`` (evidence ``w8``; capped at the cold estimate with
-    ``cap``) or ``V / c2²``; ``V̂_cold = cv / cc²``."""
-    if w8 is not None:
-        est = v / w8
-        if cap:
-            est = torch.maximum(est, cv * cap)
+    :class:`~fedgalore.optim.state.RatioHistogram` (``state.ratio``: histogram, maximum, count
+    above 1, count). ``V̂ = V / c`` (``evidence`` ``c``; capped at the cold estimate with
+    ``cold_cap``) or ``V / c₂²`` (``v_bias`` = ``c₂``); ``V̂_cold = cold_v / c_cold²``
+    (``cold_bias`` = ``c_cold``)."""
+    if evidence is not None:
+        est = v / evidence
+        if cold_cap:
+            est = torch.maximum(est, cold_v * cold_cap)
     else:
-        est = v / (c2 * c2)
-    ratio = ((cv.sqrt() / cc + eps) / (est.sqrt() + eps)).flatten()
+        est = v / (v_bias * v_bias)
+    ratio = ((cold_v.sqrt() / cold_bias + eps) / (est.sqrt() + eps)).flatten()
     ratio = torch.nan_to_num(ratio, nan=1.0, posinf=2.0**9)
-    if "ratio_hist" not in state:
-        state["ratio_hist"] = torch.zeros(len(RATIO_EDGES) + 1, dtype=torch.int64)
-        state["ratio_max"], state["ratio_above"], state["ratio_n"] = 0.0, 0, 0
+    if state.ratio is None:
+        state.ratio = RatioHistogram(torch.zeros(len(RATIO_EDGES) + 1, dtype=torch.int64))
+    h = state.ratio
     idx = torch.bucketize(ratio.log2().float().cpu(), RATIO_EDGES)
-    state["ratio_hist"] += torch.bincount(idx, minlength=len(RATIO_EDGES) + 1)
-    state["ratio_max"] = max(state["ratio_max"], float(ratio.max()))
-    state["ratio_above"] += int((ratio > 1.0 + 1e-6).sum())
-    state["ratio_n"] += ratio.numel()
+    h.hist += torch.bincount(idx, minlength=len(RATIO_EDGES) + 1)
+    h.max = max(h.max, float(ratio.max()))
+    h.above += int((ratio > 1.0 + 1e-6).sum())
+    h.count += ratio.numel()
 
 
 def ratio_summary(hist: torch.Tensor, top: float, above: int, n: int) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """The exact update record of one GaLore matrix (paper §5 "Seeded matrix view"; DESIGN §3.1).
 
-Between :meth:`~fedgalore.optim.galore_adamw.GaLoreAdamW.mark` and the upload a GaLore weight
+Between :func:`fedgalore.optim.client_protocol.mark` and the upload a GaLore weight
 moves by
 
     ΔW = W_T − W_0 = (a − 1) W_0 + Σ_q f_q C_q P_q        (right side; left: P_q C_q),
@@ -10,11 +10,12 @@ one term per basis ``P_q`` the matrix trained on: ``C_q`` accumulates the step d
 ``a = Π_t d_t`` with ``d_t = 1 − lr_t wd``. The terms are factored (``m × r`` / ``r × n``) and
 a seeded basis travels as its seed, so the record is the upload without an ``m × n`` tensor.
 
-The record lives in the optimizer's per-parameter state (tensors and plain numbers only, so
-``state_dict()`` stays ``weights_only``-loadable): ``rec_on``, ``rec_A`` (= ``a``), ``rec_terms``
-(closed terms: ``coef``, ``factor``, ``seed`` and, for a data-driven basis, ``basis``) and the open
-term ``rec_coef`` / ``rec_n`` (and ``rec_cold``, the shadow cold-start coefficients that
-``track_cold`` diagnostics compare against). These functions are the only code that changes them.
+The record is the typed :class:`~fedgalore.optim.state.UpdateRecord` of a matrix's
+:class:`~fedgalore.optim.state.GaLoreParamState`: ``on``, ``decay_product`` (= ``a``), the closed
+``terms`` (:class:`~fedgalore.optim.state.RecordTerm`: ``coef``, ``factor``, ``seed`` and, for a
+data-driven basis, ``basis``) and the open term ``coef`` / ``steps`` (and ``cold``, the shadow
+cold-start coefficients that ``track_cold`` diagnostics compare against). These functions are the
+only code that changes it.
 """
 from __future__ import annotations
 
@@ -23,46 +24,41 @@ from typing import Any, Optional
 
 import torch
 
+from fedgalore.optim.state import GaLoreParamState, RecordTerm, UpdateRecord
 from fedgalore.protocol.payload import GaLoreUpdate, LowRank, SeededLowRank
 
 __all__ = ["start", "open_term", "close_term", "record", "export", "all_terms", "record_norm"]
 
 
-def start(state: dict[str, Any], has_basis: bool, track_cold: bool) -> None:
+def start(state: GaLoreParamState, has_basis: bool, track_cold: bool) -> None:
     """Begin a record (``mark``): ``a = 1``, no terms, and an open term if a basis is in use."""
-    state["rec_on"] = 1
-    state["rec_A"] = 1.0
-    state["rec_terms"] = []
-    for key in ("rec_coef", "rec_n", "rec_cold"):
-        state.pop(key, None)
+    state.record = UpdateRecord(on=True)
     if has_basis:
         open_term(state, track_cold)
 
 
-def open_term(state: dict[str, Any], track_cold: bool) -> None:
+def open_term(state: GaLoreParamState, track_cold: bool) -> None:
     """A new term ``C = 0`` for the basis now in use (and its shadow cold coefficients with ``track_cold``)."""
-    state["rec_coef"] = torch.zeros_like(state["exp_avg"])
-    state["rec_n"] = 0
-    if "cold_v" in state and track_cold:  # the cold update feeds the diagnostics only
-        state["rec_cold"] = torch.zeros_like(state["exp_avg"])
+    rec = state.record
+    rec.coef = torch.zeros_like(state.exp_avg)
+    rec.steps = 0
+    if state.cold_v is not None and track_cold:  # the cold update feeds the diagnostics only
+        rec.cold = torch.zeros_like(state.exp_avg)
 
 
-def close_term(state: dict[str, Any]) -> None:
+def close_term(state: GaLoreParamState) -> None:
     """Close the open term before a refresh: kept (with its basis or seed) if any step was recorded."""
-    if "rec_coef" not in state:
+    rec = state.record
+    if rec.coef is None:
         return
-    coef = state.pop("rec_coef")
-    cold = state.pop("rec_cold", None)
-    if state.pop("rec_n") > 0:
-        term = {"coef": coef, "factor": 1.0, "seed": state["basis_seed"]}
-        if state["basis_seed"] < 0 and "basis" in state:
-            term["basis"] = state["basis"]
-        if cold is not None:
-            term["cold"] = cold
-        state["rec_terms"].append(term)
+    coef, cold, steps = rec.coef, rec.cold, rec.steps
+    rec.coef, rec.cold, rec.steps = None, None, 0
+    if steps > 0:
+        basis = state.basis if state.basis_seed < 0 else None
+        rec.terms.append(RecordTerm(coef, 1.0, state.basis_seed, basis, cold))
 
 
-def record(state: dict[str, Any], u: torch.Tensor, alpha: float, decay: float, after: bool,
+def record(state: GaLoreParamState, u: torch.Tensor, alpha: float, decay: float, after: bool,
            cold: Optional[tuple[torch.Tensor, torch.Tensor, float]] = None) -> None:
     """Keep ``ΔW = (a_t - 1) W0 + Σ_q f_q C_q P_q`` exact under decay ``d_t = 1 - lr_t wd``.
 
@@ -72,7 +68,8 @@ def record(state: dict[str, Any], u: torch.Tensor, alpha: float, decay: float, a
     with the cold-start direction ``U_cold = M / D_cold``, given as ``cold = (M, D_cold,
     alpha_cold)`` (one fused ``addcdiv_``, no ``U_cold`` tensor).
     """
-    c = state["rec_coef"]
+    rec = state.record
+    c = rec.coef
     if after:
         c.add_(u, alpha=alpha)
         if decay != 1.0:
@@ -81,50 +78,45 @@ def record(state: dict[str, Any], u: torch.Tensor, alpha: float, decay: float, a
         if decay != 1.0:
             c.mul_(decay)
         c.add_(u, alpha=alpha)
-    if cold is not None and "rec_cold" in state:
-        cc = state["rec_cold"]
+    if cold is not None and rec.cold is not None:
+        cold_coef = rec.cold
         if decay != 1.0:
-            cc.mul_(decay)
-        cc.addcdiv_(cold[0], cold[1], value=cold[2])
-    state["rec_n"] += 1
+            cold_coef.mul_(decay)
+        cold_coef.addcdiv_(cold[0], cold[1], value=cold[2])
+    rec.steps += 1
     if decay != 1.0:
-        state["rec_A"] *= decay
-        for term in state["rec_terms"]:
-            term["factor"] *= decay
+        rec.decay_product *= decay
+        for term in rec.terms:
+            term.factor *= decay
 
 
-def all_terms(state: dict[str, Any], with_cold: bool = False) -> list[dict[str, Any]]:
-    """The closed terms and the open one (if it recorded a step), as term dicts."""
-    terms = list(state["rec_terms"])
-    if "rec_coef" in state and state.get("rec_n", 0) > 0:
-        cur = {"coef": state["rec_coef"], "factor": 1.0, "seed": state["basis_seed"]}
-        if "basis" in state and (state["basis_seed"] < 0 or with_cold):
-            cur["basis"] = state["basis"]
-        if with_cold:
-            cur["cold"] = state["rec_cold"]
-        terms.append(cur)
+def all_terms(state: GaLoreParamState, with_cold: bool = False) -> list[RecordTerm]:
+    """The closed terms and the open one (if it recorded a step)."""
+    rec = state.record
+    terms = list(rec.terms)
+    if rec.coef is not None and rec.steps > 0:
+        basis = state.basis if state.basis_seed < 0 or with_cold else None
+        terms.append(RecordTerm(rec.coef, 1.0, state.basis_seed, basis, rec.cold if with_cold else None))
     return terms
 
 
-def export(state: dict[str, Any], shape: tuple[int, int], side: str) -> GaLoreUpdate:
+def export(state: GaLoreParamState, shape: tuple[int, int], side: str) -> GaLoreUpdate:
     """The record as the upload's :class:`~fedgalore.protocol.payload.GaLoreUpdate`:
     ``decay = a − 1``; seeded terms as ``SeededLowRank(f C, seed)``, data-driven ones as
     ``LowRank(f C, P)`` (right) / ``LowRank(P, f C)`` (left), the identity projector with ``P = I``.
     fp32, on the CPU."""
     terms: list[Any] = []
     for term in all_terms(state):
-        coef = (term["coef"] * term["factor"]).detach().cpu()
-        if term["seed"] >= 0:
-            terms.append(SeededLowRank(coef, int(term["seed"]), side, shape))
+        coef = (term.coef * term.factor).detach().cpu()
+        if term.seed >= 0:
+            terms.append(SeededLowRank(coef, int(term.seed), side, shape))
             continue
-        basis = term.get("basis")
+        basis = term.basis
         if basis is None:  # identity projector
             basis = torch.eye(shape[1] if side == "right" else shape[0])
         basis = basis.detach().float().cpu().clone()
         terms.append(LowRank(coef, basis) if side == "right" else LowRank(basis, coef))
-    return GaLoreUpdate(float(state["rec_A"]) - 1.0, tuple(terms), shape)
-
-
+    return GaLoreUpdate(float(state.record.decay_product) - 1.0, tuple(terms), shape)
 def record_norm(coefs: list[torch.Tensor], bases: list[torch.Tensor], side: str) -> float:
     """``‖Σ_q C_q P_q‖_F`` (right) / ``‖Σ_q P_q C_q‖_F`` (left) from ``r × r`` basis overlaps."""
     total = 0.0

@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["SIDES", "basis_seed", "seeded_basis"]
+__all__ = ["SIDES", "basis_seed", "seeded_basis", "change_of_basis"]
 
 SIDES = ("right", "left")
 _SEED_MASK = (1 << 63) - 1
@@ -101,3 +101,15 @@ def _cached_haar32(seed: int, d: int, rank: int) -> torch.Tensor:
                 _, old = _cache.popitem(last=False)
                 _cache_bytes -= old.numel() * old.element_size()
     return q
+
+
+def change_of_basis(p_old: torch.Tensor, p_new: torch.Tensor, side: str) -> torch.Tensor:
+    """``C (r_old x r_new)`` mapping old projected coordinates to new ones (paper App. B "buffer
+    reprojection"; docs/design.md §3.1): the one change of basis of the client's refresh
+    (:mod:`fedgalore.optim`) and the server's move onto a shared basis (:mod:`fedgalore.sync.moments`).
+
+    Right: ``C = P_old P_new^T`` and ``M_new = M_old C``. Left: ``C = P_new^T P_old`` and
+    ``M_new = C M_old``. Exact for the component of ``M`` lifted to the full space that lies in
+    ``span(P_new)``; the rest is dropped.
+    """
+    return p_old @ p_new.T if side == "right" else p_new.T @ p_old

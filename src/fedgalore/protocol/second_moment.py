@@ -78,7 +78,7 @@ def observe(v: torch.Tensor, c: torch.Tensor, r: torch.Tensor, beta2: float) -> 
 def move(v: torch.Tensor, c: torch.Tensor, change: torch.Tensor, side: str, rule: str,
          per_coordinate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(V, c)`` moved to a new basis by ``rule`` (module doc); ``change`` is ``C`` of
-    :func:`fedgalore.optim.projector.change_of_basis`. ``per_coordinate=False`` says that ``c``
+    :func:`fedgalore.protocol.bases.change_of_basis`. ``per_coordinate=False`` says that ``c``
     is AdamW's step count, the same number for every coordinate: then ``c`` is not moved by
     ``linear`` or ``squared`` (the step count does not change with the basis) and ``linear`` is
     allowed. ``per_coordinate=True`` with ``linear`` raises ``ValueError``."""

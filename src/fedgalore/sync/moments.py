@@ -64,6 +64,7 @@ from typing import Sequence, Union
 import torch
 
 from fedgalore.protocol import second_moment as sm
+from fedgalore.protocol.bases import change_of_basis
 from fedgalore.protocol.payload import Factored, MomentView
 from fedgalore.sync.ajive import ajive, all_finite, elbow_rank, thin_svd_factored
 
@@ -296,15 +297,6 @@ def synchronize(
 
 
 # ----------------------------------------------------------------------------- MomentView API
-def _mul(side: str):
-    return (lambda x, c: x @ c) if side == "right" else (lambda x, c: c @ x)
-
-
-def _change(p_old: torch.Tensor, p_new: torch.Tensor, side: str) -> torch.Tensor:
-    """``C`` mapping coordinates on ``p_old`` to ``p_new`` (as ``optim.projector.change_of_basis``)."""
-    return p_old @ p_new.T if side == "right" else p_new.T @ p_old
-
-
 def consensus_basis(bases: Sequence[torch.Tensor], weights: Sequence[float], rank: int, side: str) -> torch.Tensor:
     """The top-``rank`` principal subspace of several rank-``r`` bases: the leading eigenvectors
     of ``Σ_i p_i P_iᵀ P_i`` (right side; ``P_i P_iᵀ`` for the left side), i.e. the top right (left)
@@ -419,7 +411,7 @@ def synchronize_moments(
         out_basis, out_seed = basis, None
         moms, evs, ov = [], [], []
         for v, b in zip(views, own):  # the squared rule onto B (module doc), evidence included
-            c = _change(b, basis, side)
+            c = change_of_basis(b, basis, side)
             ev = sm.as_evidence(v.weight, side, v.rank, c)
             acc, ev = sm.move(v.moment.to(dtype).clamp(min=0) * ev, ev, c, side, "squared")
             moms.append(sm.estimate(acc, ev))
