@@ -26,20 +26,20 @@ def _single_thread():
 # tiny random checkpoints of the three generic tasks' model families (tests/tiny_assets.py)
 @pytest.fixture(scope="session")
 def bert_dir(tmp_path_factory):
-    from tiny_assets import save_tiny_bert
+    from fedgalore_testing.assets import save_tiny_bert
 
     return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
 
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
-    from tiny_assets import save_tiny_llama
+    from fedgalore_testing.assets import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
 def vit_dir(tmp_path_factory):
-    from tiny_assets import save_tiny_vit
+    from fedgalore_testing.assets import save_tiny_vit
 
     return save_tiny_vit(tmp_path_factory.mktemp("tiny-vit"))

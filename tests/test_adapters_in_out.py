@@ -20,7 +20,7 @@ from fedgalore.engine.loop import Federation
 from fedgalore.engine.round_adapters import round_adapter_dir
 from fedgalore.methods.base import MethodError
 from fedgalore.tasks.base import TaskError
-from tiny_assets import news_rows, write
+from fedgalore_testing.assets import news_rows, write
 
 
 def text_cfg(root: Path, model: str, method: str, name: str, rounds: int = 1, rank: int = 2, **over) -> FederatedConfig:

@@ -116,7 +116,7 @@ def test_the_round_loop_waits_for_its_checkpoint_before_the_aggregation_changes_
     kill-and-resume tests; here: the last checkpoint equals the final state)."""
     import fedgalore
     from fedgalore.engine.loop import Federation
-    from test_engine import tiny_cfg
+    from fedgalore_testing.runs import tiny_cfg
 
     pending = []
     real_round = Federation._round
@@ -147,7 +147,7 @@ def test_a_run_reports_its_checkpoint_time_and_ends_with_a_durable_checkpoint(tm
     import csv
 
     import fedgalore
-    from test_engine import tiny_cfg
+    from fedgalore_testing.runs import tiny_cfg
 
     cfg = tiny_cfg(tmp_path, "fedgalore", rounds=3)
     cfg.output.checkpoint_every = 2  # rounds 2 and 3 (the last)
@@ -167,7 +167,7 @@ def test_checkpoint_every_auto_spends_at_most_its_budget(tmp_path, budget, expec
     import csv
 
     import fedgalore
-    from test_engine import tiny_cfg
+    from fedgalore_testing.runs import tiny_cfg
 
     cfg = tiny_cfg(tmp_path, "fedavg_full", rounds=5)
     cfg.output.checkpoint_every = "auto"

@@ -34,9 +34,9 @@ from fedgalore.methods.fedavg_full import FedAvgFull, FedAvgFullOptions
 from fedgalore.protocol.payload import Dense, Payload
 from fedgalore.tasks.base import TaskError
 
-from test_engine import tiny_cfg
-from test_export import Run, logits_of
-from tiny_assets import news_rows, write
+from fedgalore_testing.runs import tiny_cfg
+from fedgalore_testing.models import Run, logits_of
+from fedgalore_testing.assets import news_rows, write
 
 
 @pytest.fixture(autouse=True)

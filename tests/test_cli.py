@@ -9,46 +9,15 @@ import shutil
 import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 
 from fedgalore.cli import main
 from fedgalore.progress import PlainProgress, QuietProgress, RichProgress, make_progress
-
-TINY = """\
-name: tiny
-seed: 0
-task: {{name: tiny_text, options: {{n_train: 48, n_test: 16, hidden_size: 16, num_layers: 1, seq_len: 8}}}}
-method: {{name: fedgalore, rank: 4, options: {{}}}}
-federation: {{num_clients: 3, clients_per_round: 2, rounds: {rounds}, eval_every: 1,
-             partition: {{kind: dirichlet, alpha: 0.5, min_size: 2}}}}
-train: {{lr: 1.0e-3, batch_size: 16, local_steps: 2}}
-output: {{dir: {out}, progress: plain}}
-"""
-
-
-def tiny_config(tmp_path: Path, rounds: int = 2) -> Path:
-    path = tmp_path / "tiny.yaml"
-    path.write_text(TINY.format(rounds=rounds, out=tmp_path / "runs"))
-    return path
-
-
-def cli(*args: str, cwd: Path | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, "-m", "fedgalore.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=timeout)
+from fedgalore_testing.cmdline import TINY, _error, cli, tiny_config
 
 
 # ----------------------------------------------------------------------------- user errors
-def _error(capsys: pytest.CaptureFixture, argv: list[str]) -> str:
-    rc = main(argv)
-    err = capsys.readouterr().err
-    assert rc == 2, err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("fedgalore: error: "), err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -128,7 +97,7 @@ def test_tensorboard_message_when_not_installed(tmp_path, capsys) -> None:
         pytest.skip("tensorboard is installed")
     except ImportError:
         pass
-    from test_report import write_run
+    from fedgalore_testing.reports import write_run
 
     run = write_run(tmp_path, "fedgalore", "iid", 0, 0.5)
     line = _error(capsys, ["report", str(run), "--no-plots", "--tensorboard", str(tmp_path / "tb")])

@@ -286,7 +286,7 @@ def test_data_md_commands_run(tmp_path, monkeypatch, capsys):
     import shlex
     from pathlib import Path
 
-    from test_newcomer import minilm_or_skip
+    from fedgalore_testing import minilm_or_skip
 
     minilm_or_skip()
     (tmp_path / "conf").symlink_to(Path(__file__).resolve().parents[1] / "conf")

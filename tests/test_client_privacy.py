@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -34,27 +32,7 @@ from fedgalore.job.config import ConfigError  # noqa: E402
 from fedgalore.privacy.client_dp import (add_noise, calibrate_client_noise, client_epsilon, clip_upload,  # noqa: E402
                                          combined_multiplier, shared_noise)
 from fedgalore.protocol.payload import Dense, LowRank, Payload  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_engine import killed_and_resumed, strip_times, tiny_cfg  # noqa: E402
-
-SEEDED = {"projector": "random", "view_basis": "seeded"}
-
-
-def cdp_cfg(tmp_path: Path, method: str = "fedavg_full", rounds: int = 1, method_options: dict | None = None,
-            output: dict | None = None, reproducible: bool = False, federation: dict | None = None, **client):
-    opts = method_options if method_options is not None else (dict(SEEDED) if method.startswith("fedgalore") else {})
-    if method == "fedgalore_minus":
-        opts.pop("view_basis", None)
-    cfg = {"clip": 0.5, "noise_multiplier": 1.0, "delta": 1e-5, **client}
-    # no weight decay: FedGaLore's decay·W0 term would sit outside the clip (refused under privacy.client)
-    kw = {"output": {"dir": str(tmp_path), "progress": "quiet", **(output or {})},
-          "train": {"lr": 1e-2, "batch_size": 16, "local_epochs": 1, "weight_decay": 0.0}}
-    cfg = tiny_cfg(tmp_path, method, rounds=rounds, method_options=opts, privacy={"client": cfg, "reproducible": reproducible},
-                   **kw)
-    for k, v in (federation or {}).items():
-        setattr(cfg.federation, k, v)
-    return cfg
+from fedgalore_testing.runs import cdp_cfg, killed_and_resumed, strip_times  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- accounting

@@ -30,7 +30,7 @@ import pytest
 
 from fedgalore.tasks import TaskError, get_task, parse_task_options
 from fedgalore.tasks.generic.formats import ALPACA_PROMPT, ALPACA_PROMPT_INPUT, PLAIN_CHAT_TEMPLATE
-from tiny_assets import news_rows, write
+from fedgalore_testing.assets import news_rows, write
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fedgalore.cli import _read_method_options, main
 from fedgalore.report.tables import _fmt_lr
-from test_newcomer import REPO, TINY_TEXT, minilm_or_skip
+from fedgalore_testing import REPO, TINY_TEXT, minilm_or_skip
 
 import pytest
 

@@ -157,7 +157,7 @@ def test_partial_participation_clients_hold_the_server_model_over_missed_rounds(
 
 # ----------------------------------------------------------------------------- in the round loop
 def _fed_cfg(tmp_path, downlink: str, rounds: int = 6, method: str = "fedgalore", **over):
-    from test_engine import tiny_cfg
+    from fedgalore_testing.runs import tiny_cfg
 
     opts = {"update_proj_gap": 2} if method.startswith("fedgalore") else {}
     opts.update(over.pop("method_options", {}))
@@ -231,7 +231,7 @@ def test_federation_clients_hold_the_server_model_and_the_ledger_counts_what_was
 
 
 def _strip(history, drop=()):
-    from test_engine import strip_times
+    from fedgalore_testing.runs import strip_times
 
     return [{k: v for k, v in r.items() if k not in drop} for r in strip_times(history)]
 
@@ -244,7 +244,7 @@ def test_the_default_counts_what_a_client_that_kept_its_model_receives(tmp_path,
     training is bit-identical to the dense downlink's, only bytes_down differs."""
     from fedgalore.engine.backends.sequential import SequentialBackend
     from fedgalore.engine.loop import Federation
-    from test_engine import tiny_cfg
+    from fedgalore_testing.runs import tiny_cfg
 
     def cfg():
         c = tiny_cfg(tmp_path, method, rounds=6, method_options={"update_proj_gap": 2} if method == "fedgalore" else {})
@@ -276,7 +276,7 @@ def test_factored_downlink_resumes_to_the_same_model_and_bytes(tmp_path):
     state and bytes as one run — the server's record of which version each client holds is
     checkpointed."""
     import fedgalore
-    from test_engine import _Kill
+    from fedgalore_testing.runs import _Kill
 
     ref = fedgalore.run(_fed_cfg(tmp_path, "factored", rounds=4), run_dir=tmp_path / "ref")
     with pytest.raises(KeyboardInterrupt):

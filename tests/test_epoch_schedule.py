@@ -17,7 +17,7 @@ from fedgalore.optim.galore_adamw import GaLoreAdamW
 from fedgalore.protocol.bases import basis_seed
 from fedgalore.protocol.payload import LowRank, SeededLowRank
 
-from test_engine import tiny_cfg
+from fedgalore_testing.runs import tiny_cfg
 
 
 @pytest.mark.parametrize("n,b,k,epochs,total,expect", [

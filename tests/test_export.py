@@ -27,7 +27,7 @@ from fedgalore.trained.evaluate import with_test_data
 from fedgalore.trained.export import ExportError, export_run
 from fedgalore.trained.global_model import choose_round
 from fedgalore.trained.lora_extract import RANK_NOTES
-from fedgalore.engine.loop import Federation
+from fedgalore_testing.models import Run, logits_of, same_metrics
 
 METHODS = ["fedgalore", "fedgalore_minus", "fedgalore_mean", "fedavg_full", "fedit", "ffa_lora", "flora", "fr_lora", "lora_fair"]
 ADAPTER_METHODS = ["fedit", "ffa_lora", "lora_fair"]
@@ -46,37 +46,6 @@ def tiny_cfg(out: Path, method: str, rounds: int = 2, **over) -> FederatedConfig
     }
     d.update(over)
     return FederatedConfig.from_dict(d)
-
-
-class Run:
-    """A finished run and the engine's own global model: its logits on the whole test set."""
-
-    def __init__(self, cfg: FederatedConfig, **kw) -> None:
-        fed = Federation(cfg, **kw)
-        self.summary = fed.run().summary
-        self.dir, self.task, self.cfg = fed.run_dir, fed.task, fed.cfg
-        fed.method.load_global(fed.runtime.model, fed.state)  # what Federation._evaluate does
-        self.model = fed.runtime.model.eval()
-        self.batch = batch_of(self.task)
-        with torch.no_grad():
-            self.logits = self.model(**self.batch).logits.float()
-
-
-def batch_of(task, n: int = 64):
-    ts = task.test_set()
-    idx = list(range(min(n, len(ts))))
-    return ts.batch(idx) if hasattr(ts, "batch") else task.collate([ts[i] for i in idx])
-
-
-@torch.no_grad()
-def logits_of(model, batch) -> torch.Tensor:
-    return model.eval()(**batch).logits.float()
-
-
-def same_metrics(got: dict, want: dict) -> None:
-    assert set(got) == set(want)
-    for k, v in want.items():
-        assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
 
 
 @pytest.fixture(scope="module")

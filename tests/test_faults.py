@@ -25,7 +25,7 @@ from fedgalore.methods.fedavg_full import FedAvgFull, FedAvgFullOptions
 from fedgalore.methods.fedgalore import FedGaLore
 from fedgalore.protocol.payload import Dense, GaLoreUpdate, Payload, PayloadError, SeededLowRank, decode, encode
 
-from test_engine import strip_times, tiny_cfg
+from fedgalore_testing.runs import strip_times, tiny_cfg
 
 CORRUPT = {}  # mode -> function(payload) -> payload, applied to client 0's upload
 
@@ -180,7 +180,7 @@ KILL_SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from pathlib import Path
     import fedgalore
-    from test_engine import tiny_cfg
+    from fedgalore_testing.runs import tiny_cfg
     cfg = tiny_cfg(Path({out!r}), "fedgalore", rounds=4,
                    method_options={{"update_proj_gap": 2, "projector": "rsvd_then_random"}})
     run_dir = Path({out!r}) / "r"

@@ -24,7 +24,7 @@ from fedgalore.federated.scaffold import ScaffoldClient, update_controls
 from fedgalore.protocol.state import ClientContext
 from fedgalore.protocol.train_config import TrainConfig
 
-from test_engine import assert_same_checkpointed_state, killed_and_resumed, tiny_cfg
+from fedgalore_testing.runs import assert_same_checkpointed_state, killed_and_resumed, tiny_cfg
 
 LR, STEPS = 0.1, 4
 
@@ -226,8 +226,8 @@ def test_remedies_doc_commands_run(tmp_path, monkeypatch, capsys):
     import shlex
 
     from fedgalore.cli import main
-    from test_docs_examples import blocks, commands
-    from test_newcomer import REPO, TINY_PAPER
+    from fedgalore_testing.docs import blocks, commands
+    from fedgalore_testing import REPO, TINY_PAPER
 
     (tmp_path / "conf").symlink_to(REPO / "conf")
     monkeypatch.chdir(tmp_path)

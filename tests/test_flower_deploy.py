@@ -42,7 +42,7 @@ from fedgalore.job.config import FederatedConfig  # noqa: E402
 from fedgalore.engine.loop import Federation  # noqa: E402
 from fedgalore.engine.runtime import ClientResult  # noqa: E402
 from fedgalore.jsonl import read_jsonl  # noqa: E402
-from tiny_assets import TOPICS, news_rows, write  # noqa: E402
+from fedgalore_testing.assets import TOPICS, news_rows, write  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 APP = REPO / "examples" / "flower"

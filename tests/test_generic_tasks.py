@@ -25,7 +25,8 @@ import torch
 
 from fedgalore.tasks import TaskError, get_task, parse_task_options
 from fedgalore.tasks.generic.architectures import default_target_modules, pick_target_modules, skeleton
-from tiny_assets import TOPICS, news_rows, write
+from fedgalore_testing.assets import TOPICS, news_rows, write
+from fedgalore_testing.models import QA, _images, causal_task
 
 
 @pytest.fixture(autouse=True)
@@ -202,15 +203,6 @@ def test_partition_values_are_the_training_rows_column(tmp_path, bert_dir):
 
 
 # ============================================================================ 2b. causal LM
-QA = [{"question": f"What is {a} plus {b}?", "solution": f"{a} + {b} = {a + b}. The answer is {a + b}",
-       "kind": "add" if i % 2 else "sum"} for i, (a, b) in enumerate([(1, 2), (2, 3), (3, 4), (4, 5), (5, 1), (2, 2), (3, 3), (1, 1)] * 2)]
-
-
-def causal_task(llama_dir, data, **kw):
-    opts = dict(model=str(llama_dir), data=str(data), prompt_column="question", response_column="solution", max_length=64,
-                max_new_tokens=4)
-    opts.update(kw)
-    return get_task("causal_lm", **opts)
 
 
 def test_causal_lm_loss_masks_the_prompt_exactly(tmp_path, llama_dir):
@@ -270,16 +262,6 @@ def test_causal_lm_answer_pattern_exact_match(tmp_path, llama_dir, monkeypatch):
 
 
 # ============================================================================ 2c. images
-def _images(root: Path, per_class: int = 6, size: int = 12) -> Path:
-    from PIL import Image
-
-    g = np.random.default_rng(0)
-    for c, color in zip(("cat", "dog", "owl"), ((220, 30, 30), (30, 200, 30), (30, 30, 220))):
-        (root / c).mkdir(parents=True)
-        for i in range(per_class):
-            arr = np.clip(np.array(color)[None, None] + g.normal(0, 20, (size, size, 3)), 0, 255).astype(np.uint8)
-            Image.fromarray(arr).save(root / c / f"{c}{i}.png")
-    return root
 
 
 def test_image_folder_and_image_column(tmp_path, vit_dir):

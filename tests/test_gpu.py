@@ -16,7 +16,7 @@ def test_a_federation_runs_on_the_gpu_and_repeats_exactly(tmp_path, method):
     the CUDA generator, failed every client): two runs are identical, and the messages are the CPU
     run's (sizes equal up to the metadata's float text)."""
     import fedgalore
-    from test_engine import strip_times, tiny_cfg
+    from fedgalore_testing.runs import strip_times, tiny_cfg
 
     def run(name, device):
         cfg = tiny_cfg(tmp_path, method, rounds=2, device=device)
@@ -65,8 +65,8 @@ def test_a_site_with_two_gpus_gives_the_one_gpu_update(tmp_path, shard):
     global model of one GPU's run, to float rounding (the CPU/gloo check of tests/test_sharded_site.py
     on the lent hardware)."""
     import fedgalore
-    from test_data_parallel import _final
-    from test_engine import tiny_cfg
+    from fedgalore_testing.local import _final
+    from fedgalore_testing.runs import tiny_cfg
 
     opts = {"update_proj_gap": 2, "projector": "rsvd_then_random", "adaptive_proj_steps": 1}
     train = {"lr": 1e-2, "batch_size": 7, "local_epochs": 1, "weight_decay": 0.01, "grad_accum_steps": 2}

@@ -6,40 +6,12 @@ when the last step of a round is partial; for a token-mean loss the micro-batche
 their token counts (the task's ``loss_items``)."""
 import pytest
 import torch
-from torch import nn
 
 from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.federated.client import local_train, loss_items, optimizer_steps
 from fedgalore.protocol.state import ClientContext
 from fedgalore.protocol.train_config import TrainConfig
-
-
-def _data(n=20, d=6, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, d, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-
-class _Cls:
-    """Per-example mean cross-entropy (rows weight the micro-batches)."""
-
-    def loss(self, model, batch):
-        return nn.functional.cross_entropy(model(batch["x"]), batch["y"])
-
-
-class _TokenMean:
-    """A loss averaged over valid tokens (label ≠ −100), like a causal LM's response-only loss."""
-
-    def loss(self, model, batch):
-        logits = model(batch["x"])  # (B, T, C)
-        return nn.functional.cross_entropy(logits.flatten(0, 1), batch["y"].flatten(), ignore_index=-100)
-
-    def loss_items(self, batch):
-        return int((batch["y"] != -100).sum())
-
-
-def _model(d=6, c=3, seed=1):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(d, 16), nn.Tanh(), nn.Linear(16, c))  # no dropout
+from fedgalore_testing.local import _Cls, _data, _model, _TokenMean
 
 
 def _run(task, data, batch_size, k, rounds=1, scope="round", lr=5e-2):

@@ -18,10 +18,8 @@ import fedgalore
 from fedgalore.cli import main
 from fedgalore.engine.events import ProgressSink
 from fedgalore.records.liveness import LOCK_FILE, Heartbeat, RunBusy, RunLock, run_state
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_cli import tiny_config  # noqa: E402
-from test_engine import tiny_cfg  # noqa: E402
+from fedgalore_testing.cmdline import tiny_config  # noqa: E402
+from fedgalore_testing.runs import tiny_cfg  # noqa: E402
 
 
 def _dead_pid() -> int:

@@ -17,27 +17,12 @@ from omegaconf import OmegaConf
 
 from fedgalore.cli import main
 from fedgalore.job.resolve import config_for_method
-from test_cli import _error, cli, tiny_config
+from fedgalore_testing import REPO, TINY_PAPER, TINY_TEXT, minilm_or_skip
+from fedgalore_testing.cmdline import _error, cli, tiny_config
 
-REPO = Path(__file__).resolve().parents[1]
 PIPELINES = sorted((REPO / "conf" / "pipeline").glob("*.yaml"))
 #: overrides that shrink conf/pipeline/offline_text.yaml to seconds (80 articles, 16 tokens, 4 clients)
-TINY_TEXT = ["task.options.limit=80", "task.options.max_length=16", "federation.num_clients=4",
-             "federation.clients_per_round=2", "federation.partition.min_size=2", "train.local_steps=1"]
 #: overrides that turn a paper pipeline into a tiny CPU run (tiny_text instead of the hub model)
-TINY_PAPER = ["task.name=tiny_text", "task.options={}", "task.options.n_train=48", "task.options.n_test=16",
-              "task.options.hidden_size=16", "task.options.num_layers=1", "device=cpu", "method.rank=4",
-              "federation.num_clients=3", "federation.clients_per_round=2", "federation.partition.min_size=2",
-              "federation.rounds=1", "train.local_steps=1", "train.batch_size=16"]
-
-
-def minilm_or_skip() -> None:
-    from fedgalore.tasks import assets
-
-    try:
-        assets.minilm_path(), assets.bbc_news_dir()
-    except assets.AssetError as exc:
-        pytest.skip(f"offline text assets not installed: {exc}")
 
 
 def repo_cwd(tmp_path: Path) -> Path:

@@ -28,8 +28,8 @@ from fedgalore.trained.export import ExportError, export_run
 from fedgalore.trained.global_model import load_global_model
 from fedgalore.records.identity import run_identity
 from fedgalore.jsonl import read_jsonl
-from test_export import Run, logits_of, same_metrics
-from tiny_assets import TOPICS, news_rows, save_tiny_bert, write
+from fedgalore_testing.models import Run, logits_of, same_metrics
+from fedgalore_testing.assets import TOPICS, news_rows, save_tiny_bert, write
 
 SITES = ["s0", "s1", "s2", "s3"]
 NEWS_YAML = """\

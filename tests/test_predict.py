@@ -4,8 +4,6 @@ per-site metrics of a test split with the worst site named."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -13,15 +11,13 @@ import pytest
 import torch
 
 from fedgalore.cli import main
-from fedgalore.job.config import FederatedConfig
-from fedgalore.trained.evaluate import LoadedModel, evaluate
+from fedgalore.trained.evaluate import evaluate
 from fedgalore.trained.global_model import load_global_model
 from fedgalore.trained.predict import predict
 from fedgalore.tasks import get_task
 from fedgalore.tasks.base import subset_examples
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_assets import news_rows, write  # noqa: E402
+from fedgalore_testing.assets import news_rows, write
+from fedgalore_testing.models import _loaded
 
 NEWS = """\
 name: news
@@ -126,21 +122,13 @@ def test_evaluate_by_site_gives_each_sites_metrics_and_the_worst(news_run, capsy
 
 def test_evaluate_by_needs_a_task_with_columns(tmp_path, capsys):
     import fedgalore
-    from test_engine import tiny_cfg
+    from fedgalore_testing.runs import tiny_cfg
 
     res = fedgalore.run(tiny_cfg(tmp_path, "fedavg_full", rounds=1))
     assert main(["evaluate", str(res.run_dir), "--by", "site"]) == 2
     assert "--by site: task 'tiny_text' keeps no columns of its test rows" in capsys.readouterr().err
     assert main(["predict", str(res.run_dir), "--data", str(tmp_path / "x.csv"), "--out", str(tmp_path / "y.csv")]) == 2
     capsys.readouterr()
-
-
-def _loaded(monkeypatch, task):
-    """predict on ``task``'s freshly built model (no run needed for checking inputs and outputs)."""
-    cfg = FederatedConfig.from_dict({"task": {"name": task.name}})
-    loaded = LoadedModel(task.build_model(), task, cfg, "test model")
-    monkeypatch.setattr("fedgalore.trained.predict.load_for_inference", lambda *a, **k: loaded)
-    return loaded
 
 
 def test_predict_generations_for_prompts_without_responses(tmp_path, llama_dir, monkeypatch):
@@ -176,7 +164,7 @@ def test_predict_generations_for_prompts_without_responses(tmp_path, llama_dir, 
 
 
 def test_predict_images_without_labels(tmp_path, vit_dir, monkeypatch):
-    from test_generic_tasks import _images
+    from fedgalore_testing.models import _images
 
     monkeypatch.setenv("FEDGALORE_CACHE", str(tmp_path / "cache"))
     root = _images(tmp_path / "pets")

@@ -15,7 +15,6 @@ import codecs
 import csv
 import io
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +26,8 @@ from fedgalore.trained.evaluate import MIN_GROUP, evaluate
 from fedgalore.trained.global_model import load_global_model
 from fedgalore.trained.predict import _read, predict
 from fedgalore.tasks import get_task
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_predict import _loaded  # noqa: E402
-from tiny_assets import news_rows, write  # noqa: E402
+from fedgalore_testing.models import _loaded  # noqa: E402
+from fedgalore_testing.assets import news_rows, write  # noqa: E402
 
 # a run whose files are written as a European Excel writes them: ';', a byte-order mark, CRLF, and
 # here quoted with ' (so that a ';' inside a text is only read right with the run's csv options)

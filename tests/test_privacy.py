@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -38,9 +37,7 @@ from fedgalore.privacy.config import RecordPrivacy  # noqa: E402
 from fedgalore.privacy.dpsgd import DPSGD, poisson_steps  # noqa: E402
 from fedgalore.protocol.state import ClientContext  # noqa: E402
 from fedgalore.protocol.train_config import TrainConfig  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_engine import killed_and_resumed, strip_times, tiny_cfg  # noqa: E402
+from fedgalore_testing.runs import killed_and_resumed, strip_times, tiny_cfg  # noqa: E402
 
 DP = {"record": {"max_grad_norm": 1.0, "noise_multiplier": 1.0, "delta": 1e-5}}
 
@@ -446,8 +443,8 @@ def test_docs_privacy_commands_run_as_written(tmp_path, monkeypatch, capsys):
     states it."""
     import shlex
 
-    from test_docs_examples import _tiny, commands, kind
-    from test_newcomer import REPO, minilm_or_skip
+    from fedgalore_testing.docs import _tiny, commands, kind
+    from fedgalore_testing import REPO, minilm_or_skip
 
     minilm_or_skip()
     (tmp_path / "conf").symlink_to(REPO / "conf")

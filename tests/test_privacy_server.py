@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +36,7 @@ from fedgalore.methods.base import method_class, register  # noqa: E402
 from fedgalore.methods.fedavg_full import FedAvgFull  # noqa: E402
 from fedgalore.privacy.randomness import REPRODUCIBLE_REFUSED  # noqa: E402
 from fedgalore.protocol.payload import Dense, Payload  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_client_privacy import cdp_cfg  # noqa: E402
-from test_engine import _Kill, tiny_cfg  # noqa: E402
+from fedgalore_testing.runs import _Kill, cdp_cfg, tiny_cfg  # noqa: E402
 
 
 def _release(cfg: FederatedConfig, method: str = "fedavg_full") -> ClientRelease:

@@ -14,7 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from fedgalore.report import build_report, find_runs
 from fedgalore.report import tables as T
-from test_report import _md_row, write_run
+from fedgalore_testing.reports import _md_row, write_run
 
 SITES = ["Lakeview Clinic North", "prescription_refill_requests", "St. Mary's Hospital"]
 

@@ -9,7 +9,6 @@ numbers in the asserts were measured on seed 0 and the margins are the documente
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,7 @@ import fedgalore
 from fedgalore.job.config import ConfigError
 from fedgalore.federated import robust
 from fedgalore.jsonl import read_jsonl
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_engine import tiny_cfg  # noqa: E402
+from fedgalore_testing.runs import tiny_cfg  # noqa: E402
 
 FED = {"num_clients": 6, "clients_per_round": 6, "rounds": 8, "partition": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5}}
 

@@ -112,11 +112,7 @@ def test_plain_progress_prints_the_position_inside_a_long_round():
 
 
 def test_a_run_records_no_progress_once_it_is_finished(tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_engine import tiny_cfg
+    from fedgalore_testing.runs import tiny_cfg
 
     import fedgalore
 

@@ -33,7 +33,7 @@ from fedgalore.jsonl import read_jsonl  # noqa: E402
 from fedgalore.methods.base import available_methods, method_class  # noqa: E402
 from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank  # noqa: E402
 
-from test_flower_nodes import LocalGrid, _task_identity  # noqa: E402,F401
+from fedgalore_testing.flower import LocalGrid, _task_identity  # noqa: E402,F401
 
 
 @pytest.fixture(autouse=True)

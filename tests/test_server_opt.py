@@ -17,7 +17,7 @@ from fedgalore.job.config import ConfigError
 from fedgalore.federated.checkpoint import load_latest_checkpoint
 from fedgalore.federated.server_opt import ServerOptimizerConfig, server_step
 
-from test_engine import assert_same_checkpointed_state, killed_and_resumed, tiny_cfg
+from fedgalore_testing.runs import assert_same_checkpointed_state, killed_and_resumed, tiny_cfg
 
 ROUNDS = 5
 SHAPES = [(4, 3), (5,)]

@@ -7,9 +7,6 @@ must really be sharded; a failing rank stops the site and the next client-round 
 what is refused, in one line."""
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
@@ -17,12 +14,10 @@ from torch import nn
 import fedgalore.federated.sharded_site as sharded_site
 from fedgalore.job.config import ConfigError
 from fedgalore.federated.client import ClientError
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_data_parallel import _max_diff, assert_federation_equals_one_process  # noqa: E402
-from test_data_parallel import _loop as _dp_loop  # noqa: E402
-from test_engine import killed_and_resumed, tiny_cfg  # noqa: E402
-from test_grad_accum import _Cls, _model, _TokenMean  # noqa: E402
+from fedgalore_testing.local import _max_diff, assert_federation_equals_one_process  # noqa: E402
+from fedgalore_testing.local import _loop as _dp_loop  # noqa: E402
+from fedgalore_testing.runs import killed_and_resumed, tiny_cfg  # noqa: E402
+from fedgalore_testing.local import _Cls, _model, _TokenMean  # noqa: E402
 
 
 def _loop(devices: int, optimizer: str, *, shard: bool = True, **kw):

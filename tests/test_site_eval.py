@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -18,10 +16,8 @@ from fedgalore.job.config import ConfigError
 from fedgalore.jsonl import read_jsonl
 from fedgalore.tasks import get_task
 from fedgalore.tasks.base import subset_examples
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_engine import tiny_cfg  # noqa: E402
-from tiny_assets import news_rows, write  # noqa: E402
+from fedgalore_testing.runs import tiny_cfg  # noqa: E402
+from fedgalore_testing.assets import news_rows, write  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -78,7 +74,7 @@ def test_text_classification_groups_equal_alone_with_padding(tmp_path, bert_dir)
 
 
 def test_image_classification_groups_equal_alone(tmp_path, vit_dir):
-    from test_generic_tasks import _images
+    from fedgalore_testing.models import _images
 
     task = get_task("image_classification", model=str(vit_dir), data=str(_images(tmp_path / "pets", per_class=8)),
                     test_fraction=0.25, new_head=True)
@@ -91,7 +87,7 @@ def test_image_classification_groups_equal_alone(tmp_path, vit_dir):
 def test_causal_lm_groups_equal_alone(tmp_path, llama_dir, monkeypatch):
     """The token-weighted loss per group, and exact match per kind (generation stubbed to a fixed
     answer per prompt, so it does not depend on the batch)."""
-    from test_generic_tasks import QA, causal_task
+    from fedgalore_testing.models import QA, causal_task
 
     path = write(pd.DataFrame(QA * 2), tmp_path / "qa.jsonl")
     plain = causal_task(llama_dir, path, test_fraction=0.5)

@@ -22,7 +22,7 @@ from fedgalore.cli import main
 from fedgalore.job.config import load_config
 from fedgalore.jsonl import read_jsonl
 from fedgalore.tasks import get_task
-from tiny_assets import TOPICS, news_rows, news_site_files, write
+from fedgalore_testing.assets import TOPICS, news_rows, news_site_files, write
 
 SITES = ["s1", "s0", "s2"]  # given out of sorted order on purpose
 

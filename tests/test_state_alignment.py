@@ -13,7 +13,7 @@ from fedgalore.federated.checkpoint import load_latest_checkpoint
 from fedgalore.protocol.bases import basis_seed
 from fedgalore.protocol.payload import LowRank, MomentView, Payload, decode, encode, tensor_bytes_by_kind
 
-from test_engine import tiny_cfg
+from fedgalore_testing.runs import tiny_cfg
 
 
 def test_moment_view_weight_round_trips_and_a_shared_tensor_is_stored_once():
@@ -144,7 +144,7 @@ def test_synchronised_moments_checkpoint_and_resume_exactly(tmp_path):
     # every client ends the round on R_k (epoch schedule): v̄ stays on it and travels as its seed
     assert all(v.basis is None and v.seed is not None for v in vbar.values())
     assert any(k.startswith("downlink/") for k in state.moments)  # the default factored downlink's chain is checkpointed
-    from test_engine import _Kill, strip_times
+    from fedgalore_testing.runs import _Kill, strip_times
 
     full = _client_run(tmp_path / "b", "aligned", rounds=3)
     cfg = tiny_cfg(tmp_path / "c", "fedgalore", rounds=3, method_options={"moment_protocol": "aligned", "update_proj_gap": 50})

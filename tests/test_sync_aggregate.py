@@ -15,8 +15,6 @@ What is checked, and against what:
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,9 +25,7 @@ from fedgalore.optim.galore_adamw import GaLoreAdamW
 from fedgalore.protocol.bases import basis_seed
 from fedgalore.protocol.payload import GaLoreUpdate, MomentView, Payload, SeededLowRank
 from fedgalore.protocol.state import RoundContext, ServerState
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_engine import tiny_cfg  # noqa: E402
+from fedgalore_testing.runs import tiny_cfg  # noqa: E402
 
 
 def test_state_is_the_normalised_square_of_the_aggregated_block_on_r_k():

@@ -11,7 +11,7 @@ import fedgalore
 from fedgalore.job.config import ConfigError
 from fedgalore.tasks.base import stratified_split, subset_examples
 
-from test_engine import tiny_cfg
+from fedgalore_testing.runs import tiny_cfg
 
 
 def test_stratified_split_keeps_the_label_mix_and_is_seeded():
