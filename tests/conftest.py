@@ -23,7 +23,7 @@ def _single_thread():
     torch.set_num_threads(before)
 
 
-# tiny random checkpoints of the three generic tasks' model families (tests/tiny_assets.py)
+# tiny random checkpoints of the three generic tasks' model families (tests/fedgalore_testing/assets.py)
 @pytest.fixture(scope="session")
 def bert_dir(tmp_path_factory):
     from fedgalore_testing.assets import save_tiny_bert

@@ -25,7 +25,7 @@ def commands(doc: str) -> list[str]:
 def kind(cmd: str) -> str:
     """How a documented command is tested (see the module docstring)."""
     rules = [
-        (r"^make demo$", "demo"),  # tests/test_demo.py runs the Makefile's demo recipe at a tiny budget
+        (r"^make demo$", "demo"),  # tests/project/test_demo.py runs the Makefile's demo recipe at a tiny budget
         (r"^make test$", "suite"),  # this test suite
         (r"^source \.venv/bin/activate$", "venv"),
         (r"^pip install 'fedgalore\[(\w+)\]'$", "extra"),
@@ -34,7 +34,7 @@ def kind(cmd: str) -> str:
         (r"(^|&& )python -m fedgalore\.flower \. local ", "flower"),
         (r"^pgrep -af flower-superlink$|^kill \$\(pgrep -f ", "flower"),
         (r"^python -m fedgalore\.flower \. myfed$|^flower-super(link|node) ", "deployment"),
-        # examples/flower/README.md, the three-site federation: run as written by tests/test_flower_deploy.py
+        # examples/flower/README.md, the three-site federation: run as written by tests/flower/test_flower_deploy.py
         (r"^python make_sites\.py |^python -m fedgalore\.flower\.certs |^flwr config ls$|^printf .*config\.toml\"$"
          r"|^flwr supernode register |^python -m fedgalore\.flower \. (sites|myfed) --run-config |^kill \$\(jobs -p\)$", "deploy"),
         (r"^torchrun --standalone --nproc-per-node 2 examples/fsdp_galore\.py ", "fsdp"),  # test_fsdp_example_as_written

@@ -42,7 +42,7 @@ def _model(d=6, c=3, seed=1):
 
 
 def _loop(devices: int, optimizer: str, *, task=None, data=None, batch_size=5, k=2, prox_mu=0.0, shard=False, model=None):
-    """One client's local training (``shard``: a sharded site, tests/test_sharded_site.py)."""
+    """One client's local training (``shard``: a sharded site, tests/federated/test_sharded_site.py)."""
     x, y = data if data is not None else _data(n=21)
     model = model if model is not None else _model(x.shape[-1])
     tc = TrainConfig(lr=5e-2, batch_size=batch_size, grad_accum_steps=k, warmup_ratio=0.25, grad_clip=0.5,
@@ -83,7 +83,7 @@ def _final(res) -> dict:
 
 def assert_federation_equals_one_process(tmp_path, method: str, options: dict, **site) -> None:
     """2 rounds of 3 tiny_text sites trained with the ``train`` settings ``site`` against one process:
-    the same global model, losses and bytes, to float rounding (also tests/test_sharded_site.py)."""
+    the same global model, losses and bytes, to float rounding (also tests/federated/test_sharded_site.py)."""
     train = {"lr": 1e-2, "batch_size": 7, "local_epochs": 1, "weight_decay": 0.01, "grad_accum_steps": 2}
     one = fedgalore.run(tiny_cfg(tmp_path / "one", method, rounds=2, method_options=options, train=train))
     two = fedgalore.run(tiny_cfg(tmp_path / "two", method, rounds=2, method_options=options, train={**train, **site}))

@@ -2,7 +2,7 @@
 measured with ``federation.attack`` (a simulated site that scales or sign-flips its upload).
 
 The rules themselves are checked against Flower's FedMedian / FedTrimmedAvg / Krum on the same
-inputs in tests/test_robust.py; here: what each method gives the rules (its factored updates equal
+inputs in tests/federated/test_robust.py; here: what each method gives the rules (its factored updates equal
 its dense ones in every inner product), what a run records, what is refused, and the accuracy a
 hostile ×50 site costs with and without a defence (tiny_text, 6 sites, Dirichlet 0.5, 8 rounds; the
 numbers in the asserts were measured on seed 0 and the margins are the documented ones).

@@ -21,7 +21,7 @@ from fedgalore.job.config import FederatedConfig
 from fedgalore.plan import (ACT_COEF, CUDA_RESERVE, GIB, activation_bytes, detect_machine, fit_verdict, host_memory, make_plan,
                             model_spec, usable_memory)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 FAKE_HOST = {"total": 64 * GIB, "available": 48 * GIB, "source": "/proc/meminfo"}
 

@@ -44,7 +44,7 @@ from fedgalore.engine.runtime import ClientResult  # noqa: E402
 from fedgalore.jsonl import read_jsonl  # noqa: E402
 from fedgalore_testing.assets import TOPICS, news_rows, write  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 APP = REPO / "examples" / "flower"
 SECTION = "## A federation of three sites on one machine"
 SECAGG_SECTION = "## Secure aggregation (SecAgg+)"

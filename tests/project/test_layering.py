@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "fedgalore"
+SRC = Path(__file__).resolve().parents[2] / "src" / "fedgalore"
 
 LEVELS: list[set[str]] = [
     {"protocol", "typed", "jsonl"},
@@ -127,7 +127,7 @@ def upward_edges(edges: dict[tuple[str, str], list[str]]) -> list[str]:
     for (src, dst), sites in sorted(edges.items()):
         for pkg in (src, dst):
             if pkg not in LEVEL:
-                bad.append(f"{pkg} is not placed in LEVELS (tests/test_layering.py); imported at {sites[0]}")
+                bad.append(f"{pkg} is not placed in LEVELS (tests/project/test_layering.py); imported at {sites[0]}")
         if src in LEVEL and dst in LEVEL and LEVEL[dst] >= LEVEL[src]:
             bad.append(f"{src} (level {LEVEL[src]}) imports {dst} (level {LEVEL[dst]}) at {', '.join(sites)}")
     return bad

@@ -7,7 +7,7 @@ files and default model folders they read.
 Everything runs on the tiny random checkpoints of conftest.py (``bert_dir``, ``llama_dir``,
 ``vit_dir``) and on data written here with column names that are not the defaults. The reference
 model is the engine's own: the :class:`Federation` object's global model after the run (tests/
-test_export.py's :class:`Run`), never rebuilt through the export code.
+fedgalore_testing/models.py's :class:`Run`), never rebuilt through the export code.
 """
 from __future__ import annotations
 
@@ -335,7 +335,7 @@ def test_default_model_folders_are_fingerprinted(tmp_path, monkeypatch, task, op
 
 
 # ----------------------------------------------------------------------------- docs/data.md: a Task of your own
-DATA_MD = Path(__file__).resolve().parents[1] / "docs" / "data.md"
+DATA_MD = Path(__file__).resolve().parents[2] / "docs" / "data.md"
 
 
 def test_data_md_custom_task_example_runs(tmp_path, monkeypatch, capsys):

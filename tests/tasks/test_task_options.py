@@ -106,7 +106,7 @@ def test_tasks_command_prints_options_with_types_defaults_and_docs(capsys) -> No
         for f in dataclasses.fields(task_class(name).options_class):
             assert f"    {f.name} " in out
     # docs/cli.md shows an excerpt: every line of it is what the command prints
-    doc = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text()
     excerpt = doc.split("An excerpt of `fedgalore tasks`:")[1].split("```text\n")[1].split("```")[0]
     shown = [x for x in excerpt.splitlines() if x.strip() and x.strip() != "..."]
     assert len(shown) >= 4 and all(x in out.splitlines() for x in shown), [x for x in shown if x not in out.splitlines()]

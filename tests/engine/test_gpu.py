@@ -1,5 +1,5 @@
 """The engine on a CUDA device (skipped without one; CI has none — run on a lent GPU with
-``python -m pytest tests/test_gpu.py tests/test_ajive.py -k gpu``)."""
+``python -m pytest tests/engine/test_gpu.py tests/sync/test_ajive.py -k gpu``)."""
 from __future__ import annotations
 
 import math
@@ -35,7 +35,7 @@ def test_a_federation_runs_on_the_gpu_and_repeats_exactly(tmp_path, method):
 def test_the_bucket_forms_on_cuda_equal_the_per_matrix_step(compiled):
     """On CUDA, ``bucket_gemm: auto`` stacks the GEMMs (one bmm per bucket) and, with
     ``compile_moments``, the moment step is compiled: the weights equal the per-matrix eager step
-    to fp32 rounding (the same check as tests/test_bucket_gemm.py on the CPU)."""
+    to fp32 rounding (the same check as tests/optim/test_bucket_gemm.py on the CPU)."""
     from fedgalore.optim import GaLoreAdamW
 
     shapes = [(96, 64), (64, 160), (96, 64), (64, 160)]
@@ -62,7 +62,7 @@ def test_the_bucket_forms_on_cuda_equal_the_per_matrix_step(compiled):
 @pytest.mark.parametrize("shard", [False, True], ids=["data-parallel", "sharded"])
 def test_a_site_with_two_gpus_gives_the_one_gpu_update(tmp_path, shard):
     """``train.devices_per_client: 2`` on cuda:0 and cuda:1 (NCCL), replicas or FSDP2 shards: the
-    global model of one GPU's run, to float rounding (the CPU/gloo check of tests/test_sharded_site.py
+    global model of one GPU's run, to float rounding (the CPU/gloo check of tests/federated/test_sharded_site.py
     on the lent hardware)."""
     import fedgalore
     from fedgalore_testing.local import _final

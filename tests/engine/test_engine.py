@@ -27,7 +27,7 @@ from fedgalore.protocol.payload import (
     encode,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import check_equivalence  # noqa: E402
 from fedgalore_testing.runs import killed_and_resumed, strip_times, tiny_cfg  # noqa: E402
 
@@ -235,7 +235,7 @@ def test_a_method_defined_outside_the_package_runs_unchanged(tmp_path, capsys, m
     import fedgalore.methods.base as methods_base
 
     # registered for this test only: a later test in this process that loops over available_methods()
-    # (tests/test_privacy.py) would otherwise run it too
+    # (tests/privacy/test_privacy.py) would otherwise run it too
     monkeypatch.setattr(methods_base, "_REGISTRY", dict(methods_base._REGISTRY))
 
     from fedgalore.cli import main

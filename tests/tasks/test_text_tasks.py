@@ -353,7 +353,7 @@ def test_text_pipeline_configs_are_valid():
 
     from fedgalore.job.config import FederatedConfig, load_config
 
-    conf = Path(__file__).resolve().parents[1] / "conf" / "pipeline"
+    conf = Path(__file__).resolve().parents[2] / "conf" / "pipeline"
     for name, task in (("offline_text", "offline_text"), ("offline_text_amazon", "offline_text_amazon")):
         cfg = load_config(conf / f"{name}.yaml")
         assert cfg.task.name == task and cfg.method.name == "fedgalore" and cfg.method.rank == 8

@@ -8,7 +8,7 @@ run by ``fedgalore run`` with ``partition.kind: files`` must give the same numbe
 Here the ServerApp's strategy drives the real ClientApp handlers (``whoami``, ``train``,
 ``evaluate``) through an in-process Grid, each node with its own ``Context`` (node config and
 state), so the protocol — messages, records, per-node state — is exercised without processes;
-tests/test_flower_deploy.py runs it on a real SuperLink and SuperNodes.
+tests/flower/test_flower_deploy.py runs it on a real SuperLink and SuperNodes.
 """
 from __future__ import annotations
 

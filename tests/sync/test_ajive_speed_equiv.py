@@ -70,7 +70,7 @@ def test_packed_and_unpacked_paths_agree():
 
 
 def _identifiability_factored():
-    """As tests/test_ajive.py's case, factored and with noise columns: view A's signal rank (1) is
+    """As tests/sync/test_ajive.py's case, factored and with noise columns: view A's signal rank (1) is
     below its numerical rank, so the reused Mᵀu block covers only part of U_A."""
     g = torch.Generator().manual_seed(5)
     m = 60

@@ -254,7 +254,7 @@ def _data_md_blocks(lang: str) -> list[str]:
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "data.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "data.md").read_text()
     section = text.split("## Partitions", 1)[1].split("\n## ", 1)[0]
     return [m.group(2) for m in re.finditer(r"```(\w*)\n(.*?)```", section, re.S) if m.group(1) == lang]
 
@@ -289,7 +289,7 @@ def test_data_md_commands_run(tmp_path, monkeypatch, capsys):
     from fedgalore_testing import minilm_or_skip
 
     minilm_or_skip()
-    (tmp_path / "conf").symlink_to(Path(__file__).resolve().parents[1] / "conf")
+    (tmp_path / "conf").symlink_to(Path(__file__).resolve().parents[2] / "conf")
     monkeypatch.chdir(tmp_path)
     (bash,) = _data_md_blocks("bash")
     for cmd in bash.strip().splitlines():

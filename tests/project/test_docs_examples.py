@@ -1,7 +1,7 @@
 """The documentation's examples run as written (issue 19): every command in the ``bash`` blocks of
 README.md, docs/cli.md, docs/scale-out.md and examples/flower/README.md, and their Python and
 YAML examples, at a tiny budget (docs/remedies.md's commands are covered here and run in
-tests/test_fedprox_scaffold.py).
+tests/federated/test_fedprox_scaffold.py).
 
 A tiny budget means: budget overrides appended (``task.options.limit=80 ...`` and few rounds on
 the offline text pipeline — 2 per comparison cell, at most 5 per run, 3 when a run sets none; a

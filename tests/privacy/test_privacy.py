@@ -391,7 +391,7 @@ def test_resume_continues_the_accountant(tmp_path):
     uninterrupted run spends: the same privacy.json, metrics and ε per round."""
     # release_metrics: the losses travel (finite train_loss, so the histories compare equal)
     # reproducible: the re-run of the lost round draws the same noise (the default's fresh draws are a second
-    # release, counted: tests/test_privacy_server.py)
+    # release, counted: tests/privacy/test_privacy_server.py)
     full, resumed = killed_and_resumed(dp_cfg(tmp_path / "a", "fedgalore", rounds=4, release_metrics=True, reproducible=True),
                                        dp_cfg(tmp_path / "b", "fedgalore", rounds=4, release_metrics=True, reproducible=True))
     a, b = _read(full.run_dir, "privacy.json"), _read(resumed.run_dir, "privacy.json")
@@ -416,7 +416,7 @@ def test_docs_yaml_is_a_valid_config():
 
     from fedgalore.job.config import load_config
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     base = (repo / "conf/pipeline/offline_text.yaml").read_text()
     readme = (repo / "README.md").read_text()
     section = readme[readme.index("## Privacy"):readme.index("## Python API")]

@@ -1,7 +1,7 @@
 """The generic tasks (issue 31, items 1, 2 and the data/task bad inputs of item 7): your files
 through ``datasets``, your model folder, configured by ``task.options`` alone.
 
-Everything runs on tiny random checkpoints (conftest.py's fixtures, saved by tests/tiny_assets.py:
+Everything runs on tiny random checkpoints (conftest.py's fixtures, saved by tests/fedgalore_testing/assets.py:
 a BERT with a WordPiece tokenizer, a Llama with a BPE tokenizer and a chat template, a ViT with an
 image processor) and on data files written in every supported format, with column names that differ from the defaults.
 """
@@ -418,7 +418,7 @@ def test_task_options_are_typed_and_listed():
     with pytest.raises(TaskError, match=r"task 'causal_lm': task\.options\.max_length must be an integer"):
         parse_task_options("causal_lm", {"data": "x.jsonl", "messages_column": "m", "max_length": "long"})
     # data may be left out only by a nodes deployment's server (which then names its labels): the options parse,
-    # the task refuses (tests/test_flower_nodes.py; tests/test_generic_tasks.py::test_a_task_without_data_is_one_line)
+    # the task refuses (tests/flower/test_flower_nodes.py; tests/tasks/test_generic_tasks.py::test_a_task_without_data_is_one_line)
     assert parse_task_options("image_classification", {}).data is None
 
 
@@ -456,15 +456,15 @@ output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
 
 
 # ============================================================================ docs/data.md
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "data.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "data.md"
 
 
 def _blocks(lang: str) -> list[str]:
     """The ``lang`` code blocks of docs/data.md's task sections (the Partitions section is tested by
-    tests/test_client_partitions.py, the formats and files sections by tests/test_data_formats.py)."""
+    tests/job/test_client_partitions.py, the formats and files sections by tests/tasks/test_data_formats.py)."""
     text = DOCS.read_text()
     text = text[:text.index("## Partitions")] + text[text.index("## From Python"):]
-    for title in ("## Instruction formats", "## Files as people have them"):  # tests/test_data_formats.py runs these
+    for title in ("## Instruction formats", "## Files as people have them"):  # tests/tasks/test_data_formats.py runs these
         start = text.index(title)
         text = text[:start] + text[text.index("\n## ", start + 1):]
     return [m.group(2) for m in re.finditer(r"```(\w*)\n(.*?)```", text, re.S) if m.group(1) == lang]

@@ -8,7 +8,7 @@
   ClientApp handlers on an in-process Grid, each node with its own Context) gives the same global
   model as the same run without it, within the stated quantisation error; what the server receives
   from each node is masked (values beyond the quantisation range: no unmasked upload has them);
-  a node lost after sharing its keys is survived. tests/test_flower_deploy.py runs it on a real
+  a node lost after sharing its keys is survived. tests/flower/test_flower_deploy.py runs it on a real
   SuperLink and SuperNodes.
 """
 from __future__ import annotations

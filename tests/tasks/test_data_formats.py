@@ -8,7 +8,7 @@
 * labels stored as whole-number floats are classes; truly fractional ones are regression, said so.
 
 Every data file is written here, in ``tmp_path``; the models are the tiny random checkpoints of
-tests/tiny_assets.py (conftest.py's ``llama_dir`` / ``bert_dir``), plus a copy of the tiny Llama's
+tests/fedgalore_testing/assets.py (conftest.py's ``llama_dir`` / ``bert_dir``), plus a copy of the tiny Llama's
 tokenizer with ChatML special tokens (``<|im_start|>``, ``<|im_end|>`` as end of sequence), the
 layout of SmolLM2's.
 """
@@ -514,7 +514,7 @@ output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
 
 
 # ============================================================================ docs/data.md, as written
-DATA_MD = __import__("pathlib").Path(__file__).resolve().parents[1] / "docs" / "data.md"
+DATA_MD = __import__("pathlib").Path(__file__).resolve().parents[2] / "docs" / "data.md"
 
 
 def _section_blocks(title: str, lang: str) -> list[str]:

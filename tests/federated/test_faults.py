@@ -201,7 +201,7 @@ def test_sigkill_at_random_points_resumes_to_identical_metrics(tmp_path):
     )
     out = tmp_path / "killed"
     out.mkdir()
-    script = KILL_SCRIPT.format(tests=str(Path(__file__).parent), out=str(out))
+    script = KILL_SCRIPT.format(tests=str(Path(__file__).resolve().parents[1]), out=str(out))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     kills = 0
     rng = __import__("random").Random(0)

@@ -428,7 +428,7 @@ def test_metamath_causal_lm_family(tmp_path):
 
 
 # ----------------------------------------------------------------------------- docs/export.md as written
-DOC = Path(__file__).resolve().parents[1] / "docs" / "export.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "export.md"
 
 
 def _blocks(lang: str) -> list[str]:
