@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 

@@ -26,6 +26,8 @@ from fedgalore.federated.robust import (
 )
 from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, MomentView, SeededLowRank
 
+pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
+
 flwr_agg = pytest.importorskip("flwr.server.strategy.aggregate")
 
 SHAPES = {"q": (6, 5), "v": (4, 7), "bias": (5,)}

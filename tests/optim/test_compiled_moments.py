@@ -9,6 +9,8 @@ import torch
 
 from fedgalore.optim import GaLoreAdamW
 
+pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
+
 torch_dynamo = pytest.importorskip("torch._dynamo.testing")
 
 SHAPES = [(24, 16), (16, 40), (24, 16), (32, 32), (16, 40), (32, 32), (40, 8)]  # and a bucket of one

@@ -19,6 +19,8 @@ from fedgalore.tasks import fingerprint
 from fedgalore.tasks.fingerprint import data_fingerprint, fingerprint_path
 from fedgalore.tasks.synthetic import TinyTextTask
 
+pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
+
 TINY = """\
 name: idt
 seed: 0

@@ -15,6 +15,8 @@ from fedgalore.tasks import TASKS, TaskError, get_task, parse_task_options, reso
 from fedgalore.tasks.base import TaskOptions
 from fedgalore.tasks.synthetic import TinyTextOptions, TinyTextTask
 
+pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
+
 TINY = """\
 name: tiny
 task: {name: tiny_text, options: {n_train: 48, n_test: 16, hidden_size: 16, num_layers: 1, seq_len: 8}}
