@@ -1,11 +1,13 @@
 # Quick start: `make demo` (set up + run the default comparison) and `make test` (set up + run the tests).
+# `make test-fast`: the fast tier (marker fast), at least one test of every package of src/fedgalore, under 3 minutes on
+# 2 cores; for a quick check while working. `make test` (CI) runs everything.
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test test-fast bench
 setup:
 	bash scripts/setup.sh
 
@@ -26,6 +28,10 @@ XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist worksteal)
 test: setup
 	$(PYTHON) -m pytest -q $(XDIST)
 	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 $(PYTHON) -m pytest -q -m isa $(XDIST)
+
+# the fast tier (pyproject.toml's marker fast; tests/README.md says how tests are chosen for it)
+test-fast: setup
+	$(PYTHON) -m pytest -q -m fast $(XDIST)
 
 bench: setup
 	$(PYTHON) -m fedgalore.cli bench all

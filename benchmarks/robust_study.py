@@ -13,7 +13,7 @@ Defences (``federation.robust``): none, ``norm_filter`` (drop ‖ΔW_i‖ > 3 ×
 Rates: FedAvg-Full 1e-2 (tiny_text's default), FedIT 5e-2 (at 1e-2 FedIT reaches only 37.5 % in 8
 rounds); chosen on seed 0 by its *test* accuracy without attack (tiny_text has no separate
 validation split at this size) — seeds 1–3 did not take part in any choice, and the tests'
-margins (tests/test_robust_federation.py) were set on seed 0 too.
+margins (tests/engine/test_robust_federation.py) were set on seed 0 too.
 
 Each finished run is ``benchmarks/results/robust/cells/<method>-<attack>-<defence>-s<seed>.json``
 (final test accuracy and loss, the clients each round excluded); re-running skips finished cells.

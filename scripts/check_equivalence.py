@@ -32,7 +32,7 @@ of check. ``record --native`` records with this process's kernels instead.
   2e-7), the state's tensor norms by up to 3e-4 (one low-rank factor, of norm 0.01: 3e-6
   absolute). ``RTOL = 1e-3`` with ``ATOL`` leaves a margin of 7× or more on each; a real
   change of the arithmetic moves the numbers by more (a linear instead of a cosine
-  learning-rate decay: 3–8 %; GaLore's weight decay ×10: up to 0.8 %; tests/test_equivalence.py
+  learning-rate decay: 3–8 %; GaLore's weight decay ×10: up to 0.8 %; tests/methods/test_equivalence.py
   shows both failing). ``ATOL = 1e-5`` is the floor for numbers that are rounding noise
   themselves (the tail energy of an exactly rank-r LoRA update, ~1e-7, has no stable digit);
   every recorded float is of unit scale (losses, accuracies, fractions, ratios, norms of

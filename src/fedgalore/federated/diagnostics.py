@@ -6,7 +6,7 @@
   :data:`EXACT_MAX_FLOPS` of SVD work) from its top r singular values by a randomized range
   finder with power iterations (Halko, Martinsson & Tropp 2011, Alg. 4.4): tail² = 1 − Σ_{j≤r}
   σ̂_j² / ‖ΔW̄‖_F², σ̂_j ≤ σ_j, so the estimate errs upwards (never hides a tail): within 1e-3 of the
-  exact value where the spectrum falls after r, within 1e-2 on a flat one (tests/test_round_progress.py). A full SVD of
+  exact value where the spectrum falls after r, within 1e-2 on a flat one (tests/engine/test_round_progress.py). A full SVD of
   every adapted matrix of a 135 M-parameter causal LM took most of a CPU round
   (benchmarks/diagnostics_cost.py); ``exact=True`` (``diagnostics_exact: true``) keeps it.
 * Client drift: ‖ΔW_i − ΔW̄‖_F / ‖ΔW̄‖_F over all adapted matrices, per client.

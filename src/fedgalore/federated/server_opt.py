@@ -18,7 +18,7 @@ with m_{−1} = v_{−1} = 0 (as Flower initialises them; Reddi's Algorithm 2 al
 ``bias_correction: true`` (FedAdam only) uses Adam's step size
 η_t = η √(1 − β₂^t) / (1 − β₁^t) for the t-th server step (t = 1, 2, ...). Flower 1.x's FedAdam
 always bias-corrects, with exponent ``server_round + 1`` (one step ahead of Adam's t for its
-1-based rounds); tests/test_server_opt.py checks our rules against Flower's strategies' code.
+1-based rounds); tests/federated/test_server_opt.py checks our rules against Flower's strategies' code.
 
 State (checkpointed by the loop in ``ServerState.extras`` under ``server_opt/``, the step count
 in ``ServerState.meta["server_opt"]``): FedAvgM one buffer v, FedAdam / FedYogi two (m, v),

@@ -15,7 +15,7 @@ A federated method is data, not a fork of the round loop (docs/design.md §2). I
   loaded (:func:`split_options`, :func:`parse_options`).
 
 Methods register themselves with :func:`register`; the loop looks them up by name. A method
-defined outside the package is one class and its options dataclass (tests/test_engine.py). One
+defined outside the package is one class and its options dataclass (tests/engine/test_engine.py). One
 class may stand under several names: :func:`register_preset` registers a name that runs a class
 with some options pinned (``fedgalore_minus`` is FedGaLore with ``sync: none``); build a method
 by its name with :func:`build_method` (or :func:`get_method`), which gives it that name.

@@ -60,7 +60,7 @@ the rules for the moment and its evidence: :mod:`fedgalore.protocol.second_momen
       (no square root); we clamp them at 0 (``second_moment.move``/``warm_paper``). At the epoch
       schedule's RSVD → R_k switch this literal rule leaves many coordinates of ṽ at 0 while m̃
       moves with C, and the next steps are much larger than a cold start's
-      (tests/test_epoch_schedule.py; benchmarks/RESULTS.md §14);
+      (tests/optim/test_epoch_schedule.py; benchmarks/RESULTS.md §14);
   (d) AJIVE centres the views; the centring mean is added back, v̄ = Σ p̃_i (μ_i + J_i);
   (e) R_k is the seeded basis of local refresh 0, ``basis_seed(s_k, name, 0)``, whatever the
       refresh index at which a client switches to it (the paper: "the projector is fully

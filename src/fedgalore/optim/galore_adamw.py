@@ -92,7 +92,7 @@ weights' dtype lost, ``c ← (W + c + ΔW) − round(W + c + ΔW)``, in that dty
 for bf16) — Kahan-style compensation; ``"master"``: an fp32 master copy (4 bytes per entry) is
 updated and rounded into ``W``; ``"off"``: the rounding is lost. Either of the first two keeps the
 client's own ``W_T − W_0`` equal to its record to the weights' resolution (one unit in the last
-place; tests/test_low_precision.py). ``benchmarks/low_precision.py`` measured both at the SmolLM2
+place; tests/optim/test_low_precision.py). ``benchmarks/low_precision.py`` measured both at the SmolLM2
 and 7B shapes: the same weights to within a bf16 unit, half the memory for ``compensated`` —
 hence the default. ``fedgalore plan`` counts the bytes.
 
@@ -125,7 +125,7 @@ launches per GEMM); ``auto`` stacks on CUDA below :data:`STACK_AUTO_MAX_NUMEL` e
 the CPU per matrix. ``GaLoreAdamW(compile_moments=...)`` compiles the moment step
 (:func:`fedgalore.optim.bucket.compiled_moments`; per-step numbers as tensors, so steps, learning
 rates and bias corrections never recompile). Both equal the eager per-matrix step to fp32
-rounding (tests/test_bucket_gemm.py, tests/test_compiled_moments.py); their GPU gain is not
+rounding (tests/optim/test_bucket_gemm.py, tests/optim/test_compiled_moments.py); their GPU gain is not
 measured yet (no GPU lent); on the CPU they cost 1.4-4.4x (stacked) and 1.00-1.06x (compiled)
 (benchmarks/RESULTS.md §10.7).
 

@@ -5,7 +5,7 @@ The step updates an fp32 working weight: ``p`` itself (fp32 parameters); an fp32
 (``master``, 4 bytes per entry); ``p + c`` with the compensation ``c`` of what earlier roundings
 lost (``compensated``, the default, 2 bytes per entry for bf16; Kahan-style); ``p`` cast to fp32
 (``off``: the rounding is lost). Either of the first two keeps the client's own ``W_T − W_0``
-equal to its update record to the weights' resolution (tests/test_low_precision.py).
+equal to its update record to the weights' resolution (tests/optim/test_low_precision.py).
 """
 from __future__ import annotations
 

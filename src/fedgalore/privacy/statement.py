@@ -250,7 +250,7 @@ def client_release_record(kind: str, release: Any) -> dict[str, Any]:
 
 def upload_fields(release: Any, record: RecordPrivacy | None) -> dict[str, str]:
     """Every field a client's upload carries to the server under the run's DP, and why it is safe
-    (``privacy.json``'s ``upload_fields``; ``tests/test_privacy_server.py`` checks it against real
+    (``privacy.json``'s ``upload_fields``; ``tests/privacy/test_privacy_server.py`` checks it against real
     uploads): the entries by kind, then each meta key."""
     out: dict[str, str] = {}
     if release is not None:

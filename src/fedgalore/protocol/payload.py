@@ -441,7 +441,7 @@ def safetensors_header(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     sorts the tensors by dtype (descending) then name and lists them in that order after
     ``__metadata__``; its JSON is compact serde_json (``"``, ``\\`` and control characters
     escaped, other text as UTF-8). Checked byte for byte against the real writer in
-    tests/test_payload_size.py."""
+    tests/protocol/test_payload_size.py."""
     order = []
     for name, t in tensors.items():
         if t.dtype not in _ST_NAME:
@@ -466,7 +466,7 @@ def safetensors_size(tensors: dict[str, torch.Tensor], metadata: dict[str, str] 
     order (dtype descending, then name), ``{"dtype", "shape", "data_offsets"}`` as compact JSON
     (serde_json: only ``"``, ``\\`` and control characters escaped, other text as UTF-8).
     ``None`` for a dtype this table does not know (the caller then encodes).
-    Checked against the real writer in tests/test_payload_size.py."""
+    Checked against the real writer in tests/protocol/test_payload_size.py."""
     head = safetensors_header(tensors, metadata)
     if head is None:
         return None
@@ -503,7 +503,7 @@ def encoded_size(payload: Payload) -> int:
     """``len(encode(payload))``, computed from shapes and dtypes without serialising a tensor.
 
     What the ledger counts for a message handed over in process (the sequential backend): the
-    bytes the wire format would carry, exactly (tests/test_payload_size.py checks the equality)."""
+    bytes the wire format would carry, exactly (tests/protocol/test_payload_size.py checks the equality)."""
     size = _measure(payload)[0]
     return len(encode(payload)) if size is None else size
 

@@ -7,7 +7,7 @@ coordinates of a rank-``r`` basis ``P``: an accumulator ``V`` (``m × r`` on the
 ``c_j = 1 − β₂^s`` after ``s`` steps from zero — Adam's bias-correction denominator — so the
 estimate of ``E[g̃²]`` is ``v̂ = V / c``. The client optimizer, the upload, the server's pooling
 and the next round's warm start all move or combine ``(V, c)``; this module states each of those
-rules once, as a pure function on tensors, and ``tests/test_second_moment.py`` checks each
+rules once, as a pure function on tensors, and ``tests/sync/test_second_moment.py`` checks each
 against its equation and its laws:
 
 * :func:`observe` — one Adam step (paper App. B, Alg. 3 line "update second moment"):

@@ -32,7 +32,7 @@ view, or with non-finite input, is recomputed by the reference function, as is e
 outside the batched case (mode other than ``ajive``, ``joint_rank = "auto"``, ``center=False``,
 extra AJIVE options, ``K = 1``, mixed ranks or weights, few rows: ``rows ≤ 2 K r``, ``K r ≥
 512``, or a shape no other matrix has). So the states are the reference's up to float rounding
-(batched and single products round differently; tests/test_sync_batched.py holds them to 1e-4
+(batched and single products round differently; tests/sync/test_sync_batched.py holds them to 1e-4
 relative and the ranks to equality), and ``batched=False`` gives the reference exactly. A
 decision can differ only where the reference's own margin is at rounding level: on three
 captured SmolLM2 rounds (630 matrix syncs), two joint ranks differed by one, and in both the

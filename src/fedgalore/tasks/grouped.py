@@ -89,7 +89,7 @@ def accuracy_of(pred: np.ndarray, gold: np.ndarray) -> float:
 def macro_f1_of(pred: np.ndarray, gold: np.ndarray) -> float:
     """:func:`fedgalore.tasks.metrics.macro_f1` without scikit-learn's input checks, computed as
     scikit-learn computes it — per class ``c`` present in ``gold``, ``2·TP_c / (|gold = c| +
-    |pred = c|)``, then their mean — so the same float (tests/test_site_eval.py)."""
+    |pred = c|)``, then their mean — so the same float (tests/tasks/test_site_eval.py)."""
     pred, gold = np.asarray(pred), np.asarray(gold)
     if not len(gold):
         return 0.0

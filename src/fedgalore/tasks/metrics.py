@@ -12,7 +12,7 @@ Thin wrappers around the reference implementations users trust — scikit-learn
 * Matthews correlation is 0 when undefined (constant predictions), as scikit-learn returns;
 * Pearson / Spearman are 0 when either side is constant (SciPy would return NaN and warn).
 
-``tests/test_metrics.py`` checks every function against hand-computed values.
+``tests/tasks/test_metrics.py`` checks every function against hand-computed values.
 """
 from __future__ import annotations
 

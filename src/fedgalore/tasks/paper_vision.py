@@ -186,7 +186,7 @@ def vit_image_processor(size: int, mean: Sequence[float], std: Sequence[float], 
     """A ViT image processor that makes a task's ``pixel_values`` from an image: resize to
     ``size``² (PIL bilinear), ``x/255``, ``(x − mean)/std`` per channel (RGB when ``rgb``, else the
     one grey channel). The PIL backend: it reproduces :class:`ImageFolderDataset` and
-    :func:`~fedgalore.tasks.mnist.to_pixels` exactly (tests/test_export.py); the torchvision
+    :func:`~fedgalore.tasks.mnist.to_pixels` exactly (tests/trained/test_export.py); the torchvision
     backend resizes slightly differently."""
     try:
         from transformers import ViTImageProcessorPil as Processor

@@ -14,7 +14,7 @@ checkpointed). With ``keep_client_models: true`` every simulated client keeps it
 of the adapted matrices between rounds (``Runtime.client_state``) and rebuilds the next model
 from exactly the message the ledger counts — an end-to-end check of the protocol, at one copy of
 those matrices per client seen (plus W_0 once). The two modes train bit-identically and count
-the same bytes (tests/test_downlink.py); after a resume the kept copies are gone, so that mode's
+the same bytes (tests/protocol/test_downlink.py); after a resume the kept copies are gone, so that mode's
 clients start again from W_0 (bytes may differ after the resume; the model does not).
 """
 from __future__ import annotations

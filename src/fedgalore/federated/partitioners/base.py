@@ -4,7 +4,7 @@ A partitioner turns one value per training example (a category: the label, a tas
 site) into clients: ``split(values, num_partitions, seed)`` returns one 1-D ``int64`` index array
 per client, disjoint and together covering ``range(len(values))`` — every example in exactly one
 client — and is a pure function of its arguments (a local ``numpy.random.Generator`` built from
-``seed``; nothing global is touched). ``tests/test_partition_kinds.py`` checks that contract for
+``seed``; nothing global is touched). ``tests/federated/test_partition_kinds.py`` checks that contract for
 every registered kind. A kind is registered with :func:`register` under its ``kind`` name, which
 is ``federation.partition.kind`` in a config (:class:`fedgalore.federated.partition.PartitionConfig`
 holds every kind's options; each kind reads the fields it lists in :attr:`Partitioner.fields`).
