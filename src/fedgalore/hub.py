@@ -19,7 +19,6 @@ note is shown at most once per process (a comparison grid, a resumed run).
 from __future__ import annotations
 
 import os
-import re
 import socket
 import sys
 from urllib.parse import urlparse

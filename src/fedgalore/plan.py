@@ -948,7 +948,7 @@ def galore_terms(n: int, cfg: FederatedConfig, options: FedGaLoreOptions) -> tup
     if proj == "identity":
         return 1, 0
     if options.projector_schedule != "steps" and proj.endswith("_then_random") and options.adaptive_scope == "round":
-        k = max(int(getattr(cfg.train, "grad_accum_steps", 1)), 1)
+        k = max(int(cfg.train.grad_accum_steps), 1)
         if options.projector_schedule == "epoch":
             switch = epoch_switch_step(n, cfg.train.batch_size, k, options.adaptive_epochs, steps)
         else:
@@ -967,7 +967,7 @@ def _steps(n: int, cfg: FederatedConfig) -> int:
     if tc.local_steps is not None:
         return int(tc.local_steps)
     micro = int(math.ceil(float(tc.local_epochs) * n / tc.batch_size)) if n > 0 else 0
-    return optimizer_steps(micro, getattr(tc, "grad_accum_steps", 1))
+    return optimizer_steps(micro, tc.grad_accum_steps)
 
 
 def _data_note(cfg: FederatedConfig, task: Task | None, train_examples: int | None, sizes: Sequence[int]) -> str | None:
@@ -995,7 +995,7 @@ def make_plan(cfg: FederatedConfig, methods: Sequence[str] | None = None, method
     works (a miniature run per method: seconds each, more for models with many layers)."""
     say = progress or (lambda line: None)
     machine = detect_machine() if machine is None else machine
-    usable = usable_memory(cfg.device, machine, gpu_gib, host_gib, int(getattr(cfg.train, "devices_per_client", 1) or 1))
+    usable = usable_memory(cfg.device, machine, gpu_gib, host_gib, int(cfg.train.devices_per_client))
     say(f"plan: reading the model's shapes ({cfg.task.name}; no weights are loaded for causal LMs)")
     spec, task = model_spec(cfg)
     methods = list(methods or [cfg.method.name])
