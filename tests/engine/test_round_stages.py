@@ -75,7 +75,7 @@ def test_stages_compose_from_the_config_in_registry_order(tmp_path):
                                "max_update_norm": 100.0})
     rt = Runtime(cfg)
     assert [s.name for s in rt.stages] == ["scaffold"]  # a client process: only the stages with client hooks
-    view = RunView(tmp_path, rt.method, rt, None, print)
+    view = RunView(tmp_path, rt.method, rt, print)
     both = compose(cfg, rt, view, have=rt.stages)
     assert [s.name for s in both] == ["privacy", "attack", "scaffold", "norm_guard", "robust", "server_optimizer"]
     assert both.get("scaffold") is rt.stages.get("scaffold")  # the client side's stage, not built twice

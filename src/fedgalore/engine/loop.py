@@ -180,7 +180,7 @@ class Federation:
             self.progress.message(f"resuming {self.run_dir} after round {self.start_round}")
         self.files.write_static(cfg, self.runtime, self.identity)
         #: the round's stages (fedgalore.engine.stages): the runtime's client side and the server's own, composed from the config
-        view = RunView(self.run_dir, self.method, self.runtime, self.backend, lambda line: self.progress.message(line))
+        view = RunView(self.run_dir, self.method, self.runtime, lambda line: self.progress.message(line))
         self.stages = compose(cfg, self.runtime, view, have=self.runtime.stages)
         collector = self.stages.collector or Collector
         self.collector = collector(cfg, self.method, self.runtime, self.backend, self.ledger, self.stages, view.say)

@@ -95,13 +95,12 @@ class Attempt:
 
 @dataclass
 class RunView:
-    """What a server-side stage may read of the run: its directory, the method, the runtime and
-    backend, how to name a client and how to say a line."""
+    """What a server-side stage may read of the run: its directory, the method, the runtime (which
+    names the clients) and how to say a line."""
 
     run_dir: Any
     method: Any
     runtime: Any
-    backend: Any
     say: Callable[[str], None]
 
 

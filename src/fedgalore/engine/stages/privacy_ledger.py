@@ -159,7 +159,7 @@ class PrivacyLedger:
                 book["sites"][c] = merge_history([*book["sites"].get(c, []), e["entry"]])
                 book["epsilon"][c] = epsilon(book["sites"][c], self.record.delta, self.record.accountant)
             elif e.get("level") == "client" and self.release is not None:
-                cb = self._client_book(state)
+                cb = client_book(state)
                 cb["history"] = _merge_client([*cb["history"], *_as_rounds([e["event"]])])
                 _count_uploads(cb, e.get("uploads", []))
                 self._client_headline(cb)
@@ -175,10 +175,6 @@ class PrivacyLedger:
         return added
 
     # ------------------------------------------------------------------ client-level (privacy.client)
-    @staticmethod
-    def _client_book(state: Any) -> dict[str, Any]:
-        return client_book(state)
-
     def _client_event(self, book: dict[str, Any], received: int, sampled: int) -> list:
         """One release of the sampled clients' uploads: ``(σ of the round, K, 1)`` joins the history.
         Fewer noised uploads than sampled (dropouts; under secure aggregation, nodes lost in the
@@ -238,7 +234,7 @@ class PrivacyLedger:
         if self.release is None or self.release.client.target_epsilon is None:
             return None
         target = float(self.release.client.target_epsilon)
-        book = self._client_book(state)
+        book = client_book(state)
         rel, k = self.release, self.release.sample
         # released so far: the history and this round's earlier attempts (pending only under distributed noise)
         released = [*book["history"], *_as_rounds(book["pending"])]
@@ -279,7 +275,7 @@ class PrivacyLedger:
         """A round abandoned after some of its attempts released (the budget stop): their
         releases join the history now, and privacy.json says so."""
         if self.release is not None:
-            self._flush_client(self._client_book(state))
+            self._flush_client(client_book(state))
         if self.record is not None:
             book = self._book(state)
             for c in book["pending"]:
@@ -297,7 +293,7 @@ class PrivacyLedger:
         if self.release is not None and self.release.client.noise == "distributed":
             out = [r for r in results if _released(r, unknown_counts=self.release.server_sees_uploads)]
             if out:  # the clients released their noised uploads, whatever the server keeps
-                cb = self._client_book(state)
+                cb = client_book(state)
                 event = self._client_event(cb, len(out), len(results))
                 ups = [int(r.client) for r in out] if self.release.server_sees_uploads else []
                 _count_uploads(cb, ups)
@@ -347,7 +343,7 @@ class PrivacyLedger:
             rec["epsilon_max"] = max(book["epsilon"].values(), default=0.0)
             out["dp_epsilon"] = rec["epsilon_max"]
         if self.release is not None:
-            cb = self._client_book(state)
+            cb = client_book(state)
             if self.release.client.noise == "central":  # the server released the noised aggregate of the kept uploads
                 event = self._client_event(cb, len(uploads), self.release.sample)
                 self._journal(state, {"level": "client", "round": round_idx + 1, "event": event, "uploads": []})
