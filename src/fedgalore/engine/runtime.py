@@ -29,6 +29,7 @@ from fedgalore.engine.stages import compose
 from fedgalore.federated.client import ClientError
 from fedgalore.engine.start_adapter import continues_adapter, merge_start_adapter, start_adapter_of
 from fedgalore.federated.seeding import BATCHES, DROPOUT, client_seed
+from fedgalore.federated.site_ranks import site_ranks
 from fedgalore.methods.base import Method, build_method
 from fedgalore.methods.lora_common import matrix_shape
 from fedgalore.protocol.payload import Payload, decode, encode, transfer
@@ -53,6 +54,9 @@ class Runtime:
         self.cfg = cfg = resolve_clients(cfg, self.clients)
         self.method = (resolve_method(method, cfg) if method is not None
                        else build_method(cfg.method.name, cfg.method.rank, method_options(cfg)))
+        #: each site's rank (federation.site_ranks), given to the method before it prepares the model
+        self.site_ranks = site_ranks(cfg.federation.site_ranks, len(self.clients.parts), cfg.method.rank)
+        self.method.use_site_ranks(self.site_ranks)
         model = self.task.build_model()
         start = start_adapter_of(self.task)  # task.options.model a PEFT adapter (fedgalore.engine.start_adapter)
         if start is not None and not continues_adapter(self.method):
@@ -85,6 +89,11 @@ class Runtime:
             raise ConfigError(
                 f"method.rank={self.cfg.method.rank} exceeds the smallest adapted matrix dimension ({smallest}); "
                 f"use method.rank<={smallest}"
+            )
+        if self.site_ranks and max(self.site_ranks) > smallest:
+            raise ConfigError(
+                f"federation.site_ranks: rank {max(self.site_ranks)} exceeds the smallest adapted matrix dimension "
+                f"({smallest}); use ranks <= {smallest}"
             )
 
     def validation_set(self):

@@ -34,6 +34,7 @@ from fedgalore.federated.guards import AttackConfig, RobustConfig, SecureAggrega
 from fedgalore.federated.partition import PartitionConfig
 from fedgalore.federated.partitioners import infers_clients
 from fedgalore.federated.server_opt import ServerOptimizerConfig
+from fedgalore.federated.site_ranks import SiteRanksConfig, site_ranks
 from fedgalore.methods.base import MethodOptions, available_methods, method_class, parse_options, split_options
 from fedgalore.privacy.config import PrivacyConfig, RecordPrivacy
 from fedgalore.federated.data_parallel import devices_problem
@@ -113,6 +114,9 @@ class FederationConfig:
     robust: RobustConfig | None = None
     #: simulations only: hostile clients whose uploads are scaled or sign-flipped (to measure federation.robust)
     attack: AttackConfig | None = None
+    #: a rank per site: tiers of sites and/or single sites' ranks (fedgalore.federated.site_ranks;
+    #: null: every site at method.rank)
+    site_ranks: SiteRanksConfig | None = None
 
 
 @dataclass
@@ -261,7 +265,32 @@ class FederatedConfig:
                                   "factored downlink sends; set method.options.downlink=dense (or server_optimizer.name=fedavg)")
             self._check_adapter_needs()
         self._check_guards()
+        self._check_site_ranks()
         return self
+
+    def _check_site_ranks(self) -> None:
+        """``federation.site_ranks``: the sites it names exist, and the method (with its options) can
+        train sites at different ranks (:meth:`~fedgalore.methods.base.Method.site_ranks_problem`);
+        the stages that read each upload at one shape refuse it in one line."""
+        f = self.federation
+        if f.site_ranks is None:
+            return
+        if f.num_clients is not None:
+            site_ranks(f.site_ranks, f.num_clients, self.method.rank)  # raises on a site or tier that does not fit
+        if self.method.name in available_methods():
+            cls = method_class(self.method.name)
+            opts = cls.resolve_options(self.method.typed_options(), self.method.rank)
+            why = cls.site_ranks_problem(opts, self.method.name)
+            _check(why is None, str(why))
+        _check(f.secure_aggregation is None,
+               "federation.site_ranks with federation.secure_aggregation: SecAgg+ sums uploads of one shape, and sites "
+               "at different ranks upload different shapes; use one of the two")
+        _check(self.privacy.client is None,
+               "federation.site_ranks with privacy.client: client-level DP noises the sum of uploads of one shape, and "
+               "sites at different ranks upload different shapes; use one of the two (privacy.record works)")
+        _check(not self.train.scaffold,
+               "federation.site_ranks with train.scaffold: SCAFFOLD's control variates need one parameter shape at every "
+               "site; turn train.scaffold off")
 
     def _check_guards(self) -> None:
         """``federation.secure_aggregation`` and ``federation.robust`` (fedgalore.federated.guards):

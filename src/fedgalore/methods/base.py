@@ -126,6 +126,47 @@ class Method(abc.ABC):
         names the option to change, or None. ``moments``: ``privacy.client.moments``."""
         return None
 
+    #: whether sites may train at different ranks (``federation.site_ranks``): what A does with
+    #: uploads of different ranks is the method's (each module's doc says it)
+    supports_site_ranks: ClassVar[bool] = False
+    #: each site's rank (:meth:`use_site_ranks`, before :meth:`setup`); None: every site at :attr:`rank`
+    site_ranks: tuple[int, ...] | None = None
+
+    @classmethod
+    def site_ranks_problem(cls, options: MethodOptions, name: str | None = None) -> str | None:
+        """Why this method, with its resolved ``options``, cannot train sites at different ranks
+        (``federation.site_ranks``), as one line naming what to change, or None."""
+        if cls.supports_site_ranks:
+            return None
+        return (f"federation.site_ranks: method {(name or cls.name)!r} trains one shape at every site and combines the "
+                "uploads coordinate by coordinate, which factors of different ranks do not share; use fedgalore, "
+                "fedgalore_minus, fedgalore_mean, flora, flexlora or hetlora, or remove federation.site_ranks")
+
+    def use_site_ranks(self, ranks: Sequence[int] | None) -> None:
+        """Give each site (client id) its own rank (None: every site at :attr:`rank`). Called once,
+        before :meth:`setup`, by every process of the run (the server and each client's)."""
+        if ranks is None:
+            self.site_ranks = None
+            return
+        why = type(self).site_ranks_problem(self.options, self.name)
+        if why is not None:
+            raise MethodError(why)
+        if any(int(r) < 1 for r in ranks):
+            raise MethodError(f"site ranks must be positive integers, got {sorted(set(ranks))}")
+        self.site_ranks = tuple(int(r) for r in ranks)
+
+    def rank_of(self, client: int) -> int:
+        """Site ``client``'s rank: its entry of :attr:`site_ranks`, else :attr:`rank`."""
+        if self.site_ranks is None or not 0 <= int(client) < len(self.site_ranks):
+            return self.rank
+        return self.site_ranks[int(client)]
+
+    @property
+    def frame_rank(self) -> int:
+        """The largest rank any site trains at (:attr:`rank` without site ranks): the rank the
+        shared model is prepared at and the frame of nested seeded bases."""
+        return max(self.site_ranks) if self.site_ranks else self.rank
+
     #: the uploads are dense tensors in the global parameters' own coordinates, so a coordinate-wise
     #: statistic over clients (``federation.robust.kind`` trimmed_mean / median) is an update
     coordinate_uploads: ClassVar[bool] = False

@@ -133,9 +133,9 @@ from fedgalore.optim.galore_adamw import (
 from fedgalore.optim import client_protocol
 from fedgalore.optim.projector import PROJ_TYPES
 from fedgalore.protocol import downlink
-from fedgalore.protocol.bases import basis_seed
+from fedgalore.protocol.bases import basis_seed, frame_of, padded_sum
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
-from fedgalore.sync.moments import MODES as _MOMENT_SYNC_MODES
+from fedgalore.sync.moments import MODES as _MOMENT_SYNC_MODES, nested_views
 from fedgalore.sync.batched import synchronize_moments_many
 
 _PROTOCOLS = ("paper", "aligned")
@@ -298,6 +298,10 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
     #: default, AJIVE's joint subspace from evidence-weighted views
     behaviour_version = 3
     default_sync = "ajive"
+    #: sites at different ranks (federation.site_ranks): each client's GaLore rank is its site's, every
+    #: seeded basis the leading block of the rank-frame_rank frame (nested), and A sums the records exactly
+    #: (docs/design.md, "A rank per site")
+    supports_site_ranks = True
     #: with weight decay the record carries decay·W0 beside its terms, outside client-level DP's clipped change
     #: (fedgalore.engine.stages.client_dp refuses train.weight_decay > 0 under privacy.client)
     decay_in_upload = True
@@ -326,16 +330,20 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         """Whether clients upload second-moment views (every synchronised mode but ``aggregate``)."""
         return self.synced and self.options.sync != "aggregate"
 
-    def _galore_group(self, named: list[tuple[str, nn.Parameter]], diagnostics: bool = True, seeded_from_step: int = -1) -> dict[str, Any]:
+    def _galore_group(self, named: list[tuple[str, nn.Parameter]], diagnostics: bool = True, seeded_from_step: int = -1,
+                      rank: int | None = None) -> dict[str, Any]:
         """The client optimizer's GaLore group. ``diagnostics`` (the run's switch): the shadow
         cold second moment feeds only the diagnostics (``update_norm_vs_cold``,
         ``v_warm_cold_ratio``); the update is the same bits without it. ``seeded_from_step``:
-        the epoch schedule's switch to ``R_k`` (-1: the steps schedule)."""
+        the epoch schedule's switch to ``R_k`` (-1: the steps schedule). ``rank``: the site's
+        (``federation.site_ranks``; default :attr:`rank`); with site ranks every seeded basis is
+        the leading block of the rank-:attr:`frame_rank` frame (``frame_rank``: nested bases)."""
         o = self.options
         return {
             "seeded_from_step": seeded_from_step if o.projector_schedule != "steps" else -1,
             "params": named,
-            "rank": self.rank,
+            "rank": self.rank if rank is None else int(rank),
+            "frame_rank": self.frame_rank if self.site_ranks else None,
             "update_proj_gap": o.update_proj_gap,
             "scale": o.scale,
             "proj_type": o.proj_type,
@@ -388,7 +396,8 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             switch = epoch_switch_step(ctx.num_examples, tc.batch_size, tc.grad_accum_steps, self.options.adaptive_epochs, total)
         elif self.options.projector_schedule == "share":  # ... for the first adaptive_share of the round's steps
             switch = max(0, min(math.ceil(self.options.adaptive_share * total - 1e-9), total - 1))
-        groups = [self._galore_group([(n, params[n]) for n in self.targets], diagnostics=ctx.diagnostics, seeded_from_step=switch)]
+        groups = [self._galore_group([(n, params[n]) for n in self.targets], diagnostics=ctx.diagnostics, seeded_from_step=switch,
+                                     rank=self.rank_of(ctx.client))]
         if self.heads:
             groups.append({"params": [(n, params[n]) for n in self.heads], "lr": tc.head_lr or tc.lr})
         opt = GaLoreAdamW(
@@ -483,11 +492,13 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             for term in upd.terms:
                 rank = term.coef.shape[1] if isinstance(term, SeededLowRank) and term.side == "right" else (
                     term.coef.shape[0] if isinstance(term, SeededLowRank) else term.left.shape[1])
-                if not identity and rank > self.rank:
-                    return f"{n}: update rank {rank} exceeds method.rank={self.rank}"
+                if not identity and rank > self.frame_rank:
+                    return f"{n}: update rank {rank} exceeds the largest site rank {self.frame_rank}"
                 if isinstance(term, SeededLowRank):
                     if term.seed not in valid:
                         return f"{n}: basis seed {term.seed} does not belong to round seed {ctx.round_seed}"
+                    if term.frame is not None and (not self.site_ranks or term.frame != self.frame_rank):
+                        return f"{n}: seeded frame {term.frame} is not this federation's ({self.frame_rank if self.site_ranks else 'none'})"
             mv = upload.entries.get(f"moment/{n}")
             if mv is None:
                 continue
@@ -564,7 +575,7 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             # expected, and recorded in the diagnostics (joint_rank, state_rank)
             warnings.simplefilter("ignore", RuntimeWarning)
             results = synchronize_moments_many(
-                [[u[f"moment/{n}"] for u in uploads] for n in self.targets],  # type: ignore[misc]
+                [nested_views([u[f"moment/{n}"] for u in uploads], weights) for n in self.targets],  # type: ignore[misc]
                 weights,
                 mode=self.options.sync,
                 joint_rank=self.options.joint_rank,
@@ -576,9 +587,13 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             for n, res in zip(self.targets, results):
                 if res.state is not None:
                     st = res.state
+                    frame = None if st.basis is not None else uploads[0][f"moment/{n}"].frame  # type: ignore[union-attr]
+                    if frame is None and st.basis is None and self.site_ranks:
+                        frame = self.frame_rank
                     state.moments[n] = MomentView(st.moment.float(), st.side, st.shape,
                                                   None if st.basis is None else st.basis.float(), st.seed,
-                                                  None if st.weight is None else st.weight.float())
+                                                  None if st.weight is None else st.weight.float(),
+                                                  None if st.basis is not None else frame_of(st.moment.shape[1 if st.side == "right" else 0], frame))
                 for k, v in res.diagnostics.items():
                     if isinstance(v, (int, float)):
                         diags.setdefault(k, []).append(float(v))
@@ -611,13 +626,13 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         for n in self.targets:
             seed = basis_seed(ctx.round_seed, n, 0)
             total: torch.Tensor | None = None
-            side, shape = "right", None
+            side, shape, frame = "right", None, None
             for u, w in zip(uploads, weights):
                 for t in u[n].terms:  # type: ignore[union-attr]
                     if isinstance(t, SeededLowRank) and t.seed == seed:
-                        part = t.coef.float() * float(w)
-                        total = part if total is None else total + part
-                        side, shape = t.side, t.shape
+                        part = t.coef.float() * float(w)  # nested bases (site ranks): the blocks add zero-padded
+                        total = part if total is None else padded_sum(total, part, t.side)
+                        side, shape, frame = t.side, t.shape, (t.rank if t.frame is None else t.frame)
             if total is None or shape is None:
                 missing += 1
                 continue
@@ -626,7 +641,8 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             if not (mean > 0 and math.isfinite(mean)):
                 missing += 1
                 continue
-            state.moments[n] = MomentView(sq / mean + _AGGREGATE_FLOOR, side, tuple(shape), None, seed, None)
+            state.moments[n] = MomentView(sq / mean + _AGGREGATE_FLOOR, side, tuple(shape), None, seed, None,
+                                          frame_of(sq.shape[1 if side == "right" else 0], frame))
         return {"aggregate_missing": float(missing)}
 
 
@@ -643,7 +659,7 @@ def _share_basis(view: MomentView, update: GaLoreUpdate) -> MomentView:
         b = term.right if (isinstance(term, LowRank) and view.side == "right") else (
             term.left if isinstance(term, LowRank) else None)
         if b is not None and b.shape == view.basis.shape and torch.equal(b, view.basis):
-            return MomentView(view.moment, view.side, view.shape, b, view.seed, view.weight)
+            return MomentView(view.moment, view.side, view.shape, b, view.seed, view.weight, view.frame)
     return view
 
 

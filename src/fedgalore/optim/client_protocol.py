@@ -103,7 +103,8 @@ def export_update(opt: Any) -> dict[str, GaLoreUpdate]:
         state = opt.state.get(p)
         if not isinstance(state, GaLoreParamState) or not state.record.on:
             raise RuntimeError(f"export_update() without mark() for parameter {name!r}")
-        out[name] = update_record.export(F.whole_state(p, name, group, state), _shape(p), state.side)
+        out[name] = update_record.export(F.whole_state(p, name, group, state), _shape(p), state.side,
+                                         schedule.frame_for(group, *_shape(p), state.side))
     return out
 
 
@@ -190,7 +191,8 @@ def _term_basis(p: torch.Tensor, group: dict[str, Any], state: GaLoreParamState,
     if term.basis is not None:
         return term.basis
     if term.seed >= 0:
-        return seeded_basis(int(term.seed), int(p.shape[0]), int(p.shape[1]), state.rank, state.side).to(p.device)
+        m, n = int(p.shape[0]), int(p.shape[1])
+        return seeded_basis(int(term.seed), m, n, state.rank, state.side, schedule.frame_for(group, m, n, state.side)).to(p.device)
     return F.current_basis(p, group, state)
 
 

@@ -63,6 +63,10 @@ GALORE_DEFAULTS: dict[str, Any] = {
     # the GEMMs of a bucket (matrices of one shape): auto = one stacked bmm each on CUDA (kernel
     # launches), per matrix elsewhere (the CPU's AVX2/oneDNN kernels); stacked | per_matrix force it
     "bucket_gemm": "auto",
+    # sites at different ranks (docs/design.md "A rank per site"): seeded bases are the leading `rank`
+    # vectors of the seed's rank-`frame_rank` frame (nested), so every site's seeded terms and views add
+    # up on one frame; None: the seed's own rank-`rank` draw
+    "frame_rank": None,
 }
 
 
@@ -75,6 +79,9 @@ def fill_galore_group(group: dict[str, Any], gi: int, names: Sequence[str]) -> N
     rank = group["rank"]
     if not is_int(rank) or rank <= 0:
         raise ValueError(f"GaLore group {gi}: rank must be a positive int, got {rank!r}")
+    frame = group["frame_rank"]
+    if frame is not None and (not is_int(frame) or frame < rank):
+        raise ValueError(f"GaLore group {gi}: frame_rank must be an int >= rank={rank} (or None), got {frame!r}")
     if group["projector"] not in PROJECTORS:
         raise ValueError(f"unknown projector {group['projector']!r}; expected one of {PROJECTORS}")
     if group["proj_type"] not in PROJ_TYPES:

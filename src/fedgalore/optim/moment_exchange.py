@@ -17,7 +17,8 @@ import torch
 
 from fedgalore.optim.state import GaLoreParamState
 from fedgalore.protocol import second_moment as sm
-from fedgalore.protocol.bases import change_of_basis, seeded_basis
+from fedgalore.optim import schedule
+from fedgalore.protocol.bases import change_of_basis, frame_of, seeded_basis
 from fedgalore.protocol.payload import MomentView
 
 __all__ = ["v_weight", "export_view", "check_view", "apply_warm", "rescale_warm", "transfer"]
@@ -46,21 +47,24 @@ def export_view(state: GaLoreParamState, group: dict[str, Any], side: str, shape
     :func:`fedgalore.protocol.second_moment.move`), and the view carries the seed only. The share of
     ``‖V‖_F`` the move keeps is left in ``state.upload_kept`` (1 when no move was needed)."""
     per_coordinate = state.v_weight is not None
+    frame = schedule.frame_for(group, shape[0], shape[1], side)
     v, w = state.exp_avg_sq, v_weight(state, side, group["betas"][1])
     seed: Optional[int] = int(state.basis_seed) if state.basis_seed >= 0 else None
     out_basis: Optional[torch.Tensor] = None if seed is not None else basis
     kept = 1.0
     if target is not None and target != seed:
         rank = v.shape[1] if side == "right" else v.shape[0]
-        new = seeded_basis(int(target), shape[0], shape[1], rank, side).to(v.device)
+        new = seeded_basis(int(target), shape[0], shape[1], rank, side, frame).to(v.device)
         before = float(v.norm())
         v, w = sm.move(v, w, change_of_basis(basis, new, side), side, group["moment_transfer"], per_coordinate)
         kept = float(v.norm()) / before if before > 0 else 1.0
         seed, out_basis = int(target), None
     state.upload_kept = kept
     moment, weight = (v, None) if buffer else (sm.estimate(v, w), w.detach().flatten().float().cpu().clone())
+    rank = moment.shape[1] if side == "right" else moment.shape[0]
     return MomentView(moment.detach().float().cpu().clone(), side, shape,
-                      None if out_basis is None else out_basis.detach().float().cpu().clone(), seed, weight)
+                      None if out_basis is None else out_basis.detach().float().cpu().clone(), seed, weight,
+                      frame_of(rank, frame) if seed is not None else None)
 
 
 def check_view(name: str, view: Any, side: str, shape: tuple[int, int], device: torch.device

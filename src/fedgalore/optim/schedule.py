@@ -24,7 +24,7 @@ from fedgalore.optim.projector import rsvd_basis, svd_basis
 from fedgalore.optim.state import GaLoreParamState
 from fedgalore.protocol.bases import basis_seed, seeded_basis
 
-__all__ = ["basis_kind", "refresh_due", "new_basis", "view_seed"]
+__all__ = ["basis_kind", "refresh_due", "new_basis", "view_seed", "frame_for"]
 
 
 def basis_kind(group: dict[str, Any], q: int, step: int = 0) -> str:
@@ -61,6 +61,13 @@ def view_seed(group: dict[str, Any], name: str) -> int:
     return basis_seed(int(group["projection_seed"]), name, 0)
 
 
+def frame_for(group: dict[str, Any], m: int, n: int, side: str) -> int | None:
+    """The seeded frame of an ``m × n`` matrix's bases: the group's ``frame_rank`` capped at the
+    side's dimension (a frame never exceeds it), or None (each rank its own draw)."""
+    frame = group.get("frame_rank")
+    return None if frame is None else min(int(frame), n if side == "right" else m)
+
+
 def new_basis(kind: str, group: dict[str, Any], name: str, q: int, g32: torch.Tensor, rank: int, side: str,
               device: torch.device) -> tuple[torch.Tensor, int]:
     """The basis of refresh ``q`` of kind ``kind`` (:func:`basis_kind`) and its seed (``-1`` for a
@@ -70,7 +77,7 @@ def new_basis(kind: str, group: dict[str, Any], name: str, q: int, g32: torch.Te
     m, n = g32.shape
     if kind in ("random", "view"):
         seed = basis_seed(group["projection_seed"], name, 0 if kind == "view" else q)
-        return seeded_basis(seed, m, n, rank, side).to(device), seed
+        return seeded_basis(seed, m, n, rank, side, frame_for(group, m, n, side)).to(device), seed
     if kind == "rsvd":
         rseed = basis_seed(group["projection_seed"], name + "#rsvd", q)
         return rsvd_basis(g32, rank, side, rseed, group["rsvd_oversample"], group["rsvd_niter"]), -1

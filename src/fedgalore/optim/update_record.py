@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 
 from fedgalore.optim.state import GaLoreParamState, RecordTerm, UpdateRecord
+from fedgalore.protocol.bases import frame_of
 from fedgalore.protocol.payload import GaLoreUpdate, LowRank, SeededLowRank
 
 __all__ = ["start", "open_term", "close_term", "record", "export", "all_terms", "record_norm"]
@@ -100,16 +101,18 @@ def all_terms(state: GaLoreParamState, with_cold: bool = False) -> list[RecordTe
     return terms
 
 
-def export(state: GaLoreParamState, shape: tuple[int, int], side: str) -> GaLoreUpdate:
+def export(state: GaLoreParamState, shape: tuple[int, int], side: str, frame: int | None = None) -> GaLoreUpdate:
     """The record as the upload's :class:`~fedgalore.protocol.payload.GaLoreUpdate`:
     ``decay = a − 1``; seeded terms as ``SeededLowRank(f C, seed)``, data-driven ones as
     ``LowRank(f C, P)`` (right) / ``LowRank(P, f C)`` (left), the identity projector with ``P = I``.
-    fp32, on the CPU."""
+    fp32, on the CPU. ``frame``: the seeded frame the bases were drawn from (nested bases of sites at
+    different ranks; recorded on a seeded term only when it differs from the term's rank)."""
     terms: list[Any] = []
     for term in all_terms(state):
         coef = (term.coef * term.factor).detach().cpu()
         if term.seed >= 0:
-            terms.append(SeededLowRank(coef, int(term.seed), side, shape))
+            rank = coef.shape[1] if side == "right" else coef.shape[0]
+            terms.append(SeededLowRank(coef, int(term.seed), side, shape, frame_of(rank, frame)))
             continue
         basis = term.basis
         if basis is None:  # identity projector

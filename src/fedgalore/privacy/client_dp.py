@@ -99,12 +99,12 @@ def _rebuild(key: str, e: Entry, new: dict[str, torch.Tensor]) -> Entry:
     if isinstance(e, LowRank):
         return LowRank(cast("left", e.left), cast("right", e.right))
     if isinstance(e, SeededLowRank):
-        return SeededLowRank(cast(f"coef@{e.seed}:{e.side}", e.coef), e.seed, e.side, e.shape)
+        return SeededLowRank(cast(f"coef@{e.seed}:{e.side}", e.coef), e.seed, e.side, e.shape, e.frame)
     if isinstance(e, GaLoreUpdate):
-        terms = tuple(SeededLowRank(cast(f"coef@{t.seed}:{t.side}", t.coef), t.seed, t.side, t.shape) for t in e.terms)
+        terms = tuple(SeededLowRank(cast(f"coef@{t.seed}:{t.side}", t.coef), t.seed, t.side, t.shape, t.frame) for t in e.terms)
         return GaLoreUpdate(e.decay, terms, e.shape)
     if isinstance(e, MomentView):
-        return MomentView(cast("moment", e.moment).clamp_min(0), e.side, e.shape, None, e.seed, e.weight)
+        return MomentView(cast("moment", e.moment).clamp_min(0), e.side, e.shape, None, e.seed, e.weight, e.frame)
     raise DataDrivenBasis(key)
 
 

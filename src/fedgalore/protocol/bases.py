@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["SIDES", "basis_seed", "seeded_basis", "change_of_basis"]
+__all__ = ["SIDES", "basis_seed", "seeded_basis", "frame_of", "padded_sum", "change_of_basis"]
 
 SIDES = ("right", "left")
 _SEED_MASK = (1 << 63) - 1
@@ -63,21 +63,39 @@ def _haar(seed: int, d: int, rank: int) -> torch.Tensor:
     return q * sign
 
 
-def seeded_basis(seed: int, m: int, n: int, rank: int, side: str) -> torch.Tensor:
+def seeded_basis(seed: int, m: int, n: int, rank: int, side: str, frame: int | None = None) -> torch.Tensor:
     """Seeded Haar-orthonormal basis for an ``m x n`` weight (paper App. E, seeded projectors).
 
     ``side="right"``: ``P = Q^T`` of shape ``(rank, n)``, orthonormal rows (``P P^T = I``).
     ``side="left"``:  ``P = Q`` of shape ``(m, rank)``, orthonormal columns (``P^T P = I``).
     ``Q`` is drawn by :func:`_haar` in float64 on a CPU ``torch.Generator`` seeded with ``seed``
     and cast to float32; the result is always a float32 CPU tensor, identical on every machine.
+
+    ``frame`` (sites at different ranks, docs/design.md "A rank per site"): the basis is the
+    leading ``rank`` vectors of the seed's rank-``frame`` frame, ``Q_frame[:, :rank]``, so a
+    site at rank ``r`` and a site at rank ``r' > r`` share their first ``r`` basis vectors
+    exactly (nested seeded bases). ``None`` or ``frame == rank``: the seed's own rank-``rank``
+    draw, as before (a rank-``r`` draw is *not* the leading block of a larger one: the Gaussian
+    is filled row by row).
     """
     if side not in SIDES:
         raise ValueError(f"side must be 'right' or 'left', got {side!r}")
     d = n if side == "right" else m
     if rank <= 0 or rank > d:
         raise ValueError(f"rank must be in [1, {d}] for side {side!r} of a {m}x{n} matrix, got {rank}")
-    q = _cached_haar32(int(seed), d, rank)
+    if frame is not None and frame != rank:
+        if frame < rank or frame > d:
+            raise ValueError(f"frame must be in [rank={rank}, {d}] for side {side!r} of a {m}x{n} matrix, got {frame}")
+        q = _cached_haar32(int(seed), d, int(frame))[:, :rank]
+    else:
+        q = _cached_haar32(int(seed), d, rank)
     return (q.T if side == "right" else q).clone(memory_format=torch.contiguous_format)
+
+
+def frame_of(rank: int, frame: int | None) -> int | None:
+    """The ``frame`` a rank-``rank`` term or view records: ``None`` when it is its own rank's
+    draw (the wire format then carries no frame: uniform-rank runs are unchanged)."""
+    return None if frame is None or int(frame) == int(rank) else int(frame)
 
 
 def _cached_haar32(seed: int, d: int, rank: int) -> torch.Tensor:
@@ -101,6 +119,22 @@ def _cached_haar32(seed: int, d: int, rank: int) -> torch.Tensor:
                 _, old = _cache.popitem(last=False)
                 _cache_bytes -= old.numel() * old.element_size()
     return q
+
+
+def padded_sum(a: torch.Tensor, b: torch.Tensor, side: str) -> torch.Tensor:
+    """``a + b`` of two coefficient blocks on nested seeded bases (one seed and frame, ranks
+    ``r_a`` and ``r_b``): the smaller zero-padded to the larger rank — columns on the right side
+    (``C`` is ``m × r``), rows on the left (``r × n``). Exact: ``C_a P_{r_a} + C_b P_{r_b} =
+    (pad(C_a) + pad(C_b)) P_{max}`` because ``P_r`` is the leading block of ``P_max``."""
+    dim = 1 if side == "right" else 0
+    if a.shape[dim] < b.shape[dim]:
+        a, b = b, a
+    out = a.clone()
+    if dim == 1:
+        out[:, : b.shape[1]] += b
+    else:
+        out[: b.shape[0]] += b
+    return out
 
 
 def change_of_basis(p_old: torch.Tensor, p_new: torch.Tensor, side: str) -> torch.Tensor:

@@ -46,6 +46,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from fedgalore.protocol.bases import frame_of, padded_sum
 from fedgalore.protocol.payload import (
     Dense,
     Entry,
@@ -97,15 +98,22 @@ def weighted_update(updates: Sequence[GaLoreUpdate], weights: Sequence[float]) -
     """``Σ_i p_i ΔW_i`` as one factored record (operator A of Algorithm 1, line 11, kept factored).
 
     ``decay = Σ_i p_i decay_i``; each data-driven term ``L R`` becomes ``(p_i L) R``; seeded terms
-    with the same (seed, side) merge as ``(Σ_i p_i C_i) P`` (the order of
+    with the same (seed, side, frame) merge as ``(Σ_i p_i C_i) P`` (the order of
     :func:`fedgalore.methods.fedgalore.aggregate_galore_updates`: data-driven terms as met, then
     the merged seeded ones). fp32 factors. No truncation: the rank is the sum of the terms'.
+
+    Sites at different ranks (nested seeded bases, :func:`fedgalore.protocol.bases.seeded_basis`):
+    a rank-``r_i`` term on the leading ``r_i`` vectors of the rank-``F`` frame of seed ``s`` is the
+    rank-``r_max`` term whose coefficients ``C_i`` are zero-padded to ``r_max`` columns (right) /
+    rows (left), so ``Σ_i p_i C_i P_i = (Σ_i p_i pad(C_i)) P_{r_max}`` exactly: the merged term has
+    the largest rank present. Terms of one seed drawn at different ranks without a common frame
+    are different bases and stay separate terms (still exact).
     """
     if not updates:
         raise ValueError("weighted_update needs at least one update")
     shape = tuple(updates[0].shape)
     terms: list[LowRank | SeededLowRank] = []
-    seeded: dict[tuple[int, str], SeededLowRank] = {}
+    seeded: dict[tuple[int, str, int], SeededLowRank] = {}
     decay = 0.0
     for upd, p in zip(updates, weights):
         if tuple(upd.shape) != shape:
@@ -114,10 +122,14 @@ def weighted_update(updates: Sequence[GaLoreUpdate], weights: Sequence[float]) -
         decay += p * upd.decay
         for t in upd.terms:
             if isinstance(t, SeededLowRank):
-                key = (t.seed, t.side)
+                frame = t.rank if t.frame is None else int(t.frame)
+                key = (t.seed, t.side, frame)
                 coef = t.coef.float() * p
                 acc = seeded.get(key)
-                seeded[key] = SeededLowRank(coef if acc is None else acc.coef + coef, t.seed, t.side, t.shape)
+                if acc is not None:
+                    coef = padded_sum(acc.coef, coef, t.side)
+                rank = coef.shape[1] if t.side == "right" else coef.shape[0]
+                seeded[key] = SeededLowRank(coef, t.seed, t.side, t.shape, frame_of(rank, frame))
             else:
                 terms.append(LowRank(t.left.float() * p, t.right.float()))
     return GaLoreUpdate(decay, tuple(terms) + tuple(seeded.values()), shape)  # type: ignore[arg-type]

@@ -103,11 +103,17 @@ class SeededLowRank:
     seed: int
     side: str  # "right" | "left"
     shape: tuple[int, int]  # (m, n) of the full matrix
+    #: the rank of the seeded frame whose leading vectors are this term's basis (sites at different
+    #: ranks: :func:`fedgalore.protocol.bases.seeded_basis`); None: the term's own rank
+    frame: int | None = None
+
+    @property
+    def rank(self) -> int:
+        return int(self.coef.shape[1] if self.side == "right" else self.coef.shape[0])
 
     def basis(self) -> torch.Tensor:
         m, n = self.shape
-        rank = self.coef.shape[1] if self.side == "right" else self.coef.shape[0]
-        return seeded_basis(self.seed, m, n, rank, self.side)
+        return seeded_basis(self.seed, m, n, self.rank, self.side, self.frame)
 
     def factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(L, R)`` in fp32 with the entry ``= L R``: ``(C, P)`` right side, ``(P, C)`` left."""
@@ -157,6 +163,9 @@ class MomentView:
     basis: torch.Tensor | None = None  # (r, n) right / (m, r) left; None when seeded
     seed: int | None = None
     weight: torch.Tensor | None = None  # (r,) prior weight per basis coordinate
+    #: seeded views: the rank of the seeded frame whose leading vectors are the basis (sites at
+    #: different ranks); None: the view's own rank
+    frame: int | None = None
 
     @property
     def rank(self) -> int:
@@ -168,7 +177,7 @@ class MomentView:
         if self.seed is None:
             raise PayloadError("MomentView needs either a basis or a seed")
         m, n = self.shape
-        return seeded_basis(self.seed, m, n, self.rank, self.side)
+        return seeded_basis(self.seed, m, n, self.rank, self.side, self.frame)
 
     def materialize(self) -> torch.Tensor:
         p = self.basis_matrix()
@@ -255,6 +264,7 @@ def _flatten(name: str, entry: Entry, tensors: dict[str, torch.Tensor], seen: di
             "seed": int(entry.seed),
             "side": entry.side,
             "shape": list(entry.shape),
+            **({} if entry.frame is None else {"frame": int(entry.frame)}),
         }
     if isinstance(entry, GaLoreUpdate):
         terms = [_flatten(f"{name}/term{q}", t, tensors, seen, materialize) for q, t in enumerate(entry.terms)]
@@ -267,6 +277,8 @@ def _flatten(name: str, entry: Entry, tensors: dict[str, torch.Tensor], seen: di
             spec["seed"] = int(entry.seed)
         if entry.weight is not None:
             spec["weight"] = put("w", entry.weight)
+        if entry.frame is not None:
+            spec["frame"] = int(entry.frame)
         return spec
     assert isinstance(entry, Factored)
     return {"kind": kind, "left": put("l", entry.left), "core": put("c", entry.core), "right": put("r", entry.right)}
@@ -285,7 +297,8 @@ def _unflatten(spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Entry:
     if kind == "lowrank":
         return LowRank(get("left"), get("right"))
     if kind == "seeded":
-        return SeededLowRank(get("coef"), int(spec["seed"]), str(spec["side"]), tuple(spec["shape"]))
+        return SeededLowRank(get("coef"), int(spec["seed"]), str(spec["side"]), tuple(spec["shape"]),
+                             int(spec["frame"]) if "frame" in spec else None)
     if kind == "galore_update":
         terms = tuple(_unflatten(t, tensors) for t in spec["terms"])
         return GaLoreUpdate(float(spec["decay"]), terms, tuple(spec["shape"]))  # type: ignore[arg-type]
@@ -297,6 +310,7 @@ def _unflatten(spec: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Entry:
             tensors[spec["basis"]] if "basis" in spec else None,
             int(spec["seed"]) if "seed" in spec else None,
             tensors[spec["weight"]] if "weight" in spec else None,
+            int(spec["frame"]) if "frame" in spec else None,
         )
     if kind == "factored":
         return Factored(get("left"), get("core"), get("right"))

@@ -68,7 +68,7 @@ from fedgalore.protocol.bases import change_of_basis
 from fedgalore.protocol.payload import Factored, MomentView
 from fedgalore.sync.ajive import ajive, all_finite, elbow_rank, thin_svd_factored
 
-__all__ = ["SyncResult", "MODES", "synchronize", "synchronize_moments", "consensus_basis", "frobenius_gram"]
+__all__ = ["SyncResult", "MODES", "synchronize", "synchronize_moments", "nested_views", "consensus_basis", "frobenius_gram"]
 
 MODES = ("none", "mean", "mean_svd", "ajive")
 
@@ -321,6 +321,60 @@ def top_singular_basis(stack: torch.Tensor, rank: int, side: str, dtype: torch.d
     idx = q.abs().argmax(dim=-2, keepdim=True)
     q = (q * torch.sign(torch.gather(q, -2, idx)).clamp_min(0).mul(2).sub(1)).to(dtype)
     return (q.transpose(-1, -2) if side == "right" else q).contiguous()
+
+
+def nested_views(views: Sequence[MomentView], weights: Sequence[float]) -> list[MomentView]:
+    """Views of sites at different ranks on one seeded basis, brought to one rank (docs/design.md,
+    "A rank per site"): every view on the same seed and frame (nested bases: a rank-``r`` view's
+    basis is the leading ``r`` vectors of the rank-``F`` frame) is padded to the largest rank
+    ``r_max`` present, so the mean acts on each coordinate over the sites that hold it:
+
+    * with evidence (the aligned protocol): the missing coordinates get ``v = 0`` and evidence
+      ``c = 0``, so the pooled ``Σ p_i c_ij v_ij / Σ p_i c_ij`` is over the holders of ``j`` exactly;
+    * without (paper mode): the missing coordinates get the holders' ``p``-weighted mean, so the
+      weighted mean over all sites equals the holders' mean exactly.
+
+    AJIVE sees the padded views (the holders' mean imputed, or zero with zero evidence). Views that
+    already share one rank, or are not on one seeded frame, are returned as they are."""
+    views = list(views)
+    if len(views) < 2 or len({v.rank for v in views}) == 1:
+        return views
+    frames = {(v.seed, v.side, v.rank if v.frame is None else v.frame) for v in views}
+    if any(v.basis is not None or v.seed is None for v in views) or len(frames) != 1:
+        return views
+    side = views[0].side
+    r_max = max(v.rank for v in views)
+    p = [float(w) for w in weights]
+    with_weight = all(v.weight is not None for v in views)
+
+    def pad(x: torch.Tensor, r: int, fill: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, fill[:, r:r_max]], dim=1) if side == "right" else torch.cat([x, fill[r:r_max]], dim=0)
+
+    if with_weight:
+        fill = torch.zeros_like(views[[v.rank for v in views].index(r_max)].moment, dtype=torch.float32)
+    else:  # the holders' weighted mean of each coordinate
+        acc = torch.zeros_like(views[[v.rank for v in views].index(r_max)].moment, dtype=torch.float32)
+        mass = torch.zeros(r_max, dtype=torch.float32)
+        for v, w in zip(views, p):
+            r = v.rank
+            if side == "right":
+                acc[:, :r] += w * v.moment.float()
+            else:
+                acc[:r] += w * v.moment.float()
+            mass[:r] += w
+        scale = 1.0 / mass.clamp(min=torch.finfo(torch.float32).tiny)
+        fill = acc * (scale[None, :] if side == "right" else scale[:, None])
+    out = []
+    frame = next(iter(frames))[2]
+    for v in views:
+        r = v.rank
+        if r == r_max:
+            out.append(MomentView(v.moment, side, v.shape, None, v.seed, v.weight, v.frame))
+            continue
+        weight = None if v.weight is None else torch.cat([v.weight.float(), torch.zeros(r_max - r, dtype=torch.float32)])
+        out.append(MomentView(pad(v.moment.float(), r, fill), side, v.shape, None, v.seed, weight,
+                              None if frame == r_max else frame))
+    return out
 
 
 def _same_basis(views: Sequence[MomentView]) -> bool:
