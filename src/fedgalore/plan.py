@@ -995,6 +995,8 @@ def make_plan(cfg: FederatedConfig, methods: Sequence[str] | None = None, method
     works (a miniature run per method: seconds each, more for models with many layers)."""
     say = progress or (lambda line: None)
     machine = detect_machine() if machine is None else machine
+    if cfg.federation.site_ranks is not None:
+        return _site_plan(cfg, methods, method_options, train_examples, machine, gpu_gib, host_gib, say)
     usable = usable_memory(cfg.device, machine, gpu_gib, host_gib, int(cfg.train.devices_per_client))
     say(f"plan: reading the model's shapes ({cfg.task.name}; no weights are loaded for causal LMs)")
     spec, task = model_spec(cfg)
@@ -1035,6 +1037,102 @@ def make_plan(cfg: FederatedConfig, methods: Sequence[str] | None = None, method
             "fit": fit_verdict(mem["peak"], usable),
         }
     return out
+
+
+def _site_plan(cfg: FederatedConfig, methods: Sequence[str] | None, method_options: dict[str, dict] | None,
+               train_examples: int | None, machine: dict[str, Any], gpu_gib: float | None, host_gib: float | None,
+               say: Callable[[str], None]) -> dict[str, Any]:
+    """The plan of a federation whose sites train at their own ranks (``federation.site_ranks``).
+
+    Each distinct rank ``r`` is planned as a federation at rank ``r`` (:func:`make_plan`): what a
+    site at ``r`` uploads, holds while it trains and needs at its peak. The downlink and the
+    server are the same for every site — the broadcast at the largest rank (the frame: FedGaLore's
+    synchronised state, FLoRA's merged W) — so they come from the largest rank's plan, which is also
+    the plan's top level (the traffic table, the server's memory). Each tier is judged against its
+    stated device (``tiers[].device_gb``: the accelerator under ``device: cuda``, the host under
+    ``device: cpu``), else against the machine like the rest of the plan; ``sites`` lists, per
+    method, every tier with its sites and verdict, and ``sites_not_fitting`` the sites that do not
+    fit their device."""
+    from fedgalore.federated.site_ranks import site_devices, site_ranks
+    from fedgalore.methods.base import method_class
+
+    probe_cfg = FederatedConfig.from_dict(cfg.to_dict())
+    num = cfg.federation.num_clients
+    if num is None:  # a natural / files partition: the sites are known once the data is split
+        num = len(_client_sizes(cfg, model_spec(cfg)[1], train_examples))
+    ranks = site_ranks(cfg.federation.site_ranks, num, cfg.method.rank) or []
+    devices = site_devices(cfg.federation.site_ranks, num)
+    methods = list(methods or [cfg.method.name])
+    for m in methods:
+        why = method_class(m).site_ranks_problem(parse_options(m, split_options(m, {**dict(cfg.method.options), **dict(
+            (method_options or {}).get(m, {}))})[0], cfg.method.rank), m)
+        if why is not None:
+            raise PlanError(why)
+    probe_cfg.federation.site_ranks = None
+    by_rank: dict[int, dict[str, Any]] = {}
+    for r in sorted(set(ranks)):
+        say(f"plan: sites at rank {r} ({ranks.count(r)} of {num})")
+        probe_cfg.method.rank = r
+        by_rank[r] = make_plan(probe_cfg, methods, method_options, train_examples, machine, gpu_gib, host_gib, say)
+    top = by_rank[max(by_rank)]
+    out = dict(top)
+    out["site_ranks"] = ranks
+    out["methods"] = {}
+    not_fitting: dict[str, list[int]] = {}
+    for m in methods:
+        entry = dict(top["methods"][m])
+        tiers = []
+        for (r, dev) in sorted({(r, d) for r, d in zip(ranks, devices)}, key=lambda x: (x[0], x[1] or 0)):
+            sub = by_rank[r]["methods"][m]
+            sites = [c for c in range(num) if ranks[c] == r and devices[c] == dev]
+            usable = (usable_memory(cfg.device, machine, dev if cfg.device != "cpu" else None,
+                                    dev if cfg.device == "cpu" else host_gib, int(cfg.train.devices_per_client))
+                      if dev is not None else by_rank[r]["usable"])
+            verdict = fit_verdict(sub["memory"]["peak"], usable)
+            up = sum(sub["up_by_client"][c] for c in sites) / len(sites)
+            tiers.append({"rank": r, "sites": sites, "device_gb": dev, "up_per_client": up,
+                          "down_per_client": top["methods"][m]["down_per_client"], "peak": sub["memory"]["peak"],
+                          "peak_phase": sub["memory"]["peak_phase"], "optimizer_state": sub["memory"]["components"]["optimizer_state"],
+                          "fit": verdict})
+            if verdict["fits"] is False:
+                not_fitting.setdefault(m, []).extend(sites)
+        K = cfg.federation.clients_per_round or num
+        up_mean = sum(t["up_per_client"] * len(t["sites"]) for t in tiers) / num
+        entry["up_per_client"] = up_mean
+        entry["up_by_client"] = [by_rank[ranks[c]]["methods"][m]["up_by_client"][c] for c in range(num)]
+        entry["up_tensor_bytes_by_client"] = [by_rank[ranks[c]]["methods"][m]["up_tensor_bytes_by_client"][c] for c in range(num)]
+        entry["per_round"] = {"down": entry["per_round"]["down"], "up": K * up_mean}
+        entry["run_total"] = K * entry["down_per_client_round0"] + K * up_mean + (cfg.federation.rounds - 1) * (
+            entry["per_round"]["down"] + K * up_mean)
+        entry["sites"] = tiers
+        out["methods"][m] = entry
+    out["sites_not_fitting"] = {m: sorted(v) for m, v in not_fitting.items()}
+    return out
+
+
+def _site_lines(plan: dict[str, Any]) -> list[str]:
+    """The plan's "Sites at their own ranks" section (:func:`_site_plan`)."""
+    if "site_ranks" not in plan:
+        return []
+    lines = ["## Sites at their own ranks (federation.site_ranks; GiB)", "",
+             "| method | rank | sites | device | up / client / round | down / client / round | optimizer state | "
+             "peak accelerator | peak host | fits |", "|---|---:|---|---:|---:|---:|---:|---:|---:|---|"]
+    for m, r in plan["methods"].items():
+        for t in r["sites"]:
+            ids = t["sites"]
+            span = (f"{ids[0]}–{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) and len(ids) > 2
+                    else ", ".join(map(str, ids)))
+            v = t["fit"]
+            fits = "yes" if v["fits"] else (f"**no**: {v['reason']}" if v["fits"] is False else f"unknown: {v['reason']}")
+            dev = f"{t['device_gb']:g}" if t["device_gb"] is not None else "(this machine)"
+            lines.append(f"| {m} | {t['rank']} | {span} ({len(ids)}) | {dev} | {_gib(t['up_per_client'])} | "
+                         f"{_gib(t['down_per_client'])} | {_gib(t['optimizer_state'])} | "
+                         f"{'–' if plan['device'] == 'cpu' else _gib(t['peak']['accelerator'])} | "
+                         f"{_gib(t['peak']['host'])} | {fits} |")
+    bad = plan.get("sites_not_fitting") or {}
+    lines += [""] + ([f"Sites that do not fit their device: " + "; ".join(f"{m}: {', '.join(map(str, v))}" for m, v in bad.items()) + "."]
+                     if bad else ["Every site fits its device."])
+    return lines + [""]
 
 
 def _gib(x: float) -> str:
@@ -1082,7 +1180,7 @@ def format_plan(plan: dict[str, Any], accelerator_gib: float | None = None, host
         q = "–" if not r["refreshes_per_round"] else ", ".join(map(str, r["refreshes_per_round"]))
         lines.append(f"| {m} | {q} | {_gib(r['down_per_client'])} | {_gib(r['up_per_client'])} | "
                      f"{_gib(r['per_round']['down'] + r['per_round']['up'])} | {_gib(r['run_total'])} |")
-    lines += [""] + _machine_lines(machine, usable)
+    lines += [""] + _site_lines(plan) + _machine_lines(machine, usable)
     lines += ["## Memory (GiB; peaks per phase as the current code holds them, fedgalore.plan.phase_peaks)", "",
               "| method | model | grads | optimizer | activations | server state | broadcast | upload | eval KV | "
               "peak accelerator (phase) | peak host (phase) | fits |", "|---|" + "---:|" * 10 + "---|"]

@@ -196,3 +196,32 @@ def test_peak_tracker_sees_a_freed_buffer():
     assert inner["name"] == "inner" and outer["name"] == "outer"
     assert inner["peak"] - inner["rss_before"] >= 60 * 2**20
     assert outer["peak"] >= inner["peak"]
+
+
+def test_sites_at_their_own_ranks_are_planned_per_tier(tmp_path):
+    """federation.site_ranks: each site's uplink is its own rank's, to the tensor byte, against a real
+    run of the mixed federation; the downlink is the largest rank's; a tier whose stated device is
+    too small is named."""
+    from fedgalore.engine.loop import Federation
+
+    fed_over = {"num_clients": 3, "clients_per_round": None, "rounds": 2, "eval_every": 2,
+                "partition": {"kind": "dirichlet", "alpha": 0.5, "min_size": 4},
+                "site_ranks": {"tiers": [{"rank": 2, "device_gb": 1e-3}, {"rank": 4}, {"rank": 8, "device_gb": 64}]}}
+    cfg = _cfg(tmp_path, "fedgalore", federation=fed_over)
+    cfg.method.options["downlink"] = "dense"
+    plan = make_plan(cfg, ["fedgalore"])
+    entry = plan["methods"]["fedgalore"]
+    assert [t["rank"] for t in entry["sites"]] == [2, 4, 8] and [t["sites"] for t in entry["sites"]] == [[0], [1], [2]]
+    assert plan["sites_not_fitting"] == {"fedgalore": [0]}
+    assert entry["sites"][2]["fit"]["fits"] is True
+    fed = Federation(cfg, run_dir=tmp_path / "run")
+    fed.run()
+    up = sorted((r for r in fed.ledger.records if r["round"] == 2 and r["direction"] == "up"), key=lambda r: r["client"])
+    assert [sum(r["tensor_bytes"].values()) for r in up] == entry["up_tensor_bytes_by_client"]
+    assert entry["up_tensor_bytes_by_client"][0] < entry["up_tensor_bytes_by_client"][1] < entry["up_tensor_bytes_by_client"][2]
+    down = [r for r in fed.ledger.records if r["round"] == 2 and r["direction"] == "down"]
+    assert all(abs(r["bytes"] - entry["down_per_client"]) <= 32 for r in down)  # the frame's broadcast (+ its header)
+    text = __import__("fedgalore.plan", fromlist=["format_plan"]).format_plan(plan)
+    assert "## Sites at their own ranks" in text and "Sites that do not fit their device: fedgalore: 0." in text
+    with pytest.raises(PlanError, match="site_ranks: method 'fedit'"):
+        make_plan(cfg, ["fedit"])
