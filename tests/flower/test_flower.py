@@ -18,14 +18,14 @@ import fedgalore  # noqa: E402
 from fedgalore.job.config import FederatedConfig  # noqa: E402
 
 
-def cfg(tmp: Path, method: str, opts: dict, **train) -> FederatedConfig:
+def cfg(tmp: Path, method: str, opts: dict, federation: dict | None = None, **train) -> FederatedConfig:
     return FederatedConfig.from_dict({
         "name": "t",
         "seed": 0,
         "task": {"name": "tiny_text", "options": {"n_train": 120, "n_test": 48}},
         "method": {"name": method, "rank": 4, "options": opts},
         "federation": {"num_clients": 4, "clients_per_round": 2, "rounds": 2,
-                       "partition": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5}},
+                       "partition": {"kind": "dirichlet", "alpha": 0.5, "min_size": 5}, **(federation or {})},
         "train": {"lr": 1e-2, "batch_size": 16, "local_epochs": 1, **train},
         "output": {"dir": str(tmp), "progress": "quiet"},
     })
@@ -46,20 +46,23 @@ def test_codec_roundtrips_bf16_and_payload_bytes():
     assert decode(record_to_blob(blob_to_record(blob)))["w"].tensor.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("site", [{}, {"devices_per_client": 2, "shard_params": True}], ids=["one-process", "sharded-site"])
-def test_flower_simulation_reproduces_sequential(tmp_path, site):
+@pytest.mark.parametrize("site,fed", [({}, None), ({"devices_per_client": 2, "shard_params": True}, None),
+                                      ({}, {"site_ranks": {"ranks": {0: 2, 1: 4, 2: 2, 3: 4}}})],
+                         ids=["one-process", "sharded-site", "site-ranks"])
+def test_flower_simulation_reproduces_sequential(tmp_path, site, fed):
     """Flower's simulation against the sequential backend; ``sharded-site``: every ClientApp trains
-    its client on two sharded processes (issue 43) and still gives the one-process run's numbers."""
+    its client on two sharded processes and still gives the one-process run's numbers;
+    ``site-ranks``: sites at ranks 2 and 4 (federation.site_ranks), each SuperNode at its own."""
     from flwr.simulation import run_simulation
 
     from fedgalore.flower.client_app import app as client_app
     from fedgalore.flower.server_app import make_server_app
 
     method, opts = "fedgalore", {"update_proj_gap": 2, "projector": "rsvd_then_random", "adaptive_proj_steps": 1}
-    seq = fedgalore.run(cfg(tmp_path / "seq", method, opts))
+    seq = fedgalore.run(cfg(tmp_path / "seq", method, opts, fed))
     run_dir = tmp_path / "flower" / "run"
     run_simulation(
-        server_app=make_server_app(cfg(tmp_path / "flower", method, opts, **site), run_dir=run_dir),
+        server_app=make_server_app(cfg(tmp_path / "flower", method, opts, fed, **site), run_dir=run_dir),
         client_app=client_app,
         num_supernodes=4,
         backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
