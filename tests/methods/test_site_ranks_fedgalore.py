@@ -212,3 +212,12 @@ def test_what_cannot_train_sites_at_different_ranks_is_refused_in_one_line(tmp_p
     assert "\n" not in str(err.value)
     del fed["site_ranks"]  # the same config without site ranks is accepted
     tiny_cfg(tmp_path, method, federation=fed, **extra).validate()
+
+
+def test_a_mixed_rank_run_resumes_to_the_same_numbers(tmp_path):
+    """The synchronised state and the factored downlink's chain keep their frames through a
+    checkpoint: a run killed after round 2 and resumed ends as the uninterrupted one."""
+    from fedgalore_testing.runs import killed_and_resumed
+
+    killed_and_resumed(_site_cfg(tmp_path / "full", per_round=2, rounds=4), _site_cfg(tmp_path / "killed", per_round=2, rounds=4),
+                       at_round=2)
