@@ -227,7 +227,8 @@ def _global(run_dir: Path, round_done: int) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in state.params.items()}
 
 
-@pytest.mark.parametrize("method, options", [("fedavg_full", {}), ("fedgalore", {"projector": "random", "sync": "aggregate"})])
+@pytest.mark.parametrize("method, options", [("fedavg_full", {}), ("fedgalore", {"projector": "random", "sync": "aggregate"}),
+                                             ("fed_sb", {})])  # Fed-SB: A is the mean of the r×r R_i
 def test_secagg_federation_equals_the_plain_one_within_quantisation(tmp_path, method, options):
     """Round 1's global model is the plain run's within one quantisation step per value,
     2c/Q = 3.8e-6 (Flower's stochastic rounding of each client's value, averaged); round 2 then

@@ -396,3 +396,25 @@ def test_secure_aggregation_and_client_dp_are_what_the_aggregation_allows():
         assert get_method(name, rank=4, **opts).dp_aggregate == "mean", name
     for name, opts in {"fedex_lora": {}, "flexlora": {}, "hetlora": {}}.items():
         assert get_method(name, rank=4, **opts).dp_aggregate == "individual", name
+
+
+# ----------------------------------------------------------------------------- robust aggregation, client-level DP
+@pytest.mark.parametrize("name, robust", [("fed_sb", {"kind": "trimmed_mean", "beta": 0.2}),
+                                          ("flexlora", {"kind": "krum", "num_malicious": 1}),
+                                          ("fedsa_lora", {"kind": "norm_filter", "num_malicious": 1})])
+def test_robust_aggregation_runs(tmp_path, name, robust):
+    import fedgalore
+    from fedgalore_testing.runs import tiny_cfg
+
+    cfg = tiny_cfg(tmp_path, name, rounds=1, federation={"num_clients": 6, "clients_per_round": 5, "rounds": 1,
+                                                         "partition": {"kind": "iid"}, "robust": robust})
+    assert fedgalore.run(cfg).summary["status"] == "finished"
+
+
+def test_fed_sb_under_client_level_dp_releases_the_mean_of_r(tmp_path):
+    import fedgalore
+    from fedgalore_testing.runs import cdp_cfg
+
+    res = fedgalore.run(cdp_cfg(tmp_path, "fed_sb", rounds=1))
+    doc = json.loads((res.run_dir / "privacy.json").read_text())
+    assert res.summary["status"] == "finished" and doc["protected"]
