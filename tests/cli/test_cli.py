@@ -115,6 +115,8 @@ def test_listing_commands(capsys) -> None:
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
     assert "fedgalore" in out and "fedavg_full" in out
+    listed = {line.split()[0] for line in out.splitlines() if line and not line[0].isspace()}
+    assert {"fedex_lora", "fedsa_lora", "fed_sb", "flexlora", "hetlora"} <= listed, listed
     assert main(["tasks"]) == 0
     assert "tiny_text" in capsys.readouterr().out
     assert main(["repro", "--list"]) == 0

@@ -10,7 +10,8 @@ from fedgalore.job.config import FederatedConfig
 from fedgalore.memory import PeakTracker, peak_tracking_available, tensor_bytes
 from fedgalore.plan import PlanError, make_plan, phase_peaks
 
-METHODS = ["fedgalore", "fedavg_full", "fedit", "ffa_lora", "flora", "fr_lora", "lora_fair"]
+METHODS = ["fedgalore", "fedavg_full", "fedit", "ffa_lora", "flora", "fr_lora", "lora_fair",
+           "fedex_lora", "fedsa_lora", "fed_sb", "flexlora", "hetlora"]
 
 
 def _cfg(tmp_path, method, **over):
@@ -36,7 +37,7 @@ def test_bytes_per_round_match_a_real_run(tmp_path, method):
 
     cfg = _cfg(tmp_path, method)
     plan = make_plan(cfg, [method])["methods"][method]
-    if method in ("fedgalore", "flora", "fr_lora"):  # the plan's downlink is dense: the most a client receives
+    if method in ("fedgalore", "flora", "fr_lora", "fedex_lora"):  # the plan's downlink is dense: the most a client receives
         default = Federation(cfg, run_dir=tmp_path / "default")
         default.run()
         down = [r["bytes"] for r in default.ledger.records if r["direction"] == "down"]

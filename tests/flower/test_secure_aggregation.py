@@ -64,7 +64,10 @@ SUPPORTED = [
     ("fedgalore", {"projector": "random", "sync": "mean", "moment_protocol": "paper"}),
     ("fedgalore", {"projector": "random", "sync": "none"}),
     ("fedgalore_minus", {"projector": "random"}),
+    ("fed_sb", {}), ("hetlora", {"aggregation": "weights"}),
 ]
+#: supported by the method's aggregation (a weighted mean), refused by the backend: its sites keep no method state
+SUPPORTED_ON_SEQUENTIAL = [("fedsa_lora", {})]
 REFUSED = [
     ("flora", {}, "method 'flora' combines each client's upload on its own"),
     ("lora_fair", {}, "method 'lora_fair' combines each client's upload on its own"),
@@ -75,15 +78,23 @@ REFUSED = [
     ("fedgalore", {"projector": "random", "sync": "mean"}, "evidence"),
     ("fedgalore_mean", {"projector": "random"}, "evidence"),
     ("fedgalore_minus", {}, "method.options.projector="),
+    ("fedex_lora", {}, "method 'fedex_lora' combines each client's upload on its own"),
+    ("flexlora", {}, "method 'flexlora' combines each client's upload on its own"),
+    ("hetlora", {}, "method.options.aggregation=weights"),
 ]
 
 
 def test_every_method_is_supported_or_refused_in_one_line(tmp_path):
-    named = {m for m, _ in SUPPORTED} | {m for m, _, _ in REFUSED}
+    named = {m for m, _ in SUPPORTED + SUPPORTED_ON_SEQUENTIAL} | {m for m, _, _ in REFUSED}
     ours = {m for m in available_methods() if method_class(m).__module__.startswith("fedgalore.")}  # not other tests' plugins
     assert named == ours  # every method fedgalore registers is decided here
     for m, o in SUPPORTED:
         FederatedConfig.from_dict(cfg_dict(tmp_path, m, o))
+    for m, o in SUPPORTED_ON_SEQUENTIAL:
+        cls = method_class(m)
+        assert cls.secure_aggregation_problem(cls.resolve_options(cls.options_class(**o), 4)) is None
+        with pytest.raises(ConfigError, match="use backend.name=sequential"):
+            FederatedConfig.from_dict(cfg_dict(tmp_path, m, o))
     for m, o, words in REFUSED:
         for backend in ("flower", "sequential"):  # the method's refusal (config) comes before the backend's (run)
             with pytest.raises(ConfigError) as e:
@@ -216,7 +227,8 @@ def _global(run_dir: Path, round_done: int) -> dict[str, torch.Tensor]:
     return {k: v.float() for k, v in state.params.items()}
 
 
-@pytest.mark.parametrize("method, options", [("fedavg_full", {}), ("fedgalore", {"projector": "random", "sync": "aggregate"})])
+@pytest.mark.parametrize("method, options", [("fedavg_full", {}), ("fedgalore", {"projector": "random", "sync": "aggregate"}),
+                                             ("fed_sb", {})])  # Fed-SB: A is the mean of the r×r R_i
 def test_secagg_federation_equals_the_plain_one_within_quantisation(tmp_path, method, options):
     """Round 1's global model is the plain run's within one quantisation step per value,
     2c/Q = 3.8e-6 (Flower's stochastic rounding of each client's value, averaged); round 2 then

@@ -126,6 +126,11 @@ class Method(abc.ABC):
         names the option to change, or None. ``moments``: ``privacy.client.moments``."""
         return None
 
+    #: whether each client keeps something of its own between rounds in ``ctx.state`` (FedSA-LoRA's
+    #: local B): the sequential backend keeps a store per client for it (in memory; empty again after
+    #: a resume); the config refuses the backends whose sites keep no method state (Ray, Flower)
+    needs_client_state: ClassVar[bool] = False
+
     #: whether sites may train at different ranks (``federation.site_ranks``): what A does with
     #: uploads of different ranks is the method's (each module's doc says it)
     supports_site_ranks: ClassVar[bool] = False

@@ -20,6 +20,11 @@ public seeds (:meth:`FLoRA.release_reference`) — not from zero: the fresh ``A`
 (~‖U(−1/√n, 1/√n)‖, far above a round's change) would otherwise fill the clip bound and scale the
 trained change away. It is public, so the guarantee is the same.
 
+Sites at different ranks (``federation.site_ranks``; fedgalore.methods.lora_common): site ``i``
+trains a rank-``r_i`` adapter (its fresh ``A``: the leading ``r_i`` rows of the rank-``R`` draw) and
+uploads ``LowRank(B_i, A_i)`` of rank ``r_i``; stacking takes any ranks — ``B_st`` is
+``m × Σ r_i`` — and ``ΔW̄ = s·Σ p_i B_i A_i`` stays exact (the paper's heterogeneous setting).
+
 Communication: up ``LowRank(B_i, A_i)`` + head. Down (option ``downlink``, default ``auto`` →
 ``factored``; fedgalore.methods.downlink_mixin): a client that holds the model of version ``h``
 gets the stacked factors ``(s·B_st, A_st)`` of every round since ``h`` — the paper's broadcast,
@@ -61,6 +66,8 @@ class FLoRA(FactoredDownlink, LoraMethod):
     summary = "fresh LoRA A,B + head with AdamW each round; server merges s·Σp_iB_iA_i into W (stacking)"
     optimizer_kind = "adamw"
     options_class = FLoRAOptions
+    #: stacking takes factors of any rank (module doc)
+    supports_site_ranks = True
 
     #: (seed, every target's fresh A) of the last upload :meth:`release_reference` rebuilt
     _fresh: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -83,9 +90,12 @@ class FLoRA(FactoredDownlink, LoraMethod):
             return super().release_reference(broadcast, key, upload)
         seed = self.fresh_seed(int(broadcast.meta["round_seed"]), int(upload.meta["client"]))
         if self._fresh is None or self._fresh[0] != seed:  # every target's A at once: one draw per upload, not per key
-            self._fresh = (seed, self.fresh_a({m: upload[pair_key(m)].right.shape for m in self.targets}, seed))
+            shapes = {m: tuple(upload[pair_key(m)].right.shape) for m in self.targets}
+            if self.site_ranks is not None:  # the client drew at the frame rank and kept the leading rows
+                shapes = {m: (self.frame_rank, n) for m, (_, n) in shapes.items()}
+            self._fresh = (seed, self.fresh_a(shapes, seed))
         b = upload[key].left
-        return LowRank(torch.zeros(b.shape, dtype=torch.float32), self._fresh[1][keys[key]])
+        return LowRank(torch.zeros(b.shape, dtype=torch.float32), self._fresh[1][keys[key]][: b.shape[1]])
 
     def init_server_state(self, model: nn.Module) -> ServerState:
         params = {w_key(m): self.base_weight(model, m).detach().float().cpu().clone() for m in self.targets}

@@ -1,4 +1,5 @@
-"""Shared machinery of the federated LoRA baselines (FedIT, FFA-LoRA, FLoRA, FR-LoRA, LoRA-FAIR).
+"""Shared machinery of the federated LoRA baselines (FedIT, FFA-LoRA, FLoRA, FR-LoRA, LoRA-FAIR,
+FedEx-LoRA, FedSA-LoRA, Fed-SB, FlexLoRA, HetLoRA).
 
 LoRA as in Hugging Face PEFT: an adapted ``nn.Linear`` with weight ``W`` (m×n) computes
 ``x Wᵀ + s · x Aᵀ Bᵀ`` with ``A`` (r×n, ``lora_A``), ``B`` (m×r, ``lora_B``) and ``s = α/r``.
@@ -29,6 +30,22 @@ Common choices (every baseline, unless its module says otherwise):
 * Local training is :func:`fedgalore.federated.client.local_train` (the paper's LR schedule and
   gradient clipping over the trainable parameters).
 
+Sites at different ranks (``federation.site_ranks``; methods with ``supports_site_ranks``: FLoRA,
+FlexLoRA, HetLoRA). Every process prepares the adapters at :attr:`~fedgalore.methods.base.Method.frame_rank`
+``R`` (the largest site rank) with PEFT's ``lora_alpha = s·R``, so PEFT's scaling is the method's
+``s = α/r`` (``r`` = ``method.rank``) at every site: with the default ``α = 2r``, ``s = 2`` — what
+PEFT's own rule ``α_i = 2·r_i`` gives a site that builds a rank-``r_i`` adapter, so a site's update
+``s·B_iA_i`` means the same at every rank. A client at rank ``r_i < R`` trains only the leading
+``r_i`` rows of ``A`` and columns of ``B``: the tail is set to zero when the broadcast is loaded,
+its gradient is zeroed by tensor hooks (so AdamW's moments stay exactly zero there) and — so that
+a gradient written past the hooks (record-level DP's noise) cannot move it — set to zero again
+after every optimizer step; the hooks are removed when the round ends
+(:meth:`LoraMethod.site_rank_mask`). Its upload carries ``LowRank(B[:, :r_i], A[:r_i])`` — a
+rank-``r_i`` adapter as a rank-``r_i`` PEFT layer would hold it (the leading ``r_i`` rows of the
+rank-``R`` draw of ``A`` are the rank-``r_i`` draw of the same generator: the draws are nested).
+Without site ranks none of this runs: the adapters, the training and the uploads are bit for bit
+as before.
+
 Names. Server tensors are keyed by raw-model names: ``<module>.lora_A.weight``,
 ``<module>.lora_B.weight``, ``<module>.weight`` (the base matrix ``W``), and the head parameter
 names. In payloads a pair of factors travels as one :class:`LowRank` entry ``<module>.lora`` with
@@ -39,8 +56,9 @@ single tensors travel as :class:`Dense`. Every tensor is sent in the dtype it ha
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -53,6 +71,7 @@ from fedgalore.protocol.state import ClientContext, ServerState
 
 __all__ = [
     "LoraMethod",
+    "NestedFactorsMethod",
     "LoraOptions",
     "LoraSGDOptions",
     "kaiming_uniform",
@@ -207,6 +226,10 @@ class LoraMethod(Method):
         """Whether ``lora_A`` trains on the clients (FFA-LoRA / FR-LoRA freeze it)."""
         return True
 
+    def train_b(self) -> bool:
+        """Whether ``lora_B`` trains on the clients (Fed-SB freezes it)."""
+        return True
+
     def setup(self, model: nn.Module, target_modules: Sequence[str], head_params: Sequence[str]) -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
@@ -216,9 +239,11 @@ class LoraMethod(Method):
         mods = dict(model.named_modules())
         self.shapes = {m: matrix_shape(mods[m]) for m in self.targets}  # (out, in) per target
         named_params(model, self.heads)  # fail early on a wrong head name
+        frame = self.frame_rank  # the largest site rank (method.rank without site ranks)
         config = LoraConfig(
-            r=self.rank,
-            lora_alpha=self.lora_alpha,
+            r=frame,
+            # PEFT's scaling α'/R kept at the method's s = α/r (module doc); without site ranks α' = α
+            lora_alpha=self.lora_alpha if self.site_ranks is None else self.scaling * frame,
             lora_dropout=self.lora_dropout,
             target_modules=list(self.targets),
             bias="none",
@@ -232,7 +257,7 @@ class LoraMethod(Method):
         self.prepare(peft_model)
         for module in self.targets:
             self.lora_a(peft_model, module).requires_grad_(self.train_a())
-            self.lora_b(peft_model, module).requires_grad_(True)
+            self.lora_b(peft_model, module).requires_grad_(self.train_b())
         for p in self.head_params(peft_model).values():
             p.requires_grad_(True)
         return peft_model
@@ -245,6 +270,9 @@ class LoraMethod(Method):
         the adapter's is (targets the adapter lacks keep ``B = 0``). Its rank and scaling must be
         this method's, and its layers among the targets; else one :class:`MethodError` line that
         says what to set. Call it on the set-up model, before the server state is taken from it."""
+        if self.site_ranks is not None:
+            raise MethodError("starting from a trained adapter (task.options.model) with federation.site_ranks is not "
+                              "supported: the adapter has one rank; remove federation.site_ranks")
         outside = sorted(set(factors) - set(self.targets))
         if outside:
             raise MethodError(f"the starting adapter adapts {outside[0]}{f' (and {len(outside) - 1} more)' if len(outside) > 1 else ''}, "
@@ -290,7 +318,8 @@ class LoraMethod(Method):
         for module in self.targets:
             if self.train_a():
                 adapters.append(self.lora_a(model, module))
-            adapters.append(self.lora_b(model, module))
+            if self.train_b():
+                adapters.append(self.lora_b(model, module))
         return adapters, list(self.head_params(model).values())
 
     def adapter_weight_decay(self, ctx: ClientContext) -> float:
@@ -334,9 +363,83 @@ class LoraMethod(Method):
         self.load_broadcast(model, broadcast, ctx)
         adapters, heads = self.trainable(model)
         optimizer = self.build_optimizer(ctx, adapters, heads)
-        stats = local_train(model, optimizer, ctx, clip_params=adapters + heads)
+        with self.site_rank_mask(model, optimizer, ctx.client):
+            stats = local_train(model, optimizer, ctx, clip_params=adapters + heads)
         meta = {"client": int(ctx.client), "round": int(ctx.round), "num_examples": int(ctx.num_examples), **stats}
-        return Payload(self.upload_entries(model), meta)
+        return Payload(self.site_slice(self.upload_entries(model), ctx.client), meta)
+
+    # ------------------------------------------------------------------ sites at different ranks
+    def adapter_product(self, model: nn.Module, module: str) -> torch.Tensor:
+        """The adapter's ``B A`` of one layer (fp32, without the scaling): the layer's weight is
+        ``base + s·adapter_product`` (Fed-SB: ``B R A``)."""
+        return self.lora_b(model, module).detach().float() @ self.lora_a(model, module).detach().float()
+
+    def site_rank(self, client: int) -> int | None:
+        """The rank client ``client`` trains at when it is below the frame (its adapters' tail
+        masked), else None (no site ranks, or a site at the largest rank)."""
+        if self.site_ranks is None:
+            return None
+        r = self.rank_of(client)
+        return r if r < self.frame_rank else None
+
+    def _tails(self, model: nn.Module, rank: int) -> list[tuple[nn.Parameter, tuple[slice, slice]]]:
+        """Every adapter's tail past ``rank``: ``A[rank:]`` and ``B[:, rank:]``."""
+        out = []
+        for m in self.targets:
+            out.append((self.lora_a(model, m), (slice(rank, None), slice(None))))
+            out.append((self.lora_b(model, m), (slice(None), slice(rank, None))))
+        return out
+
+    @contextmanager
+    def site_rank_mask(self, model: nn.Module, optimizer: torch.optim.Optimizer, client: int) -> Iterator[None]:
+        """A client below the frame rank trains only the leading ``r_i`` rows of ``A`` and columns of
+        ``B`` (module doc): the tail is zeroed now, its gradient zeroed by hooks and the tail zeroed
+        again after every optimizer step, until the block ends. No-op without site ranks."""
+        rank = self.site_rank(client)
+        if rank is None:
+            yield
+            return
+        tails = self._tails(model, rank)
+
+        @torch.no_grad()
+        def zero_tails(*_: Any) -> None:
+            for p, idx in tails:
+                p[idx] = 0
+
+        def masked(idx: tuple[slice, slice]):
+            def hook(grad: torch.Tensor) -> torch.Tensor:
+                grad = grad.clone()
+                grad[idx] = 0
+                return grad
+            return hook
+
+        zero_tails()
+        handles = [p.register_hook(masked(idx)) for p, idx in tails if p.requires_grad]
+        handles.append(optimizer.register_step_post_hook(zero_tails))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def site_slice(self, entries: dict[str, Any], client: int) -> dict[str, Any]:
+        """The upload of a client below the frame rank: each adapter pair as its leading block
+        ``LowRank(B[:, :r_i], A[:r_i])`` (the rest of the entries as they are)."""
+        rank = self.site_rank(client)
+        if rank is None:
+            return entries
+        out = dict(entries)
+        for m in self.targets:
+            e = out.get(pair_key(m))
+            if isinstance(e, LowRank):
+                out[pair_key(m)] = LowRank(e.left[:, :rank].clone(), e.right[:rank].clone())
+        return out
+
+    def expected_rank(self, upload: Payload) -> int:
+        """The rank of the factor pairs an upload must carry: its site's (``upload.meta["client"]``)."""
+        if self.site_ranks is None:
+            return self.rank
+        return self.rank_of(int(upload.meta.get("client", -1)))
 
     # ------------------------------------------------------------------ payload helpers
     @torch.no_grad()
@@ -384,8 +487,9 @@ class LoraMethod(Method):
             if not isinstance(e, LowRank):
                 return f"{key}: expected a LoRA factor pair, got {type(e).__name__}"
             out_f, in_f = self.shapes[m]
-            if tuple(e.left.shape) != (out_f, self.rank) or tuple(e.right.shape) != (self.rank, in_f):
-                return f"{key}: factors {tuple(e.left.shape)}·{tuple(e.right.shape)} != ({out_f}, {self.rank})·({self.rank}, {in_f})"
+            r = self.expected_rank(upload)
+            if tuple(e.left.shape) != (out_f, r) or tuple(e.right.shape) != (r, in_f):
+                return f"{key}: factors {tuple(e.left.shape)}·{tuple(e.right.shape)} != ({out_f}, {r})·({r}, {in_f})"
         return None
 
     @staticmethod
@@ -424,3 +528,99 @@ def check_weights(uploads: Sequence[Payload], weights: Sequence[float]) -> list[
 def lifted(b: torch.Tensor, a: torch.Tensor, scaling: float) -> torch.Tensor:
     """``s · B A`` in fp32."""
     return scaling * (b.float() @ a.float())
+
+
+class NestedFactorsMethod(LoraMethod):
+    """Base of the LoRA methods whose server keeps one pair of global factors at the frame rank
+    ``R`` (the largest site rank) and whose sites train its leading block (FlexLoRA, HetLoRA).
+
+    The broadcast is common: ``LowRank(B, A)`` of rank ``R`` + the head; client ``i`` loads it and
+    keeps the leading ``r_i`` columns of ``B`` and rows of ``A`` (:meth:`LoraMethod.site_rank_mask`
+    zeroes the tail — the truncation ``B[:, :r_i]``, ``A[:r_i]``), trains them with AdamW and
+    uploads ``LowRank(B_i, A_i)`` of rank ``r_i`` + the head. A site below ``R`` is therefore sent
+    ``(R − r_i)(m + n)`` values per matrix it discards: the price of a broadcast that is the same
+    for every client (the round loop's). Subclasses implement :meth:`combine` (A for one matrix).
+    """
+
+    optimizer_kind = "adamw"
+    #: the uploads are of each site's own rank (module doc)
+    supports_site_ranks = True
+
+    def init_server_state(self, model: nn.Module) -> ServerState:
+        params: dict[str, torch.Tensor] = {}
+        for m in self.targets:
+            params[a_key(m)] = self.lora_a(model, m).detach().float().cpu().clone()
+            params[b_key(m)] = self.lora_b(model, m).detach().float().cpu().clone()
+        params.update(self.server_heads(model))
+        return ServerState(params=params, meta={"scaling": self.scaling})
+
+    def broadcast(self, state: ServerState, ctx: Any) -> Payload:
+        entries: dict[str, Any] = {pair_key(m): LowRank(state.params[b_key(m)], state.params[a_key(m)]) for m in self.targets}
+        entries.update({n: Dense(state.params[n]) for n in self.heads})
+        return Payload(entries, self.round_meta(ctx))
+
+    @torch.no_grad()
+    def load_broadcast(self, model: nn.Module, broadcast: Payload, ctx: ClientContext) -> None:
+        for m in self.targets:
+            b, a = self.upload_pair(broadcast, m)
+            self.assign(self.lora_a(model, m), a)
+            self.assign(self.lora_b(model, m), b)
+        self.load_heads(model, {n: self.upload_tensor(broadcast, n) for n in self.heads})
+
+    def upload_entries(self, model: nn.Module) -> dict[str, Any]:
+        return {**self.pair_entries(model), **self.head_entries(self.head_state(model))}
+
+    def release_reference(self, broadcast: Payload | None, key: str, upload: Payload | None = None) -> Any:
+        """The broadcast's entry, a factor pair cut to the upload's rank (what the client started from)."""
+        ref = super().release_reference(broadcast, key, upload)
+        if isinstance(ref, LowRank) and upload is not None and isinstance(upload.entries.get(key), LowRank):
+            r = upload[key].left.shape[1]
+            return LowRank(ref.left[:, :r], ref.right[:r])
+        return ref
+
+    def start_pair(self, state: ServerState, module: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(B[:, :r], A[:r])``: what a rank-``r`` client started from (fp32)."""
+        return state.params[b_key(module)][:, :rank].float(), state.params[a_key(module)][:rank].float()
+
+    def combine(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], weights: Sequence[float],
+                module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new global ``(B, A)`` of one matrix (rank :attr:`frame_rank`) from the clients'
+        factors (each of its own rank) and the round's weights."""
+        raise NotImplementedError
+
+    def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: Any) -> dict[str, torch.Tensor]:
+        """A: :meth:`combine` per matrix, the head averaged; returns ``ΔW̄ = s(BA − B_oldA_old)``
+        of the server's model."""
+        p = check_weights(uploads, weights)
+        delta: dict[str, torch.Tensor] = {}
+        for m in self.targets:
+            b_new, a_new = self.combine([self.upload_pair(u, m) for u in uploads], p, m)
+            if ctx.diagnostics:
+                delta[w_key(m)] = lifted(b_new, a_new, self.scaling) - lifted(state.params[b_key(m)], state.params[a_key(m)], self.scaling)
+            state.params[a_key(m)], state.params[b_key(m)] = a_new, b_new
+        self.average_heads(state, uploads, p)
+        return delta
+
+    def client_deltas(self, state: ServerState, upload: Payload) -> dict[str, torch.Tensor]:
+        """``s(B_iA_i − B[:, :r_i]A[:r_i])`` against the truncation the client started from."""
+        r = self.expected_rank(upload)
+        return {w_key(m): lifted(*self.upload_pair(upload, m), self.scaling) - lifted(*self.start_pair(state, m, r), self.scaling)
+                for m in self.targets}
+
+    def update_terms(self, state: ServerState, upload: Payload) -> dict[str, list]:
+        """``s(B_iA_i − B[:, :r_i]A[:r_i])`` as two factored terms (federation.robust)."""
+        from fedgalore.federated.robust import factored_term
+
+        r, out = self.expected_rank(upload), {}
+        for m in self.targets:
+            b, a = self.upload_pair(upload, m)
+            b0, a0 = self.start_pair(state, m, r)
+            out[w_key(m)] = [factored_term(self.scaling * b, a), factored_term(-self.scaling * b0, a0)]
+        return out
+
+    @torch.no_grad()
+    def load_global(self, model: nn.Module, state: ServerState) -> None:
+        for m in self.targets:
+            self.assign(self.lora_a(model, m), state.params[a_key(m)])
+            self.assign(self.lora_b(model, m), state.params[b_key(m)])
+        self.load_heads(model, {n: state.params[n] for n in self.heads})

@@ -40,7 +40,9 @@ class SequentialBackend(Backend):
     def start(self, runtime) -> None:
         super().start(runtime)
         # each simulated client's own store, kept between rounds (in memory); None: stateless clients
-        runtime.client_state = {} if self.keep_client_models else None
+        # (a method that keeps its own state at the sites, Method.needs_client_state — FedSA-LoRA's B — gets it always)
+        needs = bool(getattr(runtime.method, "needs_client_state", False))
+        runtime.client_state = {} if self.keep_client_models or needs else None
         base = getattr(runtime.method, "downlink_base", None)
         if self.keep_client_models and base is not None and getattr(runtime.method, "per_client_downlink", False):
             self._base = base(runtime.model)  # W_0, public: what a client that kept nothing yet holds
