@@ -46,19 +46,25 @@ def test_codec_roundtrips_bf16_and_payload_bytes():
     assert decode(record_to_blob(blob_to_record(blob)))["w"].tensor.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("site,fed", [({}, None), ({"devices_per_client": 2, "shard_params": True}, None),
-                                      ({}, {"site_ranks": {"ranks": {0: 2, 1: 4, 2: 2, 3: 4}}})],
-                         ids=["one-process", "sharded-site", "site-ranks"])
-def test_flower_simulation_reproduces_sequential(tmp_path, site, fed):
+GALORE = ("fedgalore", {"update_proj_gap": 2, "projector": "rsvd_then_random", "adaptive_proj_steps": 1})
+
+
+@pytest.mark.parametrize("site,fed,method", [({}, None, GALORE), ({"devices_per_client": 2, "shard_params": True}, None, GALORE),
+                                             ({}, {"site_ranks": {"ranks": {0: 2, 1: 4, 2: 2, 3: 4}}}, GALORE),
+                                             ({}, {"rounds": 3}, ("fedsa_lora", {}))],
+                         ids=["one-process", "sharded-site", "site-ranks", "site-state"])
+def test_flower_simulation_reproduces_sequential(tmp_path, site, fed, method):
     """Flower's simulation against the sequential backend; ``sharded-site``: every ClientApp trains
     its client on two sharded processes and still gives the one-process run's numbers;
-    ``site-ranks``: sites at ranks 2 and 4 (federation.site_ranks), each SuperNode at its own."""
+    ``site-ranks``: sites at ranks 2 and 4 (federation.site_ranks), each SuperNode at its own;
+    ``site-state``: FedSA-LoRA, whose sites keep their own B between rounds (each node in its
+    ``Context.state``)."""
     from flwr.simulation import run_simulation
 
     from fedgalore.flower.client_app import app as client_app
     from fedgalore.flower.server_app import make_server_app
 
-    method, opts = "fedgalore", {"update_proj_gap": 2, "projector": "rsvd_then_random", "adaptive_proj_steps": 1}
+    method, opts = method
     seq = fedgalore.run(cfg(tmp_path / "seq", method, opts, fed))
     run_dir = tmp_path / "flower" / "run"
     run_simulation(
@@ -70,7 +76,7 @@ def test_flower_simulation_reproduces_sequential(tmp_path, site, fed):
     )
     hist = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
-    assert len(hist) == len(seq.history) == 2
+    assert len(hist) == len(seq.history) == (fed or {}).get("rounds", 2)
     for a, b in zip(seq.history, hist):
         assert a["clients"] == b["clients"] and b["dropped"] == []
         assert a["bytes_up"] == b["bytes_up"] and a["bytes_down"] == b["bytes_down"]

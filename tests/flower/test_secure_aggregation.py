@@ -64,10 +64,8 @@ SUPPORTED = [
     ("fedgalore", {"projector": "random", "sync": "mean", "moment_protocol": "paper"}),
     ("fedgalore", {"projector": "random", "sync": "none"}),
     ("fedgalore_minus", {"projector": "random"}),
-    ("fed_sb", {}), ("hetlora", {"aggregation": "weights"}),
+    ("fed_sb", {}), ("hetlora", {"aggregation": "weights"}), ("fedsa_lora", {}),
 ]
-#: supported by the method's aggregation (a weighted mean), refused by the backend: its sites keep no method state
-SUPPORTED_ON_SEQUENTIAL = [("fedsa_lora", {})]
 REFUSED = [
     ("flora", {}, "method 'flora' combines each client's upload on its own"),
     ("lora_fair", {}, "method 'lora_fair' combines each client's upload on its own"),
@@ -85,16 +83,11 @@ REFUSED = [
 
 
 def test_every_method_is_supported_or_refused_in_one_line(tmp_path):
-    named = {m for m, _ in SUPPORTED + SUPPORTED_ON_SEQUENTIAL} | {m for m, _, _ in REFUSED}
+    named = {m for m, _ in SUPPORTED} | {m for m, _, _ in REFUSED}
     ours = {m for m in available_methods() if method_class(m).__module__.startswith("fedgalore.")}  # not other tests' plugins
     assert named == ours  # every method fedgalore registers is decided here
     for m, o in SUPPORTED:
         FederatedConfig.from_dict(cfg_dict(tmp_path, m, o))
-    for m, o in SUPPORTED_ON_SEQUENTIAL:
-        cls = method_class(m)
-        assert cls.secure_aggregation_problem(cls.resolve_options(cls.options_class(**o), 4)) is None
-        with pytest.raises(ConfigError, match="use backend.name=sequential"):
-            FederatedConfig.from_dict(cfg_dict(tmp_path, m, o))
     for m, o, words in REFUSED:
         for backend in ("flower", "sequential"):  # the method's refusal (config) comes before the backend's (run)
             with pytest.raises(ConfigError) as e:

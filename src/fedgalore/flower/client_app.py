@@ -30,6 +30,10 @@ version it now holds in its reply (``held_version``, −1 for none), which the s
 trained in this run holds the public ``W_0`` (its runtime builds it). A node that lost its state
 cannot apply a chain: its round fails with that error, it reports holding ``W_0`` (version 0), and
 is sent the chain since ``W_0`` (or dense) next time.
+
+A method that keeps its own state at the site between rounds (``Method.needs_client_state``:
+FedSA-LoRA's local ``B``): the node keeps it in ``Context.state`` too (records ``fedgalore.site.*``,
+tied to the run's key), so the same node trains its site in every round it is sampled.
 """
 from __future__ import annotations
 
@@ -53,6 +57,8 @@ app = ClientApp()
 #: test grid holds several nodes). ``downlink_base``: W_0 of the chained matrices (factored downlink)
 _RUNTIMES: dict[tuple[str, str], object] = {}
 _STATE, _STATE_META = "fedgalore.downlink", "fedgalore.downlink.meta"
+#: a method's own state kept at the site between rounds (Method.needs_client_state): one record per entry
+_SITE, _SITE_META = "fedgalore.site", "fedgalore.site.meta"
 
 
 _SITE_TASKS: dict[str, object] = {}  # kind nodes: this node's task per server config (read once)
@@ -121,28 +127,48 @@ def _runtime(job: ConfigRecord, node_config=None):
 
 
 def _load_store(context: Context, key: str, rt) -> dict | None:
-    """This node's downlink store: its kept copy (if it belongs to this run), else W_0."""
+    """This node's store for its client (``ctx.state``): the downlink copy it kept (if it belongs to
+    this run), else W_0; and the method's own state kept at the site (:attr:`~fedgalore.methods.base.
+    Method.needs_client_state`, e.g. FedSA-LoRA's B), restored from ``Context.state``. None: the
+    method keeps nothing at the site."""
+    from fedgalore.flower.codec import record_to_tensors
     from fedgalore.protocol.downlink import ClientCache
 
-    base = rt.downlink_w0
-    if base is None:
-        return None
     state = context.state
-    if _STATE in state and _STATE_META in state and str(state[_STATE_META]["key"]) == key:
-        from fedgalore.flower.codec import record_to_tensors
-
-        return {"downlink": ClientCache(int(state[_STATE_META]["version"]), record_to_tensors(state[_STATE]))}
-    return {"downlink": ClientCache(0, base)}
+    store: dict | None = None
+    base = rt.downlink_w0
+    if base is not None:
+        if _STATE in state and _STATE_META in state and str(state[_STATE_META]["key"]) == key:
+            store = {"downlink": ClientCache(int(state[_STATE_META]["version"]), record_to_tensors(state[_STATE]))}
+        else:
+            store = {"downlink": ClientCache(0, base)}
+    if getattr(rt.method, "needs_client_state", False):
+        store = {} if store is None else store
+        if _SITE_META in state and str(state[_SITE_META]["key"]) == key:
+            for name in json.loads(str(state[_SITE_META]["names"])):
+                store[name] = record_to_tensors(state[f"{_SITE}.{name}"])
+    return store
 
 
 def _save_store(context: Context, key: str, store: dict | None) -> int:
-    """Keep the store in ``Context.state``; the version held (−1: none)."""
-    cache = None if store is None else store.get("downlink")
+    """Keep the store in ``Context.state`` — the downlink copy, and the method's own entries (each a
+    mapping of names to tensors); the downlink version held (−1: none)."""
+    import torch
+
+    from fedgalore.flower.codec import tensors_to_record
+
+    if store is None:
+        return -1
+    own = {k: v for k, v in store.items() if k != "downlink" and isinstance(v, dict)
+           and all(isinstance(t, torch.Tensor) for t in v.values())}
+    if own:
+        for name, tensors in own.items():
+            context.state[f"{_SITE}.{name}"] = tensors_to_record(tensors)
+        context.state[_SITE_META] = ConfigRecord({"key": key, "names": json.dumps(sorted(own))})
+    cache = store.get("downlink")
     if cache is None:
         return -1
     if cache.version > 0:  # version 0 is W_0, rebuilt by the runtime: nothing to keep
-        from fedgalore.flower.codec import tensors_to_record
-
         context.state[_STATE] = tensors_to_record(cache.params)
         context.state[_STATE_META] = ConfigRecord({"key": key, "version": int(cache.version)})
     return int(cache.version)

@@ -265,10 +265,10 @@ class FederatedConfig:
                                   "factored downlink sends; set method.options.downlink=dense (or server_optimizer.name=fedavg)")
             self._check_adapter_needs()
             if method_class(self.method.name).needs_client_state:  # e.g. FedSA-LoRA's local B
-                _check(self.backend.name == "sequential",
-                       f"method {self.method.name!r} keeps each site's own adapter factor between rounds, which only the "
-                       f"sequential backend keeps for it (backend.name={self.backend.name} keeps no method state at the "
-                       "sites); use backend.name=sequential")
+                _check(self.backend.name in ("sequential", "flower"),
+                       f"method {self.method.name!r} keeps each site's own adapter factor between rounds, which the "
+                       f"sequential backend and Flower's nodes keep for it (backend.name={self.backend.name} keeps no "
+                       "method state at the sites); use backend.name=sequential or flower")
         self._check_guards()
         self._check_site_ranks()
         return self
