@@ -81,3 +81,27 @@ def test_relative_links_and_anchors_resolve(doc: str) -> None:
         if anchor and path.suffix == ".md" and anchor not in anchors(path):
             broken.append(f"{target}: no heading with that anchor in {path.relative_to(REPO)}")
     assert not broken, f"{doc}: " + "; ".join(broken)
+
+
+def test_readme_answers_which_method_in_one_table() -> None:
+    """README stays short, and "which method?" is one table whose every row names the RESULTS
+    section behind it (a new method gets a row with its evidence)."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.splitlines()) <= 300
+    section = text[text.index("## Which method?"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| Method")]
+    assert len(rows) >= 4
+    for row in rows:
+        assert "benchmarks/RESULTS.md#" in row, row
+
+
+def test_no_tracker_numbers_in_documents_code_comments_or_configs() -> None:
+    """README, CHANGELOG, RESULTS, docs/, src/ and conf/ name the section, the paper line or the idea,
+    not an issue number nobody outside the project can resolve."""
+    pattern = re.compile(r"issues?[- ]?#?[0-9]+|(^|[^A-Za-z0-9_/(&])#[0-9]+\b", re.I | re.M)
+    paths = [REPO / "README.md", REPO / "CHANGELOG.md", REPO / "benchmarks" / "RESULTS.md", *REPO.glob("docs/*.md")]
+    paths += [p for p in (REPO / "src").rglob("*") if p.suffix in {".py", ".c", ".md"} and "egg-info" not in str(p)]
+    paths += [*REPO.glob("conf/**/*.yaml")]
+    found = [f"{p.relative_to(REPO)}: {m.group(0).strip()}" for p in paths for m in pattern.finditer(p.read_text())]
+    assert not found, found
