@@ -5,7 +5,7 @@ only the method, the partition setting and the seed per cell — rounds, local s
 clients, evaluation and everything else stay those of the base config, so every method gets the
 same training budget (docs/design.md §4). Cells run one after another; each cell's resolved config is
 saved before it runs, and a restart skips the finished cells (``summary.json`` says
-``status: finished``; ``complete`` in runs from before issue 44) and resumes an unfinished one from its last checkpoint — only when the
+``status: finished``; ``complete`` in runs from before 2026-11-28) and resumes an unfinished one from its last checkpoint — only when the
 cell's run is this cell's: the same identity (:mod:`fedgalore.records.identity`: the resolved
 config with every option's default filled in, and the model and data files it read). A cell that
 ran with another config or inputs is refused before any cell runs, naming what differs;

@@ -1,4 +1,4 @@
-"""Peak resident memory per phase of a run, and exact tensor accounting (issue 18).
+"""Peak resident memory per phase of a run, and exact tensor accounting (benchmarks/RESULTS.md §9.3).
 
 :class:`PeakTracker` measures, for every call of a wrapped function, the process's resident set
 before and after and its **peak during the call**: Linux keeps the high-water mark ``VmHWM`` in

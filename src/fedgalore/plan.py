@@ -1,4 +1,4 @@
-"""Traffic and memory plan of a pipeline, without training it (issue 18; docs/scale-out.md).
+"""Traffic and memory plan of a pipeline, without training it (docs/scale-out.md; benchmarks/RESULTS.md §9.3).
 
 ``fedgalore plan --config PIPELINE.yaml`` says, before a run, how many bytes each method moves
 per round and how much host RAM and accelerator memory each component of a run takes at its
@@ -638,7 +638,7 @@ def phase_peaks(c: dict[str, int], clients: int, on_host: bool, diagnostics: boo
     ``benchmarks/memory_scaling.py``). ``K`` = clients per round. Host (H) / accelerator (A):
 
     The server state ``S`` lives on the host whatever the model's device (``init_server_state``
-    copies it there; measured on an H100 at 7B, RESULTS §10.6); the accelerator holds the model
+    copies it there; measured on an H100 at 7B, benchmarks/RESULTS.md §10.1); the accelerator holds the model
     and what training and evaluation add to it.
 
     * broadcast (the client's copy, ``fedgalore.protocol.payload.transfer``): A ``W``; H ``S +
@@ -730,7 +730,7 @@ def site_training(c: dict[str, int], spec: ModelSpec, devices: int, shard: bool,
       root unit and two layers (the running one and the prefetched next, FSDP2's default) with their
       unsharded gradients, ``(1 + G/W)(W_root + 2 W_layer)`` — plus ``A_r``. An estimate: blocks are
       taken as exactly ``1/N`` (they are ``⌈·/N⌉`` rows or columns), and GaLore's bases, which are
-      whole on every rank, are counted as sharded (RESULTS §19.1: rank 0's optimizer state was 0.58
+      whole on every rank, are counted as sharded (benchmarks/RESULTS.md §9.5: rank 0's optimizer state was 0.58
       of the whole at N = 2, not 0.50)."""
     W, G, O, T = c["model"], c["gradients"], c["optimizer_state"], c.get("optimizer_step_transient", 0)
     if not shard:

@@ -1,5 +1,5 @@
 """`make demo`: each method at its own probed learning rate (conf/demo_rates.yaml), one shared
-budget, and a line under the table that says both (issue 19, "A fair demo")."""
+budget, and a line under the table that says both."""
 from __future__ import annotations
 
 import json
@@ -31,8 +31,8 @@ def test_demo_rates_are_the_probed_rates() -> None:
     methods = argv[argv.index("--methods") + 1].split(",")
     rates = _read_method_options(str(REPO / argv[argv.index("--method-options") + 1]))
     probe = json.loads((REPO / "benchmarks/results/repro_text/lr_choice.json").read_text())
-    # FedGaLore's rate comes from the issue-17 alignment study (its default, aligned mode, chosen on the
-    # validation split at Dirichlet 0.5, seed 0); the other methods' from the issue-8 probe
+    # FedGaLore's rate comes from the 6-round sync study (RESULTS §5.3: its default, aligned mode, chosen
+    # on the validation split at Dirichlet 0.5, seed 0); the other methods' from the rate probe (RESULTS §4.2)
     align = json.loads((REPO / "benchmarks/results/repro_text/alignment/alignment.json").read_text())
     chosen = {m: probe["choice"][m]["lr"] for m in methods if m != "fedgalore"}
     chosen["fedgalore"] = float(align["alphas"]["dirichlet:0.5"]["choice"]["fedgalore_aligned"])

@@ -1,4 +1,4 @@
-"""The documentation's examples run as written (issue 19): every command in the ``bash`` blocks of
+"""The documentation's examples run as written: every command in the ``bash`` blocks of
 README.md, docs/cli.md, docs/scale-out.md and examples/flower/README.md, and their Python and
 YAML examples, at a tiny budget (docs/remedies.md's commands are covered here and run in
 tests/federated/test_fedprox_scaffold.py).
@@ -156,7 +156,7 @@ def test_readme_own_data_as_written(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("FEDGALORE_CACHE", str(tmp_path / "cache"))  # the tokenised-set cache; MiniLM is a package
     section = _own_data_section()
     (yaml,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
-    assert len(yaml.strip().splitlines()) <= 15  # issue 31: the YAML a user copies
+    assert len(yaml.strip().splitlines()) <= 15  # the YAML a user copies stays short
     Path("news.yaml").write_text(yaml)
     _bbc_news_csv(tmp_path / "news.csv")
     cmds = [c for c in commands("README.md") if kind(c) == "own-data"]

@@ -1,4 +1,4 @@
-"""Dependencies point down only (issue 20): every import in ``src/fedgalore`` — at module level or
+"""Dependencies point down only: every import in ``src/fedgalore`` — at module level or
 inside a function — goes from a package to a package strictly below it, the package graph has no
 cycle, and no module imports itself through others (e.g. two task modules importing each other).
 

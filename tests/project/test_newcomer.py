@@ -1,4 +1,4 @@
-"""Issue 19, "A newcomer's path": each finding, checked by running the user's command or call
+"""A newcomer's path: each finding, checked by running the user's command or call
 (at a tiny budget where the original would take minutes) and asserting the message or result."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The factored downlink as a method capability (issue 18; the protocol is
+"""The factored downlink as a method capability (the protocol is
 :mod:`fedgalore.protocol.downlink`).
 
 A method whose server keeps dense matrices ``W`` (FedGaLore's adapted matrices, FLoRA's and

@@ -21,7 +21,7 @@ the round (:func:`fedgalore.federated.client.epoch_switch_step`). So with E ≥ 
 the round on R_k: its second-moment view is already on Algorithm 1's shared basis and is uploaded
 as it is (paper mode: the raw buffer, exactly). ``share``: the same with the first
 ``adaptive_share`` of the round's local steps (budgets of ``train.local_steps``, which have no
-epochs). ``steps`` (before issue 40): refreshes every τ steps, the first ``adaptive_proj_steps``
+epochs). ``steps`` (the default before the epoch schedule): refreshes every τ steps, the first ``adaptive_proj_steps``
 data-driven — with τ longer than a client-round (τ = 50 / 200 against 1–27 local steps) no client
 ever left its RSVD basis, and every upload was moved onto the unrelated R_k (the review kept
 6.8 % of ‖ṽ‖ in paper mode). Per round the diagnostics record ``view_step_share`` (share of local
@@ -60,7 +60,7 @@ the rules for the moment and its evidence: :mod:`fedgalore.protocol.second_momen
       (no square root); we clamp them at 0 (``second_moment.move``/``warm_paper``). At the epoch
       schedule's RSVD → R_k switch this literal rule leaves many coordinates of ṽ at 0 while m̃
       moves with C, and the next steps are much larger than a cold start's
-      (tests/optim/test_epoch_schedule.py; benchmarks/RESULTS.md §14);
+      (tests/optim/test_epoch_schedule.py; benchmarks/RESULTS.md §5.5);
   (d) AJIVE centres the views; the centring mean is added back, v̄ = Σ p̃_i (μ_i + J_i);
   (e) R_k is the seeded basis of local refresh 0, ``basis_seed(s_k, name, 0)``, whatever the
       refresh index at which a client switches to it (the paper: "the projector is fully
@@ -75,7 +75,7 @@ the rules for the moment and its evidence: :mod:`fedgalore.protocol.second_momen
       data-driven (``adaptive_epochs: 0.5``), and a client whose first-epoch boundary falls in its
       last step runs that step on R_k, so every client ends on it.
   (An earlier variant of ours uploaded a debiased estimate and then skipped the bias correction at
-  the warm start; its ~20x larger first steps were ours, not the paper's, and it is gone: issue 33.)
+  the warm start; its ~20x larger first steps were ours, not the paper's, and it is gone: CHANGELOG.md, 2026-11-25.)
 * ``aligned`` (default; ours) — keeps the preconditioner across the round boundary: each
   coordinate carries its evidence c (``bias_correction="weight"``; uploads are estimates V/c with
   c), the server pools estimates weighted by p̃_i c_i (a client with no evidence for a coordinate
@@ -223,7 +223,7 @@ class FedGaLoreOptions(MethodOptions):
 
     # --- study options: reference and ablation switches of our studies (benchmarks/, tests); no
     # shipped config (conf/) sets them and a run keeps their defaults. The steps schedule's refresh
-    # count and scope (before issue 40), AJIVE's centring and batching, the aligned protocol's cap,
+    # count and scope (the steps schedule), AJIVE's centring and batching, the aligned protocol's cap,
     # and the official optimizer's rule. Keys as before: method.options.<name>.
     adaptive_proj_steps: int = option(1, "steps schedule: data-driven refreshes before the seeded random ones (S)")
     adaptive_scope: Literal[ADAPTIVE_SCOPES] = option(GALORE_DEFAULTS["adaptive_scope"], "count those refreshes per round or over the whole run (global)")
@@ -293,9 +293,9 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
     name = "fedgalore"
     summary = "GaLore-AdamW clients (seeded SVD→random projectors) + FedAvg + AJIVE sync of projected second moments"
     options_class = FedGaLoreOptions
-    #: 2: issue 33 — paper mode is Algorithm 1 as written, the aligned mode caps steps at the cold
-    #: start's, the server pools estimates by their evidence; 3: issue 40 — the epoch schedule is the
-    #: default, AJIVE's joint subspace from evidence-weighted views
+    #: 2: the second-moment fixes — paper mode is Algorithm 1 as written, the aligned mode caps steps
+    #: at the cold start's, the server pools estimates by their evidence; 3: the epoch schedule is
+    #: the default, AJIVE's joint subspace from evidence-weighted views (benchmarks/RESULTS.md §5.1)
     behaviour_version = 3
     default_sync = "ajive"
     #: sites at different ranks (federation.site_ranks): each client's GaLore rank is its site's, every
@@ -696,8 +696,8 @@ def _client_diagnostics(per_param: dict[str, dict[str, float]]) -> dict[str, flo
 # the paper's ablations: FedGaLore with its S pinned (a shared method.options pool's ``sync`` does not override it)
 register_preset("fedgalore_minus", FedGaLore, {"sync": "none"},
                 "FedGaLore without second-moment synchronisation (paper's FedGaLore⁻ ablation)",
-                # 2: issue 40 — the epoch schedule is the default (the second-moment fixes of issue 33
-                # touched only the synchronised state and left this variant unchanged)
+                # 2: the epoch schedule is the default (the earlier second-moment fixes touched only
+                # the synchronised state and left this variant unchanged)
                 behaviour_version=2)
 register_preset("fedgalore_mean", FedGaLore, {"sync": "mean"},
                 "FedGaLore with plain weighted-mean second-moment sync (ablation)")

@@ -1,5 +1,5 @@
 """GaLore's moments as data: matrices of one shape stacked in *buckets*, the moment step as pure
-functions over a bucket (issue 43; paper App. B, Alg. 1 lines 6-8: the optimizer state of the
+functions over a bucket (paper App. B, Alg. 1 lines 6-8: the optimizer state of the
 projected gradient).
 
 A bucket is the GaLore matrices of one parameter group whose projected state has the same
@@ -19,7 +19,7 @@ kernel (:func:`fedgalore.optim.cpu_kernels.adam_moments`) is the same rule in C,
 where it applies and wins (large fp32 matrices, one thread). A bucket of ``B`` matrices costs one
 kernel per elementwise op instead of ``B``: the GPU's gain (kernel launches; not measured yet). On
 the CPU it buys nothing — stacking ``R`` and the bookkeeping cost about what the fewer calls save
-(1.00-1.05x the per-matrix step on small matrices, benchmarks/RESULTS.md §10.7).
+(1.00-1.05x the per-matrix step on small matrices, benchmarks/RESULTS.md §1.2).
 :func:`compiled_moments` is the same function under ``torch.compile`` (one generated kernel per
 bucket; no recompilation across steps).
 """

@@ -1,4 +1,4 @@
-"""AVX2/FMA kernels for the rank-``r`` GEMMs of a GaLore step on one CPU core (issue 18).
+"""AVX2/FMA kernels for the rank-``r`` GEMMs of a GaLore step on one CPU core (benchmarks/RESULTS.md §1.1).
 
 A normal GaLore step (:func:`fedgalore.optim.functional.galore_group_step`) spends nearly all of its
 time in two skinny GEMMs over the ``m × n`` matrix: the projection ``R = G Pᵀ`` (right) /
@@ -7,7 +7,7 @@ time in two skinny GEMMs over the ``m × n`` matrix: the projection ``R = G Pᵀ
 ≈ the flops a core can do in the time it streams one fp32 weight), and MKL and oneDNN run them at
 13–34 % of the core's FMA peak; the kernels in ``kernels/rank_r_avx2.c`` — register-blocked for
 exactly these shapes, no packing — at 36–44 % (``benchmarks/step_roofline.py``,
-benchmarks/RESULTS.md §1.2). No library we may depend on ships such kernels, hence C of our own.
+benchmarks/RESULTS.md §1.1). No library we may depend on ships such kernels, hence C of our own.
 
 How they are used (:func:`available`): on x86-64 Linux/macOS with AVX2 and FMA, a C compiler
 (``$CC``, ``cc`` or ``gcc``) builds the shared library once per machine into

@@ -1,4 +1,4 @@
-"""GaLore-AdamW's step as functions over typed state (issue 43; as torch's functional
+"""GaLore-AdamW's step as functions over typed state (as torch's functional
 ``torch.optim.adamw.adamw`` under the thin ``torch.optim.AdamW`` class).
 
 :func:`galore_group_step` steps one GaLore group (the rule of :mod:`fedgalore.optim.galore_adamw`'s

@@ -43,7 +43,7 @@ moment and its evidence are stated once in :mod:`fedgalore.protocol.second_momen
 the optimizer's creation and at :func:`~fedgalore.optim.client_protocol.mark`, fed the same gradients, moved like
 ``V``), so no coordinate ever steps larger than a cold start would: a prior that underestimates
 ``g²`` on a coordinate can no longer enlarge that coordinate's step (with prior weight ``c0`` the
-first-step ratio ``|U| / |U_cold|`` reaches ``sqrt(1 + c0 / (1 - b2))`` otherwise, issue 33). The
+first-step ratio ``|U| / |U_cold|`` reaches ``sqrt(1 + c0 / (1 - b2))`` otherwise). The
 prior still lowers steps where it is larger than the fresh estimate.
 
 ``warm_scale="gradient"`` (``"weight"`` only; FedGaLore's ``sync: aggregate``): a warm prior
@@ -99,7 +99,7 @@ hence the default. ``fedgalore plan`` counts the bytes.
 ``eps = 0`` with a coordinate whose second moment and projected gradient are both 0 makes the
 update 0/0: it is caught before the state changes and handled by the ``nonfinite`` policy.
 
-The pieces (issue 43; laid out as ``torch.optim.AdamW`` over its functional ``adamw``, with
+The pieces (laid out as ``torch.optim.AdamW`` over its functional ``adamw``, with
 optax-style typed state): this module is the ``torch.optim`` shell — groups and their validation,
 names, checkpoints, pickling and ``rebind`` — over :mod:`fedgalore.optim.functional` (the step as
 functions: each group's execution path chosen once per step, state creation, the refresh, the
@@ -127,7 +127,7 @@ the CPU per matrix. ``GaLoreAdamW(compile_moments=...)`` compiles the moment ste
 rates and bias corrections never recompile). Both equal the eager per-matrix step to fp32
 rounding (tests/optim/test_bucket_gemm.py, tests/optim/test_compiled_moments.py); their GPU gain is not
 measured yet (no GPU lent); on the CPU they cost 1.4-4.4x (stacked) and 1.00-1.06x (compiled)
-(benchmarks/RESULTS.md §10.7).
+(benchmarks/RESULTS.md §1.2).
 
 ``state_dict()`` writes each typed state as tensors and plain Python numbers only (side as ``0=right,
 1=left``; :func:`fedgalore.optim.state.to_plain`), so it loads with ``torch.load(weights_only=True)``. GaLore state

@@ -1,5 +1,5 @@
 """GaLoreAdamW's parameter groups: the keys of a GaLore group, their defaults and their checks
-(issue 43's split of :mod:`fedgalore.optim.galore_adamw`; the keys' meaning is in that module's
+(split out of :mod:`fedgalore.optim.galore_adamw`; the keys' meaning is in that module's
 docstring)."""
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ BUCKET_GEMMS = ("auto", "stacked", "per_matrix")
 #: passes over ``B·m·n`` entries, against ``B − 1`` fewer launches of each GEMM. Small matrices
 #: (RoBERTa's 768², 3072×768) are launch-bound on a GPU, large ones (Llama-7B's 4096×11008) are
 #: bandwidth-bound; the bound is this design argument's, not a measurement (no GPU was lent yet;
-#: on the CPU the stacked form measured 1.4-4.4x slower, benchmarks/RESULTS.md §10.7)
+#: on the CPU the stacked form measured 1.4-4.4x slower, benchmarks/RESULTS.md §1.2)
 STACK_AUTO_MAX_NUMEL = 1 << 22
 #: group key ``warm_scale``: a warm prior taken as it is, or its shape at the client's gradient scale
 WARM_SCALES = ("absolute", "gradient")

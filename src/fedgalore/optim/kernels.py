@@ -1,4 +1,4 @@
-"""The GEMMs of a GaLore step and the probes that choose them (issue 43's split of
+"""The GEMMs of a GaLore step and the probes that choose them (split out of
 :mod:`fedgalore.optim.galore_adamw`; paper App. B: ``R = G Pᵀ`` / ``Pᵀ G`` and ``W ← d W + coef U P``
 / ``d W + coef P U``).
 
@@ -10,7 +10,7 @@ projection and the back-projection of ``B`` matrices, the weights updated by two
 :mod:`fedgalore.optim.bucket`).
 
 A normal (non-refresh) GaLore step streams ``G`` once (the projection) and ``W`` once (read +
-write: decay and back-projection); everything else is ``m × r`` (benchmarks/RESULTS.md §1 counts it).
+write: decay and back-projection); everything else is ``m × r`` (benchmarks/RESULTS.md §1.1 counts it).
 """
 from __future__ import annotations
 
@@ -95,8 +95,8 @@ def project_step(g: torch.Tensor, basis: torch.Tensor, side: str) -> tuple[torch
 
     On CPU, fp32 projections of at least :data:`ONEDNN_MIN_NUMEL` entries use the AVX2 kernels
     of :mod:`fedgalore.optim.cpu_kernels` where they apply (rank 8 or 16, one thread; faster
-    than oneDNN at the RoBERTa-base shapes, benchmarks/RESULTS.md §10.1), else oneDNN: for the
-    skinny rank-r shapes MKL's sgemm ran 1.5-1.7x slower (benchmarks/RESULTS.md §1).
+    than oneDNN at the RoBERTa-base shapes, benchmarks/RESULTS.md §1.1), else oneDNN: for the
+    skinny rank-r shapes MKL's sgemm ran 1.5-1.7x slower (benchmarks/RESULTS.md §1.1).
     """
     if g.numel() >= ONEDNN_MIN_NUMEL and cpu_kernels.usable(g, basis):
         return cpu_kernels.project(g, basis, side), True  # probed: NaN/Inf propagate
@@ -116,7 +116,7 @@ def decay_back_project(w: torch.Tensor, u: torch.Tensor, basis: Optional[torch.T
 
     torch order (decay first, then the update), as :func:`fedgalore.optim.functional._finish` documents.
     ``addmm_``'s ``beta`` would fold the decay into the GEMM, but MKL scales ``C`` in a separate
-    pass and measured slower than ``mul_`` + ``addmm_`` (benchmarks/RESULTS.md §1); instead, on
+    pass and measured slower than ``mul_`` + ``addmm_`` (benchmarks/RESULTS.md §1.1); instead, on
     CPU, the two run per row block of :data:`BLOCK_BYTES`, so the GEMM finds its rows in cache —
     or, where :func:`fedgalore.optim.cpu_kernels.usable`, in one AVX2 kernel that scales each row
     of ``W`` and adds its rank-``r`` update while the row is in registers (``coef·u`` formed first).

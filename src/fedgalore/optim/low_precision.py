@@ -1,4 +1,4 @@
-"""How a GaLore step reaches bf16 / fp16 weights (group key ``low_precision``; issue 40; module doc
+"""How a GaLore step reaches bf16 / fp16 weights (group key ``low_precision``; benchmarks/RESULTS.md §1.3; module doc
 of :mod:`fedgalore.optim.galore_adamw`, "Low-precision weights").
 
 The step updates an fp32 working weight: ``p`` itself (fp32 parameters); an fp32 master copy

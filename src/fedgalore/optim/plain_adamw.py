@@ -1,7 +1,7 @@
 """Plain AdamW for :class:`fedgalore.optim.GaLoreAdamW`'s groups without ``rank`` (heads, biases,
 norms): torch's convention, ``W ← (1 − lr·wd) W − lr / (1 − β₁ᵗ) · M / (√V / √(1 − β₂ᵗ) + ε)``,
 or the official galore-torch/HF convention under ``galore_torch_compat`` (update, then decay;
-``ε`` outside the bias correction). Issue 43's split of the optimizer: the shell checks the
+``ε`` outside the bias correction). Split out of the optimizer: the shell checks the
 gradients (its ``nonfinite`` policy) and calls these.
 """
 from __future__ import annotations

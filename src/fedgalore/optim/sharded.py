@@ -1,4 +1,4 @@
-"""GaLore on sharded parameters (FSDP2's ``fully_shard``; issue 43, "a site with several GPUs").
+"""GaLore on sharded parameters (FSDP2's ``fully_shard``; docs/scale-out.md, "A site with several devices").
 
 Under ``torch.distributed.fsdp.fully_shard`` every parameter is a ``DTensor`` whose rank-local
 shard is a block of rows (``Shard(0)``, FSDP2's default) or of columns (``Shard(1)``). GaLore's

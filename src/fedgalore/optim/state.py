@@ -1,4 +1,4 @@
-"""GaLoreAdamW's per-parameter state as typed data (issue 43; as optax's ``ScaleByAdamState``):
+"""GaLoreAdamW's per-parameter state as typed data (as optax's ``ScaleByAdamState``):
 one :class:`GaLoreParamState` per GaLore matrix, one :class:`AdamParamState` per parameter of a
 plain group. Every module reads and writes named fields; this module alone knows how a state is
 written into (and read back from) ``Optimizer.state_dict()`` — plain dicts of tensors and Python

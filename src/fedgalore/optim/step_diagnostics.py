@@ -1,4 +1,5 @@
-"""What a GaLore step did, for the diagnostics file (``track_cold``; issue 33): the ratio of each
+"""What a GaLore step did, for the diagnostics file (``track_cold``; the cold cap's check,
+benchmarks/RESULTS.md §5.2): the ratio of each
 coordinate's update to the update a cold start would have made, ``|U| / |U_cold|``, gathered per
 matrix into a histogram, its maximum and the share above 1.
 

@@ -1,4 +1,4 @@
-"""The factored downlink (issue 18): a round's aggregate update instead of the dense model.
+"""The factored downlink (benchmarks/RESULTS.md §9.4): a round's aggregate update instead of the dense model.
 
 Algorithm 1 of the paper broadcasts the global weights ``W_k`` every round (line 5). For a
 GaLore matrix the round's aggregate update is low rank (paper §5, eq. of operator A):

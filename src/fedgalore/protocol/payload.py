@@ -365,7 +365,7 @@ def dump_header_json(obj: Any) -> str:
     on the left with spaces to :data:`FLOAT_WIDTH` characters (JSON allows whitespace before a
     value; ``NaN``/``Infinity`` as :mod:`json` writes them, padded the same way).
 
-    Why (issue 29): the header carries floats computed by the client (its losses, diagnostics),
+    Why (byte counts equal on every machine): the header carries floats computed by the client (its losses, diagnostics),
     whose shortest ``repr`` takes 3 to 24 characters. Their last digits depend on the CPU's
     vector width and BLAS kernels, so with ``repr`` a message's byte count — and the ledger's
     totals — differed by a few bytes between machines. Fixed width makes the byte count depend

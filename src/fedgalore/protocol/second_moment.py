@@ -23,7 +23,7 @@ against its equation and its laws:
     (App. B) followed by the clamp a second moment needs. It is meaningful only when ``c`` is one
     number for every coordinate (AdamW's step count): with per-coordinate evidence ``V C / c`` is
     no longer an average of old estimates (after an RSVD → random refresh 20 % of entries fell
-    below half of ``E[g̃²]`` and 34 % above ten times it; issue 33), so :func:`move` refuses it;
+    below half of ``E[g̃²]`` and 34 % above ten times it), so :func:`move` refuses it;
   - ``keep`` (the official GaLore package: untouched) and ``reset`` (zeros).
 * :func:`estimate` — ``v̂ = V / c`` (0 where ``c = 0``: no evidence, no estimate).
 * :func:`pool` — the server's combination of several clients' estimates on one basis, weighted by

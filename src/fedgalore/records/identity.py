@@ -15,8 +15,8 @@ written to ``<run>/identity.json``, is
   ``describe()`` and fingerprints of its train, test and partition data
   (:func:`~fedgalore.tasks.fingerprint.data_fingerprint`); a method object, its class, name, rank
   and options. The method's behaviour version (:attr:`~fedgalore.methods.base.Method.behaviour_version`)
-  counts too, so a run of a method whose rule was fixed since (FedGaLore before issue 33's
-  second-moment fixes) is not taken for this version's; a saved run that did not record it ran
+  counts too, so a run of a method whose rule was fixed since (FedGaLore before its
+  second-moment fixes, CHANGELOG.md 2026-11-25) is not taken for this version's; a saved run that did not record it ran
   version 1;
 * ``inputs`` — fingerprints (:func:`~fedgalore.tasks.fingerprint.fingerprint_path`: names, sizes,
   content hashes, sampled for big files) of what the task reads: every task option (at any depth)

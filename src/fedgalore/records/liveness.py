@@ -10,7 +10,7 @@ over, said once. Meanwhile ``summary.json`` is kept current (:class:`Heartbeat`)
 atomically after every round and every :data:`HEARTBEAT_S` seconds in between, with ``status``
 (``running | finished | failed | interrupted``), ``rounds_completed``, ``pid``, ``host`` and
 ``heartbeat`` (UTC, ISO 8601; ``heartbeat_unix`` in seconds). ``finished``: all rounds done
-(runs written before issue 44 say ``complete``, read the same: :func:`is_finished`; ``fedgalore
+(runs written before 2026-11-28 say ``complete``, read the same: :func:`is_finished`; ``fedgalore
 compare`` skips such cells); Ctrl-C and SIGTERM leave ``interrupted``, an exception
 ``failed`` with its ``error`` line; ``kill -9`` leaves ``running`` with a heartbeat that stops
 ageing and a process that no longer exists, which :func:`run_state` calls dead.
@@ -43,13 +43,13 @@ __all__ = ["LOCK_FILE", "FINISHED", "is_finished", "HEARTBEAT_S", "RunBusy", "Te
 LOCK_FILE = "run.lock"
 #: the state of a run that did all its rounds (``summary.json`` ``status``)
 FINISHED = "finished"
-#: what runs written before issue 44 call it
+#: what runs written before 2026-11-28 call it
 _FINISHED_BEFORE = "complete"
 
 
 def is_finished(status: Any) -> bool:
     """Whether a ``summary.json`` status says the run did all its rounds: ``finished``, or
-    ``complete`` (the word of runs written before issue 44)."""
+    ``complete`` (the word of runs written before 2026-11-28)."""
     return status in (FINISHED, _FINISHED_BEFORE)
 #: seconds between heartbeats while a round runs (summary.json is also rewritten after every round)
 HEARTBEAT_S = 30.0

@@ -29,7 +29,7 @@ numbers and the same random draws for the same seed), or — when every rank is 
 needs the full spectrum — a truncated SVD by randomised subspace iteration (``svd="truncated"``,
 the fast path the server-scale benchmark times).
 
-Cost at server scale (issue 18; ``benchmarks/ajive_scaling.py --llama-only``: one 4096 × 11008
+Cost at server scale (benchmarks/RESULTS.md §2.1; ``benchmarks/ajive_scaling.py --llama-only``: one 4096 × 11008
 block, r = 32, 50 views, one thread). Phase 1 is one thin QR per view (``O(m r²)``); Phase 2 is
 block subspace iteration on ``M = [U_1 … U_K]`` (``O(m K r b)`` per step, 3–4 steps).
 Allocation, not arithmetic, was a third of the time (page faults on fresh ``m × r`` buffers), so:

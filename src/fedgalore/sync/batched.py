@@ -1,4 +1,4 @@
-"""The second-moment sync ``S`` of many matrices at once (issue 18, round overhead).
+"""The second-moment sync ``S`` of many matrices at once (the round's overhead, benchmarks/RESULTS.md §9.2).
 
 :func:`fedgalore.sync.moments.synchronize_moments` is the reference: one adapted matrix, its
 ``K`` clients' rank-``r`` views, AJIVE on factors (paper §5, Algorithm 1 lines 12–13; Appendix F).

@@ -1,7 +1,7 @@
 /* AVX2/FMA kernels for the two rank-r GEMMs of a GaLore step on one CPU core (fp32, row-major,
  * contiguous, r a multiple of 8), compiled and loaded by fedgalore/optim/cpu_kernels.py.
  * Why hand-written: at r = 8 MKL and oneDNN reach 13-34 % of the core's FMA peak on these skinny
- * shapes, these 36-44 % (benchmarks/step_roofline.py, benchmarks/RESULTS.md §1.2). Every kernel
+ * shapes, these 36-44 % (benchmarks/step_roofline.py, benchmarks/RESULTS.md §1.1). Every kernel
  * multiplies every entry it reads (NaN and Inf propagate: x * 0 = NaN for x non-finite).
  *
  *   rank_update:      W[m x n] = d W + c A[m x r] B[r x n]     (back-projection + decay, both sides)
