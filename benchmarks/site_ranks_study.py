@@ -45,19 +45,24 @@ OUT = ROOT / "benchmarks" / "results" / "site_ranks"
 RUNS = ROOT / "benchmarks" / "runs" / "site_ranks"
 CELL_VERSION = 1
 
-#: every method of the comparison and its probe rates (train.lr; FFA-LoRA's train.sgd_lr)
+#: every method of the comparison and its probe rates (train.lr; SGD methods train.sgd_lr): around the rates earlier 6-round studies chose
+#: on validation at this budget (benchmarks/horizon.py SIX_ROUND_RATE: FedGaLore and FedGaLore⁻ 1e-2,
+#: FedAvg-Full 5e-4, FedIT 5e-3); the newer LoRA methods share FedIT's grid, Fed-SB (an r × r matrix
+#: between frozen factors) a grid 4× higher
 RATES: dict[str, list[float]] = {
-    "fedgalore": [2e-4, 1e-3, 5e-3],
-    "fedgalore_minus": [2e-4, 1e-3, 5e-3],
-    "fedavg_full": [5e-5, 2e-4, 1e-3],
-    "fedit": [2e-4, 1e-3, 5e-3],
-    "flora": [2e-4, 1e-3, 5e-3],
-    "fedex_lora": [2e-4, 1e-3, 5e-3],
-    "fedsa_lora": [2e-4, 1e-3, 5e-3],
-    "fed_sb": [1e-3, 5e-3, 2e-2],
-    "flexlora": [2e-4, 1e-3, 5e-3],
-    "hetlora": [2e-4, 1e-3, 5e-3],
+    "fedgalore": [3e-3, 1e-2, 3e-2],
+    "flora": [2e-3, 5e-3, 1e-2],
+    "fedgalore_minus": [3e-3, 1e-2, 3e-2],
+    "fedit": [2e-3, 5e-3, 1e-2],
+    "fedavg_full": [2e-4, 5e-4, 1e-3],
+    "flexlora": [2e-3, 5e-3, 1e-2],
+    "hetlora": [2e-3, 5e-3, 1e-2],
+    "fedex_lora": [2e-3, 5e-3, 1e-2],
+    "fedsa_lora": [2e-2, 1e-1, 5e-1],  # SGD, its reference optimizer: train.sgd_lr (FFA-LoRA's grid at this budget)
+    "fed_sb": [5e-3, 2e-2, 5e-2],
 }
+#: methods whose reference optimizer is SGD: their rate is train.sgd_lr (train.lr is not read)
+SGD_METHODS = ("fedsa_lora",)
 PROBE_ALPHA = 0.3
 ALPHAS = (0.3, 0.1)
 SEEDS = (1, 2, 3)
@@ -83,7 +88,7 @@ def config_dict(method: str, lr: float, alpha: float, seed: int, mixed: bool = F
     if mixed:
         fed["site_ranks"] = {"tiers": [dict(t) for t in TIERS]}
     d["federation"] = fed
-    d["train"] = {**d["train"], "lr": lr}
+    d["train"] = {**d["train"], ("sgd_lr" if method in SGD_METHODS else "lr"): lr}
     d["output"] = {"progress": "quiet", "checkpoint_every": 100, "keep_checkpoints": 1}
     d["diagnostics"] = False
     return d

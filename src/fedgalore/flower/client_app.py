@@ -153,14 +153,12 @@ def _load_store(context: Context, key: str, rt) -> dict | None:
 def _save_store(context: Context, key: str, store: dict | None) -> int:
     """Keep the store in ``Context.state`` — the downlink copy, and the method's own entries (each a
     mapping of names to tensors); the downlink version held (−1: none)."""
-    import torch
-
     from fedgalore.flower.codec import tensors_to_record
+    from fedgalore.protocol.state import own_entries
 
     if store is None:
         return -1
-    own = {k: v for k, v in store.items() if k != "downlink" and isinstance(v, dict)
-           and all(isinstance(t, torch.Tensor) for t in v.values())}
+    own = own_entries(store)
     if own:
         for name, tensors in own.items():
             context.state[f"{_SITE}.{name}"] = tensors_to_record(tensors)

@@ -127,8 +127,9 @@ class Method(abc.ABC):
         return None
 
     #: whether each client keeps something of its own between rounds in ``ctx.state`` (FedSA-LoRA's
-    #: local B): the sequential backend keeps a store per client for it (in memory; empty again after
-    #: a resume); the config refuses the backends whose sites keep no method state (Ray, Flower)
+    #: local B): the sequential backend keeps a store per client for it (written with the run after every
+    #: round, fedgalore.engine.stages.site_state, so a resume continues it), a Flower node in its
+    #: ``Context.state``; the config refuses Ray, whose workers keep no method state
     needs_client_state: ClassVar[bool] = False
 
     #: whether sites may train at different ranks (``federation.site_ranks``): what A does with

@@ -30,12 +30,11 @@ too); training is in the model's dtype (the reference trains in fp16); the refer
 model object (§4b.2 (f) 1, which carries one ``B`` from client to client) is a defect, not copied —
 every site keeps its own ``B_i``.
 
-Client state. ``B_i`` is kept in ``ctx.state``, the client's own store, which the sequential
-backend keeps per site for a method with ``needs_client_state`` (in memory: after a resume the
-stores are empty and the sites start again from ``B_i = 0``, so a resumed run is not the
-uninterrupted one). Ray and Flower sites keep no method state yet (a Flower node's store holds
-only the factored downlink's copy): the config refuses them in one line, and a client that is
-handed no store raises one (:data:`NEEDS_CLIENT_STATE`).
+Client state. ``B_i`` is kept in ``ctx.state``, the client's own store: the sequential backend
+keeps one per site for a method with ``needs_client_state`` and writes it with the run after every
+round (fedgalore.engine.stages.site_state), so a resumed run continues each site's ``B_i``; a
+Flower node keeps it in its ``Context.state``. Ray's workers keep no method state: the config
+refuses Ray in one line, and a client that is handed no store raises one (:data:`NEEDS_CLIENT_STATE`).
 
 Communication, per adapted matrix: down ``Dense(Ā)`` (``r·n`` values) + the head; up ``Dense(A_i)``
 (``r·n``) + the head, plus ``Dense(B_i)`` (``m·r``) with ``global_b: mean``.
@@ -72,7 +71,7 @@ __all__ = ["FedSALoRA", "FedSALoRAOptions", "NEEDS_CLIENT_STATE"]
 
 #: the one line a stateless backend gets
 NEEDS_CLIENT_STATE = ("method fedsa_lora keeps each site's B between rounds in the site's own store (ctx.state), and "
-                      "this backend keeps none; use backend.name=sequential, which keeps one per site for it")
+                      "this backend keeps none; use backend.name=sequential or flower, which keep one per site")
 _STORE = "fedsa_lora.B"
 
 

@@ -16,7 +16,7 @@ from torch import nn
 if TYPE_CHECKING:
     from fedgalore.protocol.train_config import TrainConfig
 
-__all__ = ["ServerState", "RoundContext", "ClientContext"]
+__all__ = ["ServerState", "RoundContext", "ClientContext", "own_entries"]
 
 
 @dataclass
@@ -81,3 +81,13 @@ class ClientContext:
     #: record-level DP-SGD of this client-round (a :class:`fedgalore.privacy.dpsgd.DPSGD`, ``privacy.record``):
     #: ``local_train`` clips per-example gradients and adds noise before every optimizer step; None: no DP
     privacy: Any = None
+
+
+def own_entries(store: dict[str, Any] | None) -> dict[str, dict[str, torch.Tensor]]:
+    """The method's own entries of a client's store (:attr:`ClientContext.state`): each a mapping of
+    names to tensors (FedSA-LoRA's local ``B``), what a site must keep between rounds; the factored
+    downlink's copy (``"downlink"``, rebuilt from the server) is not among them."""
+    if not store:
+        return {}
+    return {k: v for k, v in store.items() if k != "downlink" and isinstance(v, dict) and v
+            and all(isinstance(t, torch.Tensor) for t in v.values())}

@@ -19,6 +19,7 @@ from fedgalore.engine.stages.robust import Robust
 from fedgalore.engine.stages.scaffold import Scaffold
 from fedgalore.engine.stages.secure_aggregation import SecureAggregation
 from fedgalore.engine.stages.server_optimizer import ServerOptimizer
+from fedgalore.engine.stages.site_state import SiteState
 
 __all__ = ["REGISTRY", "Stages", "compose", "backend_problems", "Attempt", "Contribution", "RoundStage", "RunView", "StopRun"]
 
@@ -35,6 +36,7 @@ REGISTRY: tuple[type[RoundStage], ...] = (
     SecureAggregation,  # federation.secure_aggregation: the server sees only the sum
     Robust,  # federation.robust: drop or outvote hostile uploads before A
     ServerOptimizer,  # federation.server_optimizer: A's change as a pseudo-gradient
+    SiteState,  # a method's own state at simulated sites (FedSA-LoRA's B), on disk with the run for a resume
 )
 
 
