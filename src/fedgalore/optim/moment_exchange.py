@@ -17,7 +17,7 @@ import torch
 
 from fedgalore.optim.state import GaLoreParamState
 from fedgalore.protocol import second_moment as sm
-from fedgalore.optim import schedule
+from fedgalore.optim.schedule import frame_for
 from fedgalore.protocol.bases import change_of_basis, frame_of, seeded_basis
 from fedgalore.protocol.payload import MomentView
 
@@ -47,7 +47,7 @@ def export_view(state: GaLoreParamState, group: dict[str, Any], side: str, shape
     :func:`fedgalore.protocol.second_moment.move`), and the view carries the seed only. The share of
     ``‖V‖_F`` the move keeps is left in ``state.upload_kept`` (1 when no move was needed)."""
     per_coordinate = state.v_weight is not None
-    frame = schedule.frame_for(group, shape[0], shape[1], side)
+    frame = frame_for(group, shape[0], shape[1], side)
     v, w = state.exp_avg_sq, v_weight(state, side, group["betas"][1])
     seed: Optional[int] = int(state.basis_seed) if state.basis_seed >= 0 else None
     out_basis: Optional[torch.Tensor] = None if seed is not None else basis
