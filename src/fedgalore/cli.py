@@ -615,7 +615,7 @@ def cmd_methods(args: argparse.Namespace) -> int:
     for name in available_methods():
         reg = registration(name)
         cls = reg.cls
-        print(f"{name:<18} {reg.summary}".rstrip())
+        print(f"{name:<18} {reg.summary}".rstrip() + ("  [site ranks]" if cls.supports_site_ranks else ""))
         opts = cls.options_class
         if opts in listed:
             print(f"    options: as {listed[opts]}")
@@ -626,7 +626,8 @@ def cmd_methods(args: argparse.Namespace) -> int:
             one_of = choices(hints[f.name])
             print(f"    {f.name:<22} {_yaml_scalar(f.default):<18} {f.metadata['doc']}"
                   + (f" [{', '.join(one_of)}]" if one_of else ""))
-    print("options go in method.options (YAML or method.options.<name>=<value>); docs/cli.md, \"Method options\"")
+    print("options go in method.options (YAML or method.options.<name>=<value>); docs/cli.md, \"Method options\"; "
+          "[site ranks]: trains sites at their own ranks (federation.site_ranks)")
     return 0
 
 
