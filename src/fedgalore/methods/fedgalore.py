@@ -208,7 +208,7 @@ class FedGaLoreOptions(MethodOptions):
     bucket_gemm: Literal[BUCKET_GEMMS] = option(
         "auto", "the GEMMs of the matrices of one shape: stacked (one bmm projects them, one back-projects), per_matrix, "
                 "or auto (stacked on CUDA for matrices under 2^22 entries, where kernel launches dominate; per matrix on "
-                "the CPU, where the stacked form measured 1.4-4.4x slower, benchmarks/RESULTS.md §10.7)")
+                "the CPU, where the stacked form measured 1.4-4.4x slower, benchmarks/RESULTS.md §1.2)")
     compile_moments: bool = option(
         False, "torch.compile the moment step of each bucket (inductor; one fused kernel on a GPU; no recompilation "
                "across steps; needs a C++ compiler on the CPU and measured no gain there)")
