@@ -189,13 +189,24 @@ def choice(methods: list[str] | None = None) -> dict[str, float | None]:
     return out
 
 
-def seed_cells(methods: list[str]) -> list[tuple]:
+def _pending(rates: dict[str, float | None]) -> None:
+    """Say which methods' cells a stage skips because their probe is not complete (another shard
+    may still be running it: run the stage again once every probe cell is in)."""
+    missing = [m for m, lr in rates.items() if lr is None]
+    if missing:
+        print(f"probe incomplete for {', '.join(missing)}: their cells are skipped; run this stage again after the probe",
+              flush=True)
+
+
+def seed_cells(methods: list[str], alphas: tuple[float, ...] = ALPHAS) -> list[tuple]:
     rates = choice(methods)
-    return [(m, rates[m], a, s, False) for a in ALPHAS for s in SEEDS for m in methods if rates[m] is not None]
+    _pending(rates)
+    return [(m, rates[m], a, s, False) for a in alphas for s in SEEDS for m in methods if rates[m] is not None]
 
 
 def mixed_cells() -> list[tuple]:
     rates = choice(list(MIXED_METHODS))
+    _pending(rates)
     cells = []
     for s in SEEDS:
         for m in MIXED_METHODS:
@@ -314,12 +325,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("stage", choices=["probe", "seeds", "mixed", "report"])
     ap.add_argument("--shard", default=None, help="i/n: run every n-th cell from the i-th (two processes: 0/2 and 1/2)")
     ap.add_argument("--methods", default=None, help="comma-separated subset of the methods (default: all)")
+    ap.add_argument("--alphas", default=None, help="seeds stage: comma-separated subset of the Dirichlet alphas (default: 0.3,0.1)")
     args = ap.parse_args(argv)
     methods = args.methods.split(",") if args.methods else list(RATES)
     if args.stage == "report":
         report()
         return 0
-    cells = {"probe": lambda: probe_cells(methods), "seeds": lambda: seed_cells(methods), "mixed": mixed_cells}[args.stage]()
+    alphas = tuple(float(a) for a in args.alphas.split(",")) if args.alphas else ALPHAS
+    cells = {"probe": lambda: probe_cells(methods), "seeds": lambda: seed_cells(methods, alphas),
+             "mixed": mixed_cells}[args.stage]()
     for cell in _shard(cells, args.shard):
         run_cell(*cell)
     return 0
