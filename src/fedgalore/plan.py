@@ -1130,7 +1130,7 @@ def _site_lines(plan: dict[str, Any]) -> list[str]:
                          f"{'–' if plan['device'] == 'cpu' else _gib(t['peak']['accelerator'])} | "
                          f"{_gib(t['peak']['host'])} | {fits} |")
     bad = plan.get("sites_not_fitting") or {}
-    lines += [""] + ([f"Sites that do not fit their device: " + "; ".join(f"{m}: {', '.join(map(str, v))}" for m, v in bad.items()) + "."]
+    lines += [""] + (["Sites that do not fit their device: " + "; ".join(f"{m}: {', '.join(map(str, v))}" for m, v in bad.items()) + "."]
                      if bad else ["Every site fits its device."])
     return lines + [""]
 

@@ -45,11 +45,10 @@ from typing import Any, Literal, Sequence
 import torch
 from torch import nn
 
-from fedgalore.federated.robust import factored_term
 from fedgalore.methods.base import option, register
 from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
 from fedgalore.methods.lora_common import (
-    LoraMethod,
+    GlobalFactors,
     LoraOptions,
     a_key,
     b_key,
@@ -83,7 +82,7 @@ class FedExLoRAOptions(LoraOptions):
 
 
 @register
-class FedExLoRA(FactoredDownlink, LoraMethod):
+class FedExLoRA(FactoredDownlink, GlobalFactors):
     name = "fedex_lora"
     summary = "LoRA A,B + head with AdamW; server averages A and B and folds the exact residual s(Σp_iB_iA_i − B̄Ā) into W"
     optimizer_kind = "adamw"
@@ -148,21 +147,6 @@ class FedExLoRA(FactoredDownlink, LoraMethod):
         self.average_heads(state, uploads, p)
         state.meta["weights"] = "uniform" if self.options.uniform_average else "round"
         return delta
-
-    def client_deltas(self, state: ServerState, upload: Payload) -> dict[str, torch.Tensor]:
-        """``s(B_iA_i − B̄Ā)`` against the global adapters the client started from (the base ``W``
-        is the same on both sides)."""
-        return {w_key(m): lifted(*self.upload_pair(upload, m), self.scaling)
-                - lifted(state.params[b_key(m)], state.params[a_key(m)], self.scaling) for m in self.targets}
-
-    def update_terms(self, state: ServerState, upload: Payload) -> dict[str, list]:
-        """``s(B_iA_i − B̄Ā)`` as two factored terms (federation.robust)."""
-        out = {}
-        for m in self.targets:
-            b, a = self.upload_pair(upload, m)
-            out[w_key(m)] = [factored_term(self.scaling * b, a),
-                             factored_term(-self.scaling * state.params[b_key(m)].float(), state.params[a_key(m)].float())]
-        return out
 
     @torch.no_grad()
     def load_global(self, model: nn.Module, state: ServerState) -> None:

@@ -71,6 +71,7 @@ from fedgalore.protocol.state import ClientContext, ServerState
 
 __all__ = [
     "LoraMethod",
+    "GlobalFactors",
     "NestedFactorsMethod",
     "LoraOptions",
     "LoraSGDOptions",
@@ -530,21 +531,12 @@ def lifted(b: torch.Tensor, a: torch.Tensor, scaling: float) -> torch.Tensor:
     return scaling * (b.float() @ a.float())
 
 
-class NestedFactorsMethod(LoraMethod):
-    """Base of the LoRA methods whose server keeps one pair of global factors at the frame rank
-    ``R`` (the largest site rank) and whose sites train its leading block (FlexLoRA, HetLoRA).
-
-    The broadcast is common: ``LowRank(B, A)`` of rank ``R`` + the head; client ``i`` loads it and
-    keeps the leading ``r_i`` columns of ``B`` and rows of ``A`` (:meth:`LoraMethod.site_rank_mask`
-    zeroes the tail — the truncation ``B[:, :r_i]``, ``A[:r_i]``), trains them with AdamW and
-    uploads ``LowRank(B_i, A_i)`` of rank ``r_i`` + the head. A site below ``R`` is therefore sent
-    ``(R − r_i)(m + n)`` values per matrix it discards: the price of a broadcast that is the same
-    for every client (the round loop's). Subclasses implement :meth:`combine` (A for one matrix).
-    """
-
-    optimizer_kind = "adamw"
-    #: the uploads are of each site's own rank (module doc)
-    supports_site_ranks = True
+class GlobalFactors(LoraMethod):
+    """Base of the LoRA methods whose server keeps one pair of global factors ``(B̄, Ā)`` and the
+    head, broadcasts them as they are, and whose clients start from them and upload their trained
+    pair (FedIT, FedEx-LoRA, and — at the frame rank, each site its leading block — FlexLoRA and
+    HetLoRA). A client's effective update is ``s(B_iA_i − B̄[:, :r_i]Ā[:r_i])`` against the block it
+    started from (``r_i`` its rank: all of it without site ranks)."""
 
     def init_server_state(self, model: nn.Module) -> ServerState:
         params: dict[str, torch.Tensor] = {}
@@ -570,36 +562,9 @@ class NestedFactorsMethod(LoraMethod):
     def upload_entries(self, model: nn.Module) -> dict[str, Any]:
         return {**self.pair_entries(model), **self.head_entries(self.head_state(model))}
 
-    def release_reference(self, broadcast: Payload | None, key: str, upload: Payload | None = None) -> Any:
-        """The broadcast's entry, a factor pair cut to the upload's rank (what the client started from)."""
-        ref = super().release_reference(broadcast, key, upload)
-        if isinstance(ref, LowRank) and upload is not None and isinstance(upload.entries.get(key), LowRank):
-            r = upload[key].left.shape[1]
-            return LowRank(ref.left[:, :r], ref.right[:r])
-        return ref
-
     def start_pair(self, state: ServerState, module: str, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(B[:, :r], A[:r])``: what a rank-``r`` client started from (fp32)."""
         return state.params[b_key(module)][:, :rank].float(), state.params[a_key(module)][:rank].float()
-
-    def combine(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], weights: Sequence[float],
-                module: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The new global ``(B, A)`` of one matrix (rank :attr:`frame_rank`) from the clients'
-        factors (each of its own rank) and the round's weights."""
-        raise NotImplementedError
-
-    def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: Any) -> dict[str, torch.Tensor]:
-        """A: :meth:`combine` per matrix, the head averaged; returns ``ΔW̄ = s(BA − B_oldA_old)``
-        of the server's model."""
-        p = check_weights(uploads, weights)
-        delta: dict[str, torch.Tensor] = {}
-        for m in self.targets:
-            b_new, a_new = self.combine([self.upload_pair(u, m) for u in uploads], p, m)
-            if ctx.diagnostics:
-                delta[w_key(m)] = lifted(b_new, a_new, self.scaling) - lifted(state.params[b_key(m)], state.params[a_key(m)], self.scaling)
-            state.params[a_key(m)], state.params[b_key(m)] = a_new, b_new
-        self.average_heads(state, uploads, p)
-        return delta
 
     def client_deltas(self, state: ServerState, upload: Payload) -> dict[str, torch.Tensor]:
         """``s(B_iA_i − B[:, :r_i]A[:r_i])`` against the truncation the client started from."""
@@ -624,3 +589,47 @@ class NestedFactorsMethod(LoraMethod):
             self.assign(self.lora_a(model, m), state.params[a_key(m)])
             self.assign(self.lora_b(model, m), state.params[b_key(m)])
         self.load_heads(model, {n: state.params[n] for n in self.heads})
+
+
+class NestedFactorsMethod(GlobalFactors):
+    """Base of the LoRA methods whose server keeps one pair of global factors at the frame rank
+    ``R`` (the largest site rank) and whose sites train its leading block (FlexLoRA, HetLoRA).
+
+    The broadcast is common: ``LowRank(B, A)`` of rank ``R`` + the head; client ``i`` loads it and
+    keeps the leading ``r_i`` columns of ``B`` and rows of ``A`` (:meth:`LoraMethod.site_rank_mask`
+    zeroes the tail — the truncation ``B[:, :r_i]``, ``A[:r_i]``), trains them with AdamW and
+    uploads ``LowRank(B_i, A_i)`` of rank ``r_i`` + the head. A site below ``R`` is therefore sent
+    ``(R − r_i)(m + n)`` values per matrix it discards: the price of a broadcast that is the same
+    for every client (the round loop's). Subclasses implement :meth:`combine` (A for one matrix).
+    """
+
+    optimizer_kind = "adamw"
+    #: the uploads are of each site's own rank (module doc)
+    supports_site_ranks = True
+
+    def release_reference(self, broadcast: Payload | None, key: str, upload: Payload | None = None) -> Any:
+        """The broadcast's entry, a factor pair cut to the upload's rank (what the client started from)."""
+        ref = super().release_reference(broadcast, key, upload)
+        if isinstance(ref, LowRank) and upload is not None and isinstance(upload.entries.get(key), LowRank):
+            r = upload[key].left.shape[1]
+            return LowRank(ref.left[:, :r], ref.right[:r])
+        return ref
+
+    def combine(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], weights: Sequence[float],
+                module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new global ``(B, A)`` of one matrix (rank :attr:`frame_rank`) from the clients'
+        factors (each of its own rank) and the round's weights."""
+        raise NotImplementedError
+
+    def aggregate(self, state: ServerState, uploads: Sequence[Payload], weights: Sequence[float], ctx: Any) -> dict[str, torch.Tensor]:
+        """A: :meth:`combine` per matrix, the head averaged; returns ``ΔW̄ = s(BA − B_oldA_old)``
+        of the server's model."""
+        p = check_weights(uploads, weights)
+        delta: dict[str, torch.Tensor] = {}
+        for m in self.targets:
+            b_new, a_new = self.combine([self.upload_pair(u, m) for u in uploads], p, m)
+            if ctx.diagnostics:
+                delta[w_key(m)] = lifted(b_new, a_new, self.scaling) - lifted(state.params[b_key(m)], state.params[a_key(m)], self.scaling)
+            state.params[a_key(m)], state.params[b_key(m)] = a_new, b_new
+        self.average_heads(state, uploads, p)
+        return delta
