@@ -587,13 +587,11 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             for n, res in zip(self.targets, results):
                 if res.state is not None:
                     st = res.state
-                    frame = None if st.basis is not None else uploads[0][f"moment/{n}"].frame  # type: ignore[union-attr]
-                    if frame is None and st.basis is None and self.site_ranks:
-                        frame = self.frame_rank
+                    # a seeded state is on the federation's frame (nested bases: site ranks), else its own rank's draw
+                    frame = frame_of(st.rank, self.frame_rank) if st.basis is None and self.site_ranks else None
                     state.moments[n] = MomentView(st.moment.float(), st.side, st.shape,
                                                   None if st.basis is None else st.basis.float(), st.seed,
-                                                  None if st.weight is None else st.weight.float(),
-                                                  None if st.basis is not None else frame_of(st.moment.shape[1 if st.side == "right" else 0], frame))
+                                                  None if st.weight is None else st.weight.float(), frame)
                 for k, v in res.diagnostics.items():
                     if isinstance(v, (int, float)):
                         diags.setdefault(k, []).append(float(v))

@@ -350,10 +350,11 @@ def nested_views(views: Sequence[MomentView], weights: Sequence[float]) -> list[
     def pad(x: torch.Tensor, r: int, fill: torch.Tensor) -> torch.Tensor:
         return torch.cat([x, fill[:, r:r_max]], dim=1) if side == "right" else torch.cat([x, fill[r:r_max]], dim=0)
 
+    widest = next(v.moment for v in views if v.rank == r_max)
     if with_weight:
-        fill = torch.zeros_like(views[[v.rank for v in views].index(r_max)].moment, dtype=torch.float32)
+        fill = torch.zeros_like(widest, dtype=torch.float32)
     else:  # the holders' weighted mean of each coordinate
-        acc = torch.zeros_like(views[[v.rank for v in views].index(r_max)].moment, dtype=torch.float32)
+        acc = torch.zeros_like(widest, dtype=torch.float32)
         mass = torch.zeros(r_max, dtype=torch.float32)
         for v, w in zip(views, p):
             r = v.rank
