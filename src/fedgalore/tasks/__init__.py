@@ -28,6 +28,8 @@ TASKS: dict[str, str] = {
     # image classification (paper: ViT-base x DomainNet)
     "offline_vision": "fedgalore.tasks.paper_vision:OfflineFashionMnistTask",
     "offline_vision_mnist": "fedgalore.tasks.paper_vision:OfflineMnistTask",
+    # feature skew (paper: DomainNet's domains): Fashion-MNIST drawn in visual styles
+    "offline_vision_domains": "fedgalore.tasks.domains:OfflineVisionDomainsTask",
     "domainnet": "fedgalore.tasks.paper_vision:DomainNetTask",
     # causal LM for math (paper: Llama-2-7B x MetaMathQA -> GSM8K / MATH)
     "offline_math": "fedgalore.tasks.paper_math.gsm_symbolic:OfflineGsmSymbolicTask",
@@ -50,6 +52,7 @@ TASK_NEEDS: dict[str, str] = {
     "offline_text_amazon": "CPU, offline assets",
     "offline_vision": "CPU, offline assets",
     "offline_vision_mnist": "CPU, offline assets",
+    "offline_vision_domains": "CPU, offline assets (feature skew: partition @domain)",
     "offline_math": "CPU (about 15 min a run), offline assets",
     "glue": "GPU; hub (roberta-base, GLUE) or task.options.model / data_dir",
     "domainnet": "GPU; hub ViT (or task.options.model) + DomainNet images on disk (task.options.root)",

@@ -1,0 +1,306 @@
+"""Feature skew, where the paper made its strongest claim: does heterogeneity hurt, and does the sync help?
+
+Task: ``offline_vision_domains`` (``conf/pipeline/offline_vision_domains.yaml``): Fashion-MNIST drawn
+in five visual domains (photo, sketch, negative, rotated, mosaic), the tiny ViT pretrained on photo
+images of classes 0–4, M = 50 clients, K = 5 per round, E = 2, R = 20 rounds, rank 8, 10 % of the
+training pool held out as a validation split (``federation.validation_fraction: 0.1``).
+
+Settings (``SETTINGS``): ``iid`` (every client a mix of domains and labels); ``domain`` — every
+client holds one domain (``pathological:1@domain``, 10 clients per domain), labels as the domain
+has them; ``domain_label`` — label and domain skew together (``dirichlet:0.1@domain_label``).
+
+Stages (each skips the cells whose JSON is already in ``benchmarks/results/feature_skew/cells/``
+with the same config; ``--shard i/n`` runs every n-th cell, so two processes share a stage)::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_skew_study.py probe --shard 0/2   # rates, seed 0, per setting
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_skew_study.py gap   --shard 0/2   # held-out seeds 1-3
+    .venv/bin/python benchmarks/feature_skew_study.py report   # results/feature_skew/feature_skew.{json,md}
+
+``--methods`` and ``--settings`` restrict a stage (default: the gap's methods, FedAvg-Full and
+FedIT, on iid and domain). Rates: each method's rate is chosen **per setting** on seed 0 by the mean
+*validation* accuracy over the last two evaluated rounds (ties: the smaller rate); seeds 1–3 take
+no part in any choice. The gap is paired by seed (one seed gives the same images, rates chosen per
+setting): non-IID − IID, mean ± t₀.₉₇₅ · sd / √n.
+"""
+# fedgalore-bench: not-in-all (a long study with stages; run it by name)
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "conf" / "pipeline" / "offline_vision_domains.yaml"
+OUT = ROOT / "benchmarks" / "results" / "feature_skew"
+RUNS = ROOT / "benchmarks" / "runs" / "feature_skew"  # run directories: never committed
+CELL_VERSION = 1
+
+#: partition of each setting (federation.partition)
+SETTINGS: dict[str, dict] = {
+    "iid": {"kind": "iid"},
+    "domain": {"kind": "pathological", "classes_per_client": 1, "by": "domain"},
+    "domain_label": {"kind": "dirichlet", "alpha": 0.1, "by": "domain_label", "min_size": 1, "max_retries": 1000},
+}
+#: learning-rate grid per method (the repro_vision probe's neighbourhood: FedAvg-Full 1e-3, LoRA 3e-3)
+RATES: dict[str, list[float]] = {
+    "fedavg_full": [3e-4, 1e-3, 3e-3],
+    "fedit": [1e-3, 3e-3, 1e-2],
+    "fedgalore": [3e-4, 1e-3, 3e-3],
+    "fedgalore_minus": [1e-3, 3e-3, 1e-2],
+}
+GAP_METHODS = ("fedavg_full", "fedit")
+GAP_SETTINGS = ("iid", "domain")
+SEEDS = (1, 2, 3)
+LAST = 2  # mean over the last LAST evaluated rounds (eval every 5th round: rounds 15 and 20)
+
+
+def base_config() -> dict:
+    import yaml
+
+    return yaml.safe_load(CONFIG.read_text())
+
+
+def config_dict(method: str, lr: float, setting: str, seed: int) -> dict:
+    d = base_config()
+    d["name"] = "feature_skew"
+    d["seed"] = seed
+    d["method"] = {"name": method, "rank": 8, "options": dict(d["method"]["options"]) if method.startswith("fedgalore") else {}}
+    fed = dict(d["federation"])
+    fed["partition"] = dict(SETTINGS[setting])
+    fed["validation_fraction"] = 0.1
+    d["federation"] = fed
+    d["train"] = {**d["train"], "lr": lr}
+    d["output"] = {"progress": "quiet", "checkpoint_every": 100, "keep_checkpoints": 1}
+    d.pop("compare", None)
+    return d
+
+
+def label(method: str, lr: float, setting: str, seed: int) -> str:
+    return f"{method}_{setting}_lr{lr:g}_s{seed}"
+
+
+def cell_path(name: str) -> Path:
+    return OUT / "cells" / f"{name}.json"
+
+
+def _last(rounds: list[dict], key: str) -> float:
+    vals = [r[key] for r in rounds if isinstance(r.get(key), (int, float))][-LAST:]
+    return float(sum(vals) / len(vals)) if vals else float("nan")
+
+
+def _scalars(h: dict) -> dict:
+    """The round's scalar history entries (metrics, bytes, diagnostics), rounded for a small JSON."""
+    return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in h.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and (not isinstance(v, float) or math.isfinite(v))}
+
+
+def run_cell(method: str, lr: float, setting: str, seed: int) -> dict:
+    """Run one cell, or read its JSON when it is there with the same config."""
+    name = label(method, lr, setting, seed)
+    path = cell_path(name)
+    cfg_d = config_dict(method, lr, setting, seed)
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old.get("version") == CELL_VERSION and old.get("config") == cfg_d:
+            return old
+    import torch
+
+    import fedgalore
+    from fedgalore.job.config import FederatedConfig
+
+    torch.set_num_threads(1)
+    torch.set_flush_denormal(True)
+    out = RUNS / name
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    cfg = FederatedConfig.from_dict({**cfg_d, "output": {**cfg_d["output"], "dir": str(out)}})
+    t0, c0 = time.perf_counter(), time.process_time()
+    base = {"version": CELL_VERSION, "config": cfg_d, "method": method, "lr": lr, "setting": setting, "seed": seed}
+    try:
+        res = fedgalore.run(cfg)
+    except (FloatingPointError, RuntimeError) as exc:  # a rate that diverges is a result
+        cell = {**base, "error": f"{type(exc).__name__}: {exc}"[:500], "rounds": [], "test_last": float("nan"),
+                "val_last": float("nan"), "wall_s": time.perf_counter() - t0}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(cell, indent=1))
+        print(f"failed {name}: {cell['error']}", flush=True)
+        return cell
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    rounds = []
+    for h in res.history:
+        r = _scalars(h)
+        r["test"], r["val"] = h.get("eval/accuracy"), h.get("eval/val_accuracy")
+        rounds.append(r)
+    domains = [k.removeprefix("eval/accuracy_") for k in (rounds[-1] if rounds else {}) if k.startswith("eval/accuracy_")]
+    cell = {**base, "rounds": rounds, "test_last": _last(rounds, "test"), "val_last": _last(rounds, "val"),
+            "test_final": rounds[-1]["test"] if rounds else float("nan"),
+            "domain_last": {d: _last(rounds, f"eval/accuracy_{d}") for d in domains},
+            "bytes_up_total": sum(r.get("bytes_up") or 0 for r in rounds),
+            "bytes_down_total": sum(r.get("bytes_down") or 0 for r in rounds),
+            "wall_s": wall, "cpu_s": cpu,
+            "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+                        "loadavg_1m": os.getloadavg()[0]}}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(cell, indent=1))
+    print(f"done {name}: test {cell['test_last']:.3f} val {cell['val_last']:.3f} ({wall:.0f} s, load {os.getloadavg()[0]:.1f})",
+          flush=True)
+    return cell
+
+
+def _shard(cells: list, shard: str | None) -> list:
+    if not shard:
+        return cells
+    i, n = (int(x) for x in shard.split("/"))
+    return cells[i::n]
+
+
+def probe_cells(methods: list[str], settings: list[str]) -> list[tuple]:
+    return [(m, lr, s, 0) for m in methods for s in settings for lr in RATES[m]]
+
+
+def choice(method: str, setting: str) -> float | None:
+    """The rate with the best seed-0 validation accuracy on ``setting`` (ties: the smaller rate);
+    None while the probe is incomplete."""
+    scores = {}
+    for lr in RATES[method]:
+        p = cell_path(label(method, lr, setting, 0))
+        if not p.exists():
+            return None
+        v = json.loads(p.read_text()).get("val_last", float("nan"))
+        scores[lr] = v if isinstance(v, (int, float)) and math.isfinite(v) else -1.0
+    return max(scores, key=lambda lr: (scores[lr], -lr))
+
+
+def seed_cells(methods: list[str], settings: list[str]) -> list[tuple]:
+    cells, missing = [], []
+    for m in methods:
+        for s in settings:
+            lr = choice(m, s)
+            if lr is None:
+                missing.append(f"{m}@{s}")
+                continue
+            cells += [(m, lr, s, seed) for seed in SEEDS]
+    if missing:
+        print(f"probe incomplete for {', '.join(missing)}: skipped; run this stage again after the probe", flush=True)
+    return cells
+
+
+def _t975(n: int) -> float:
+    from scipy import stats
+
+    return float(stats.t.ppf(0.975, n - 1)) if n > 1 else float("nan")
+
+
+def paired(a: list[float], b: list[float]) -> dict:
+    """Mean of the paired differences a − b with its 95 % t interval."""
+    d = [x - y for x, y in zip(a, b)]
+    n = len(d)
+    mean = statistics.fmean(d) if d else float("nan")
+    half = _t975(n) * statistics.stdev(d) / math.sqrt(n) if n > 1 else float("nan")
+    return {"n": n, "mean": mean, "lo": mean - half, "hi": mean + half, "diffs": d}
+
+
+def _cell(method: str, setting: str, seed: int) -> dict | None:
+    lr = choice(method, setting)
+    if lr is None:
+        return None
+    p = cell_path(label(method, lr, setting, seed))
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def report(methods: list[str], settings: list[str]) -> dict:
+    rows = []
+    for m in methods:
+        for s in settings:
+            probe = {lr: json.loads(cell_path(label(m, lr, s, 0)).read_text()).get("val_last")
+                     for lr in RATES[m] if cell_path(label(m, lr, s, 0)).exists()}
+            cells = [c for c in (_cell(m, s, seed) for seed in SEEDS) if c is not None]
+            tests = [c["test_last"] for c in cells]
+            dom = {}
+            for c in cells:
+                for d, v in c.get("domain_last", {}).items():
+                    dom.setdefault(d, []).append(v)
+            rows.append({"method": m, "setting": s, "lr": choice(m, s), "probe_val": probe, "seeds": [c["seed"] for c in cells],
+                         "test": tests, "test_mean": statistics.fmean(tests) if tests else None,
+                         "test_sd": statistics.stdev(tests) if len(tests) > 1 else None,
+                         "domain_mean": {d: statistics.fmean(v) for d, v in dom.items()},
+                         "up_per_client_round": _per_client_round(cells, "bytes_up_total"),
+                         "down_per_client_round": _per_client_round(cells, "bytes_down_total"),
+                         "wall_s_mean": statistics.fmean([c["wall_s"] for c in cells]) if cells else None})
+    gaps = []
+    for m in methods:
+        iid = {c["seed"]: c["test_last"] for c in (_cell(m, "iid", s) for s in SEEDS) if c}
+        for s in settings:
+            if s == "iid":
+                continue
+            other = {c["seed"]: c["test_last"] for c in (_cell(m, s, seed) for seed in SEEDS) if c}
+            common = sorted(set(iid) & set(other))
+            if common:
+                gaps.append({"method": m, "setting": s, **paired([other[k] for k in common], [iid[k] for k in common]),
+                             "seeds": common})
+    out = {"task": "offline_vision_domains", "config": str(CONFIG.relative_to(ROOT)), "settings": SETTINGS,
+           "seeds": list(SEEDS), "rows": rows, "gaps": gaps}
+    (OUT / "feature_skew.json").write_text(json.dumps(out, indent=1))
+    (OUT / "feature_skew.md").write_text(markdown(out))
+    print(markdown(out))
+    return out
+
+
+def _per_client_round(cells: list[dict], key: str) -> float | None:
+    if not cells:
+        return None
+    c = cells[0]["config"]["federation"]
+    return statistics.fmean(cell[key] for cell in cells) / (c["rounds"] * c["clients_per_round"])
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{100 * x:.1f}"
+
+
+def markdown(r: dict) -> str:
+    lines = ["| method | setting | rate | test accuracy % (seeds) | per domain % |", "|---|---|---:|---:|---|"]
+    for row in r["rows"]:
+        sd = f" ± {100 * row['test_sd']:.1f}" if row["test_sd"] is not None else ""
+        dom = ", ".join(f"{d} {_pct(v)}" for d, v in row["domain_mean"].items())
+        lines.append(f"| {row['method']} | {row['setting']} | {row['lr'] if row['lr'] is not None else '—'} | "
+                     f"{_pct(row['test_mean'])}{sd} (n={len(row['test'])}) | {dom} |")
+    lines += ["", "| method | setting − IID (points) | 95 % interval | n |", "|---|---:|---|---:|"]
+    for g in r["gaps"]:
+        lines.append(f"| {g['method']} | {100 * g['mean']:+.1f} | [{100 * g['lo']:+.1f}, {100 * g['hi']:+.1f}] | {g['n']} |"
+                     if g["n"] > 1 else f"| {g['method']} | {100 * g['mean']:+.1f} | — | {g['n']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=["probe", "gap", "report"])
+    ap.add_argument("--shard", help="i/n: run every n-th cell starting at i (two processes share a stage)")
+    ap.add_argument("--methods", help="comma-separated methods (default: " + ",".join(GAP_METHODS) + ")")
+    ap.add_argument("--settings", help="comma-separated settings (default: " + ",".join(GAP_SETTINGS) + f"; all: {','.join(SETTINGS)})")
+    args = ap.parse_args(argv)
+    methods = args.methods.split(",") if args.methods else list(GAP_METHODS)
+    settings = args.settings.split(",") if args.settings else list(GAP_SETTINGS)
+    bad = [m for m in methods if m not in RATES] + [s for s in settings if s not in SETTINGS]
+    if bad:
+        ap.error(f"unknown method or setting {bad[0]!r}; methods: {', '.join(RATES)}; settings: {', '.join(SETTINGS)}")
+    if args.stage == "report":
+        report(methods, settings)
+        return 0
+    cells = probe_cells(methods, settings) if args.stage == "probe" else seed_cells(methods, settings)
+    todo = _shard(cells, args.shard)
+    print(f"{args.stage}: {len(todo)} cells in this shard", flush=True)
+    for c in todo:
+        run_cell(*c)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
