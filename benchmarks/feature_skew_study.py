@@ -17,7 +17,8 @@ with the same config; ``--shard i/n`` runs every n-th cell, so two processes sha
     .venv/bin/python benchmarks/feature_skew_study.py report   # results/feature_skew/feature_skew.{json,md}
 
 ``--methods`` and ``--settings`` restrict a stage (default: the gap's methods, FedAvg-Full and
-FedIT, on iid and domain). Rates: each method's rate is chosen **per setting** on seed 0 by the mean
+FedIT, on iid and domain); the variants (``VARIANTS``) are methods with options: ``fedit_prox`` is
+FedIT + FedProx (``train.prox_mu: 0.01``). Rates: each method's rate is chosen **per setting** on seed 0 by the mean
 *validation* accuracy over the last two evaluated rounds (ties: the smaller rate); seeds 1–3 take
 no part in any choice. The gap is paired by seed (one seed gives the same images, rates chosen per
 setting): non-IID − IID, mean ± t₀.₉₇₅ · sd / √n.
@@ -47,13 +48,18 @@ SETTINGS: dict[str, dict] = {
     "domain": {"kind": "pathological", "classes_per_client": 1, "by": "domain"},
     "domain_label": {"kind": "dirichlet", "alpha": 0.1, "by": "domain_label", "min_size": 1, "max_retries": 1000},
 }
-#: learning-rate grid per method (the repro_vision probe's neighbourhood: FedAvg-Full 1e-3, LoRA 3e-3)
-RATES: dict[str, list[float]] = {
-    "fedavg_full": [3e-4, 1e-3, 3e-3],
-    "fedit": [1e-3, 3e-3, 1e-2],
-    "fedgalore": [3e-4, 1e-3, 3e-3],
-    "fedgalore_minus": [1e-3, 3e-3, 1e-2],
+#: the study's variants: a method, its options and train overrides, and its learning-rate grid (the
+#: repro_vision probe's neighbourhood: FedAvg-Full and FedGaLore 1e-3, LoRA 3e-3, FedGaLore⁻ 1e-2)
+VARIANTS: dict[str, dict] = {
+    "fedavg_full": {"method": "fedavg_full", "rates": [3e-4, 1e-3, 3e-3]},
+    "fedit": {"method": "fedit", "rates": [1e-3, 3e-3, 1e-2]},
+    "fedit_prox": {"method": "fedit", "train": {"prox_mu": 0.01}, "rates": [1e-3, 3e-3, 1e-2]},
+    "fedgalore": {"method": "fedgalore", "rates": [3e-4, 1e-3, 3e-3]},
+    "fedgalore_minus": {"method": "fedgalore_minus", "rates": [1e-3, 3e-3, 1e-2]},
+    "flexlora": {"method": "flexlora", "rates": [1e-3, 3e-3, 1e-2]},
+    "fed_sb": {"method": "fed_sb", "rates": [1e-2, 3e-2, 1e-1]},
 }
+RATES = {name: v["rates"] for name, v in VARIANTS.items()}
 GAP_METHODS = ("fedavg_full", "fedit")
 GAP_SETTINGS = ("iid", "domain")
 SEEDS = (1, 2, 3)
@@ -66,16 +72,19 @@ def base_config() -> dict:
     return yaml.safe_load(CONFIG.read_text())
 
 
-def config_dict(method: str, lr: float, setting: str, seed: int) -> dict:
+def config_dict(variant: str, lr: float, setting: str, seed: int) -> dict:
+    v = VARIANTS[variant]
+    method = v["method"]
     d = base_config()
     d["name"] = "feature_skew"
     d["seed"] = seed
-    d["method"] = {"name": method, "rank": 8, "options": dict(d["method"]["options"]) if method.startswith("fedgalore") else {}}
+    opts = dict(d["method"]["options"]) if method.startswith("fedgalore") else {}
+    d["method"] = {"name": method, "rank": 8, "options": {**opts, **v.get("options", {})}}
     fed = dict(d["federation"])
     fed["partition"] = dict(SETTINGS[setting])
     fed["validation_fraction"] = 0.1
     d["federation"] = fed
-    d["train"] = {**d["train"], "lr": lr}
+    d["train"] = {**d["train"], **v.get("train", {}), "lr": lr}
     d["output"] = {"progress": "quiet", "checkpoint_every": 100, "keep_checkpoints": 1}
     d.pop("compare", None)
     return d
@@ -123,7 +132,7 @@ def run_cell(method: str, lr: float, setting: str, seed: int) -> dict:
         shutil.rmtree(out)
     cfg = FederatedConfig.from_dict({**cfg_d, "output": {**cfg_d["output"], "dir": str(out)}})
     t0, c0 = time.perf_counter(), time.process_time()
-    base = {"version": CELL_VERSION, "config": cfg_d, "method": method, "lr": lr, "setting": setting, "seed": seed}
+    base = {"version": CELL_VERSION, "config": cfg_d, "method": VARIANTS[method]["method"], "variant": method, "lr": lr, "setting": setting, "seed": seed}
     try:
         res = fedgalore.run(cfg)
     except (FloatingPointError, RuntimeError) as exc:  # a rate that diverges is a result
