@@ -86,7 +86,8 @@ def test_synced_first_basis_keeps_the_state_and_leaves_round_one_alone(tmp_path,
 
 
 @pytest.mark.parametrize("protocol", [{"moment_protocol": "paper"},  # view basis: the seeded R_k
-                                      {"moment_protocol": "aligned", "view_basis": "consensus"}])
+                                      {"moment_protocol": "aligned", "view_basis": "consensus"},
+                                      {"moment_protocol": "aligned", "projector_schedule": "share"}])
 def test_the_data_driven_phase_runs_on_the_broadcast_view_basis(tmp_path, monkeypatch, protocol):
     """In rounds 2-3 each matrix's first basis is the basis of the v̄ it received (to fp32
     rounding), held unrefreshed (update_proj_gap = 1 would refresh every step) until one switch
