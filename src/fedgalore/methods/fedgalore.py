@@ -29,7 +29,26 @@ steps run on R_k), ``upload_kept`` (share of ‖ṽ‖ the upload's move to the 
 when none is needed) and ``warm_kept`` (share of ‖v̄‖ — of ‖c̄∘v̄‖ in the aligned protocol — that
 the next round's warm start keeps when it moves v̄ from R_k onto the client's first, RSVD basis:
 R_k and R_{k+1} differ with the round seed, so most of v̄ is lost there; that is Algorithm 1's
-per-round seed, not a defect of ours).
+per-round seed, not a defect of ours; ``first_basis: synced``, next, is a non-paper mode that keeps it).
+
+``first_basis: synced`` (study option; default ``adaptive`` = Algorithm 1) is NOT the paper's
+Algorithm 1, which refreshes data-driven bases first (App. E "SVD-to-random projectors"). It exists
+because that order leaves the sync little to act on: the warm start moves v̄ from its view basis B
+onto an unrelated RSVD basis and keeps a few per cent of it (``prior_retained`` ~2 % in our offline
+text-task measurements, ~11 % on ``tiny_text`` at rank 4). For the feature-skew study, with
+``synced`` a client that received v̄ runs the data-driven phase (the first ``adaptive_epochs`` local
+epochs, the ``share`` schedule's ``adaptive_share``) on B itself — R_{k−1} under ``paper`` /
+``view_basis: seeded``, the consensus basis otherwise (under the epoch schedule every client ends on
+R_k, so the views share it and B is R_{k−1} there too) — held without refreshes (GaLoreAdamW group
+key ``hold_warm_basis``), so the warm start is exact (``prior_retained`` = 1, ``warm_kept`` = 1 to
+fp32 rounding; paper mode still clamps v̄'s negative entries); then it switches to R_k and uploads
+there as before. Round 1 (no v̄) and a matrix without a state are unchanged. Nothing new travels:
+B is what the client already receives with v̄ (a seed, or the consensus matrix); the record's term
+on a seeded B is that seed (``validate_upload`` accepts the seed of the state the server
+broadcast), on a consensus B the matrix, as an RSVD term's basis would be. At a lower site rank B
+is the leading block of v̄'s frame (the site keeps that block's share of v̄). Refused
+(:data:`REFUSED_COMBINATIONS`) without a sync and without a data-driven phase (a projector other
+than ``*_then_random``, ``projector_schedule: steps``, ``adaptive_epochs``/``adaptive_share`` 0).
 
 Two protocols for the second moment (method option ``moment_protocol``; docs/design.md §3.1–3.2;
 the rules for the moment and its evidence: :mod:`fedgalore.protocol.second_moment`):
@@ -141,6 +160,8 @@ from fedgalore.sync.batched import synchronize_moments_many
 _PROTOCOLS = ("paper", "aligned")
 _SCHEDULES = ("epoch", "share", "steps")
 _VIEW_BASES = ("seeded", "consensus")
+#: option first_basis: the data-driven phase on RSVD refreshes (Algorithm 1) or on v̄'s view basis (not the paper)
+_FIRST_BASES = ("adaptive", "synced")
 #: S's modes: the moment sync's (fedgalore.sync.moments), and ``aggregate`` (v̄ from the aggregated update)
 _SYNC_MODES = _MOMENT_SYNC_MODES + ("aggregate",)
 #: per-client numbers the optimizer reports (upload meta) and the round's diagnostics average
@@ -224,7 +245,8 @@ class FedGaLoreOptions(MethodOptions):
     # --- study options: reference and ablation switches of our studies (benchmarks/, tests); no
     # shipped config (conf/) sets them and a run keeps their defaults. The steps schedule's refresh
     # count and scope (the steps schedule), AJIVE's centring and batching, the aligned protocol's cap,
-    # and the official optimizer's rule. Keys as before: method.options.<name>.
+    # the official optimizer's rule, and the non-paper first basis of the feature-skew study. Keys as
+    # before: method.options.<name>.
     adaptive_proj_steps: int = option(1, "steps schedule: data-driven refreshes before the seeded random ones (S)")
     adaptive_scope: Literal[ADAPTIVE_SCOPES] = option(GALORE_DEFAULTS["adaptive_scope"], "count those refreshes per round or over the whole run (global)")
     sync_center: bool = option(True, "AJIVE centres each view (the mean joins the synchronised state)")
@@ -233,6 +255,11 @@ class FedGaLoreOptions(MethodOptions):
     cold_cap: bool = option(True, "aligned: no coordinate steps larger than a cold start (denominator max(V̂, V̂_cold)); "
                                   "false = the uncapped prior")
     galore_torch_compat: bool = option(False, "the official galore_torch update rule (needs moment_protocol=paper when synced)")
+    first_basis: Literal[_FIRST_BASES] = option(
+        "adaptive", "bases of the data-driven phase (adaptive_epochs / adaptive_share) — adaptive: RSVD refreshes, as "
+                    "Algorithm 1 (App. E); synced (NOT the paper; ours, for the feature-skew study): a client holding a "
+                    "synchronised v̄ runs that phase on v̄'s view basis B (R_{k-1} or the consensus basis), so the warm "
+                    "start keeps v̄ whole (prior_retained 1 instead of a few %), then switches to R_k as usual")
 
     def __post_init__(self) -> None:
         if self.update_proj_gap < 1:
@@ -278,6 +305,19 @@ REFUSED_COMBINATIONS: tuple[tuple[Callable[[_Resolving], bool], str], ...] = (
     (lambda r: r.schedule != "steps" and r.o.adaptive_scope == "global",
      "adaptive_scope='global' counts data-driven refreshes across rounds, which only the steps "
      "schedule has: set projector_schedule: steps (or adaptive_scope: round)"),
+    # first_basis: synced (not the paper) replaces the data-driven phase's bases by v̄'s view basis
+    (lambda r: r.o.first_basis == "synced" and r.sync == "none",
+     "first_basis='synced' runs the data-driven phase on the synchronised state's basis, and without "
+     "a sync (sync: none, fedgalore_minus) there is none: use first_basis='adaptive'"),
+    (lambda r: r.o.first_basis == "synced" and not r.o.projector.endswith("_then_random"),
+     "first_basis='synced' replaces the data-driven phase of a *_then_random projector, which this "
+     "projector does not have: use projector='rsvd_then_random' (or first_basis='adaptive')"),
+    (lambda r: r.o.first_basis == "synced" and r.schedule == "steps",
+     "first_basis='synced' holds v̄'s basis through the epoch or share schedule's data-driven phase, "
+     "which projector_schedule='steps' does not have: use projector_schedule epoch or share (or first_basis='adaptive')"),
+    (lambda r: r.o.first_basis == "synced" and (r.o.adaptive_epochs if r.schedule == "epoch" else r.o.adaptive_share) == 0,
+     "first_basis='synced' replaces the data-driven phase, which adaptive_epochs=0 (epoch schedule) or "
+     "adaptive_share=0 (share schedule) leaves empty: give it a phase (or first_basis='adaptive')"),
 )
 
 
@@ -361,6 +401,8 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
             "track_cold": self.synced and not o.galore_torch_compat and diagnostics,
             "warm_scale": "gradient" if o.sync == "aggregate" else "absolute",
             "bucket_gemm": o.bucket_gemm,
+            # first_basis: synced (not the paper): the data-driven phase on the warm start's basis B
+            "hold_warm_basis": o.first_basis == "synced" and seeded_from_step >= 0 and o.projector_schedule != "steps",
         }
 
     @property
@@ -480,8 +522,9 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
 
     def validate_upload(self, state, upload, ctx):
         """Seeded bases must come from this round's seed chain (moment views: the round's view
-        basis R_k under ``view_basis='seeded'``); ranks must not exceed r; second-moment
-        estimates and weights must be non-negative."""
+        basis R_k under ``view_basis='seeded'``; update terms under ``first_basis: synced`` also
+        the seeded view basis of the state the server broadcast, ``state.moments``); ranks must
+        not exceed r; second-moment estimates and weights must be non-negative."""
         identity = self.options.projector == "identity"
         for n in self.targets:
             upd = upload[n]
@@ -489,13 +532,16 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
                 return f"{n}: expected a GaLore update record, got {type(upd).__name__}"
             # term q belongs to refresh q, so its seed (if seeded) is basis_seed(s_k, name, q)
             valid = {basis_seed(ctx.round_seed, n, q) for q in range(len(upd.terms) + 1)}
+            # first_basis: synced: the data-driven phase ran on v̄'s seeded view basis, the one broadcast
+            held = state.moments.get(n) if self.options.first_basis == "synced" else None
+            terms_valid = valid | {int(held.seed)} if isinstance(held, MomentView) and held.basis is None and held.seed is not None else valid
             for term in upd.terms:
                 rank = term.coef.shape[1] if isinstance(term, SeededLowRank) and term.side == "right" else (
                     term.coef.shape[0] if isinstance(term, SeededLowRank) else term.left.shape[1])
                 if not identity and rank > self.frame_rank:
                     return f"{n}: update rank {rank} exceeds the largest site rank {self.frame_rank}"
                 if isinstance(term, SeededLowRank):
-                    if term.seed not in valid:
+                    if term.seed not in terms_valid:
                         return f"{n}: basis seed {term.seed} does not belong to round seed {ctx.round_seed}"
                     if term.frame is not None and (not self.site_ranks or term.frame != self.frame_rank):
                         return f"{n}: seeded frame {term.frame} is not this federation's ({self.frame_rank if self.site_ranks else 'none'})"

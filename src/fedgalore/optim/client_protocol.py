@@ -181,7 +181,7 @@ def load_second_moment(opt: Any, name: str, view: MomentView) -> None:
         raise ValueError(f"parameter {name!r} is not a GaLore parameter")
     state = opt.param_state(p, group)
     moment, basis, weight = moment_exchange.check_view(name, view, state.side, _shape(p), p.device)
-    state.warm = WarmStart(moment, basis, weight)
+    state.warm = WarmStart(moment, basis, weight, -1 if view.basis is not None or view.seed is None else int(view.seed))
     current = F.current_basis(p, group, state)
     if current is not None:
         F.apply_warm(p, name, group, state, current)

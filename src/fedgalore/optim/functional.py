@@ -239,10 +239,14 @@ def refresh(p: torch.Tensor, name: str, group: dict[str, Any], state: GaLorePara
     side = state.side
     q = state.refresh
     kind = schedule.basis_kind(group, q, state.step)
-    if sharded.is_sharded(p.grad) and sharded.shard_dim(p, name) is not None:
-        # a data-driven basis reads the whole G (gathered at this step only); a seeded one its shape only
-        g32 = p.grad.full_tensor().float() if kind in ("svd", "rsvd") else torch.empty(p.shape, device="meta")
-    new, seed = schedule.new_basis(kind, group, name, q, g32, state.rank, side, p.device)
+    held = schedule.held_basis(group, state, kind, int(p.shape[0]), int(p.shape[1]), p.device)  # hold_warm_basis
+    if held is not None:
+        new, seed = held
+    else:
+        if sharded.is_sharded(p.grad) and sharded.shard_dim(p, name) is not None:
+            # a data-driven basis reads the whole G (gathered at this step only); a seeded one its shape only
+            g32 = p.grad.full_tensor().float() if kind in ("svd", "rsvd") else torch.empty(p.shape, device="meta")
+        new, seed = schedule.new_basis(kind, group, name, q, g32, state.rank, side, p.device)
     if seed < 0:
         new = sharded.broadcast_basis(new, p)  # every rank on the first rank's bits
     old = state.basis
@@ -255,6 +259,7 @@ def refresh(p: torch.Tensor, name: str, group: dict[str, Any], state: GaLorePara
     state.basis = new
     state.basis_seed = seed
     state.on_view = bool(seed >= 0 and seed == schedule.view_seed(group, name))
+    state.held = held is not None
     state.basis_refresh = q
     state.refresh = q + 1
     if state.record.on:

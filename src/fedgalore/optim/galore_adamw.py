@@ -65,6 +65,14 @@ computes ``s`` from the client's local epochs (:func:`fedgalore.federated.client
 the optimizer knows steps, not epochs. Steps taken on ``R_k`` are counted
 (:func:`~fedgalore.optim.client_protocol.moment_diagnostics`: ``view_step_share``; ``upload_kept``, ``warm_kept``).
 
+Group key ``hold_warm_basis`` (default ``False``; NOT the paper's schedule, which refreshes
+data-driven bases first — App. E "SVD-to-random projectors"; FedGaLore's ``first_basis: synced``):
+with the epoch schedule, a matrix that holds a pending warm start runs the data-driven phase on the
+warm start's own basis ``B`` (:func:`fedgalore.optim.schedule.held_basis`: the seeded ``B`` rebuilt
+from its seed, or the matrix) and keeps it, unrefreshed, until the switch to ``R_k``: the warm start
+then moves nothing (``prior_retained`` = 1 to fp32 rounding) instead of dropping the part of ``v̄``
+an unrelated data-driven basis does not span. A matrix without a warm start refreshes as usual.
+
 ``adaptive_scope``: ``"round"`` (default) counts those refreshes per optimizer lifetime, which is
 one round because the federation builds a fresh optimizer per client per round; ``"global"``
 counts them from :meth:`GaLoreAdamW.set_global_refresh_offset` ``(n)`` onwards, where ``n`` is

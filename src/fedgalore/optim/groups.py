@@ -54,6 +54,11 @@ GALORE_DEFAULTS: dict[str, Any] = {
     # steps, the first adaptive_proj_steps data-driven); s >= 0 = data-driven before local step s,
     # the round's view basis R_k from step s to the end of the round
     "seeded_from_step": -1,
+    # NOT the paper's schedule (FedGaLore's first_basis: synced): with seeded_from_step >= 0, a matrix
+    # that holds a pending warm start runs its data-driven phase on the warm start's own basis (the
+    # one v̄ is expressed on) instead of data-driven refreshes, so the warm start moves nothing; it
+    # keeps that basis, unrefreshed, until the switch to R_k. A matrix without a warm start: as off
+    "hold_warm_basis": False,
     # bf16 / fp16 GaLore weights: how the update reaches them (module doc, "Low-precision weights")
     "low_precision": "compensated",
     # a warm start's scale: absolute (the synchronised estimate as it is) | gradient (its shape at
@@ -122,6 +127,11 @@ def fill_galore_group(group: dict[str, Any], gi: int, names: Sequence[str]) -> N
     if switch >= 0 and not group["projector"].endswith("_then_random"):
         raise ValueError(f"seeded_from_step switches a *_then_random projector to the round's seeded basis; "
                          f"projector {group['projector']!r} has no such phase (use rsvd_then_random, or seeded_from_step=-1)")
+    if not isinstance(group["hold_warm_basis"], bool):
+        raise ValueError(f"hold_warm_basis must be a bool, got {group['hold_warm_basis']!r}")
+    if group["hold_warm_basis"] and switch < 0:
+        raise ValueError("hold_warm_basis holds a warm start's basis through the epoch schedule's data-driven phase; "
+                         "it needs seeded_from_step >= 0 (the steps schedule has no such phase)")
     if switch >= 0 and group["adaptive_scope"] == "global":
         raise ValueError("seeded_from_step is a per-round schedule; adaptive_scope='global' counts data-driven refreshes "
                          "across rounds: use one of them (seeded_from_step=-1 for the global count)")

@@ -11,7 +11,11 @@ Two schedules, by the group key ``seeded_from_step``:
   to ``R_k`` (seed ``basis_seed(s_k, name, 0)`` whatever the refresh index: every client's ``R_k``
   is the same), none after it, so the round ends on ``R_k``.
 
-Pure functions of the group's settings and the matrix's state (``step``, ``basis``, ``on_view``);
+Not the paper's: group key ``hold_warm_basis`` (FedGaLore's ``first_basis: synced``) replaces the
+epoch schedule's data-driven refreshes, for a matrix that holds a warm start, by the warm start's own
+basis, kept until the switch (:func:`held_basis`).
+
+Pure functions of the group's settings and the matrix's state (``step``, ``basis``, ``on_view``, ``held``);
 :func:`fedgalore.optim.functional.refresh` applies what they decide.
 """
 from __future__ import annotations
@@ -24,7 +28,7 @@ from fedgalore.optim.projector import rsvd_basis, svd_basis
 from fedgalore.optim.state import GaLoreParamState
 from fedgalore.protocol.bases import basis_seed, seeded_basis
 
-__all__ = ["basis_kind", "refresh_due", "new_basis", "view_seed", "frame_for"]
+__all__ = ["basis_kind", "refresh_due", "held_basis", "new_basis", "view_seed", "frame_for"]
 
 
 def basis_kind(group: dict[str, Any], q: int, step: int = 0) -> str:
@@ -45,7 +49,8 @@ def basis_kind(group: dict[str, Any], q: int, step: int = 0) -> str:
 def refresh_due(group: dict[str, Any], state: GaLoreParamState) -> bool:
     """Whether this step starts with a refresh: at the first step; then every ``τ =
     update_proj_gap`` steps — under the epoch schedule (``seeded_from_step = s``) only
-    before step ``s``, once at step ``s`` (the switch to ``R_k``), and never after it, so
+    before step ``s`` (none before it while a held warm-start basis is in use,
+    :func:`held_basis`), once at step ``s`` (the switch to ``R_k``), and never after it, so
     the round ends on ``R_k``."""
     if state.basis is None:
         return True
@@ -53,7 +58,32 @@ def refresh_due(group: dict[str, Any], state: GaLoreParamState) -> bool:
     if switch >= 0 and group["projector"].endswith("_then_random"):
         if t >= switch:
             return t == switch and not state.on_view
+        if state.held:  # hold_warm_basis: the warm start's basis until the switch
+            return False
     return t % group["update_proj_gap"] == 0
+
+
+def held_basis(group: dict[str, Any], state: GaLoreParamState, kind: str, m: int, n: int,
+               device: torch.device) -> tuple[torch.Tensor, int] | None:
+    """Group key ``hold_warm_basis`` (NOT the paper's schedule; FedGaLore's ``first_basis: synced``):
+    the basis a refresh of the data-driven phase (``kind`` ``svd`` / ``rsvd``) takes instead of a
+    data-driven one when a warm start is pending — the basis ``B`` the synchronised ``v̄`` is
+    expressed on, so the warm start moves nothing (``C = B Bᵀ = I`` to fp32 rounding) — and its
+    seed (−1 for a matrix). A seeded ``B`` is rebuilt from its seed at this matrix's rank and frame
+    (the leading block of ``v̄``'s frame at a lower site rank), as the record's seeded term will be
+    materialised; a matrix ``B`` gives its leading ``rank`` vectors. None: the refresh proceeds as
+    without the key (key off, no warm start, the seeded phase, or a matrix ``B`` of lower rank)."""
+    warm = state.warm
+    if not group["hold_warm_basis"] or warm is None or kind not in ("svd", "rsvd"):
+        return None
+    side, rank = state.side, state.rank
+    if warm.seed >= 0:
+        return seeded_basis(int(warm.seed), m, n, rank, side, frame_for(group, m, n, side)).to(device), int(warm.seed)
+    b = warm.basis
+    have = b.shape[0] if side == "right" else b.shape[1]
+    if have < rank:
+        return None
+    return (b[:rank] if side == "right" else b[:, :rank]).to(device=device, dtype=torch.float32).contiguous().clone(), -1
 
 
 def view_seed(group: dict[str, Any], name: str) -> int:

@@ -8,7 +8,8 @@ numbers (:func:`to_plain`, :func:`from_plain`), so a checkpoint loads with
 The fields (paper App. B, Alg. 1; DESIGN §3.1): the projected moments ``M`` (``exp_avg``) and
 ``V`` (``exp_avg_sq``), their step counts ``t`` (``step``, M's: always from a cold start) and
 ``s`` (``v_step``, V's since it last started), the basis ``P`` and its identity (``basis_seed``,
-``basis_refresh``, ``refresh`` = the next refresh index ``q``), the evidence ``c`` of
+``basis_refresh``, ``refresh`` = the next refresh index ``q``; ``held``: a warm start's basis held
+by group key ``hold_warm_basis``), the evidence ``c`` of
 ``bias_correction="weight"`` (``v_weight``), the shadow cold moment (``cold_v``, ``cold_step``),
 the exact update record ``W_T − W_0`` (:class:`UpdateRecord`), a pending warm start
 (:class:`WarmStart`), the step-ratio histogram (:class:`RatioHistogram`) and the low-precision
@@ -59,11 +60,13 @@ class UpdateRecord:
 @dataclass
 class WarmStart:
     """A synchronised second moment ``v̄`` waiting for the basis it will start on (Alg. 1 line 3):
-    its coordinates on ``basis`` and their prior weights (``None``: full weight)."""
+    its coordinates on ``basis``, their prior weights (``None``: full weight) and the seed of
+    ``basis`` when it is a seeded one (−1: a matrix; read by group key ``hold_warm_basis``)."""
 
     moment: torch.Tensor
     basis: torch.Tensor
     weight: Optional[torch.Tensor] = None
+    seed: int = -1
 
 
 @dataclass
@@ -95,6 +98,7 @@ class GaLoreParamState:
     basis_refresh: int = -1
     on_view: bool = False  # the basis is the round's view basis R_k (schedule.view_seed)
     view_steps: int = 0  # steps taken on R_k
+    held: bool = False  # the basis is a warm start's, held until the switch to R_k (group key hold_warm_basis)
     v_weight: Optional[torch.Tensor] = None  # evidence c, (1, r) right / (r, 1) left
     cold_v: Optional[torch.Tensor] = None
     cold_step: int = 0
