@@ -275,12 +275,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_partition(args: argparse.Namespace) -> int:
-    """The split a run would train on: a table, partition.json and partition.png, no training."""
+    """The split a run would train on: a table with the clients' label TV and feature shift,
+    partition.json and partition.png, no training (--no-features: no model is built)."""
+    from fedgalore.job.config import ConfigError
     from fedgalore.job.partition_files import format_partition, preview_partition
 
+    try:
+        examples = int(args.feature_examples)
+    except ValueError:
+        examples = 0
+    if examples < 1:
+        raise ConfigError(f"--feature-examples must be an integer >= 1 (training examples embedded per client), "
+                          f"got {args.feature_examples!r}")
     cfg, _ = _load_config(args.config, args.overrides)
     _hub_note(cfg.task.name, cfg.task.options)
-    rec, out = preview_partition(cfg, args.out)
+    rec, out = preview_partition(cfg, args.out, features=not args.no_features, feature_examples=examples,
+                                 note=lambda line: print(line, file=sys.stderr, flush=True))
     print(format_partition(rec))
     print(f"wrote {out / 'partition.json'} and {out / 'partition.png'}")
     return 0
@@ -696,6 +706,10 @@ def build_parser() -> argparse.ArgumentParser:
     pa.add_argument("--config", required=True, help="pipeline YAML (conf/pipeline/<name>.yaml)")
     pa.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. federation.partition.kind=natural")
     pa.add_argument("--out", help="where partition.json and partition.png go (default: <output.dir>/partitions/<name>-<setting>-s<seed>)")
+    pa.add_argument("--no-features", action="store_true",
+                    help="skip the feature side (the task's model embedding each client's examples); the label side stays")
+    pa.add_argument("--feature-examples", metavar="N", default="64",
+                    help="training examples embedded per client at most, seeded by the config's seed (default: 64)")
     pa.set_defaults(func=cmd_partition)
 
     pl = sub.add_parser("plan", parents=[common], help="bytes per round per method and peak memory, without training")
