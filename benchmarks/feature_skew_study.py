@@ -18,7 +18,8 @@ with the same config; ``--shard i/n`` runs every n-th cell, so two processes sha
 
 ``--methods`` and ``--settings`` restrict a stage (default: the gap's methods, FedAvg-Full and
 FedIT, on iid and domain); the variants (``VARIANTS``) are methods with options: ``fedit_prox`` is
-FedIT + FedProx (``train.prox_mu: 0.01``). Rates: each method's rate is chosen **per setting** on seed 0 by the mean
+FedIT + FedProx (``train.prox_mu: 0.01``), ``fedgalore_synced`` FedGaLore with the synchronised state
+kept across rounds (``first_basis: synced``, not the paper's Algorithm 1). Rates: each method's rate is chosen **per setting** on seed 0 by the mean
 *validation* accuracy over the last two evaluated rounds (ties: the smaller rate); seeds 1–3 take
 no part in any choice. The gap is paired by seed (one seed gives the same images, rates chosen per
 setting): non-IID − IID, mean ± t₀.₉₇₅ · sd / √n.
@@ -55,6 +56,7 @@ VARIANTS: dict[str, dict] = {
     "fedit": {"method": "fedit", "rates": [1e-3, 3e-3, 1e-2]},
     "fedit_prox": {"method": "fedit", "train": {"prox_mu": 0.01}, "rates": [1e-3, 3e-3, 1e-2]},
     "fedgalore": {"method": "fedgalore", "rates": [3e-4, 1e-3, 3e-3]},
+    "fedgalore_synced": {"method": "fedgalore", "options": {"first_basis": "synced"}, "rates": [3e-4, 1e-3, 3e-3]},
     "fedgalore_minus": {"method": "fedgalore_minus", "rates": [1e-3, 3e-3, 1e-2]},
     "flexlora": {"method": "flexlora", "rates": [1e-3, 3e-3, 1e-2]},
     "fed_sb": {"method": "fed_sb", "rates": [1e-2, 3e-2, 1e-1]},

@@ -259,7 +259,7 @@ def partition_figure(rec: dict[str, Any]) -> Any:
         top, ax = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [1, 3]})
     x = np.arange(m)
     if panel:
-        _heterogeneity_panel(mid, het, x)
+        _heterogeneity_panel(mid, het, x, rec.get("by") or "label")
     if m > 200:  # thousands of clients (a natural split by user): lines, not one bar each
         top.fill_between(x, rec["sizes"], step="mid", color="tab:blue", label="train")
     else:
@@ -286,18 +286,19 @@ def partition_figure(rec: dict[str, Any]) -> Any:
     return fig
 
 
-def _heterogeneity_panel(ax: Any, het: dict[str, Any], x: np.ndarray) -> None:
+def _heterogeneity_panel(ax: Any, het: dict[str, Any], x: np.ndarray, category: str = "label") -> None:
     """Per client its label TV (and feature shift, side by side) as bars — steps beyond 200
-    clients — and the label TV an IID split of these sizes gives (dashed)."""
+    clients — and the label TV an IID split of these sizes gives (dashed); ``category``: what the
+    TV is over (the label, or ``federation.partition.by``'s column)."""
     def values(key: str) -> np.ndarray:
         return np.array([np.nan if v is None else v for v in het[key]], dtype=float)
 
-    series = [("label TV", values("label_tv"), "tab:purple")]
+    series = [(f"{category} TV", values("label_tv"), "tab:purple")]
     if het.get("feature_shift") and len(het["feature_shift"]) == len(x):
         series.append(("feature shift", values("feature_shift"), "tab:green"))
     width = 0.8 / len(series)
     for j, (label, v, color) in enumerate(series):
-        mean = het.get("label_tv_mean" if label == "label TV" else "feature_shift_mean")
+        mean = het.get("label_tv_mean" if j == 0 else "feature_shift_mean")
         text = f"{label} (mean {mean:.2f})" if mean is not None else label
         if len(x) > 200:
             ax.step(x, np.nan_to_num(v), where="mid", color=color, lw=0.8, label=text)
@@ -359,7 +360,7 @@ def format_partition(rec: dict[str, Any], limit: int = 30) -> str:
     sizes = np.asarray(rec["sizes"])
     lines.append(f"sizes: min {sizes.min()}, median {int(np.median(sizes))}, max {sizes.max()}")
     if het:
-        lines.append(_heterogeneity_line(het))
+        lines.append(_heterogeneity_line(het, rec.get("by") or "label"))
     if rec.get("dropped"):
         shown = ", ".join(f"{d['name']} ({d['size']})" for d in rec["dropped"][:10])
         more = f" and {len(rec['dropped']) - 10} more" if len(rec["dropped"]) > 10 else ""
@@ -371,12 +372,13 @@ def _fixed(v: float | None) -> str:
     return f"{v:>5.2f}" if v is not None else f"{'-':>5}"
 
 
-def _heterogeneity_line(het: dict[str, Any]) -> str:
-    """``heterogeneity: label TV 0.62 (IID split: 0.08), feature shift 0.41 (IID ≈ 0)``."""
+def _heterogeneity_line(het: dict[str, Any], category: str = "label") -> str:
+    """``heterogeneity: label TV 0.62 (IID split: 0.08), feature shift 0.41 (IID ≈ 0)`` (``domain
+    TV`` when the split's categories are ``federation.partition.by: domain``)."""
     def num(v: float | None) -> str:
         return f"{v:.2f}" if v is not None else "n/a"
 
-    line = f"heterogeneity: label TV {num(het.get('label_tv_mean'))} (IID split: {num(het.get('label_tv_iid'))})"
+    line = f"heterogeneity: {category} TV {num(het.get('label_tv_mean'))} (IID split: {num(het.get('label_tv_iid'))})"
     feature = het.get("feature") or {}
     if "feature_shift" in het:
         line += f", feature shift {num(het.get('feature_shift_mean'))} (IID ≈ 0)"
