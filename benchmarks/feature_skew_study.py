@@ -30,12 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
+
+import _study_cells as cells_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "conf" / "pipeline" / "offline_vision_domains.yaml"
@@ -111,66 +110,28 @@ def _scalars(h: dict) -> dict:
             if isinstance(v, (int, float)) and not isinstance(v, bool) and (not isinstance(v, float) or math.isfinite(v))}
 
 
-def run_cell(method: str, lr: float, setting: str, seed: int) -> dict:
-    """Run one cell, or read its JSON when it is there with the same config."""
-    name = label(method, lr, setting, seed)
-    path = cell_path(name)
-    cfg_d = config_dict(method, lr, setting, seed)
-    if path.exists():
-        old = json.loads(path.read_text())
-        if old.get("version") == CELL_VERSION and old.get("config") == cfg_d:
-            return old
-    import torch
-
-    import fedgalore
-    from fedgalore.job.config import FederatedConfig
-
-    torch.set_num_threads(1)
-    torch.set_flush_denormal(True)
-    out = RUNS / name
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    cfg = FederatedConfig.from_dict({**cfg_d, "output": {**cfg_d["output"], "dir": str(out)}})
-    t0, c0 = time.perf_counter(), time.process_time()
-    base = {"version": CELL_VERSION, "config": cfg_d, "method": VARIANTS[method]["method"], "variant": method, "lr": lr, "setting": setting, "seed": seed}
-    try:
-        res = fedgalore.run(cfg)
-    except (FloatingPointError, RuntimeError) as exc:  # a rate that diverges is a result
-        cell = {**base, "error": f"{type(exc).__name__}: {exc}"[:500], "rounds": [], "test_last": float("nan"),
-                "val_last": float("nan"), "wall_s": time.perf_counter() - t0}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cell, indent=1))
-        print(f"failed {name}: {cell['error']}", flush=True)
-        return cell
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+def _summarize(res, wall: float, cpu: float) -> dict:
+    """Per round every scalar of the history (test/validation/per-domain accuracy, bytes, the drift
+    and update-space diagnostics), and the study's summaries."""
     rounds = []
     for h in res.history:
         r = _scalars(h)
         r["test"], r["val"] = h.get("eval/accuracy"), h.get("eval/val_accuracy")
         rounds.append(r)
     domains = [k.removeprefix("eval/accuracy_") for k in (rounds[-1] if rounds else {}) if k.startswith("eval/accuracy_")]
-    cell = {**base, "rounds": rounds, "test_last": _last(rounds, "test"), "val_last": _last(rounds, "val"),
+    return {"rounds": rounds, "test_last": _last(rounds, "test"), "val_last": _last(rounds, "val"),
             "test_final": rounds[-1]["test"] if rounds else float("nan"),
             "domain_last": {d: _last(rounds, f"eval/accuracy_{d}") for d in domains},
             "bytes_up_total": sum(r.get("bytes_up") or 0 for r in rounds),
-            "bytes_down_total": sum(r.get("bytes_down") or 0 for r in rounds),
-            "wall_s": wall, "cpu_s": cpu,
-            "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                        "loadavg_1m": os.getloadavg()[0]}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cell, indent=1))
-    print(f"done {name}: test {cell['test_last']:.3f} val {cell['val_last']:.3f} ({wall:.0f} s, load {os.getloadavg()[0]:.1f})",
-          flush=True)
-    return cell
+            "bytes_down_total": sum(r.get("bytes_down") or 0 for r in rounds)}
 
 
-def _shard(cells: list, shard: str | None) -> list:
-    if not shard:
-        return cells
-    i, n = (int(x) for x in shard.split("/"))
-    return cells[i::n]
+def run_cell(variant: str, lr: float, setting: str, seed: int) -> dict:
+    """Run one cell, or read its JSON when it is there with the same config."""
+    name = label(variant, lr, setting, seed)
+    base = {"method": VARIANTS[variant]["method"], "variant": variant, "lr": lr, "setting": setting, "seed": seed}
+    return cells_lib.run_cell(cell_path(name), config_dict(variant, lr, setting, seed), base, RUNS / name, _summarize,
+                              CELL_VERSION)
 
 
 def probe_cells(methods: list[str], settings: list[str]) -> list[tuple]:
@@ -202,21 +163,6 @@ def seed_cells(methods: list[str], settings: list[str]) -> list[tuple]:
     if missing:
         print(f"probe incomplete for {', '.join(missing)}: skipped; run this stage again after the probe", flush=True)
     return cells
-
-
-def _t975(n: int) -> float:
-    from scipy import stats
-
-    return float(stats.t.ppf(0.975, n - 1)) if n > 1 else float("nan")
-
-
-def paired(a: list[float], b: list[float]) -> dict:
-    """Mean of the paired differences a − b with its 95 % t interval."""
-    d = [x - y for x, y in zip(a, b)]
-    n = len(d)
-    mean = statistics.fmean(d) if d else float("nan")
-    half = _t975(n) * statistics.stdev(d) / math.sqrt(n) if n > 1 else float("nan")
-    return {"n": n, "mean": mean, "lo": mean - half, "hi": mean + half, "diffs": d}
 
 
 def _cell(method: str, setting: str, seed: int) -> dict | None:
@@ -255,10 +201,11 @@ def report(methods: list[str], settings: list[str]) -> dict:
             other = {c["seed"]: c["test_last"] for c in (_cell(m, s, seed) for seed in SEEDS) if c}
             common = sorted(set(iid) & set(other))
             if common:
-                gaps.append({"method": m, "setting": s, **paired([other[k] for k in common], [iid[k] for k in common]),
+                gaps.append({"method": m, "setting": s, **cells_lib.paired([other[k] for k in common], [iid[k] for k in common]),
                              "seeds": common})
     out = {"task": "offline_vision_domains", "config": str(CONFIG.relative_to(ROOT)), "settings": SETTINGS,
            "seeds": list(SEEDS), "rows": rows, "gaps": gaps}
+    OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "feature_skew.json").write_text(json.dumps(out, indent=1))
     (OUT / "feature_skew.md").write_text(markdown(out))
     print(markdown(out))
@@ -306,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         report(methods, settings)
         return 0
     cells = probe_cells(methods, settings) if args.stage == "probe" else seed_cells(methods, settings)
-    todo = _shard(cells, args.shard)
+    todo = cells_lib.shard(cells, args.shard)
     print(f"{args.stage}: {len(todo)} cells in this shard", flush=True)
     for c in todo:
         run_cell(*c)

@@ -32,12 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
+
+import _study_cells as cells_lib
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "conf" / "repro" / "offline_text_50.yaml"
@@ -107,39 +106,8 @@ def _last(rounds: list[dict], key: str) -> float:
     return float(sum(vals) / len(vals)) if vals else float("nan")
 
 
-def run_cell(method: str, lr: float, alpha: float, seed: int, mixed: bool = False) -> dict:
-    """Run one cell, or read its JSON when it is there with the same config."""
-    name = label(method, lr, alpha, seed, mixed)
-    path = cell_path(name)
-    cfg_d = config_dict(method, lr, alpha, seed, mixed)
-    if path.exists():
-        old = json.loads(path.read_text())
-        if old.get("version") == CELL_VERSION and old.get("config") == cfg_d:
-            return old
-    import torch
-
-    import fedgalore
-    from fedgalore.job.config import FederatedConfig
-
-    torch.set_num_threads(1)
-    out = RUNS / name
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    cfg = FederatedConfig.from_dict({**cfg_d, "output": {**cfg_d["output"], "dir": str(out)}})
-    t0, c0 = time.perf_counter(), time.process_time()
-    base = {"version": CELL_VERSION, "config": cfg_d, "method": method, "lr": lr, "alpha": alpha, "seed": seed, "mixed": mixed}
-    try:
-        res = fedgalore.run(cfg)
-    except (FloatingPointError, RuntimeError) as exc:  # a rate that diverges is a result
-        cell = {**base, "error": f"{type(exc).__name__}: {exc}"[:500], "rounds": [], "test_last": float("nan"),
-                "val_last": float("nan"), "wall_s": time.perf_counter() - t0}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cell, indent=1))
-        print(f"failed {name}: {cell['error']}", flush=True)
-        return cell
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+def _summarize(res, wall: float, cpu: float) -> dict:
+    """Per round test/validation accuracy and bytes; the uplink per client from the run's ledger."""
     rounds = [{"round": h["round"], "test": h.get("eval/accuracy"), "val": h.get("eval/val_accuracy"),
                "bytes_up": h.get("bytes_up"), "bytes_down": h.get("bytes_down")} for h in res.history]
     ledger = [json.loads(line) for line in (res.run_dir / "ledger.jsonl").read_text().splitlines()] \
@@ -148,25 +116,18 @@ def run_cell(method: str, lr: float, alpha: float, seed: int, mixed: bool = Fals
     for r in ledger:
         if r.get("direction") == "up":
             up_by_client.setdefault(int(r["client"]), []).append(int(r["bytes"]))
-    cell = {**base, "rounds": rounds, "test_last": _last(rounds, "test"), "val_last": _last(rounds, "val"),
+    return {"rounds": rounds, "test_last": _last(rounds, "test"), "val_last": _last(rounds, "val"),
             "test_final": rounds[-1]["test"] if rounds else float("nan"),
             "bytes_up_total": sum(r["bytes_up"] or 0 for r in rounds), "bytes_down_total": sum(r["bytes_down"] or 0 for r in rounds),
-            "up_mean_by_client": {c: statistics.fmean(v) for c, v in sorted(up_by_client.items())},
-            "wall_s": wall, "cpu_s": cpu,
-            "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-                        "loadavg_1m": os.getloadavg()[0]}}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cell, indent=1))
-    print(f"done {name}: test {cell['test_last']:.3f} val {cell['val_last']:.3f} ({wall:.0f} s, load {os.getloadavg()[0]:.1f})",
-          flush=True)
-    return cell
+            "up_mean_by_client": {c: statistics.fmean(v) for c, v in sorted(up_by_client.items())}}
 
 
-def _shard(cells: list, shard: str | None) -> list:
-    if not shard:
-        return cells
-    i, n = (int(x) for x in shard.split("/"))
-    return cells[i::n]
+def run_cell(method: str, lr: float, alpha: float, seed: int, mixed: bool = False) -> dict:
+    """Run one cell, or read its JSON when it is there with the same config."""
+    name = label(method, lr, alpha, seed, mixed)
+    base = {"method": method, "lr": lr, "alpha": alpha, "seed": seed, "mixed": mixed}
+    return cells_lib.run_cell(cell_path(name), config_dict(method, lr, alpha, seed, mixed), base, RUNS / name, _summarize,
+                              CELL_VERSION, flush_denormal=False)
 
 
 def probe_cells(methods: list[str]) -> list[tuple]:
@@ -215,20 +176,6 @@ def mixed_cells() -> list[tuple]:
     return cells
 
 
-def _t975(n: int) -> float:
-    from scipy import stats
-
-    return float(stats.t.ppf(0.975, n - 1)) if n > 1 else float("nan")
-
-
-def paired(a: list[float], b: list[float]) -> dict:
-    d = [x - y for x, y in zip(a, b)]
-    n = len(d)
-    mean = statistics.fmean(d) if d else float("nan")
-    half = _t975(n) * statistics.stdev(d) / math.sqrt(n) if n > 1 else float("nan")
-    return {"n": n, "mean": mean, "lo": mean - half, "hi": mean + half}
-
-
 def report() -> dict:
     rates = choice()
     out: dict = {"rates": rates, "probe": {}, "seeds": {}, "mixed": {}, "budget": str(CONFIG.relative_to(ROOT))}
@@ -251,7 +198,7 @@ def report() -> dict:
         for m, r in rows.items():
             if ref and m != "fedgalore":
                 common = [s for s in r["seeds"] if s in ref["seeds"]]
-                r["vs_fedgalore"] = paired([r["test"][r["seeds"].index(s)] for s in common],
+                r["vs_fedgalore"] = cells_lib.paired([r["test"][r["seeds"].index(s)] for s in common],
                                            [ref["test"][ref["seeds"].index(s)] for s in common])
         out["seeds"][f"{a:g}"] = rows
     for m in MIXED_METHODS:
@@ -271,7 +218,7 @@ def report() -> dict:
             tier_up[str(t["rank"])] = statistics.fmean(vals) if vals else None
         out["mixed"][m] = {"lr": lr, "seeds": common, "mixed_test": [mix[s]["test_last"] for s in common],
                            "uniform_test": [one[s]["test_last"] for s in common],
-                           "mixed_minus_uniform": paired([mix[s]["test_last"] for s in common], [one[s]["test_last"] for s in common]),
+                           "mixed_minus_uniform": cells_lib.paired([mix[s]["test_last"] for s in common], [one[s]["test_last"] for s in common]),
                            "up_per_client_round_by_tier": tier_up,
                            "uniform_up_per_client_round": statistics.fmean(
                                v for s in common for v in one[s]["up_mean_by_client"].values()),
@@ -334,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     alphas = tuple(float(a) for a in args.alphas.split(",")) if args.alphas else ALPHAS
     cells = {"probe": lambda: probe_cells(methods), "seeds": lambda: seed_cells(methods, alphas),
              "mixed": mixed_cells}[args.stage]()
-    for cell in _shard(cells, args.shard):
+    for cell in cells_lib.shard(cells, args.shard):
         run_cell(*cell)
     return 0
 
