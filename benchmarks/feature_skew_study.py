@@ -13,16 +13,20 @@ Stages (each skips the cells whose JSON is already in ``benchmarks/results/featu
 with the same config; ``--shard i/n`` runs every n-th cell, so two processes share a stage)::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_skew_study.py probe --shard 0/2   # rates, seed 0, per setting
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_skew_study.py gap   --shard 0/2   # held-out seeds 1-3
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_skew_study.py seeds --shard 0/2   # held-out seeds 1-4
     .venv/bin/python benchmarks/feature_skew_study.py report   # results/feature_skew/feature_skew.{json,md}
 
-``--methods`` and ``--settings`` restrict a stage (default: the gap's methods, FedAvg-Full and
-FedIT, on iid and domain); the variants (``VARIANTS``) are methods with options: ``fedit_prox`` is
+``--methods`` and ``--settings`` choose a stage's cells (default: the gap's methods, FedAvg-Full and
+FedIT, on iid and domain — does heterogeneity hurt here? — ; the method study:
+``--methods fedgalore,fedgalore_synced,fedgalore_minus,fedavg_full,fedit,fedit_prox,flexlora,fed_sb
+--settings domain``); the variants (``VARIANTS``) are methods with options: ``fedit_prox`` is
 FedIT + FedProx (``train.prox_mu: 0.01``), ``fedgalore_synced`` FedGaLore with the synchronised state
 kept across rounds (``first_basis: synced``, not the paper's Algorithm 1). Rates: each method's rate is chosen **per setting** on seed 0 by the mean
-*validation* accuracy over the last two evaluated rounds (ties: the smaller rate); seeds 1–3 take
-no part in any choice. The gap is paired by seed (one seed gives the same images, rates chosen per
-setting): non-IID − IID, mean ± t₀.₉₇₅ · sd / √n.
+*validation* accuracy over the last two evaluated rounds (ties: the smaller rate); seeds 1–4 take
+no part in any choice. The gap is paired by seed (every seed trains on the same images — the task's
+own seed is fixed — and a run seed draws the split, the client sampling and the round seeds; rates
+chosen per setting): non-IID − IID, mean ± t₀.₉₇₅ · sd / √n. The ``seeds`` stage needs the probe of
+every cell it runs: run it after both probe shards have finished.
 """
 # fedgalore-bench: not-in-all (a long study with stages; run it by name)
 from __future__ import annotations
@@ -63,7 +67,7 @@ VARIANTS: dict[str, dict] = {
 RATES = {name: v["rates"] for name, v in VARIANTS.items()}
 GAP_METHODS = ("fedavg_full", "fedit")
 GAP_SETTINGS = ("iid", "domain")
-SEEDS = (1, 2, 3)
+SEEDS = (1, 2, 3, 4)
 LAST = 2  # mean over the last LAST evaluated rounds (eval every 5th round: rounds 15 and 20)
 
 
@@ -239,7 +243,7 @@ def markdown(r: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["probe", "gap", "report"])
+    ap.add_argument("stage", choices=["probe", "seeds", "report"])
     ap.add_argument("--shard", help="i/n: run every n-th cell starting at i (two processes share a stage)")
     ap.add_argument("--methods", help="comma-separated methods (default: " + ",".join(GAP_METHODS) + ")")
     ap.add_argument("--settings", help="comma-separated settings (default: " + ",".join(GAP_SETTINGS) + f"; all: {','.join(SETTINGS)})")
