@@ -117,9 +117,15 @@ def _scalars(h: dict) -> dict:
 def _summarize(res, wall: float, cpu: float) -> dict:
     """Per round every scalar of the history (test/validation/per-domain accuracy, bytes, the drift
     and update-space diagnostics), and the study's summaries."""
+    diag = {}
+    path = Path(res.run_dir) / "diagnostics.jsonl"  # drift, tail energy, the sync's and the clients' numbers
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            d = json.loads(line)
+            diag.setdefault(d.get("round"), {}).update({f"diag/{k}": v for k, v in _scalars(d).items() if k != "round"})
     rounds = []
     for h in res.history:
-        r = _scalars(h)
+        r = _scalars(h) | diag.get(h.get("round"), {})
         r["test"], r["val"] = h.get("eval/accuracy"), h.get("eval/val_accuracy")
         rounds.append(r)
     domains = [k.removeprefix("eval/accuracy_") for k in (rounds[-1] if rounds else {}) if k.startswith("eval/accuracy_")]
@@ -195,7 +201,8 @@ def report(methods: list[str], settings: list[str]) -> dict:
                          "domain_mean": {d: statistics.fmean(v) for d, v in dom.items()},
                          "up_per_client_round": _per_client_round(cells, "bytes_up_total"),
                          "down_per_client_round": _per_client_round(cells, "bytes_down_total"),
-                         "wall_s_mean": statistics.fmean([c["wall_s"] for c in cells]) if cells else None})
+                         "wall_s_mean": statistics.fmean([c["wall_s"] for c in cells]) if cells else None,
+                         "diagnostics": _diag_means(cells)})
     gaps = []
     for m in methods:
         iid = {c["seed"]: c["test_last"] for c in (_cell(m, "iid", s) for s in SEEDS) if c}
@@ -216,6 +223,20 @@ def report(methods: list[str], settings: list[str]) -> dict:
     return out
 
 
+#: the per-round diagnostics the report averages (over rounds and seeds): client drift
+#: ‖ΔW_i − ΔW̄‖/‖ΔW̄‖, the aggregate's energy beyond rank r, and FedGaLore's sync and warm start
+DIAGNOSTICS = ("drift_mean", "tail_energy_mean", "prior_retained", "warm_kept", "mismatch_before", "mismatch_after")
+
+
+def _diag_means(cells: list[dict]) -> dict[str, float]:
+    out = {}
+    for key in DIAGNOSTICS:
+        vals = [r[f"diag/{key}"] for c in cells for r in c.get("rounds", []) if isinstance(r.get(f"diag/{key}"), (int, float))]
+        if vals:
+            out[key] = statistics.fmean(vals)
+    return out
+
+
 def _per_client_round(cells: list[dict], key: str) -> float | None:
     if not cells:
         return None
@@ -228,12 +249,17 @@ def _pct(x: float | None) -> str:
 
 
 def markdown(r: dict) -> str:
-    lines = ["| method | setting | rate | test accuracy % (seeds) | per domain % |", "|---|---|---:|---:|---|"]
+    lines = ["| method | setting | rate | test accuracy % (seeds) | per domain % | drift | tail energy | up / down KiB per client-round |",
+             "|---|---|---:|---:|---|---:|---:|---:|"]
     for row in r["rows"]:
         sd = f" ± {100 * row['test_sd']:.1f}" if row["test_sd"] is not None else ""
         dom = ", ".join(f"{d} {_pct(v)}" for d, v in row["domain_mean"].items())
+        dg = row.get("diagnostics", {})
+        num = lambda k: f"{dg[k]:.3f}" if k in dg else "—"  # noqa: E731
+        kib = lambda v: f"{v / 1024:,.0f}" if v is not None else "—"  # noqa: E731
         lines.append(f"| {row['method']} | {row['setting']} | {row['lr'] if row['lr'] is not None else '—'} | "
-                     f"{_pct(row['test_mean'])}{sd} (n={len(row['test'])}) | {dom} |")
+                     f"{_pct(row['test_mean'])}{sd} (n={len(row['test'])}) | {dom} | {num('drift_mean')} | "
+                     f"{num('tail_energy_mean')} | {kib(row['up_per_client_round'])} / {kib(row['down_per_client_round'])} |")
     lines += ["", "| method | setting − IID (points) | 95 % interval | n |", "|---|---:|---|---:|"]
     for g in r["gaps"]:
         lines.append(f"| {g['method']} | {100 * g['mean']:+.1f} | [{100 * g['lo']:+.1f}, {100 * g['hi']:+.1f}] | {g['n']} |"
