@@ -58,11 +58,12 @@ VARIANTS: dict[str, dict] = {
     "fedavg_full": {"method": "fedavg_full", "rates": [3e-4, 1e-3, 3e-3]},
     "fedit": {"method": "fedit", "rates": [1e-3, 3e-3, 1e-2]},
     "fedit_prox": {"method": "fedit", "train": {"prox_mu": 0.01}, "rates": [1e-3, 3e-3, 1e-2]},
-    "fedgalore": {"method": "fedgalore", "rates": [3e-4, 1e-3, 3e-3]},
-    "fedgalore_synced": {"method": "fedgalore", "options": {"first_basis": "synced"}, "rates": [3e-4, 1e-3, 3e-3]},
-    "fedgalore_minus": {"method": "fedgalore_minus", "rates": [1e-3, 3e-3, 1e-2]},
+    # FedGaLore's grid reaches 1e-2: on the domain split its seed-0 validation still rose at 3e-3
+    "fedgalore": {"method": "fedgalore", "rates": [3e-4, 1e-3, 3e-3, 1e-2]},
+    "fedgalore_synced": {"method": "fedgalore", "options": {"first_basis": "synced"}, "rates": [3e-4, 1e-3, 3e-3, 1e-2]},
+    "fedgalore_minus": {"method": "fedgalore_minus", "rates": [1e-3, 3e-3, 1e-2, 3e-2]},  # 3e-2: 1e-2 won on the domain split
     "flexlora": {"method": "flexlora", "rates": [1e-3, 3e-3, 1e-2]},
-    "fed_sb": {"method": "fed_sb", "rates": [1e-2, 3e-2, 1e-1]},
+    "fed_sb": {"method": "fed_sb", "rates": [3e-3, 1e-2, 3e-2, 1e-1]},  # 3e-3: 1e-2 won on the domain split
 }
 RATES = {name: v["rates"] for name, v in VARIANTS.items()}
 GAP_METHODS = ("fedavg_full", "fedit")
@@ -219,6 +220,7 @@ def report(methods: list[str], settings: list[str]) -> dict:
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "feature_skew.json").write_text(json.dumps(out, indent=1))
     (OUT / "feature_skew.md").write_text(markdown(out))
+    figure(methods, settings).savefig(OUT / "feature_skew.png", dpi=110)
     print(markdown(out))
     return out
 
@@ -235,6 +237,46 @@ def _diag_means(cells: list[dict]) -> dict[str, float]:
         if vals:
             out[key] = statistics.fmean(vals)
     return out
+
+
+def figure(methods: list[str], settings: list[str]):
+    """Left: test accuracy over rounds (mean over the held-out seeds) of every method on each
+    non-IID setting, FedAvg-Full's IID curve dashed for reference. Right: per-domain test accuracy
+    at the end (mean over the last two evaluations and the seeds) on the first non-IID setting."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.2, 1]})
+    skewed = [s for s in settings if s != "iid"]
+    styles = ["-", ":", "-."]
+    for m in methods:
+        for k, s in enumerate(skewed + (["iid"] if m == "fedavg_full" and "iid" in settings else [])):
+            cells = [c for c in (_cell(m, s, seed) for seed in SEEDS) if c and c.get("rounds")]
+            if not cells:
+                continue
+            rounds = [r["round"] for r in cells[0]["rounds"] if isinstance(r.get("test"), (int, float))]
+            acc = [statistics.fmean(next(r["test"] for r in c["rounds"] if r["round"] == t) for c in cells) for t in rounds]
+            left.plot(rounds, [100 * a for a in acc], ls="--" if s == "iid" else styles[k % 3], marker="o", ms=3,
+                      label=f"{m} ({s}, n={len(cells)})")
+    left.set_xlabel("round")
+    left.set_ylabel("test accuracy % (mean over held-out seeds)")
+    left.legend(fontsize=6, ncols=2)
+    left.set_title("feature skew: one visual domain per client", fontsize=9)
+    if skewed:
+        rows = []
+        for m in methods:
+            cells = [c for c in (_cell(m, skewed[0], seed) for seed in SEEDS) if c and c.get("domain_last")]
+            if cells:
+                doms = list(cells[0]["domain_last"])
+                rows.append((m, doms, [100 * statistics.fmean(c["domain_last"][d] for c in cells) for d in doms]))
+        width = 0.8 / max(len(rows), 1)
+        for j, (m, doms, vals) in enumerate(rows):
+            right.bar([i + (j - (len(rows) - 1) / 2) * width for i in range(len(doms))], vals, width=width, label=m)
+        if rows:
+            right.set_xticks(range(len(rows[0][1])), rows[0][1])
+        right.set_ylabel(f"test accuracy % per domain ({skewed[0]})")
+        right.legend(fontsize=6, ncols=2)
+    return fig
 
 
 def _per_client_round(cells: list[dict], key: str) -> float | None:
