@@ -165,7 +165,7 @@ class VisionDomainsOptions(OfflineVitOptions):
 
     n_train: int | None = task_option(10000, "training images (a seeded subset of the 30,000 not used in pretraining); null: all")
     n_test: int | None = task_option(2000, "test images (a seeded subset of the official 10,000, balanced over domains); null: all")
-    domains: list[str] = task_option(list(DEFAULT_DOMAINS), "the visual domains, in order (styles: " + ", ".join(STYLES) + ")")
+    domains: tuple[str, ...] = task_option(DEFAULT_DOMAINS, "the visual domains, in order (styles: " + ", ".join(STYLES) + ")")
     data_dir: str | None = task_option(None, "folder of the Fashion-MNIST idx.gz files; null: the Debian package's")
 
     def __post_init__(self) -> None:
