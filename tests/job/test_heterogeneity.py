@@ -1,4 +1,4 @@
-"""How non-IID a split is (fedgalore.report.heterogeneity): label TV against the pool and its IID
+"""How non-IID a split is (fedgalore.federated.heterogeneity): label TV against the pool and its IID
 floor, the bias-corrected feature shift, and ``fedgalore partition``'s record, table and figure."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from fedgalore.cli import main
 from fedgalore.federated.partitioners.iid import iid_partition
 from fedgalore.job.config import FederatedConfig
-from fedgalore.report.heterogeneity import feature_shift, label_tv, label_tv_iid, site_sample, weighted_mean
+from fedgalore.federated.heterogeneity import feature_shift, label_tv, label_tv_iid, site_sample, weighted_mean
 from fedgalore.tasks.synthetic import TinyTextTask
 from fedgalore_testing.cmdline import _error
 

@@ -21,7 +21,7 @@ and ``fedgalore partition --config CONFIG`` (:func:`preview_partition`) writes t
 The categories are the column ``federation.partition.by`` names, else the task's label (its
 ``label_names``); the sizes count the examples each client trains on.
 
-``heterogeneity`` says how non-IID the split is (:mod:`fedgalore.report.heterogeneity` has the
+``heterogeneity`` says how non-IID the split is (:mod:`fedgalore.federated.heterogeneity` has the
 formulas). The label side — every record, also a run's — is per client the total-variation
 distance of its category mix from the pool's, ``TV_i = ½ Σ_c |p_ic − p_c|`` (0 = the pool's mix,
 1 = disjoint), their size-weighted mean, and ``label_tv_iid``, the mean an IID split of the same
@@ -48,7 +48,7 @@ from fedgalore.job.clients import Clients, resolve_clients, split_clients
 from fedgalore.job.config import FederatedConfig
 from fedgalore.federated.checkpoint import atomic_write_text
 from fedgalore.federated.partition import label_histograms
-from fedgalore.report.heterogeneity import feature_shift, label_tv, label_tv_iid, site_sample, weighted_mean
+from fedgalore.federated.heterogeneity import feature_shift, label_tv, label_tv_iid, site_sample, weighted_mean
 from fedgalore.tasks.base import Task
 
 __all__ = ["partition_record", "write_partition_files", "partition_figure", "format_partition", "preview_partition",
@@ -125,7 +125,7 @@ def label_heterogeneity(histograms: np.ndarray, seed: int = 0) -> dict[str, Any]
     """``{"label_tv", "label_tv_mean", "label_tv_iid"}`` of a clients × categories count table:
     per client ``TV_i = ½ Σ_c |p_ic − p_c|`` against the pool (the clients' union), the
     size-weighted mean ``Σ_i n_i TV_i / Σ_i n_i``, and that mean's expectation under an IID split of
-    the same sizes (seeded by ``seed``; :func:`fedgalore.report.heterogeneity.label_tv_iid`).
+    the same sizes (seeded by ``seed``; :func:`fedgalore.federated.heterogeneity.label_tv_iid`).
     Milliseconds: every run records it."""
     h = np.asarray(histograms, dtype=np.int64).reshape(len(histograms), -1)
     tv = label_tv(h)
@@ -179,14 +179,14 @@ def feature_heterogeneity(task: Task, parts: list[np.ndarray], examples_per_site
     the task's model gives no hidden states (or fails to build or run): never an exception.
 
     Per client ``min(examples_per_site, n_i)`` of its training examples (seeded by ``seed``;
-    :func:`fedgalore.report.heterogeneity.site_sample`) are embedded by ``task.build_model()`` (eval
+    :func:`fedgalore.federated.heterogeneity.site_sample`) are embedded by ``task.build_model()`` (eval
     mode, no grad, on the CPU; the batches as the task evaluates them, ``labels`` dropped) called
     with ``output_hidden_states=True``: the last hidden state mean-pooled over positions (weighted
     by ``attention_mask``). Per client
 
         shift_i = sqrt( max(0, ‖μ̂_i − μ̂‖² / tr Σ̂ − c_i) )
 
-    (:func:`fedgalore.report.heterogeneity.feature_shift`, the pool weighted by the clients' sizes;
+    (:func:`fedgalore.federated.heterogeneity.feature_shift`, the pool weighted by the clients' sizes;
     ``c_i = 1/n_i − 1/N`` for proportional samples), the shift of its mean embedding from the
     pool's in units of the pool's total standard deviation, ≈ 0 for an IID split. ``note``: called
     with one line before the (possibly slow) embedding."""

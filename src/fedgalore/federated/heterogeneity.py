@@ -1,6 +1,6 @@
 """How non-IID a federation is: per-client distances from the pool, on labels and on features.
 
-Pure numpy (arrays in, arrays out); :mod:`fedgalore.job.partition_files` records them in
+Pure numpy (arrays in, arrays out), beside the partitioners; :mod:`fedgalore.job.partition_files` records them in
 ``partition.json`` (``"heterogeneity"``) and ``fedgalore partition`` prints and draws them.
 
 * :func:`label_tv` — per client the total-variation distance between its category distribution and
