@@ -16,6 +16,11 @@ with the same config; ``--shard i/n`` runs every n-th cell, so two processes sha
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_skew_study.py seeds --shard 0/2   # held-out seeds 1-4
     .venv/bin/python benchmarks/feature_skew_study.py report   # results/feature_skew/feature_skew.{json,md}
 
+The paper's horizon (R = 50, about 2.5x a 20-round cell): ``seeds --rounds 50`` runs the held-out
+seeds at 50 rounds with the rates the probe chose at 20 (no probe at 50: the choice is not re-made,
+and the cosine schedule stretches over the longer run); ``report --rounds 50`` writes
+``feature_skew_r50.{json,md,png}``.
+
 ``--methods`` and ``--settings`` choose a stage's cells (default: the gap's methods, FedAvg-Full and
 FedIT, on iid and domain — does heterogeneity hurt here? — ; the method study:
 ``--methods fedgalore,fedgalore_synced,fedgalore_minus,fedavg_full,fedit,fedit_prox,flexlora,fed_sb
@@ -57,7 +62,7 @@ SETTINGS: dict[str, dict] = {
 VARIANTS: dict[str, dict] = {
     "fedavg_full": {"method": "fedavg_full", "rates": [3e-4, 1e-3, 3e-3]},
     "fedit": {"method": "fedit", "rates": [1e-3, 3e-3, 1e-2]},
-    "fedit_prox": {"method": "fedit", "train": {"prox_mu": 0.01}, "rates": [1e-3, 3e-3, 1e-2]},
+    "fedit_prox": {"method": "fedit", "train": {"prox_mu": 0.01}, "rates": [1e-3, 3e-3, 1e-2, 3e-2]},  # 3e-2: 1e-2 won on domain_label
     # FedGaLore's grid reaches 3e-2 (with the state kept, 1e-1): on the domain split seed 0's validation kept rising at the top
     "fedgalore": {"method": "fedgalore", "rates": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2]},
     "fedgalore_synced": {"method": "fedgalore", "options": {"first_basis": "synced"}, "rates": [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1]},
@@ -78,7 +83,7 @@ def base_config() -> dict:
     return yaml.safe_load(CONFIG.read_text())
 
 
-def config_dict(variant: str, lr: float, setting: str, seed: int) -> dict:
+def config_dict(variant: str, lr: float, setting: str, seed: int, rounds: int | None = None) -> dict:
     v = VARIANTS[variant]
     method = v["method"]
     d = base_config()
@@ -89,6 +94,8 @@ def config_dict(variant: str, lr: float, setting: str, seed: int) -> dict:
     fed = dict(d["federation"])
     fed["partition"] = dict(SETTINGS[setting])
     fed["validation_fraction"] = 0.1
+    if rounds is not None:  # a longer horizon (the paper's R = 50); the schedule (cosine, warm-up) spans it
+        fed["rounds"] = rounds
     d["federation"] = fed
     d["train"] = {**d["train"], **v.get("train", {}), "lr": lr}
     d["output"] = {"progress": "quiet", "checkpoint_every": 100, "keep_checkpoints": 1}
@@ -96,8 +103,8 @@ def config_dict(variant: str, lr: float, setting: str, seed: int) -> dict:
     return d
 
 
-def label(method: str, lr: float, setting: str, seed: int) -> str:
-    return f"{method}_{setting}_lr{lr:g}_s{seed}"
+def label(method: str, lr: float, setting: str, seed: int, rounds: int | None = None) -> str:
+    return f"{method}_{setting}_lr{lr:g}_s{seed}" + (f"_r{rounds}" if rounds is not None else "")
 
 
 def cell_path(name: str) -> Path:
@@ -137,12 +144,12 @@ def _summarize(res, wall: float, cpu: float) -> dict:
             "bytes_down_total": sum(r.get("bytes_down") or 0 for r in rounds)}
 
 
-def run_cell(variant: str, lr: float, setting: str, seed: int) -> dict:
+def run_cell(variant: str, lr: float, setting: str, seed: int, rounds: int | None = None) -> dict:
     """Run one cell, or read its JSON when it is there with the same config."""
-    name = label(variant, lr, setting, seed)
+    name = label(variant, lr, setting, seed, rounds)
     base = {"method": VARIANTS[variant]["method"], "variant": variant, "lr": lr, "setting": setting, "seed": seed}
-    return cells_lib.run_cell(cell_path(name), config_dict(variant, lr, setting, seed), base, RUNS / name, _summarize,
-                              CELL_VERSION)
+    return cells_lib.run_cell(cell_path(name), config_dict(variant, lr, setting, seed, rounds), base, RUNS / name,
+                              _summarize, CELL_VERSION)
 
 
 def probe_cells(methods: list[str], settings: list[str]) -> list[tuple]:
@@ -162,7 +169,7 @@ def choice(method: str, setting: str) -> float | None:
     return max(scores, key=lambda lr: (scores[lr], -lr))
 
 
-def seed_cells(methods: list[str], settings: list[str]) -> list[tuple]:
+def seed_cells(methods: list[str], settings: list[str], rounds: int | None = None) -> list[tuple]:
     cells, missing = [], []
     for m in methods:
         for s in settings:
@@ -170,27 +177,31 @@ def seed_cells(methods: list[str], settings: list[str]) -> list[tuple]:
             if lr is None:
                 missing.append(f"{m}@{s}")
                 continue
-            cells += [(m, lr, s, seed) for seed in SEEDS]
+            cells += [(m, lr, s, seed, rounds) for seed in SEEDS]
     if missing:
         print(f"probe incomplete for {', '.join(missing)}: skipped; run this stage again after the probe", flush=True)
     return cells
 
 
-def _cell(method: str, setting: str, seed: int) -> dict | None:
+def _cell(method: str, setting: str, seed: int, rounds: int | None = None) -> dict | None:
     lr = choice(method, setting)
     if lr is None:
         return None
-    p = cell_path(label(method, lr, setting, seed))
+    p = cell_path(label(method, lr, setting, seed, rounds))
     return json.loads(p.read_text()) if p.exists() else None
 
 
-def report(methods: list[str], settings: list[str]) -> dict:
+def report(methods: list[str], settings: list[str], rounds: int | None = None) -> dict:
+    """Rows, gaps to IID and paired differences against FedGaLore and FedGaLore⁻ of the held-out
+    seeds at ``rounds`` (None: the config's); written to ``feature_skew[_r<rounds>].{json,md,png}``."""
     rows = []
     for m in methods:
         for s in settings:
             probe = {lr: json.loads(cell_path(label(m, lr, s, 0)).read_text()).get("val_last")
                      for lr in RATES[m] if cell_path(label(m, lr, s, 0)).exists()}
-            cells = [c for c in (_cell(m, s, seed) for seed in SEEDS) if c is not None]
+            cells = [c for c in (_cell(m, s, seed, rounds) for seed in SEEDS) if c is not None]
+            if not cells and not probe:  # a method the study did not run on this split
+                continue
             tests = [c["test_last"] for c in cells]
             dom = {}
             for c in cells:
@@ -206,11 +217,11 @@ def report(methods: list[str], settings: list[str]) -> dict:
                          "diagnostics": _diag_means(cells)})
     gaps = []
     for m in methods:
-        iid = {c["seed"]: c["test_last"] for c in (_cell(m, "iid", s) for s in SEEDS) if c}
+        iid = {c["seed"]: c["test_last"] for c in (_cell(m, "iid", s, rounds) for s in SEEDS) if c}
         for s in settings:
             if s == "iid":
                 continue
-            other = {c["seed"]: c["test_last"] for c in (_cell(m, s, seed) for seed in SEEDS) if c}
+            other = {c["seed"]: c["test_last"] for c in (_cell(m, s, seed, rounds) for seed in SEEDS) if c}
             common = sorted(set(iid) & set(other))
             if common:
                 gaps.append({"method": m, "setting": s, **cells_lib.paired([other[k] for k in common], [iid[k] for k in common]),
@@ -220,21 +231,23 @@ def report(methods: list[str], settings: list[str]) -> dict:
         for ref in ("fedgalore", "fedgalore_minus"):
             if ref not in methods:
                 continue
-            base = {c["seed"]: c["test_last"] for c in (_cell(ref, s, seed) for seed in SEEDS) if c}
+            base = {c["seed"]: c["test_last"] for c in (_cell(ref, s, seed, rounds) for seed in SEEDS) if c}
             for m in methods:
                 if m == ref:
                     continue
-                other = {c["seed"]: c["test_last"] for c in (_cell(m, s, seed) for seed in SEEDS) if c}
+                other = {c["seed"]: c["test_last"] for c in (_cell(m, s, seed, rounds) for seed in SEEDS) if c}
                 common = sorted(set(base) & set(other))
                 if len(common) > 1:
                     pairs.append({"method": m, "against": ref, "setting": s, "seeds": common,
                                   **cells_lib.paired([other[k] for k in common], [base[k] for k in common])})
     out = {"task": "offline_vision_domains", "config": str(CONFIG.relative_to(ROOT)), "settings": SETTINGS,
+           "rounds": rounds or base_config()["federation"]["rounds"], "rates_chosen_at_rounds": base_config()["federation"]["rounds"],
            "seeds": list(SEEDS), "rows": rows, "gaps": gaps, "pairs": pairs}
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "feature_skew.json").write_text(json.dumps(out, indent=1))
-    (OUT / "feature_skew.md").write_text(markdown(out))
-    figure(methods, settings).savefig(OUT / "feature_skew.png", dpi=110)
+    stem = "feature_skew" + (f"_r{rounds}" if rounds is not None else "")
+    (OUT / f"{stem}.json").write_text(json.dumps(out, indent=1))
+    (OUT / f"{stem}.md").write_text(markdown(out))
+    figure(methods, settings, rounds).savefig(OUT / f"{stem}.png", dpi=110)
     print(markdown(out))
     return out
 
@@ -253,34 +266,35 @@ def _diag_means(cells: list[dict]) -> dict[str, float]:
     return out
 
 
-def figure(methods: list[str], settings: list[str]):
+def figure(methods: list[str], settings: list[str], rounds: int | None = None):
     """Left: test accuracy over rounds (mean over the held-out seeds) of every method on each
     non-IID setting, FedAvg-Full's IID curve dashed for reference. Right: per-domain test accuracy
     at the end (mean over the last two evaluations and the seeds) on the first non-IID setting."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4), layout="constrained")
+    fig = Figure(figsize=(11, 5.2), layout="constrained")
     left, right = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.2, 1]})
     skewed = [s for s in settings if s != "iid"]
     styles = ["-", ":", "-."]
     colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}  # one colour per method, one line style per split
     for m in methods:
         for k, s in enumerate(skewed + (["iid"] if m == "fedavg_full" and "iid" in settings else [])):
-            cells = [c for c in (_cell(m, s, seed) for seed in SEEDS) if c and c.get("rounds")]
+            cells = [c for c in (_cell(m, s, seed, rounds) for seed in SEEDS) if c and c.get("rounds")]
             if not cells:
                 continue
-            rounds = [r["round"] for r in cells[0]["rounds"] if isinstance(r.get("test"), (int, float))]
-            acc = [statistics.fmean(next(r["test"] for r in c["rounds"] if r["round"] == t) for c in cells) for t in rounds]
-            left.plot(rounds, [100 * a for a in acc], ls="--" if s == "iid" else styles[k % 3], marker="o", ms=3, color=colors[m],
+            xs = [r["round"] for r in cells[0]["rounds"] if isinstance(r.get("test"), (int, float))]
+            acc = [statistics.fmean(next(r["test"] for r in c["rounds"] if r["round"] == t) for c in cells) for t in xs]
+            left.plot(xs, [100 * a for a in acc], ls="--" if s == "iid" else styles[k % 3], marker="o", ms=3, color=colors[m],
                       label=f"{m} ({s}, n={len(cells)})")
     left.set_xlabel("round")
     left.set_ylabel("test accuracy % (mean over held-out seeds)")
-    left.legend(fontsize=6, ncols=2)
-    left.set_title("feature skew: one visual domain per client", fontsize=9)
+    left.legend(fontsize=6, ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
+    n_rounds = rounds or base_config()["federation"]["rounds"]
+    left.set_title(f"feature skew, {n_rounds} rounds (line style: the split; dashed: IID)", fontsize=9)
     if skewed:
         rows = []
         for m in methods:
-            cells = [c for c in (_cell(m, skewed[0], seed) for seed in SEEDS) if c and c.get("domain_last")]
+            cells = [c for c in (_cell(m, skewed[0], seed, rounds) for seed in SEEDS) if c and c.get("domain_last")]
             if cells:
                 doms = list(cells[0]["domain_last"])
                 rows.append((m, doms, [100 * statistics.fmean(c["domain_last"][d] for c in cells) for d in doms]))
@@ -307,7 +321,9 @@ def _pct(x: float | None) -> str:
 
 
 def markdown(r: dict) -> str:
-    lines = ["| method | setting | rate | test accuracy % (seeds) | per domain % | drift | tail energy | up / down KiB per client-round |",
+    lines = [f"{r.get('rounds', 20)} rounds; rates chosen on seed 0's validation split at {r.get('rates_chosen_at_rounds', 20)} rounds; "
+             f"test accuracy is the mean of the last {LAST} evaluations.", "",
+             "| method | setting | rate | test accuracy % (seeds) | per domain % | drift | tail energy | up / down KiB per client-round |",
              "|---|---|---:|---:|---|---:|---:|---:|"]
     for row in r["rows"]:
         sd = f" ± {100 * row['test_sd']:.1f}" if row["test_sd"] is not None else ""
@@ -326,7 +342,11 @@ def markdown(r: dict) -> str:
     for g in r.get("pairs", []):
         lines.append(f"| {g['method']} | {100 * g['mean']:+.1f} [{100 * g['lo']:+.1f}, {100 * g['hi']:+.1f}] | "
                      f"{g['against']} | {g['setting']} | {g['n']} |")
-    lines += ["", "| method | setting | prior retained | warm kept | mismatch before → after sync |", "|---|---|---:|---:|---:|"]
+    # mismatch_before: the clients' second moments from their mean; mismatch_after: from the broadcast
+    # v̄ (the mean minimises the weighted squared distances, so "after" sits at or above "before"
+    # unless the spread is very uneven: the column does not measure a drop the sync should cause)
+    lines += ["", "| method | setting | prior retained | warm kept | second-moment mismatch: clients to their mean → to the broadcast v̄ |",
+              "|---|---|---:|---:|---:|"]
     for row in r["rows"]:
         dg = row.get("diagnostics", {})
         if "prior_retained" in dg or "warm_kept" in dg:
@@ -342,16 +362,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard", help="i/n: run every n-th cell starting at i (two processes share a stage)")
     ap.add_argument("--methods", help="comma-separated methods (default: " + ",".join(GAP_METHODS) + ")")
     ap.add_argument("--settings", help="comma-separated settings (default: " + ",".join(GAP_SETTINGS) + f"; all: {','.join(SETTINGS)})")
+    ap.add_argument("--rounds", type=int, help="seeds/report: the held-out seeds at this horizon (the paper's R = 50) at the "
+                    "rates the probe chose at the config's rounds; cells and report get the suffix _r<rounds>")
     args = ap.parse_args(argv)
+    if args.rounds is not None and (args.stage == "probe" or args.rounds < 1):
+        ap.error("--rounds goes with the seeds and report stages (a positive count): rates are chosen at the config's rounds")
     methods = args.methods.split(",") if args.methods else list(GAP_METHODS)
     settings = args.settings.split(",") if args.settings else list(GAP_SETTINGS)
     bad = [m for m in methods if m not in RATES] + [s for s in settings if s not in SETTINGS]
     if bad:
         ap.error(f"unknown method or setting {bad[0]!r}; methods: {', '.join(RATES)}; settings: {', '.join(SETTINGS)}")
     if args.stage == "report":
-        report(methods, settings)
+        report(methods, settings, args.rounds)
         return 0
-    cells = probe_cells(methods, settings) if args.stage == "probe" else seed_cells(methods, settings)
+    cells = probe_cells(methods, settings) if args.stage == "probe" else seed_cells(methods, settings, args.rounds)
     todo = cells_lib.shard(cells, args.shard)
     print(f"{args.stage}: {len(todo)} cells in this shard", flush=True)
     for c in todo:
