@@ -19,7 +19,8 @@ with the same config; ``--shard i/n`` runs every n-th cell, so two processes sha
 The paper's horizon (R = 50, about 2.5x a 20-round cell): ``seeds --rounds 50`` runs the held-out
 seeds at 50 rounds with the rates the probe chose at 20 (no probe at 50: the choice is not re-made,
 and the cosine schedule stretches over the longer run); ``report --rounds 50`` writes
-``feature_skew_r50.{json,md,png}``.
+``feature_skew_r50.{json,md,png}``; ``probe --rounds 50`` re-runs seed 0's grid at 50 rounds to
+check the 20-round choice (the report shows both; it changes no choice).
 
 ``--methods`` and ``--settings`` choose a stage's cells (default: the gap's methods, FedAvg-Full and
 FedIT, on iid and domain — does heterogeneity hurt here? — ; the method study:
@@ -152,8 +153,8 @@ def run_cell(variant: str, lr: float, setting: str, seed: int, rounds: int | Non
                               _summarize, CELL_VERSION)
 
 
-def probe_cells(methods: list[str], settings: list[str]) -> list[tuple]:
-    return [(m, lr, s, 0) for m in methods for s in settings for lr in RATES[m]]
+def probe_cells(methods: list[str], settings: list[str], rounds: int | None = None) -> list[tuple]:
+    return [(m, lr, s, 0, rounds) for m in methods for s in settings for lr in RATES[m]]
 
 
 def choice(method: str, setting: str) -> float | None:
@@ -199,6 +200,9 @@ def report(methods: list[str], settings: list[str], rounds: int | None = None) -
         for s in settings:
             probe = {lr: json.loads(cell_path(label(m, lr, s, 0)).read_text()).get("val_last")
                      for lr in RATES[m] if cell_path(label(m, lr, s, 0)).exists()}
+            # seed 0's grid re-run at the horizon (probe --rounds): a check on the choice, not a choice
+            probe_h = {lr: json.loads(cell_path(label(m, lr, s, 0, rounds)).read_text()).get("val_last")
+                       for lr in RATES[m] if rounds is not None and cell_path(label(m, lr, s, 0, rounds)).exists()}
             cells = [c for c in (_cell(m, s, seed, rounds) for seed in SEEDS) if c is not None]
             if not cells and not probe:  # a method the study did not run on this split
                 continue
@@ -207,7 +211,8 @@ def report(methods: list[str], settings: list[str], rounds: int | None = None) -
             for c in cells:
                 for d, v in c.get("domain_last", {}).items():
                     dom.setdefault(d, []).append(v)
-            rows.append({"method": m, "setting": s, "lr": choice(m, s), "probe_val": probe, "seeds": [c["seed"] for c in cells],
+            rows.append({"method": m, "setting": s, "lr": choice(m, s), "probe_val": probe, "probe_val_horizon": probe_h,
+                         "seeds": [c["seed"] for c in cells],
                          "test": tests, "test_mean": statistics.fmean(tests) if tests else None,
                          "test_sd": statistics.stdev(tests) if len(tests) > 1 else None,
                          "domain_mean": {d: statistics.fmean(v) for d, v in dom.items()},
@@ -334,6 +339,13 @@ def markdown(r: dict) -> str:
         lines.append(f"| {row['method']} | {row['setting']} | {row['lr'] if row['lr'] is not None else '—'} | "
                      f"{_pct(row['test_mean'])}{sd} (n={len(row['test'])}) | {dom} | {num('drift_mean')} | "
                      f"{num('tail_energy_mean')} | {kib(row['up_per_client_round'])} / {kib(row['down_per_client_round'])} |")
+    checked = [row for row in r["rows"] if row.get("probe_val_horizon")]
+    if checked:
+        lines += ["", f"Seed 0's validation % per rate at {r.get('rounds')} rounds against at {r.get('rates_chosen_at_rounds')} "
+                  "(the choice is made at the latter):", "", "| method | setting | rate: at the horizon / at the choice |", "|---|---|---|"]
+        for row in checked:
+            cells_txt = ", ".join(f"{lr:g}: {_pct(v)} / {_pct(row['probe_val'].get(lr))}" for lr, v in row["probe_val_horizon"].items())
+            lines.append(f"| {row['method']} | {row['setting']} | {cells_txt} |")
     lines += ["", "| method | setting − IID (points) | 95 % interval | n |", "|---|---:|---|---:|"]
     for g in r["gaps"]:
         lines.append(f"| {g['method']} | {100 * g['mean']:+.1f} | [{100 * g['lo']:+.1f}, {100 * g['hi']:+.1f}] | {g['n']} |"
@@ -362,11 +374,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shard", help="i/n: run every n-th cell starting at i (two processes share a stage)")
     ap.add_argument("--methods", help="comma-separated methods (default: " + ",".join(GAP_METHODS) + ")")
     ap.add_argument("--settings", help="comma-separated settings (default: " + ",".join(GAP_SETTINGS) + f"; all: {','.join(SETTINGS)})")
-    ap.add_argument("--rounds", type=int, help="seeds/report: the held-out seeds at this horizon (the paper's R = 50) at the "
-                    "rates the probe chose at the config's rounds; cells and report get the suffix _r<rounds>")
+    ap.add_argument("--rounds", type=int, help="the held-out seeds (seeds, report) at this horizon (the paper's R = 50) at the "
+                    "rates the probe chose at the config's rounds; probe --rounds N re-runs seed 0's grid at N only to check "
+                    "that choice (it chooses nothing); cells and report get the suffix _r<rounds>")
     args = ap.parse_args(argv)
-    if args.rounds is not None and (args.stage == "probe" or args.rounds < 1):
-        ap.error("--rounds goes with the seeds and report stages (a positive count): rates are chosen at the config's rounds")
+    if args.rounds is not None and args.rounds < 1:
+        ap.error("--rounds takes a positive count of rounds, e.g. --rounds 50")
     methods = args.methods.split(",") if args.methods else list(GAP_METHODS)
     settings = args.settings.split(",") if args.settings else list(GAP_SETTINGS)
     bad = [m for m in methods if m not in RATES] + [s for s in settings if s not in SETTINGS]
@@ -375,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stage == "report":
         report(methods, settings, args.rounds)
         return 0
-    cells = probe_cells(methods, settings) if args.stage == "probe" else seed_cells(methods, settings, args.rounds)
+    cells = probe_cells(methods, settings, args.rounds) if args.stage == "probe" else seed_cells(methods, settings, args.rounds)
     todo = cells_lib.shard(cells, args.shard)
     print(f"{args.stage}: {len(todo)} cells in this shard", flush=True)
     for c in todo:
