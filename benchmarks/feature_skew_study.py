@@ -17,8 +17,8 @@ with the same config; ``--shard i/n`` runs every n-th cell, so two processes sha
     .venv/bin/python benchmarks/feature_skew_study.py report   # results/feature_skew/feature_skew.{json,md}
 
 The paper's horizon (R = 50, about 2.5x a 20-round cell): ``seeds --rounds 50`` runs the held-out
-seeds at 50 rounds with the rates the probe chose at 20 (no probe at 50: the choice is not re-made,
-and the cosine schedule stretches over the longer run); ``report --rounds 50`` writes
+seeds at 50 rounds with the rates the probe chose at 20 (the choice is not re-made at 50, and the
+cosine schedule stretches over the longer run); ``report --rounds 50`` writes
 ``feature_skew_r50.{json,md,png}``; ``probe --rounds 50`` re-runs seed 0's grid at 50 rounds to
 check the 20-round choice (the report shows both; it changes no choice).
 
@@ -380,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds takes a positive count of rounds, e.g. --rounds 50")
+    if args.rounds == base_config()["federation"]["rounds"]:
+        args.rounds = None  # the config's own horizon: the unsuffixed cells
     methods = args.methods.split(",") if args.methods else list(GAP_METHODS)
     settings = args.settings.split(",") if args.settings else list(GAP_SETTINGS)
     bad = [m for m in methods if m not in RATES] + [s for s in settings if s not in SETTINGS]
