@@ -84,6 +84,11 @@ def base_config() -> dict:
     return yaml.safe_load(CONFIG.read_text())
 
 
+def config_rounds() -> int:
+    """The config's rounds: the horizon the probe chooses rates at, and of the unsuffixed cells."""
+    return int(base_config()["federation"]["rounds"])
+
+
 def config_dict(variant: str, lr: float, setting: str, seed: int, rounds: int | None = None) -> dict:
     v = VARIANTS[variant]
     method = v["method"]
@@ -192,17 +197,21 @@ def _cell(method: str, setting: str, seed: int, rounds: int | None = None) -> di
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def _probe_val(method: str, setting: str, rounds: int | None = None) -> dict[float, float | None]:
+    """Seed 0's validation accuracy per rate of ``method``'s grid on ``setting`` (the cells there)."""
+    paths = {lr: cell_path(label(method, lr, setting, 0, rounds)) for lr in RATES[method]}
+    return {lr: json.loads(p.read_text()).get("val_last") for lr, p in paths.items() if p.exists()}
+
+
 def report(methods: list[str], settings: list[str], rounds: int | None = None) -> dict:
     """Rows, gaps to IID and paired differences against FedGaLore and FedGaLore⁻ of the held-out
     seeds at ``rounds`` (None: the config's); written to ``feature_skew[_r<rounds>].{json,md,png}``."""
     rows = []
     for m in methods:
         for s in settings:
-            probe = {lr: json.loads(cell_path(label(m, lr, s, 0)).read_text()).get("val_last")
-                     for lr in RATES[m] if cell_path(label(m, lr, s, 0)).exists()}
+            probe = _probe_val(m, s)
             # seed 0's grid re-run at the horizon (probe --rounds): a check on the choice, not a choice
-            probe_h = {lr: json.loads(cell_path(label(m, lr, s, 0, rounds)).read_text()).get("val_last")
-                       for lr in RATES[m] if rounds is not None and cell_path(label(m, lr, s, 0, rounds)).exists()}
+            probe_h = _probe_val(m, s, rounds) if rounds is not None else {}
             cells = [c for c in (_cell(m, s, seed, rounds) for seed in SEEDS) if c is not None]
             if not cells and not probe:  # a method the study did not run on this split
                 continue
@@ -246,7 +255,7 @@ def report(methods: list[str], settings: list[str], rounds: int | None = None) -
                     pairs.append({"method": m, "against": ref, "setting": s, "seeds": common,
                                   **cells_lib.paired([other[k] for k in common], [base[k] for k in common])})
     out = {"task": "offline_vision_domains", "config": str(CONFIG.relative_to(ROOT)), "settings": SETTINGS,
-           "rounds": rounds or base_config()["federation"]["rounds"], "rates_chosen_at_rounds": base_config()["federation"]["rounds"],
+           "rounds": rounds or config_rounds(), "rates_chosen_at_rounds": config_rounds(),
            "seeds": list(SEEDS), "rows": rows, "gaps": gaps, "pairs": pairs}
     OUT.mkdir(parents=True, exist_ok=True)
     stem = "feature_skew" + (f"_r{rounds}" if rounds is not None else "")
@@ -294,8 +303,7 @@ def figure(methods: list[str], settings: list[str], rounds: int | None = None):
     left.set_xlabel("round")
     left.set_ylabel("test accuracy % (mean over held-out seeds)")
     left.legend(fontsize=6, ncols=3, loc="upper center", bbox_to_anchor=(0.5, -0.14))
-    n_rounds = rounds or base_config()["federation"]["rounds"]
-    left.set_title(f"feature skew, {n_rounds} rounds (line style: the split; dashed: IID)", fontsize=9)
+    left.set_title(f"feature skew, {rounds or config_rounds()} rounds (line style: the split; dashed: IID)", fontsize=9)
     if skewed:
         rows = []
         for m in methods:
@@ -326,7 +334,7 @@ def _pct(x: float | None) -> str:
 
 
 def markdown(r: dict) -> str:
-    lines = [f"{r.get('rounds', 20)} rounds; rates chosen on seed 0's validation split at {r.get('rates_chosen_at_rounds', 20)} rounds; "
+    lines = [f"{r['rounds']} rounds; rates chosen on seed 0's validation split at {r['rates_chosen_at_rounds']} rounds; "
              f"test accuracy is the mean of the last {LAST} evaluations.", "",
              "| method | setting | rate | test accuracy % (seeds) | per domain % | drift | tail energy | up / down KiB per client-round |",
              "|---|---|---:|---:|---|---:|---:|---:|"]
@@ -341,7 +349,7 @@ def markdown(r: dict) -> str:
                      f"{num('tail_energy_mean')} | {kib(row['up_per_client_round'])} / {kib(row['down_per_client_round'])} |")
     checked = [row for row in r["rows"] if row.get("probe_val_horizon")]
     if checked:
-        lines += ["", f"Seed 0's validation % per rate at {r.get('rounds')} rounds against at {r.get('rates_chosen_at_rounds')} "
+        lines += ["", f"Seed 0's validation % per rate at {r['rounds']} rounds against at {r['rates_chosen_at_rounds']} "
                   "(the choice is made at the latter):", "", "| method | setting | rate: at the horizon / at the choice |", "|---|---|---|"]
         for row in checked:
             cells_txt = ", ".join(f"{lr:g}: {_pct(v)} / {_pct(row['probe_val'].get(lr))}" for lr, v in row["probe_val_horizon"].items())
@@ -380,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         ap.error("--rounds takes a positive count of rounds, e.g. --rounds 50")
-    if args.rounds == base_config()["federation"]["rounds"]:
+    if args.rounds == config_rounds():
         args.rounds = None  # the config's own horizon: the unsuffixed cells
     methods = args.methods.split(",") if args.methods else list(GAP_METHODS)
     settings = args.settings.split(",") if args.settings else list(GAP_SETTINGS)

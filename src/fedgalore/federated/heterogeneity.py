@@ -1,7 +1,8 @@
 """How non-IID a federation is: per-client distances from the pool, on labels and on features.
 
-Pure numpy (arrays in, arrays out), beside the partitioners; :mod:`fedgalore.job.partition_files` records them in
-``partition.json`` (``"heterogeneity"``) and ``fedgalore partition`` prints and draws them.
+Pure numpy (arrays in, arrays out), beside the partitioners;
+:mod:`fedgalore.job.partition_files` records them in ``partition.json`` (``"heterogeneity"``) and
+``fedgalore partition`` prints and draws them.
 
 * :func:`label_tv` — per client the total-variation distance between its category distribution and
   the pool's, ``TV_i = ½ Σ_c |p_ic − p_c|`` (0: the pool's mix; 1: categories the rest never has);
