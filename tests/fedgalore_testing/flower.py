@@ -1,6 +1,8 @@
 """An in-process Flower Grid: the ClientApp's handlers as SuperNodes, each with its own Context."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 from flwr.app import Context, MessageType, RecordDict
 from flwr.serverapp import Grid
@@ -58,3 +60,33 @@ class LocalGrid(Grid):
     @property
     def run(self):  # pragma: no cover
         raise NotImplementedError
+
+
+class SecAggGrid(LocalGrid):
+    """The LocalGrid with the ClientApp's train handler behind its mod (fedgalore.flower.secagg.
+    secagg_mod → Flower's secaggplus_mod), as a SuperNode runs it; ``lose``: a node that stops
+    answering from the ``lose_at``-th train wave of the run on (after sharing its keys)."""
+
+    def __init__(self, node_configs, lose: int | None = None, lose_at: int = 0):
+        super().__init__(node_configs)
+        self.lose, self.lose_at, self.waves = lose, lose_at, 0
+
+    def send_and_receive(self, messages, *, timeout=None):
+        from fedgalore.flower import client_app
+
+        messages = list(messages)
+        out = []
+        if messages and messages[0].metadata.message_type == MessageType.TRAIN:
+            self.waves += 1
+        for m in messages:
+            node = int(m.metadata.dst_node_id)
+            if node not in self.contexts or (node == self.lose and self.waves >= self.lose_at):
+                continue
+            if m.metadata.message_type == MessageType.TRAIN:  # a copy, as the wire gives each node (the mod pops keys)
+                from fedgalore.flower.secagg import secagg_mod
+
+                out.append(secagg_mod(copy.deepcopy(m), self.contexts[node], client_app.train))
+            else:
+                out.append({MessageType.QUERY: client_app.whoami, MessageType.EVALUATE: client_app.evaluate}
+                           [m.metadata.message_type](m, self.contexts[node]))
+        return out

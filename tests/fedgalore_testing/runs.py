@@ -86,6 +86,8 @@ def cdp_cfg(tmp_path: Path, method: str = "fedavg_full", rounds: int = 1, method
     # no weight decay: FedGaLore's decay·W0 term would sit outside the clip (refused under privacy.client)
     kw = {"output": {"dir": str(tmp_path), "progress": "quiet", **(output or {})},
           "train": {"lr": 1e-2, "batch_size": 16, "local_epochs": 1, "weight_decay": 0.0}}
+    if method.startswith("fedgalore"):  # its upload follows the step count: fixed steps under client-level DP
+        kw["train"] = {**kw["train"], "local_steps": 4}
     cfg = tiny_cfg(tmp_path, method, rounds=rounds, method_options=opts, privacy={"client": cfg, "reproducible": reproducible},
                    **kw)
     for k, v in (federation or {}).items():

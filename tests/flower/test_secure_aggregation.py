@@ -13,7 +13,6 @@
 """
 from __future__ import annotations
 
-import copy
 import json
 import os
 from pathlib import Path
@@ -25,15 +24,13 @@ import torch
 pytest.importorskip("flwr")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-from flwr.app import MessageType  # noqa: E402
-
 from fedgalore.job.config import ConfigError, FederatedConfig  # noqa: E402
-from fedgalore.flower.secagg import from_summed, secagg_mod, summable  # noqa: E402
+from fedgalore.flower.secagg import from_summed, summable  # noqa: E402
 from fedgalore.jsonl import read_jsonl  # noqa: E402
 from fedgalore.methods.base import available_methods, method_class  # noqa: E402
 from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank  # noqa: E402
 
-from fedgalore_testing.flower import LocalGrid, _task_identity  # noqa: E402,F401
+from fedgalore_testing.flower import SecAggGrid, _task_identity  # noqa: E402,F401
 
 pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
@@ -172,34 +169,6 @@ def test_weighted_mean_of_carried_uploads_is_the_mean_of_the_updates():
 
 
 # ----------------------------------------------------------------------------- a federation under SecAgg+
-class SecAggGrid(LocalGrid):
-    """The LocalGrid with the ClientApp's train handler behind its mod (fedgalore.flower.secagg.
-    secagg_mod → Flower's secaggplus_mod), as a SuperNode runs it; ``lose``: a node that stops
-    answering from the ``lose_at``-th train wave of the run on (after sharing its keys)."""
-
-    def __init__(self, node_configs, lose: int | None = None, lose_at: int = 0):
-        super().__init__(node_configs)
-        self.lose, self.lose_at, self.waves = lose, lose_at, 0
-
-    def send_and_receive(self, messages, *, timeout=None):
-        from fedgalore.flower import client_app
-
-        messages = list(messages)
-        out = []
-        if messages and messages[0].metadata.message_type == MessageType.TRAIN:
-            self.waves += 1
-        for m in messages:
-            node = int(m.metadata.dst_node_id)
-            if node not in self.contexts or (node == self.lose and self.waves >= self.lose_at):
-                continue
-            if m.metadata.message_type == MessageType.TRAIN:  # a copy, as the wire gives each node (the mod pops keys)
-                out.append(secagg_mod(copy.deepcopy(m), self.contexts[node], client_app.train))
-            else:
-                out.append({MessageType.QUERY: client_app.whoami, MessageType.EVALUATE: client_app.evaluate}
-                           [m.metadata.message_type](m, self.contexts[node]))
-        return out
-
-
 def run_flower(tmp_path: Path, method: str, options: dict, secure: bool, grid=None, **fed):
     from fedgalore.flower.strategy import FedGaLoreStrategy
 

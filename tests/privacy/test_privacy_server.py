@@ -27,6 +27,7 @@ import fedgalore  # noqa: E402
 from fedgalore.engine.backends.sequential import SequentialBackend  # noqa: E402
 from fedgalore.engine.stages.client_dp import ClientRelease  # noqa: E402
 from fedgalore.job.config import ConfigError, FederatedConfig  # noqa: E402
+from fedgalore.privacy.view import CLIENT_FAILED  # noqa: E402
 from fedgalore.engine.loop import Federation  # noqa: E402
 from fedgalore.engine.stages.record_dp import SitePrivacy  # noqa: E402
 from fedgalore.job.resolve import method_options  # noqa: E402
@@ -194,7 +195,7 @@ def test_budget_holds_under_dropouts_and_retries(tmp_path):
     assert client["epsilon"] > client["epsilon_sum"]  # the server's view of one upload, not the sum's
     recs = [json.loads(x) for x in (res.run_dir / "clients.jsonl").read_text().splitlines()]
     errors = {r.get("error") for r in recs if r.get("client") in (0, 1)}
-    assert errors == {"the client failed (its message stays at the site under privacy.client)"}  # no row numbers
+    assert errors == {CLIENT_FAILED}  # no row numbers
 
 
 def test_record_level_target_is_a_cap(tmp_path):

@@ -28,17 +28,12 @@ from fedgalore.protocol.state import RoundContext
 
 __all__ = ["Collector", "public_error"]
 
-#: errors the server itself decides on released (clipped, noised) values or the protocol alone: recorded as they are
-_SERVER_ERRORS = ("rejected:", "timed out", "privacy budget", "no reply", "undecodable upload", "secure aggregation:")
 
-
-def public_error(error: str) -> str:
-    """A client's error as the server records it under ``privacy.client``: the server's own
-    decisions in full, a client's own failure without its text (it may quote the site's data)."""
-    line = error.splitlines()[0]
-    if line.startswith(_SERVER_ERRORS):
-        return line
-    return "the client failed (its message stays at the site under privacy.client)"
+def public_error(error: str, view: Any, origin: str) -> str:
+    """A client's error as the server records it: :meth:`fedgalore.privacy.view.ServerView.error` (the
+    server's own decisions in full; a client's own text only where the view declares it — the origin is
+    structural, :attr:`fedgalore.engine.jobs.ClientResult.origin`, never read from the text)."""
+    return view.error(error, origin)
 
 
 class Collector:
@@ -58,15 +53,18 @@ class Collector:
     def record(self, att: Attempt, res: ClientResult) -> dict[str, Any]:
         """A client's ``clients.jsonl`` record of this attempt (no time or size when the stages hide clients)."""
         rec = {"round": att.round + 1, "attempt": att.number, "client": res.client}
-        if not self.stages.hides_clients:  # under privacy.client a client's time and size are not recorded (they track its data)
-            rec.update({"time": res.time, "num_examples": len(self.runtime.parts[res.client])})
+        view = self.runtime.view  # what the server may record about a site (fedgalore.privacy.view)
+        if view.client_time:
+            rec["time"] = res.time
+        if view.site_size:
+            rec["num_examples"] = len(self.runtime.parts[res.client])
         if self.runtime.clients.names is not None:  # a natural partition's clients are named by the data
             rec["client_name"] = self.runtime.clients.name(res.client)
         return rec
 
     def dropped(self, att: Attempt, rec: dict[str, Any], res: ClientResult) -> None:
         """Record (and say) why a client's upload does not count."""
-        rec["error"] = public_error(res.error) if self.stages.hides_clients else res.error.splitlines()[0]
+        rec["error"] = public_error(res.error, self.runtime.view, res.origin)
         self.say(f"round {att.round + 1}: client {self.runtime.clients.name(res.client)} dropped ({rec['error']})")
 
     # ------------------------------------------------------------------ the uploads
@@ -87,19 +85,20 @@ class Collector:
                 try:
                     up = decode(res.upload)
                 except PayloadError as exc:
-                    res.error = f"undecodable upload: {exc}"
+                    res.error, res.origin = f"undecodable upload: {exc}", "server"
                 self.ledger.record(k + 1, res.client, "up", up if up is not None else Payload(), res.upload)
             if up is not None:
                 up, error = self.stages.receive(res.client, up, att, state)
                 if error is not None:
-                    res.error = error
+                    res.error, res.origin = error, "server"
             decoded.append(up)
         keys = expected_keys(upload_keys, [u for u in decoded if u is not None])
         for res, up in zip(results, decoded):
             rec = self.record(att, res)
             if up is not None and fed.client_timeout_s is not None and res.time > fed.client_timeout_s:
                 # the sequential backend cannot preempt a client; a late upload is discarded
-                res.error = f"timed out: {res.time:.1f}s > federation.client_timeout_s={fed.client_timeout_s:g}"
+                took = f"{res.time:.1f}s > " if self.runtime.view.client_time else "past "
+                res.error, res.origin = f"timed out: {took}federation.client_timeout_s={fed.client_timeout_s:g}", "server"
                 up = None
             if up is not None:
                 reason = validate_upload(self.method, state, up, rctx, keys)
@@ -111,9 +110,10 @@ class Collector:
                 if reason is None:
                     att.kept.append(item)
                     # the upload's numeric stats; its own "round"/"client" (0-based job fields) never replace the record's
-                    rec.update({kk: v for kk, v in item.upload.meta.items() if isinstance(v, (int, float)) and kk not in rec})
+                    rec.update({kk: v for kk, v in item.upload.meta.items() if isinstance(v, (int, float)) and kk not in rec
+                                and self.runtime.view.allows_meta(kk)})
                 else:
-                    res.error = f"rejected: {reason}"
+                    res.error, res.origin = f"rejected: {reason}", "server"
                     for r in reversed(self.ledger.records):
                         if r["round"] == k + 1 and r["client"] == res.client and r["direction"] == "up":
                             r["rejected"] = reason

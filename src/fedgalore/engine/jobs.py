@@ -28,3 +28,7 @@ class ClientResult:
     error: str | None = None
     time: float = 0.0
     stats: dict = field(default_factory=dict)
+    #: who wrote ``error``: ``"client"`` (the site's own text, as the server view lets it leave) or ``"server"``
+    #: (the server's or the backend's own decision: a timeout, a rejection, no reply). Structural: the server never
+    #: reads the origin from the text (fedgalore.privacy.view.ServerView.error)
+    origin: str = "server"

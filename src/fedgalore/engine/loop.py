@@ -365,6 +365,8 @@ class Federation:
             rec["client_eval"], self._client_eval = self._client_eval, None
         if self.backend.eval_bytes:  # a deployment's federated evaluation: the model sent to the nodes, their replies
             rec["bytes_eval"], self.backend.eval_bytes = self.backend.eval_bytes, 0
+        # what the server may record of the round (fedgalore.privacy.view): history, metrics, console, summary follow
+        rec = self.runtime.view.round_record(rec)
         self.history.append(rec)
         self.files.append_round(k + 1, client_recs, self.ledger, diag, rec)
         self.files.write_csv(self.history)

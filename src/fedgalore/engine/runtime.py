@@ -35,6 +35,7 @@ from fedgalore.methods.lora_common import matrix_shape
 from fedgalore.protocol.payload import Payload, decode, encode, transfer
 from fedgalore.protocol.state import ClientContext
 from fedgalore.protocol.train_config import TrainConfig
+from fedgalore.privacy.view import ServerView, SiteRefusal, declare
 from fedgalore.tasks import Task, get_task, resolve_target_modules
 from fedgalore.tasks.base import head_parameters, subset_examples
 
@@ -81,6 +82,10 @@ class Runtime:
         #: the round's stages this process runs on its clients (record-level DP-SGD, SCAFFOLD, client-level
         #: DP's clipping and noise: fedgalore.engine.stages), composed from the config; the server's loop adds its own
         self.stages = compose(cfg, self)
+        #: what may leave this process's sites (fedgalore.privacy.view): applied in :meth:`execute`, the one place
+        #: every backend runs a client, right before the upload is serialised
+        self.view: ServerView = declare(cfg.privacy, cfg.federation.secure_aggregation is not None,
+                                        bool(cfg.federation.client_eval))
 
     def _check_rank(self, model: torch.nn.Module) -> None:
         mods = dict(model.named_modules())
@@ -150,6 +155,12 @@ class Runtime:
             return self.train_data.batch(indices)
         return self.task.collate([self.train_data[int(i)] for i in indices])
 
+    def _result(self, client: int, blob, error: str | None, t0: float, stats: dict | None = None) -> ClientResult:
+        """The client's result as it leaves the site: its error text and time as the view declares
+        (:meth:`~fedgalore.privacy.view.ServerView.client_error`, :meth:`~fedgalore.privacy.view.ServerView.client_seconds`)."""
+        return ClientResult(client, blob, self.view.client_error(error), self.view.client_seconds(time.perf_counter() - t0),
+                            stats or {}, origin="client")
+
     def execute(self, job: ClientJob, broadcast: bytes | Payload, on_step=None, client_state: dict | None = None) -> ClientResult:
         """Run operator T for one client on a serialised broadcast; never raises. ``client_state``:
         the client's own store when the caller keeps it (a Flower node's ``Context.state``),
@@ -196,12 +207,15 @@ class Runtime:
                 payload = self.stages.client_receive(payload, ctx)  # a stage's own entries out (SCAFFOLD's c − c_i)
                 upload = self.method.client_update(self.model, payload, ctx)  # T
                 upload = self.stages.client_release(upload, payload, ctx)  # as it leaves the site (DP, SCAFFOLD's c_i⁺)
+            upload = self.view.release(upload)  # the declared fields only (fedgalore.privacy.view)
             blob = transfer(upload) if isinstance(broadcast, Payload) else encode(upload)
-            return ClientResult(job.client, blob, None, time.perf_counter() - t0, dict(upload.meta))
+            return self._result(job.client, blob, None, t0, dict(upload.meta))
+        except SiteRefusal as exc:  # the site declines on its own policy: its line quotes no data
+            return ClientResult(job.client, None, str(exc).splitlines()[0], 0.0, {}, origin="site")
         except ClientError as exc:
-            return ClientResult(job.client, None, str(exc), time.perf_counter() - t0)
+            return self._result(job.client, None, str(exc), t0)
         except Exception as exc:  # a failing client must not take the federation down
-            return ClientResult(job.client, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}", time.perf_counter() - t0)
+            return self._result(job.client, None, f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=3)}", t0)
         finally:
             if ctx is not None:
                 self.stages.client_close(ctx)  # e.g. Opacus' hooks off the shared model, also after an error

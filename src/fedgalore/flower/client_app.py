@@ -79,6 +79,13 @@ def site_options(node_config, task_options: dict) -> tuple[str, dict]:
     return site, {**task_options, "data": {"sites": {site: one}}}
 
 
+def _view(cfg):
+    """What this site lets leave (fedgalore.privacy.view), decided here from the job's config."""
+    from fedgalore.privacy.view import declare
+
+    return declare(cfg.privacy, cfg.federation.secure_aggregation is not None, bool(cfg.federation.client_eval))
+
+
 def _site_task(node_config, cfg):
     """This node's task: the server's task on the node's own data (cached per config)."""
     from fedgalore.tasks import get_task
@@ -104,8 +111,9 @@ def _runtime(job: ConfigRecord, node_config=None):
         cfg = FederatedConfig.from_dict(json.loads(str(job["config"])))
         if cfg.privacy.enabled and cfg.privacy.reproducible:  # the node does not trust a server that asks for seeded noise
             from fedgalore.privacy.randomness import REPRODUCIBLE_REFUSED
+            from fedgalore.privacy.view import SiteRefusal
 
-            raise ValueError(REPRODUCIBLE_REFUSED)
+            raise SiteRefusal(REPRODUCIBLE_REFUSED)
         for old in [k for k in _RUNTIMES if k[0] != run]:  # one run at a time per process
             del _RUNTIMES[old]
         if "partition" in job:
@@ -114,7 +122,7 @@ def _runtime(job: ConfigRecord, node_config=None):
             site, task = _site_task(node_config, cfg)
             sizes = json.loads(str(job["sizes"]))
             me, n = int(job["client"]), len(task.train_set())
-            if sizes[me] != n:
+            if _view(cfg).site_size and sizes[me] != n:  # a withheld size stands in as 1 (strategy.node_clients)
                 raise ValueError(f"the server counted {sizes[me]} training rows for this site, the node holds {n}; "
                                  "restart the run (the data changed since the node joined)")
             parts = [np.arange(n) if j == me else np.arange(s) for j, s in enumerate(sizes)]
@@ -187,21 +195,27 @@ def whoami(msg: Message, context: Context) -> Message:
     if str(q.get("ask", "")) == "site":
         from fedgalore.job.config import FederatedConfig
 
-        site = ""
+        site, view = "", None
         try:
             cfg = FederatedConfig.from_dict(json.loads(str(q["config"])))
+            view = _view(cfg)
             site = site_options(context.node_config, {})[0]
             _, task = _site_task(context.node_config, cfg)
-            labels = np.asarray(task.partition_labels(), dtype=np.int64)
-            counts = np.bincount(labels, minlength=len(task.label_names())) if labels.size else np.zeros(0, dtype=np.int64)
-            who = {"site": site, "n": int(len(task.train_set())), "n_test": int(len(task.test_set())),
-                   "label_counts": json.dumps([int(c) for c in counts])}
-            if who["n"] == 0:
-                who = {"site": site, "error": f"site {site}: no training rows"}
+            n = int(len(task.train_set()))
+            if n == 0:
+                raise ValueError(f"site {site}: no training rows")
+            # only what the server view declares leaves the node (client-level DP: no size, no label counts)
+            who = {"site": site, "n": n if view.site_size else -1,
+                   "n_test": int(len(task.test_set())) if view.site_size else -1, "label_counts": "[]"}
+            if view.site_labels:
+                labels = np.asarray(task.partition_labels(), dtype=np.int64)
+                counts = np.bincount(labels, minlength=len(task.label_names())) if labels.size else np.zeros(0, dtype=np.int64)
+                who["label_counts"] = json.dumps([int(c) for c in counts])
         except Exception as exc:  # noqa: BLE001 - the node's data does not fit the task: one line, here and on the server
             line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             print(f"fedgalore: error: site {site or '?'}: {line}", flush=True)
-            who = {"site": site, "error": line}
+            who = {"site": site, "error": line if view is None or view.client_error_text
+                   else "the site's data does not fit the task (its message stays at the site)"}
         return Message(RecordDict({"whoami": ConfigRecord(who)}), reply_to=msg)
     pid = int(context.node_config["partition-id"])
     return Message(RecordDict({"whoami": ConfigRecord({"partition-id": pid})}), reply_to=msg)
@@ -221,6 +235,8 @@ def evaluate(msg: Message, context: Context) -> Message:
     try:
         rt = _runtime(job, context.node_config)
         site = getattr(rt, "site", "")
+        if not rt.view.site_eval:  # per-site metrics leave only where the server view declares them
+            raise ValueError("per-site evaluation is not part of this run's server view (set federation.client_eval: true)")
         sent = record_to_tensors(msg.content["model"])
         params = dict(rt.model.named_parameters())
         unknown = sorted(set(sent) - set(params))
@@ -271,14 +287,29 @@ def _run_job(job, broadcast: bytes, context: Context, received: int) -> tuple[di
     pid = context.node_config.get("partition-id")
     if pid is not None and int(pid) != client:
         return {"client": client, "error": f"node holds partition {pid}, asked to train client {client}", "time": 0.0, "stats": "{}"}, None
-    rt = _runtime(job, context.node_config)
+    from fedgalore.privacy.view import SiteRefusal
+
+    try:
+        rt = _runtime(job, context.node_config)
+    except Exception as exc:  # noqa: BLE001 - one line in the node's log; the server gets what the view lets leave
+        line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"fedgalore: error: client {client}: {line}", flush=True)
+        from fedgalore.job.config import FederatedConfig
+
+        if isinstance(exc, SiteRefusal):  # the site's own policy: quotes no data
+            return {"client": client, "error": line, "origin": "site", "time": 0.0, "stats": "{}"}, None
+        try:
+            line = _view(FederatedConfig.from_dict(json.loads(str(job["config"])))).client_error(line) or line
+        except Exception:  # noqa: BLE001 - a config this node cannot read: nothing of the site in it
+            line = "the client failed (its message stays at the site)"
+        return {"client": client, "error": line, "time": 0.0, "stats": "{}"}, None
     key = str(job["key"])
     store = _load_store(context, key, rt)
     res = rt.execute(ClientJob(int(job["round"]), int(job["total_rounds"]), client, int(str(job["round_seed"]))), broadcast,
                      client_state=store)
     held = _save_store(context, key, store)
-    result = {"client": client, "error": res.error or "", "time": float(res.time), "stats": json.dumps(res.stats, default=float),
-              "held_version": held, "received": received}
+    result = {"client": client, "error": res.error or "", "origin": res.origin, "time": float(res.time),
+              "stats": json.dumps(res.stats, default=float), "held_version": held, "received": received}
     return result, res.upload
 
 

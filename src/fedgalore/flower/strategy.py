@@ -161,7 +161,7 @@ class GridBackend(Backend):
                 if j is None:
                     _say(f"node {rep['node']} (site {site}) joined a running federation of sites {', '.join(sorted(names))}; "
                          "it is not one of them and is left out (start a new run to add a site)")
-                elif int(rep["n"]) != int(self.sites[j]["n"]) or rep["label_counts"] != self.sites[j]["label_counts"]:
+                elif (int(rep["n"]), rep["label_counts"]) != (int(self.sites[j]["n"]), self.sites[j]["label_counts"]):
                     _say(f"node {rep['node']} (site {site}) rejoined with other data ({rep['n']} training rows, the run "
                          f"started with {self.sites[j]['n']}); left out — restart it with the site's original files")
                 else:
@@ -199,8 +199,10 @@ class GridBackend(Backend):
         parts, cats, start = [], [], 0
         for s in names:
             counts = [int(c) for c in reports[s]["label_counts"]]
-            n = int(reports[s]["n"])
-            parts.append(np.arange(start, start + n))  # stand-ins of the node's size: the server holds no rows
+            # stand-ins of the node's size: the server holds no rows; a node whose size the server view withholds
+            # (client-level DP: fedgalore.privacy.view) reports -1 and stands in as one row
+            n = int(reports[s]["n"]) if int(reports[s]["n"]) >= 0 else 1
+            parts.append(np.arange(start, start + n))
             cats.append(np.repeat(np.arange(len(counts)), counts) if sum(counts) == n else np.zeros(n, dtype=np.int64))
             start += n
         self.sites = {j: {"site": s, **reports[s]} for j, s in enumerate(names)}
@@ -210,8 +212,8 @@ class GridBackend(Backend):
         """Federated evaluation (kind nodes): every node evaluates the global model on its own test
         data. The model goes out dense — the adapted matrices, the adapters and the head (what the
         methods' ``load_global`` writes) — once per node; counted in :attr:`eval_bytes`."""
-        if runtime.cfg.federation.partition.kind != "nodes":
-            return None
+        if runtime.cfg.federation.partition.kind != "nodes" or not runtime.view.site_eval:
+            return None  # per-site metrics only where the server view declares them (client-level DP: client_eval)
         self.refresh_nodes()
         model = runtime.model
         targets = tuple(f"{m}." for m in runtime.target_modules)
@@ -322,7 +324,8 @@ class GridBackend(Backend):
             held = int(r.get("held_version", -1))
             self.held[j.client] = held if held >= 0 else None
             stats = {**json.loads(str(r.get("stats", "{}"))), "secagg_summed": j.client in summed}
-            results.append(ClientResult(j.client, None, str(r.get("error", "")) or None, float(r.get("time", 0.0)), stats))
+            results.append(ClientResult(j.client, None, str(r.get("error", "")) or None, float(r.get("time", 0.0)), stats,
+                                        origin="site" if str(r.get("origin", "")) == "site" else "client"))
         mean = None
         if sr.mean is not None and by_client:
             layout = str(next(iter(by_client.values()))[1]["layout"])
@@ -468,7 +471,8 @@ def _reply_result(msg: Message) -> ClientResult | None:
         return None
     res = msg.content["result"]
     upload = record_to_blob(msg.content["upload"]) if "upload" in msg.content else None
-    return ClientResult(int(res["client"]), upload, str(res["error"]) or None, float(res["time"]), json.loads(str(res["stats"])))
+    return ClientResult(int(res["client"]), upload, str(res["error"]) or None, float(res["time"]), json.loads(str(res["stats"])),
+                        origin="site" if str(res.get("origin", "")) == "site" else "client")
 
 
 def _sent_to(messages: Iterable[Message]) -> dict[str, int]:
@@ -496,7 +500,8 @@ def client_results(clients: Sequence[int], replies: Iterable[Message], client_of
         reason = rep.error.reason.strip().splitlines()[0] if rep.error.reason else f"error code {rep.error.code}"
         log.warning("flower: client %s: the SuperNode replied with an error: %s", c, reason)
         if c is not None:
-            by_client[c] = ClientResult(c, None, f"SuperNode error: {reason}")
+            # the reason may be the ClientApp's own exception text: recorded as a client's (fedgalore.privacy.view)
+            by_client[c] = ClientResult(c, None, f"SuperNode error: {reason}", origin="client")
     return [by_client.get(c) or ClientResult(c, None, "no reply from the SuperNode (timeout or node error)") for c in clients]
 
 
@@ -551,6 +556,13 @@ class FedGaLoreStrategy(Strategy):
                  self.cfg.federation.num_clients, self.cfg.federation.rounds)
 
     # ------------------------------------------------------------------ the run
+    @staticmethod
+    def view_of(cfg: FederatedConfig):
+        """The run's server view (fedgalore.privacy.view): what the server may record about a site."""
+        from fedgalore.privacy.view import declare
+
+        return declare(cfg.privacy, cfg.federation.secure_aggregation is not None, bool(cfg.federation.client_eval))
+
     def discover_sites(self, grid: Grid, cfg: FederatedConfig, wait_s: float | None = None) -> tuple[dict[str, dict], list[dict]]:
         """Kind nodes: wait for the SuperNodes (``federation.num_clients`` of them when given, else
         until no new node has joined for ``settle_s``), then :meth:`ask_sites` every one of them:
@@ -587,8 +599,9 @@ class FedGaLoreStrategy(Strategy):
         for rep in replies:
             node = _from_node(rep, sent_to)
             answered.add(node)
-            if rep.has_error():
-                failed.append({"round": 0, "node": node, "site": None, "error": f"node error: {rep.error.reason}"})
+            if rep.has_error():  # Flower's own error reply: the node's exception text, recorded as the view allows
+                failed.append({"round": 0, "node": node, "site": None,
+                               "error": "node error: " + self.view_of(cfg).error(str(rep.error.reason), "client")})
                 continue
             who = rep.content["whoami"]
             site = str(who.get("site", "")) or None
@@ -602,8 +615,8 @@ class FedGaLoreStrategy(Strategy):
             if site in reports and unique:
                 raise ConfigError(f"two SuperNodes ({reports[site]['node']} and {node}) report site {site!r}; give each node "
                                   "its own site='...' in --node-config")
-            reports[site] = {"node": node, "n": int(who["n"]), "n_test": int(who["n_test"]),
-                             "label_counts": json.loads(str(who["label_counts"]))}
+            reports[site] = {"node": node, "n": int(who.get("n", -1)), "n_test": int(who.get("n_test", -1)),
+                             "label_counts": json.loads(str(who.get("label_counts", "[]")))}
         for n in nodes:
             if int(n) not in answered:
                 failed.append({"round": 0, "node": int(n), "site": None, "error": f"no answer within join-timeout={self.join_timeout:g}s"})

@@ -329,6 +329,9 @@ def write_partition_files(rec: dict[str, Any], directory: str | Path) -> list[Pa
     d.mkdir(parents=True, exist_ok=True)
     text = json.dumps(rec)
     atomic_write_text(d / "partition.json", text)
+    if "withheld" in rec:  # the sites' sizes and labels stay at the sites: nothing to draw
+        (d / "partition.png").unlink(missing_ok=True)
+        return [d / "partition.json"]
     (d / "partition.png").write_bytes(_png(text))
     return [d / "partition.json", d / "partition.png"]
 

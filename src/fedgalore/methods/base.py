@@ -104,6 +104,10 @@ class Method(abc.ABC):
     #: whether every upload entry is a change from what the client started with (zero when it did
     #: not train); else entries are absolute values whose untrained value is the broadcast's
     uploads_changes: ClassVar[bool] = False
+    #: whether an upload's structure (its size, a count in it) follows the site's local step count — FedGaLore:
+    #: one update term per projector refresh, the moment view's evidence 1 − β₂^T. Under client-level DP an
+    #: upload's size must be a public constant (fedgalore.privacy.view), so such a method needs train.local_steps
+    upload_follows_steps: ClassVar[bool] = False
 
     def release_reference(self, broadcast: Payload | None, key: str, upload: Payload | None = None) -> Any:
         """The public value upload entry ``key`` would have if the client had not trained: the

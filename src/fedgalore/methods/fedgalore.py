@@ -345,6 +345,8 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
     #: with weight decay the record carries decay·W0 beside its terms, outside client-level DP's clipped change
     #: (fedgalore.engine.stages.client_dp refuses train.weight_decay > 0 under privacy.client)
     decay_in_upload = True
+    #: one update term per projector refresh (⌈steps/τ⌉) and the evidence 1 − β₂^T: the upload follows the steps
+    upload_follows_steps = True
 
     @classmethod
     def resolve_options(cls, options: FedGaLoreOptions, rank: int) -> FedGaLoreOptions:

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from fedgalore.privacy.config import RecordPrivacy
 from fedgalore.privacy.randomness import RANDOMNESS_ENTROPY, RANDOMNESS_SEEDED
 
-__all__ = ["upload_fields", "NOT_AGAINST_CONFIG", "NOTHING_PROTECTED", "RELEASE_KINDS", "record_statement", "not_protected", "release_record", "summary_line",
+__all__ = ["NOT_AGAINST_CONFIG", "NOTHING_PROTECTED", "RELEASE_KINDS", "record_statement", "not_protected", "release_record", "summary_line",
            "mechanism", "client_statement", "client_mechanism", "client_release_record"]
 
 NOTHING_PROTECTED = ("Nothing was protected: no differential privacy was on (privacy.record unset). Every upload "
@@ -246,35 +246,3 @@ def client_release_record(kind: str, release: Any) -> dict[str, Any]:
     return {"protected": True, "clipped": True, "sensitivity": 2 * c.clip, "noise_multiplier": release.sigma,
             "how": f"{_WHAT.get(kind, kind)}: the client's change clipped jointly with its other tensors to C, Gaussian "
                    "noise (sensitivity 2C under replace-one)"}
-
-
-def upload_fields(release: Any, record: RecordPrivacy | None) -> dict[str, str]:
-    """Every field a client's upload carries to the server under the run's DP, and why it is safe
-    (``privacy.json``'s ``upload_fields``; ``tests/privacy/test_privacy_server.py`` checks it against real
-    uploads): the entries by kind, then each meta key."""
-    out: dict[str, str] = {}
-    if release is not None:
-        out["entries: update, head"] = ("the client's change from the broadcast, clipped jointly to C, with "
-                                        + ("its own share of the noise" if release.client.noise == "distributed"
-                                           else "the server's noise on the sum (central: the raw upload reaches the "
-                                                "trusted server; nothing raw is logged)"))
-        if release.sigma_m is not None:
-            out["entries: moment/…"] = "second-moment blocks clipped to C_m, noised with σ_m (a composed release)"
-        out["meta: client, round"] = "the job's ids, assigned by the server"
-        out["meta: held_version, version"] = "the downlink version the client holds: the server's own record of what it sent"
-        if release.sigma_b is not None:
-            out["meta: dp_clip_bit"] = "1[‖Δ‖ ≤ C] with its noise (adaptive clipping; inside σ)"
-        if release.client.release_metrics:
-            out["meta: loss_first, loss_last, loss_mean, optimizer diagnostics"] = (
-                "NOT protected: raw training statistics (privacy.client.release_metrics: true)")
-    elif record is not None:
-        out["entries: update, moment/…, head"] = "post-processing of the DP-SGD-privatised gradients"
-        out["meta: num_examples, steps"] = "the site's size and step count: public under record-level DP"
-        out["meta: optimizer diagnostics"] = "post-processing of the privatised gradients"
-        if record.release_metrics:
-            out["meta: loss_first, loss_last, loss_mean"] = "NOT protected: raw training losses (release_metrics: true)"
-    if record is not None:
-        out["meta: dp_steps, dp_noise_multiplier, dp_sample_rate, dp_max_grad_norm"] = (
-            "DP-SGD's schedule for the per-site accountant: fixed by the config and the site's size, which record-level "
-            "DP treats as public")
-    return out

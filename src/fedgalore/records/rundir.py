@@ -56,6 +56,8 @@ class RunDirectory:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
+        #: what the server may write about a site (fedgalore.privacy.view.ServerView; set by :meth:`write_static`)
+        self.view: Any = None
 
     # ------------------------------------------------------------------ start / resume
     def start_fresh(self) -> None:
@@ -89,7 +91,8 @@ class RunDirectory:
             saved["task"] = {k: identity.task_object[k] for k in ("name", "options", "object")}
         atomic_write_text(self.path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(saved)))
         write_identity(self.path, identity)
-        write_partition_files(partition_record(cfg, task, runtime.clients), self.path)
+        self.view = runtime.view
+        write_partition_files(public_partition(partition_record(cfg, task, runtime.clients), self.view), self.path)
         atomic_write_text(self.path / "task.json", json.dumps(task.describe(), default=str))
         env = {
             "python": platform.python_version(),
@@ -121,15 +124,15 @@ class RunDirectory:
                      diagnostics: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None) -> None:
         """The records of round ``round_done`` (1-based): its clients and messages, and — for a
         completed round — its diagnostics and metrics. A failed round leaves its clients' errors."""
-        for r in client_recs:
-            append_jsonl(self.path / "clients.jsonl", r)
+        for r in client_recs:  # each site's record as the server view declares it
+            append_jsonl(self.path / "clients.jsonl", self.view.record(r) if self.view is not None else r)
         for r in ledger.records:
             if r["round"] == round_done:
                 append_jsonl(self.path / "ledger.jsonl", r)
         if diagnostics is not None:
             append_jsonl(self.path / "diagnostics.jsonl", diagnostics)
         if metrics is not None:
-            append_jsonl(self.path / "metrics.jsonl", metrics)
+            append_jsonl(self.path / "metrics.jsonl", self.view.round_record(metrics) if self.view is not None else metrics)
 
     def write_csv(self, history: Sequence[dict[str, Any]]) -> None:
         keys: list[str] = []
@@ -145,6 +148,24 @@ class RunDirectory:
         """``summary.json``, atomically (the round loop writes it through a
         :class:`~fedgalore.records.liveness.Heartbeat`: status, rounds, pid, heartbeat time)."""
         atomic_write_text(self.path / "summary.json", json.dumps(summary, indent=1))
+
+
+def public_partition(rec: dict[str, Any], view: Any) -> dict[str, Any]:
+    """``partition.json`` as the server may write it: whole where the server view declares the sites'
+    sizes and labels (fedgalore.privacy.view), else only the split's public description — its setting,
+    seed, label and site names — with ``withheld`` saying what stays at the sites."""
+    if view is None or (view.site_size and view.site_labels):
+        return rec
+    keep = ("setting", "kind", "options", "by", "seed", "label_names", "client_names", "validation_size")
+    out = {k: rec[k] for k in keep if k in rec}
+    if view.site_size:  # record-level DP: the sizes are public, the label counts are not
+        out["sizes"] = rec["sizes"]
+        out["clients"] = [{"id": c["id"], "name": c["name"], "size": c["size"]} for c in rec["clients"]]
+        out["withheld"] = f"per-site label counts ({view.level}: fedgalore.privacy.view)"
+    else:
+        out["withheld"] = (f"per-site sizes and label counts ({view.level}: the server records nothing counted on a "
+                           "site's data; fedgalore.privacy.view)")
+    return out
 
 
 def run_summary(cfg: FederatedConfig, task: Task, history: Sequence[dict[str, Any]], ledger: Ledger, status: str,

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from fedgalore.job.config import ConfigError
 from fedgalore.trained.global_model import GlobalModel
+from fedgalore.privacy.view import declare
 from fedgalore.records.identity import IDENTITY_FILE, base_model_local, base_model_name_for, run_identity
 from fedgalore.trained.lora_extract import RANK_NOTES, LoraFactors
 from fedgalore.records.liveness import run_state
@@ -101,6 +102,16 @@ def _metric_rows(record: Mapping[str, Any]) -> list[str]:
     return rows
 
 
+def _view(g: GlobalModel):
+    """The run's server view (fedgalore.privacy.view): what the card may say about a site."""
+    return declare(g.cfg.privacy, g.cfg.federation.secure_aggregation is not None, bool(g.cfg.federation.client_eval))
+
+
+def _site_input(f: Mapping[str, Any]) -> bool:
+    """Whether recorded input ``f`` is a site's data (not the model or a shared test set)."""
+    return "model" not in f["label"] and f.get("kind") != "examples"
+
+
 def _partition_line(g: GlobalModel) -> str:
     fed = g.cfg.federation
     try:
@@ -109,7 +120,7 @@ def _partition_line(g: GlobalModel) -> str:
         sizes = []
     per_round = fed.clients_per_round if fed.clients_per_round is not None else fed.num_clients
     line = f"{g.cfg.setting_label()} over {fed.num_clients} clients, {per_round} per round"
-    if sizes:
+    if sizes and _view(g).site_size:  # the sites' sizes only where the server view declares them
         line += f"; client sizes {min(sizes)}–{max(sizes)} (median {statistics.median(sizes):g})"
     if fed.validation_fraction > 0:
         line += f"; {fed.validation_fraction:g} of the training pool held out for validation"
@@ -241,11 +252,17 @@ def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, process
         lines.append(f"| communication to round {g.round} | up {record['cum_bytes_up']:,} B, down {record['cum_bytes_down']:,} B |")
     lines += ["", "## Data and model files", ""]
     files, when = recorded_inputs(g)
+    hidden = [] if _view(g).site_paths else [f for f in files if _site_input(f)]
+    files = [f for f in files if f not in hidden]
+    if hidden:  # the sites' data paths and file counts stay off the card under DP (fedgalore.privacy.view)
+        lines.append(f"{len(hidden)} data input(s) of the sites are not listed ({_view(g).level}: the card names no "
+                     "site's files or counts).")
+        lines.append("")
     if files:
         lines += [f"What the run read, fingerprinted {when} (SHA-256 digests cut to 32 hex digits; no data is "
                   "copied here):", "", "| input | name | size | fingerprint |", "|---|---|---|---|"]
         lines += [_input_row(f) for f in files]
-    else:
+    elif not hidden:
         lines.append(f"The task's own data (no file recorded): {desc.get('n_train', '?')} training and "
                      f"{desc.get('n_test', '?')} test examples.")
     if desc.get("labels"):

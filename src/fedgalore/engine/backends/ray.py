@@ -99,9 +99,9 @@ class ClientWorker:
     def rss(self) -> int:
         return _rss_bytes()
 
-    def execute(self, job: dict[str, int], broadcast: bytes) -> tuple[int, bytes | None, str | None, float, str]:
+    def execute(self, job: dict[str, int], broadcast: bytes) -> tuple[int, bytes | None, str | None, float, str, str]:
         res = self.runtime.execute(ClientJob(**job), bytes(broadcast))
-        return res.client, res.upload, res.error, res.time, json.dumps(res.stats, default=float)
+        return res.client, res.upload, res.error, res.time, json.dumps(res.stats, default=float), res.origin
 
 
 class RayBackend(Backend):
@@ -246,8 +246,9 @@ class RayBackend(Backend):
                     continue
                 slot, i, t0 = pending.pop(ref)
                 try:
-                    client, upload, error, took, stats = ray.get(ref)
-                    res = ClientResult(client, upload, error, took, json.loads(stats))
+                    client, upload, error, took, stats, origin = ray.get(ref)
+                    # the site's time where the server view lets it leave, else the server's own clock (for the timeout)
+                    res = ClientResult(client, upload, error, took or time.monotonic() - t0, json.loads(stats), origin=origin)
                     free.append(slot)
                 except Exception as exc:  # the actor died (crash, OOM, os._exit): replace it
                     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""

@@ -19,6 +19,8 @@ clients start again from W_0 (bytes may differ after the resume; the model does 
 """
 from __future__ import annotations
 
+import time
+
 from fedgalore.engine.backends.base import Backend
 from fedgalore.job.config import ConfigError
 from fedgalore.engine.events import ProgressSink
@@ -69,8 +71,13 @@ class SequentialBackend(Backend):
                 on_step = lambda t, loss, j=job, s=steps: progress.client_step(j.round, j.client, t, s, loss)  # noqa: E731
             else:
                 on_step = None
+            t0 = time.perf_counter()
             res = self.runtime.execute(job, blob, on_step=on_step)
+            res.time = time.perf_counter() - t0  # what the server itself waited (the client's own clock stays at the site)
             if progress is not None:
-                progress.client_end(job.round, job.client, {"time": res.time, "error": res.error, **res.stats})
+                view = self.runtime.view  # the console shows what the server may record (fedgalore.privacy.view)
+                progress.client_end(job.round, job.client, {"time": res.time if view.client_time else None,
+                                                            "error": view.error(res.error, res.origin) if res.error else None,
+                                                            **res.stats})
             results.append(res)
         return results

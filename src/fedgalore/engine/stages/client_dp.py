@@ -17,8 +17,8 @@ Under client-level DP the round's weights are uniform (``1/k``): weights proport
 sites' sizes would make the sum's sensitivity depend on them. :meth:`round_multiplier` is the
 noise multiplier the round's release carries, for the accountant (fedgalore.engine.stages.privacy_ledger).
 
-Nothing raw reaches the server's view (:data:`KEPT_META`, :meth:`ClientRelease.build`'s
-refusals): every value a client sends is inside the clip and the noise, or a public constant of
+Nothing raw reaches the server's view (its declaration, :mod:`fedgalore.privacy.view`, and
+:meth:`ClientRelease.build`'s refusals): every value a client sends is inside the clip and the noise, or a public constant of
 the job (its id, the round, the downlink version); per-client counts (``num_examples``,
 ``steps``) and training statistics are withheld, a rule that reads a raw upload
 (``federation.max_update_norm``, ``clip_update_norm``, ``robust``) and a GaLore weight-decay term
@@ -54,7 +54,7 @@ from fedgalore.privacy.config import ClientPrivacy
 from fedgalore.privacy.randomness import dp_generator, gaussian
 from fedgalore.protocol.payload import Payload
 
-__all__ = ["ClientRelease", "ClientDP", "KEPT_META", "ROUND_CLIP", "CLIENT_BOOK", "client_book", "round_clip"]
+__all__ = ["ClientRelease", "ClientDP", "ROUND_CLIP", "CLIENT_BOOK", "client_book", "round_clip"]
 
 #: the broadcast's meta field with the round's clip norm C
 ROUND_CLIP = "dp_clip"
@@ -71,12 +71,6 @@ def round_clip(broadcast: Payload) -> float:
     """The round's clip norm C as the client got it (the broadcast's :data:`ROUND_CLIP`)."""
     return float(broadcast.meta[ROUND_CLIP])
 
-#: upload meta released under client-level DP: the job's own ids (client, round — the server assigned them), the
-#: downlink version the client holds (the server's own bookkeeping) and the noised clip bit; nothing counted on the
-#: site's data (num_examples, steps: withheld — the round's weights are uniform, so nothing needs them)
-KEPT_META = ("client", "round", "held_version", "version", "dp_clip_bit")
-#: counts computed on the site's data: never sent under client-level DP
-_COUNTS = ("num_examples", "steps")
 #: the server's own noise stream (central noise): client_seed's client id 2³¹ + attempt (no client has it)
 _SERVER = 2 ** 31
 
@@ -146,6 +140,10 @@ class ClientRelease:
             raise ConfigError(f"privacy.client with train.weight_decay={cfg.train.weight_decay:g}: method {method.name!r} "
                               "uploads its weight decay as a term decay·W0 outside the clipped change (and decay reveals the "
                               "site's step count); set train.weight_decay=0")
+        if method.upload_follows_steps and cfg.train.local_steps is None:
+            raise ConfigError(f"privacy.client with method {method.name!r} and train.local_epochs: its upload's size and "
+                              "counts follow each site's step count (one update term per projector refresh), which "
+                              "reveals the site's size; set train.local_steps (a fixed number of local steps per round)")
         if client.delta >= 1.0 / max(int(num_clients), 1):
             raise ConfigError(f"privacy.client.delta={client.delta:g} must be below 1/M = {1.0 / num_clients:.3g} for "
                               f"M = {num_clients} sites; set privacy.client.delta below that (e.g. 1e-5)")
@@ -219,22 +217,12 @@ class ClientRelease:
             raise ConfigError(f"privacy.client: the upload carries a data-driven basis ({exc}); client-level DP needs "
                               "public bases") from None
 
-    def _redact(self, upload: Payload) -> Payload:
-        """The upload's meta without what the client computed from its data (training losses, the
-        optimizer's diagnostics: not protected by client-level DP), unless ``release_metrics``;
-        the counts (:data:`KEPT_META`) and DP-SGD's own record (``dp_*``: σ, q, steps — fixed by the
-        config, what the per-site accountant needs) stay; any other field, numeric or not, is withheld."""
-        if self.client.release_metrics:  # the losses travel (the user's choice); the site's counts still do not
-            return Payload(upload.entries, {k: v for k, v in upload.meta.items() if k not in _COUNTS})
-        return Payload(upload.entries, {k: v for k, v in upload.meta.items() if k in KEPT_META or k.startswith("dp_")})
-
     def client_side(self, upload: Payload, broadcast: Payload | None, round_idx: int, client: int) -> Payload:
         """``noise: distributed``: the upload as the client releases it — its change clipped to the
         round's C (the broadcast's :data:`ROUND_CLIP`), its own share of the noise added (N(0, σ_Δ²C²/K) on
         a mean method, N(0, σ_Δ²C²) otherwise; the moments N(0, σ_m²C_m²)), with adaptive clipping
-        its bit ``1[‖Δ‖ ≤ C]`` noised likewise (``dp_clip_bit``), the raw training losses and
-        diagnostics withheld. ``central``: only the withholding (the server clips and noises)."""
-        upload = self._redact(upload)
+        its bit ``1[‖Δ‖ ≤ C]`` noised likewise (``dp_clip_bit``). ``central``: unchanged (the server clips
+        and noises). Which meta fields leave is the server view's (fedgalore.privacy.view), applied after this."""
         if self.client.noise != "distributed":
             return upload
         clip = round_clip(broadcast) if broadcast is not None else self.client.clip  # no broadcast: the mechanism alone

@@ -46,10 +46,11 @@ from fedgalore.engine.stages.client_dp import client_book
 from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.privacy.randomness import REPRODUCIBLE_REFUSED
 from fedgalore.federated.checkpoint import atomic_write_text
+from fedgalore.privacy.view import declare
 from fedgalore.jsonl import read_json
 from fedgalore.privacy.accounting import epsilon, merge_history, site_schedule
 from fedgalore.privacy.statement import (NOT_AGAINST_CONFIG, NOTHING_PROTECTED, client_mechanism, client_release_record, client_statement,
-                                         mechanism, not_protected, record_statement, release_record, upload_fields)
+                                         mechanism, not_protected, record_statement, release_record)
 from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, Payload
 
 __all__ = ["PrivacyAccountant", "PrivacyLedger", "BudgetStop", "PRIVACY_FILE", "JOURNAL_FILE", "release_kinds", "read_privacy", "privacy_plan"]
@@ -372,7 +373,11 @@ class PrivacyLedger:
         doc = self._document(state)
         if self.cfg.privacy.enabled:
             doc["reproducible"] = bool(self.cfg.privacy.reproducible)
-            doc["upload_fields"] = upload_fields(self.release, self.record)
+            # generated from the server view's declaration (fedgalore.privacy.view), never hand-kept
+            view = declare(self.cfg.privacy, self.cfg.federation.secure_aggregation is not None,
+                           bool(self.cfg.federation.client_eval)).fields()
+            doc["server_view"], doc["upload_fields"], doc["server_records"] = (view["level"], view["upload_fields"],
+                                                                              view["server_records"])
             if state.meta.get("privacy_recovered"):
                 doc["recovered_releases"] = state.meta["privacy_recovered"]
             stopped = (state.meta.get("privacy") or {}).get("stopped_sites")

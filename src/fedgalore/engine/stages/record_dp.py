@@ -10,8 +10,8 @@ dpsgd.DPSGD` (σ per site: ``noise_multiplier``, or calibrated to ``target_epsil
 :class:`~fedgalore.engine.stages.privacy_ledger.PrivacyLedger`.
 
 :class:`RecordDP` is the stage: on the client it swaps the round's batches for Poisson-sampled
-ones, attaches DP-SGD to local training (``ClientContext.privacy``) and withholds the raw
-training losses from the upload unless ``privacy.record.release_metrics``.
+ones, attaches DP-SGD to local training (``ClientContext.privacy``); which upload fields leave (the raw
+training losses only with ``privacy.record.release_metrics``) is the server view's (fedgalore.privacy.view).
 """
 from __future__ import annotations
 
@@ -26,12 +26,9 @@ from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.privacy.accounting import SiteSchedule, site_schedule
 from fedgalore.privacy.config import RecordPrivacy
 from fedgalore.privacy.randomness import dp_seed
-from fedgalore.protocol.payload import Payload
 
-__all__ = ["SitePrivacy", "RecordDP", "LOSS_KEYS"]
+__all__ = ["SitePrivacy", "RecordDP"]
 
-#: upload meta computed from raw training losses: withheld unless privacy.record.release_metrics
-LOSS_KEYS = ("loss_first", "loss_last", "loss_mean")
 
 
 class SitePrivacy:
@@ -115,11 +112,6 @@ class SitePrivacy:
                      noise_seed=dp_seed(client_seed(self.cfg.seed, round_idx, client, DP_NOISE), self.cfg.privacy.reproducible),
                      secure_mode=not self.cfg.privacy.reproducible)
 
-    def redact(self, upload: Payload) -> Payload:
-        """The upload without the raw training losses, unless ``release_metrics``."""
-        if self.record.release_metrics:
-            return upload
-        return Payload(upload.entries, {k: v for k, v in upload.meta.items() if k not in LOSS_KEYS})
 
 
 def _poisson(n: int, rate: float, steps: int, k: int, seed: int) -> list[np.ndarray]:
@@ -149,9 +141,6 @@ class RecordDP(RoundStage):
 
     def client_start(self, ctx: Any) -> None:
         ctx.privacy = self.sites.client(ctx.client, ctx.round)  # DP-SGD in local_train (fedgalore.privacy.dpsgd)
-
-    def client_release(self, upload: Payload, broadcast: Payload, ctx: Any) -> Payload:
-        return self.sites.redact(upload)  # raw training losses stay home (privacy.record.release_metrics)
 
     def client_close(self, ctx: Any) -> None:
         if ctx.privacy is not None:  # Opacus' hooks off the shared model, also after an error

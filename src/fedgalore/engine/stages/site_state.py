@@ -11,7 +11,8 @@ the uninterrupted run. After every round this stage writes the stores that chang
 from the checkpoint after round ``S`` it loads, per site, the newest file of at most ``S`` rounds
 (the site as it was at that checkpoint). Files no kept checkpoint can need are removed. Flower
 nodes keep their own (``Context.state``, fedgalore.flower.client_app); the server writes nothing
-for them.
+for them. Under client-level DP the server view (fedgalore.privacy.view, ``site_state``) keeps a site's raw
+local state out of the server's run directory: the stores stay in memory and a resume restarts them.
 """
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ class SiteState(RoundStage):
     @classmethod
     def build(cls, cfg: Any, runtime: Any, run: RunView | None) -> "SiteState | None":
         if run is None or not getattr(run.method, "needs_client_state", False) or getattr(runtime, "client_state", None) is None:
+            return None
+        if not runtime.view.site_state:  # client-level DP: a site's raw local state never enters the server's files
+            run.say(f"privacy ({runtime.view.level}): the sites' own state stays in the simulated sites' memory, not in "
+                    "the run directory; a resumed run restarts it from its initial value")
             return None
         return cls(Path(run.run_dir) / "sites", runtime)
 
