@@ -1,5 +1,5 @@
 """A real federation (issue 32): one ``flower-superlink`` and three ``flower-supernode`` processes
-on 127.0.0.1, each node with its own CSV files, started with the commands of
+on 127.0.0.1, each node with its own CSV files (or image folders: the image sites' test), started with the commands of
 examples/flower/README.md ("A federation of three sites on one machine") — read from the README
 itself, with free ports for 8000 and 9094–9096, the test's tiny model and data for
 ``make_sites.py``'s, and the README's own "without certificates" rules for the insecure variant.
