@@ -374,12 +374,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     elif res.format == "peft" and res.adapter_bytes is not None:
         print(f"size:  adapter tensors {_mib(res.adapter_bytes)}")
     if res.base_model:
-        print(f"base:  {res.base_model} (adapter_config.json base_model_name_or_path)")
+        print(f"base:  {res.base_model} (adapter_config.json base_model_name_or_path)"
+              + (f"; no hub id names it: the base model travels in {res.shipped_base}" if res.shipped_base else ""))
     if res.check is not None:
         print(f"check: max |logit difference| {res.check:.3g} against the run's global model on "
               f"{PROBE_EXAMPLES} test examples")
     if res.format == "hf":
         print(f"load:  transformers.{res.model_class}.from_pretrained({str(res.out)!r})")
+    elif res.shipped_base:
+        print(f"load:  peft.PeftModel.from_pretrained(transformers.{res.model_class}.from_pretrained({str(res.shipped_base)!r}), "
+              f"{str(res.out)!r})")
     else:
         print(f"load:  peft.PeftModel.from_pretrained(base, {str(res.out)!r})  (base: {res.out / 'README.md'}, \"Load\")")
     return 0

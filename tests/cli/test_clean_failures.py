@@ -36,7 +36,7 @@ from fedgalore.tasks.base import TaskError
 
 from fedgalore_testing.runs import tiny_cfg
 from fedgalore_testing.models import Run, logits_of
-from fedgalore_testing.assets import news_rows, write
+from fedgalore_testing.assets import TOPICS, news_rows, write
 
 pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
@@ -254,12 +254,18 @@ def test_an_adapter_of_a_local_copy_names_the_hub_id(tmp_path, monkeypatch, bert
     card = (tmp_path / "ad" / "README.md").read_text()
     cell = next(x for x in card.splitlines() if x.startswith("| base model |"))
     assert cell.startswith(f"| base model | someorg/tiny-bert (this run read {local.resolve()}; its config.json names it")
+    labels = dict(enumerate(run.task.label_names()))  # the run's label names, as the hf export's config.json has them
+    kw = f"id2label={labels!r}, label2id={ {v: k for k, v in labels.items()}!r}, ignore_mismatched_sizes=True)"
     assert ('# or, with transformers only: base = BertForSequenceClassification.from_pretrained("someorg/tiny-bert", '
-            'num_labels=3, ignore_mismatched_sizes=True)') in card
+            + kw) in card
     offline = (f'# offline, from the local copy this run read: base = BertForSequenceClassification.from_pretrained('
-               f'"{local.resolve()}", num_labels=3, ignore_mismatched_sizes=True)')
+               f'"{local.resolve()}", ' + kw)
     assert offline in card
-    # the offline line, as the card writes it, loads the adapter to the run's logits
-    base = AutoModelForSequenceClassification.from_pretrained(local.resolve(), num_labels=3, ignore_mismatched_sizes=True)
-    torch.testing.assert_close(logits_of(PeftModel.from_pretrained(base, tmp_path / "ad"), run.batch), run.logits,
-                               atol=1e-5, rtol=0)
+    assert res.shipped_base is None and not (tmp_path / "ad" / "base").exists()  # a hub id names the base: not shipped
+    # the offline line, as the card writes it, loads the adapter to the run's logits and labels
+    base = AutoModelForSequenceClassification.from_pretrained(local.resolve(), id2label=labels,
+                                                              label2id={v: k for k, v in labels.items()},
+                                                              ignore_mismatched_sizes=True)
+    model = PeftModel.from_pretrained(base, tmp_path / "ad")
+    torch.testing.assert_close(logits_of(model, run.batch), run.logits, atol=1e-5, rtol=0)
+    assert model.config.id2label == labels and set(labels.values()) == set(TOPICS)

@@ -1,5 +1,5 @@
 """A real federation (issue 32): one ``flower-superlink`` and three ``flower-supernode`` processes
-on 127.0.0.1, each node with its own CSV files, started with the commands of
+on 127.0.0.1, each node with its own CSV files (or image folders: the image sites' test), started with the commands of
 examples/flower/README.md ("A federation of three sites on one machine") — read from the README
 itself, with free ports for 8000 and 9094–9096, the test's tiny model and data for
 ``make_sites.py``'s, and the README's own "without certificates" rules for the insecure variant.
@@ -138,6 +138,39 @@ def site_files(root: Path) -> dict[str, dict[str, str]]:
     return out
 
 
+#: the image sites' classes; each class's images are its colour plus noise (:func:`image_site_folders`)
+COLOURS = {"cat": (200, 40, 40), "dog": (40, 180, 40), "owl": (40, 40, 200)}
+
+
+def image_site_folders(root: Path) -> dict[str, dict[str, str]]:
+    """Each site's train/test image folders (one sub-folder per class) where the README has its
+    CSV files (data/SITE/{train,test}): 5, 4, 3 training images per class, 2 test images."""
+    import numpy as np
+    from PIL import Image
+
+    out = {}
+    for k, s in enumerate(SITES):
+        g = np.random.default_rng(k)
+        for split, n in (("train", 5 - k), ("test", 2)):
+            for c, colour in COLOURS.items():
+                (root / "data" / s / split / c).mkdir(parents=True)
+                for i in range(n):
+                    pixels = np.clip(np.array(colour)[None, None] + g.normal(0, 70, (12, 12, 3)), 0, 255).astype(np.uint8)
+                    Image.fromarray(pixels).save(root / "data" / s / split / c / f"{c}{i}.png")
+        out[s] = {split: str(root / "data" / s / split) for split in ("train", "test")}
+    return out
+
+
+def image_pipeline(vit_dir, method: str, kind: str, data=None, rounds: int = 2, **fed) -> dict:
+    """:func:`pipeline` on images: the tiny ViT on the sites' image folders (the classes given:
+    the server reads no image)."""
+    cfg = pipeline(vit_dir, method, kind, data, rounds, **fed)
+    cfg["task"] = {"name": "image_classification", "options": {"model": str(vit_dir), "labels": list(COLOURS), "new_head": True,
+                                                               **({"data": data} if data is not None else {})}}
+    cfg["train"] = {"lr": 1e-2, "batch_size": 4, "local_steps": 4}
+    return cfg
+
+
 def pipeline(bert_dir, method: str, kind: str, data=None, rounds: int = 2, **fed) -> dict:
     """The tiny pipeline: sites.yaml's shape (text/topic columns, labels, kind nodes) on the tiny BERT."""
     opts = {"model": str(bert_dir), "text_column": "text", "label_column": "topic", "max_length": 16, "labels": TOPICS}
@@ -155,10 +188,11 @@ def pipeline(bert_dir, method: str, kind: str, data=None, rounds: int = 2, **fed
     }
 
 
-def simulate(tmp: Path, bert_dir, method: str, data: dict, missing: set[tuple[int, int]] = frozenset(), **kw):
+def simulate(tmp: Path, bert_dir, method: str, data: dict, missing: set[tuple[int, int]] = frozenset(), make=None, **kw):
     """The same federation in one process (``partition.kind: files``); ``missing``: (round index,
-    client) pairs whose client sends nothing, as a SuperNode that died or hung."""
-    cfg = FederatedConfig.from_dict({**pipeline(bert_dir, method, "files", {"sites": data}, **kw),
+    client) pairs whose client sends nothing, as a SuperNode that died or hung; ``make``: the
+    pipeline (default :func:`pipeline`)."""
+    cfg = FederatedConfig.from_dict({**(make or pipeline)(bert_dir, method, "files", {"sites": data}, **kw),
                                      "output": {"dir": str(tmp), "progress": "quiet"}})
     return Federation(cfg, backend=MissingClients(set(missing))).run()
 
@@ -179,20 +213,24 @@ class MissingClients(SequentialBackend):
 class Deployment:
     """The README's federation, started process by process; every process is tracked to its end."""
 
-    def __init__(self, root: Path, bert_dir: Path, secure: bool) -> None:
+    def __init__(self, root: Path, bert_dir: Path, secure: bool, images: bool = False) -> None:
+        """``images``: the sites hold image folders (``bert_dir`` is then the tiny ViT)."""
         self.root, self.secure = root, secure
+        self.pipeline = image_pipeline if images else pipeline
         self.app = root / "app"  # the README's "this folder": a copy of examples/flower with the test's data and pipeline
         self.app.mkdir(parents=True)
         for f in ("pyproject.toml", "fedgalore_app.py"):
             (self.app / f).write_text((APP / f).read_text())
         self.bert_dir = bert_dir
-        self.data = site_files(self.app)
+        self.data = (image_site_folders if images else site_files)(self.app)
         self.logs = root / "logs"
         self.logs.mkdir()
         self.link_port = free_port()
         ports = [free_port() for _ in SITES]
         self.subst = [(f"127.0.0.1:{LINK_PORT}", f"127.0.0.1:{self.link_port}"), (f"--port {LINK_PORT}", f"--port {self.link_port}"),
                       *[(f"--port {a}", f"--port {b}") for a, b in zip(NODE_PORTS, ports)]]
+        if images:  # the README's data/SITE/train.csv, test.csv are the image folders data/SITE/train, test
+            self.subst += [("/train.csv'", "/train'"), ("/test.csv'", "/test'")]
         self.env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "FLWR_HOME": str(root / "flwr-home"),
                     "FEDGALORE_CACHE": str(root / "cache"), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                     "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -339,7 +377,7 @@ class Deployment:
                   log: str = "run.log", run_cmd: str | None = None, **fed) -> subprocess.Popen:
         """Step 6: the README's run command (or ``run_cmd``, another README run command), on the tiny
         pipeline, with the test's run directory and timeout."""
-        (self.app / "sites.yaml").write_text(json.dumps(pipeline(self.bert_dir, method, "nodes", rounds=rounds, **fed)))
+        (self.app / "sites.yaml").write_text(json.dumps(self.pipeline(self.bert_dir, method, "nodes", rounds=rounds, **fed)))
         extra = f'run-dir="{run_dir}" timeout={timeout:g}' + (" resume=true" if resume else "")
         cmd = f"{self._cmd(run_cmd) if run_cmd else self.run_cmd} --run-config {shlex.quote(extra)} &"
         return self.background(cmd, log)
@@ -412,8 +450,9 @@ def deploy(tmp_path, bert_dir, request):
     — and checked to leave no process behind — whatever the test did."""
     made: list[Deployment] = []
 
-    def make(secure: bool = False) -> Deployment:
-        d = Deployment(tmp_path / ("tls" if secure else "insecure"), bert_dir, secure)
+    def make(secure: bool = False, vit_dir: Path | None = None) -> Deployment:
+        """``vit_dir``: the sites hold image folders, trained on this tiny ViT."""
+        d = Deployment(tmp_path / ("tls" if secure else "insecure"), vit_dir or bert_dir, secure, images=vit_dir is not None)
         made.append(d)
         d.start()
         return d
@@ -559,6 +598,23 @@ def test_three_sites_deployment_equals_simulation(deploy, tmp_path, bert_dir):
     assert sorted(nodes) == [0, 1, 2] and len(set(nodes.values())) == 3
     assert {nodes[i]: s for i, s in enumerate(SITES)} == {d.node_id(s): s for s in SITES}  # client j = j-th site, on its node
     assert json.loads((run_dir / "partition.json").read_text())["client_names"] == list(SITES)
+    assert describe(d.stop()) == [], "kill $(jobs -p) left processes"
+
+
+@pytest.mark.timeout(900)
+def test_image_sites_deployment_equals_simulation(deploy, tmp_path, vit_dir):
+    """The README's commands without certificates, each SuperNode holding image folders (train/ and
+    test/, a sub-folder per class) where the README has CSV files; the server holds no image (the
+    classes given): FedIT, two rounds, the metrics those of the files simulation, the ledger the wire."""
+    d = deploy(False, vit_dir=vit_dir)
+    assert all("data/site" in c and ".csv" not in c for c in d.node_cmd.values()), d.node_cmd
+    run_dir = tmp_path / "run"
+    rc, out = d.run("fedit", run_dir, timeout=600)
+    assert rc == 0, out[-4000:]
+    assert "finished:completed" in out and f"round 2/2 | sites {', '.join(SITES)} |" in out
+    sim = simulate(tmp_path / "sim", vit_dir, "fedit", d.data, make=image_pipeline)
+    assert_same_metrics(sim.history, metrics(run_dir))
+    assert_ledger_is_the_wire(run_dir)
     assert describe(d.stop()) == [], "kill $(jobs -p) left processes"
 
 

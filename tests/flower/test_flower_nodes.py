@@ -106,6 +106,67 @@ def test_nodes_deployment_equals_files_simulation(tmp_path, bert_dir, method):
     assert {r["client_name"]: r["num_examples"] for r in recs} == dict(zip(sorted(SITES), sim_part["sizes"]))
 
 
+def image_site_files(root: Path, fmt: str) -> dict:
+    """Per-site images (a colour per class plus noise, 4 per class; the site's last image of each
+    class is its test row) as ``fmt``: ``csv`` — a CSV of image paths relative to it, ``parquet`` —
+    the images' bytes in a ``datasets`` Image column. ``{site: {"train": path, "test": path}}``."""
+    import datasets
+    import numpy as np
+    import pandas as pd
+    from PIL import Image
+
+    out = {}
+    for k, s in enumerate(SITES):
+        g, rows = np.random.default_rng(k), []
+        for c, colour in {"cat": (200, 40, 40), "dog": (40, 180, 40), "owl": (40, 40, 200)}.items():
+            for i in range(4):
+                f = root / s / f"{c}{i}.png"
+                f.parent.mkdir(parents=True, exist_ok=True)
+                pixels = np.clip(np.array(colour)[None, None] + g.normal(0, 70, (12, 12, 3)), 0, 255)
+                Image.fromarray(pixels.astype(np.uint8)).save(f)
+                rows.append({"image": f"{s}/{f.name}" if fmt == "csv" else {"bytes": f.read_bytes(), "path": None}, "label": c})
+        out[s] = {}
+        for split, part in (("train", [r for j, r in enumerate(rows) if j % 4 != 3]), ("test", rows[3::4])):
+            path = root / f"{s}_{split}.{fmt}"
+            if fmt == "csv":
+                pd.DataFrame(part).to_csv(path, index=False)
+            else:
+                datasets.Dataset.from_list(part).cast_column("image", datasets.Image()).to_parquet(str(path))
+            out[s][split] = str(path)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet"])
+def test_image_sites_on_nodes_equal_files_simulation(tmp_path, vit_dir, fmt):
+    """Nodes holding images (a CSV of paths, or Parquet with the images' bytes; image folders on real
+    SuperNodes: tests/flower/test_flower_deploy.py): the server, which holds no image, trains
+    and evaluates each site where its images are, with the files simulation's numbers."""
+    data = image_site_files(tmp_path / "images", fmt)
+
+    def image_config(out, kind, data=None):
+        cfg = config(out, vit_dir, "fedit", kind, data).to_dict()
+        cfg["task"] = {"name": "image_classification",
+                       "options": {"model": str(vit_dir), "labels": ["cat", "dog", "owl"], "new_head": True,
+                                   **({"data": data} if data is not None else {})}}
+        return FederatedConfig.from_dict(cfg)
+
+    from fedgalore.flower.strategy import FedGaLoreStrategy
+
+    sim = fedgalore.run(image_config(tmp_path / "sim", "files", {"sites": data}))
+    strategy = FedGaLoreStrategy(image_config(tmp_path / "nodes", "nodes"), run_dir=tmp_path / "nodes" / "run")
+    strategy.settle_s = 0.0
+    dep = strategy.start(LocalGrid(node_configs(data)))
+    assert dep.summary["status"] == "finished"
+    got, want = read_jsonl(Path(dep.run_dir) / "metrics.jsonl"), read_jsonl(Path(sim.run_dir) / "metrics.jsonl")
+    assert len(got) == len(want) == 2
+    for a, b in zip(want, got):
+        assert b["train_loss"] == pytest.approx(a["train_loss"], abs=1e-5)
+        assert set(b["client_eval"]["clients"]) == set(SITES)
+        for s, m in a["client_eval"]["clients"].items():
+            assert b["client_eval"]["clients"][s]["n"] == m["n"] == 3
+            assert b["client_eval"]["clients"][s]["loss"] == pytest.approx(m["loss"], abs=1e-5)
+
+
 def test_a_server_side_test_file_still_gives_the_pooled_metrics(tmp_path, bert_dir):
     """A nodes server may hold a test file of its own (``data: {test: FILE}``): the pooled
     ``eval/*`` metrics on it, beside the sites' own. With the union of the sites' test files as

@@ -274,6 +274,54 @@ output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
         assert accuracy == pytest.approx(run.summary["final"]["accuracy"], abs=1e-9), fmt
 
 
+def test_image_adapter_travels_with_its_base_and_labels(tmp_path, vit_dir):
+    """``model: null`` (the offline tiny ViT, pretrained in this machine's cache: no hub id, no image
+    processor): the peft export ships its base in ``base/`` with the run's labels, and the card's
+    load block, run in a fresh process with transformers and peft only (fedgalore not importable),
+    gives the hf export's labels and the run's logits, with no head mismatch or new-head report."""
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForImageClassification
+
+    from fedgalore.tasks.pretrain_vit import pretrained_vit_dir
+
+    shutil.copytree(vit_dir, pretrained_vit_dir())  # what `python -m fedgalore.tasks.pretrain_vit` leaves there, tiny
+    (pretrained_vit_dir() / "preprocessor_config.json").unlink()
+    cfg = load_config_text(tmp_path, f"""\
+name: pets
+task: {{name: image_classification, options: {{data: {_pets(tmp_path / 'pets')}, new_head: true, test_fraction: 0.25}}}}
+method: {{name: fedit, rank: 2}}
+federation: {{num_clients: 2, clients_per_round: 2, rounds: 1, partition: {{kind: iid}}}}
+train: {{lr: 1.0e-2, batch_size: 4, local_steps: 2}}
+output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
+""")
+    run = Run(cfg)
+    export_run(run.dir, tmp_path / "hf")
+    res = export_run(run.dir, tmp_path / "ad", format="peft")
+    assert res.shipped_base == tmp_path / "ad" / "base" and res.check < 1e-5
+    assert json.loads((tmp_path / "ad" / "fedgalore_export.json").read_text())["shipped_base"] == "base"
+    card = (tmp_path / "ad" / "README.md").read_text()
+    block = re.search(r"## Load\n.*?```python\n(.*?)```", card, re.S).group(1)
+    probe = "import sys\nsys.modules['fedgalore'] = None  # plain transformers and peft\n" + block + f"""
+import json, torch
+from PIL import Image
+with torch.no_grad():
+    pixels = processor([Image.open(f).convert("RGB") for f in {run.task.test_set().images!r}], return_tensors="pt")
+    logits = model.eval()(pixel_values=pixels["pixel_values"]).logits
+print(json.dumps({{"id2label": model.config.id2label, "logits": logits.tolist()}}))
+"""
+    r = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": ""})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not re.search(r"mismatch|newly initiali[sz]ed|load report|not initiali[sz]ed", r.stderr, re.I), r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    hf = AutoModelForImageClassification.from_pretrained(tmp_path / "hf")
+    assert got["id2label"] == {str(k): v for k, v in hf.config.id2label.items()} == {"0": "cat", "1": "dog", "2": "owl"}
+    torch.testing.assert_close(torch.tensor(got["logits"]), run.logits, atol=1e-5, rtol=0)
+
+
 # ----------------------------------------------------------------------------- run identity of the files
 def test_changed_data_or_default_model_is_another_run(tmp_path, monkeypatch, capsys, bert_dir):
     """A data file or the default model folder (``model: null``) changed under the same path: `run`

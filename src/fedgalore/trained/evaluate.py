@@ -35,7 +35,7 @@ from torch import nn
 from fedgalore.job.config import FederatedConfig, load_config
 from fedgalore.trained.global_model import ExportError, load_global_model
 from fedgalore.records.identity import with_recorded_paths
-from fedgalore.trained.model_card import EXPORT_CONFIG, EXPORT_IDENTITY
+from fedgalore.trained.model_card import EXPORT_BASE, EXPORT_CONFIG, EXPORT_IDENTITY
 from fedgalore.job.resolve import check_device
 from fedgalore.tasks import get_task, task_class
 from fedgalore.tasks.base import Task, TaskError, quiet_transformers
@@ -78,28 +78,35 @@ class Evaluation:
 
 
 def load_exported(path: str | Path, task: Task) -> nn.Module:
-    """The model in ``path`` (eval mode): a PEFT adapter folder (``adapter_config.json``) on
-    ``task.build_model()`` with ``PeftModel.from_pretrained``; else a Hugging Face folder with the
-    class its ``config.json`` names (``architectures``: what ``AutoModelFor…`` resolves to)."""
+    """The model in ``path`` (eval mode): a PEFT adapter folder (``adapter_config.json``) with
+    ``PeftModel.from_pretrained`` on the base it ships (``base/``, loaded by ``transformers`` alone,
+    as its model card says) or else on ``task.build_model()``; a Hugging Face folder with the class
+    its ``config.json`` names (``architectures``: what ``AutoModelFor…`` resolves to)."""
     path = Path(path)
     if (path / "adapter_config.json").is_file():
         from peft import PeftModel
 
+        base = _load_hf_folder(path / EXPORT_BASE) if (path / EXPORT_BASE / "config.json").is_file() else None
         # PEFT's layer initialisation draws from the global RNG: forked, so callers see no change
         with torch.random.fork_rng(devices=[]), quiet_transformers():
-            model = PeftModel.from_pretrained(task.build_model(), str(path))
+            model = PeftModel.from_pretrained(base if base is not None else task.build_model(), str(path))
     elif (path / "config.json").is_file():
-        import transformers
-
-        archs = transformers.AutoConfig.from_pretrained(str(path)).architectures or []
-        cls = getattr(transformers, archs[0], None) if archs else None
-        if cls is None:
-            raise ExportError(f"{path}/config.json names no model class this transformers has (architectures={archs})")
-        with quiet_transformers():
-            model = cls.from_pretrained(str(path))
+        model = _load_hf_folder(path)
     else:
         raise ExportError(f"{path} is neither a run directory nor a model folder (no config.json or adapter_config.json)")
     return model.eval()
+
+
+def _load_hf_folder(path: Path) -> nn.Module:
+    """The Hugging Face folder ``path`` loaded with the class its ``config.json`` names."""
+    import transformers
+
+    archs = transformers.AutoConfig.from_pretrained(str(path)).architectures or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None:
+        raise ExportError(f"{path}/config.json names no model class this transformers has (architectures={archs})")
+    with quiet_transformers():
+        return cls.from_pretrained(str(path))
 
 
 def with_test_data(cfg: FederatedConfig, data: str | Path, labels: list[str] | None = None) -> FederatedConfig:

@@ -30,12 +30,18 @@ model the round loop evaluates, from a kept checkpoint):
 
 Every ``peft`` adapter records a portable name of its base in ``base_model_name_or_path`` (the
 hub id or the name the run's config gave; :func:`~fedgalore.trained.model_card.base_model_name`),
-never a path into this machine's cache: the model card notes that path.
+never a path into this machine's cache: the model card notes that path. A base that no hub id
+names (the offline tiny ViT pretrained in fedgalore's cache, a model folder of one's own:
+:func:`~fedgalore.trained.model_card.ships_base`) travels with the adapter instead, in its
+``base/`` sub-folder: the task's pretrained model as the run started from it (``save_pretrained``,
+the head the adapter replaces, the run's ``id2label``/``label2id``), so that
+``PeftModel.from_pretrained(AutoModelFor….from_pretrained(DIR/base), DIR)`` loads it anywhere
+with the run's labels and no head mismatch; the export's check loads it that way.
 
 In both ``peft`` forms the classifier head — trained and averaged by every method — and any other
 tensor the run changed outside the adapted matrices (FedAvg-Full ``trainable=all``: embeddings,
 norms, biases) travel whole as PEFT ``modules_to_save`` (biases of adapted layers as
-``bias="lora_only"``); the adapter folder holds no copy of the pretrained weights.
+``bias="lora_only"``); the adapter files hold no copy of the pretrained weights.
 
 Every export is checked before it is put in place: the written folder is loaded back the way a
 user loads it and its logits on a few test examples are compared with the run's global model
@@ -71,7 +77,7 @@ from fedgalore.trained.global_model import (
 from fedgalore.trained.lora_exact import ExactFactors, exact_factors, exact_problem
 from fedgalore.trained.lora_extract import LoraFactors, lora_factors, total_error
 from fedgalore.records.identity import IDENTITY_FILE
-from fedgalore.trained.model_card import EXPORT_CONFIG, EXPORT_IDENTITY, base_model_name, model_card
+from fedgalore.trained.model_card import EXPORT_BASE, EXPORT_CONFIG, EXPORT_IDENTITY, base_model_name, model_card, ships_base
 from fedgalore.methods.base import Method, available_methods, method_class
 from fedgalore.tasks.base import Task, quiet_transformers
 
@@ -116,6 +122,8 @@ class ExportResult:
     dense_bytes: int | None = None
     #: the base model's portable name written into a PEFT adapter's config (None: hf)
     base_model: str | None = None
+    #: ``peft``: the sub-folder of ``out`` holding the base model, when it travels with the adapter (None: named only)
+    shipped_base: Path | None = None
 
 
 def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None, best: bool = False,  # noqa: A002
@@ -191,7 +199,7 @@ def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None
             g, out, fmt=format, model_class=result.model_class, processor=result.processor, rank=rank,
             matrices=result.matrices, total=result.total_error, check=result.check, dense=result.dense,
             num_labels=num_labels, probe=len(reference) if reference is not None else 0, exact=result.exact,
-            adapter_bytes=result.adapter_bytes, dense_bytes=result.dense_bytes))
+            adapter_bytes=result.adapter_bytes, dense_bytes=result.dense_bytes, shipped=result.shipped_base is not None))
         _usual_permissions(tmp)
         if out.exists():
             shutil.rmtree(out)
@@ -263,7 +271,9 @@ def _write(g: GlobalModel, tmp: Path, out: Path, fmt: str, rank: int | None, exa
            device: str = "cpu") -> ExportResult:
     def result(model_class: str, **kw: Any) -> ExportResult:
         base = base_model_name(g)[0] if fmt == "peft" else None
-        return ExportResult(out, g.run_dir, g.round, g.cfg.method.name, fmt, rank, model_class, None, None, base_model=base, **kw)
+        shipped = out / EXPORT_BASE if (tmp / EXPORT_BASE).is_dir() else None
+        return ExportResult(out, g.run_dir, g.round, g.cfg.method.name, fmt, rank, model_class, None, None, base_model=base,
+                            shipped_base=shipped, **kw)
 
     if fmt == "hf":
         model = merged_model(g.model)
@@ -392,8 +402,9 @@ def _write_peft(g: GlobalModel, tmp: Path, base: nn.Module, factors: dict[str, t
     """A PEFT LoRA adapter of ``base`` (the task's pretrained model) with ``B``, ``A`` per adapted
     module (``W0 + (α/r)·BA``), the ``dense`` tensors carried whole (``modules_to_save``) and the
     adapted layers' ``biases``; written with ``save_pretrained`` to ``tmp``, its config naming the
-    base portably (:func:`~fedgalore.trained.model_card.base_model_name`). ``ranks``: a rank per
-    module (``rank_pattern``, α = rank: scaling 1) instead of one ``r``. Returns the carried tensors."""
+    base portably (:func:`~fedgalore.trained.model_card.base_model_name`); a base no hub id names
+    saved beside it in ``tmp/base`` first (:func:`_ship_base`). ``ranks``: a rank per module
+    (``rank_pattern``, α = rank: scaling 1) instead of one ``r``. Returns the carried tensors."""
     import re
 
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
@@ -405,6 +416,7 @@ def _write_peft(g: GlobalModel, tmp: Path, base: nn.Module, factors: dict[str, t
     config = LoraConfig(r=int(r), lora_alpha=alpha, lora_dropout=dropout, target_modules=list(factors),
                         modules_to_save=_carriers(g, sorted(dense)) or None, bias="lora_only" if biases else "none",
                         task_type=g.task.peft_task_type, **patterns)
+    _ship_base(g, base, tmp)  # before PEFT wraps its layers
     with torch.random.fork_rng(devices=[]):  # PEFT's initialisation draws from the global RNG
         peft_model = get_peft_model(base, config)
     state = {}
@@ -426,12 +438,26 @@ def _write_peft(g: GlobalModel, tmp: Path, base: nn.Module, factors: dict[str, t
     return sorted(dense) + sorted(biases)
 
 
+def _ship_base(g: GlobalModel, base: nn.Module, tmp: Path) -> None:
+    """Save ``base`` (the task's pretrained model, unwrapped) to ``tmp/base`` when no hub id names it
+    (:func:`~fedgalore.trained.model_card.ships_base`), with the run's label names in its config;
+    a quantised base is left to its name (its weights are not plain tensors to save)."""
+    if not ships_base(g) or _quant_method(base) not in (None, "gguf"):
+        return
+    _set_labels(base, g.task)
+    if _quant_method(base) == "gguf":  # dense weights, as the hf export writes them
+        del base.config.quantization_config
+        base.hf_quantizer = None
+    base.save_pretrained(str(tmp / EXPORT_BASE))
+
+
 def _usual_permissions(folder: Path) -> None:
     """Give the written files the permissions the umask gives new files (``safetensors`` writes
-    the weights with mode 0600: unreadable to the rest of a team sharing the folder)."""
+    the weights with mode 0600: unreadable to the rest of a team sharing the folder); the shipped
+    base's files too."""
     umask = os.umask(0)
     os.umask(umask)
-    for f in folder.iterdir():
+    for f in [*folder.iterdir(), *((folder / EXPORT_BASE).iterdir() if (folder / EXPORT_BASE).is_dir() else ())]:
         if f.is_file():
             f.chmod(0o666 & ~umask)
 
@@ -447,6 +473,7 @@ def _write_info(tmp: Path, result: ExportResult) -> None:
         "carried_whole": result.dense,
         "labels": result.labels,
         "base_model": result.base_model,
+        "shipped_base": EXPORT_BASE if result.shipped_base is not None else None,
         "exact": [{"name": n, "shape": [f.b.shape[0], f.a.shape[1]], "rank": f.rank, "floor": f.floor,
                    "largest_dropped_singular_value": f.largest_dropped, "smallest_kept_singular_value": f.smallest_kept,
                    "relative_error": f.rel_error} for n, f in result.exact],

@@ -26,13 +26,15 @@ from fedgalore.records.rundir import saved_summary
 from fedgalore.privacy.statement import summary_line
 from fedgalore.tasks.base import TaskError
 
-__all__ = ["model_card", "recorded_inputs", "base_model_name", "base_model_name_for", "base_model_local", "EXPORT_CONFIG",
-           "EXPORT_IDENTITY"]
+__all__ = ["model_card", "recorded_inputs", "base_model_name", "base_model_name_for", "base_model_local", "ships_base",
+           "EXPORT_CONFIG", "EXPORT_IDENTITY", "EXPORT_BASE"]
 
 #: the run's config.yaml, copied into an export (the card's reproduce command; ``fedgalore evaluate``)
 EXPORT_CONFIG = "fedgalore_config.yaml"
 #: the run's identity.json, copied into an export (where its data files are: ``fedgalore evaluate``)
 EXPORT_IDENTITY = "fedgalore_identity.json"
+#: the sub-folder of a ``peft`` export that holds its base model, when no hub id names it (:func:`ships_base`)
+EXPORT_BASE = "base"
 
 
 def recorded_inputs(g: GlobalModel) -> tuple[list[dict[str, Any]], str]:
@@ -70,6 +72,23 @@ def base_model_name(g: GlobalModel) -> tuple[str | None, str | None]:
     config gave it. The note: the folder this run read, and for a copy how it relates to the hub's.
     ``(None, None)`` for a task that builds its model itself (``tiny_text``)."""
     return base_model_name_for(g.task, g.run_dir)
+
+
+def ships_base(g: GlobalModel) -> bool:
+    """Whether a ``peft`` export of ``g`` carries its base model (in :data:`EXPORT_BASE`): when the
+    run read its base from a folder of this machine that is no copy of a hub model
+    (:func:`fedgalore.tasks.assets.folder_hub_id`) — the offline tiny ViT fedgalore pretrained in its
+    cache, a model folder of one's own — so that no name would load it elsewhere. A base named by a
+    hub id (given as one, or a local copy of one) travels by that name; a task that builds its model
+    itself (``tiny_text``) has none to ship."""
+    from fedgalore.tasks.assets import folder_hub_id
+
+    if base_model_name(g)[0] is None:
+        return False
+    adapter = getattr(g.task, "adapter", None)
+    desc = g.task.describe()
+    local = adapter.base if adapter is not None else (desc.get("model") or desc.get("checkpoint"))
+    return bool(local) and Path(str(local)).expanduser().is_dir() and folder_hub_id(local) is None
 
 
 def _input_row(f: Mapping[str, Any]) -> str:
@@ -128,10 +147,15 @@ def _partition_line(g: GlobalModel) -> str:
 
 
 def _load_snippet(g: GlobalModel, out: Path, fmt: str, model_class: str, processor: str | None,
-                  num_labels: int | None) -> list[str]:
+                  num_labels: int | None, shipped: bool = False) -> list[str]:
     lines = ["```python"]
     if fmt == "hf":
         lines += [f"from transformers import {model_class}", f'model = {model_class}.from_pretrained("{out}")']
+    elif shipped:  # the base travels with the adapter: transformers loads it as it is
+        lines += ["from peft import PeftModel", f"from transformers import {model_class}",
+                  f'base = {model_class}.from_pretrained("{out / EXPORT_BASE}")  # the run\'s pretrained model, shipped '
+                  "with the adapter" + (" (its head sized and named for the run's labels)" if num_labels else ""),
+                  f'model = PeftModel.from_pretrained(base, "{out}")']
     else:
         model_id = base_model_name(g)[0]
         lines += ["from peft import PeftModel",
@@ -140,12 +164,19 @@ def _load_snippet(g: GlobalModel, out: Path, fmt: str, model_class: str, process
                   f'cfg = fedgalore.load_config("{out / EXPORT_CONFIG}")',
                   "base = get_task(cfg.task.name, **cfg.task.options).build_model()  # the run's pretrained model"]
         tail = f", num_labels={num_labels}, ignore_mismatched_sizes=True)" if num_labels else ")"
+        names = [str(n) for n in g.task.label_names()] if num_labels and not getattr(g.task, "regression", False) else []
+        if names and len(names) == num_labels:  # the run's label names, as the hf export's config.json has them
+            tail = (f", id2label={dict(enumerate(names))!r}, label2id={ {n: i for i, n in enumerate(names)}!r}, "
+                    "ignore_mismatched_sizes=True)")
         if model_id:
             lines += [f"# or, with transformers only: base = {model_class}.from_pretrained(\"{model_id}\"" + tail]
         local = base_model_local(g.task)
         if model_id and local and local != model_id:  # the hub id above; where this machine has it without the hub
             lines += [f"# offline, from the local copy this run read: base = {model_class}.from_pretrained(\"{local}\"" + tail]
         lines += [f'model = PeftModel.from_pretrained(base, "{out}")']
+        if num_labels:
+            lines += ["# transformers reports the checkpoint's head as newly initialised or resized (MISMATCH) when its "
+                      "size differs: the adapter's modules_to_save replaces it"]
     if processor:
         auto = ("AutoTokenizer" if "Tokenizer" in processor else
                 "AutoImageProcessor" if "ImageProcessor" in processor else "AutoProcessor")
@@ -213,12 +244,13 @@ def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, process
                matrices: Sequence[tuple[str, LoraFactors]] = (), total: float | None = None,
                check: float | None = None, dense: Sequence[str] = (), num_labels: int | None = None,
                probe: int = 0, exact: Sequence[tuple[str, Any]] = (), adapter_bytes: int | None = None,
-               dense_bytes: int | None = None) -> str:
+               dense_bytes: int | None = None, shipped: bool = False) -> str:
     """The card's Markdown (module docstring). ``model_class``: the transformers class of the
     model; ``processor``: the class of the saved tokenizer / image processor (None: none);
     ``matrices``/``total``: the extraction of ``--rank``; ``check``: the max |Δ logits| against
     the run's global model on ``probe`` test examples; ``dense``: tensors carried whole besides
-    the adapters; ``num_labels``: the classifier's label count (None: no classifier)."""
+    the adapters; ``num_labels``: the classifier's label count (None: no classifier); ``shipped``:
+    the export carries its base model in :data:`EXPORT_BASE` (:func:`ships_base`)."""
     cfg, summary, record = g.cfg, saved_summary(g.run_dir), g.record()
     desc = g.task.describe()
     method = g.method.describe()
@@ -278,7 +310,11 @@ def model_card(g: GlobalModel, out: Path, *, fmt: str, model_class: str, process
     what = {"hf": "A Hugging Face model folder: every adapter merged into the weights.",
             "peft": "A PEFT LoRA adapter of the task's pretrained model (the head and any other trained tensor "
                     "travel whole as `modules_to_save`)."}[fmt]
-    lines += [what, ""] + _load_snippet(g, out, fmt, model_class, processor, num_labels)
+    if shipped:
+        what += (f" The base model travels with it in `{EXPORT_BASE}/` (no hub id names it: {base_model_name(g)[0]} is a folder "
+                 "of the machine that ran the federation): the pretrained model the run started from, with the head the "
+                 "adapter replaces and the run's labels in its config.json.")
+    lines += [what, ""] + _load_snippet(g, out, fmt, model_class, processor, num_labels, shipped)
     if check is not None:
         lines += ["", f"Checked when exported: the loaded folder's logits on {probe} test examples differ from "
                   f"the run's global model by at most {check:.3g}."]

@@ -126,21 +126,26 @@ class FileTask:
         heads = set(getattr(self, "head_modules", ()) or ())
         return bool(heads) and heads <= saved
 
-    def _read_rows(self, opts: FileTaskOptions, required: Sequence[tuple[str, str, str]]) -> dict[str, Rows]:
+    def _read_rows(self, opts: FileTaskOptions, required: Sequence[tuple[str, str, str]],
+                   present: Sequence[tuple[str, str]] = ()) -> dict[str, Rows]:
         """Every split's rows as read (:func:`~fedgalore.tasks.generic.data.load_sources`), the
         ``required`` columns — ``(column, the option naming it, what it holds)`` — checked present
-        and filled in every split. Per-site data: each site read and checked on its own, then the
-        sites' splits concatenated (:func:`~fedgalore.tasks.generic.data.concat_rows`)."""
+        and filled in every split, the ``present`` ones — ``(column, the option naming it)``, whose
+        values the task checks itself (images: decoding them here would read every file) — checked
+        present. Per-site data: each site read and checked on its own, then the sites' splits
+        concatenated (:func:`~fedgalore.tasks.generic.data.concat_rows`)."""
         if opts.data is None or (isinstance(opts.data, Mapping) and "sites" not in opts.data and "train" not in opts.data
                                  and set(opts.data) <= {"test", "validation"}):
-            return self._read_no_train(opts, required)
+            return self._read_no_train(opts, required, present)
         self._data_fingerprint = data_fingerprint(opts.data, opts.data_config)
         sites = site_sources(opts.data)
         if sites is None:
-            return self._check_required(load_sources(opts.data, opts.data_config, csv_options=opts.csv), required, opts)
+            return self._check_required(load_sources(opts.data, opts.data_config, csv_options=opts.csv), required, opts,
+                                        present=present)
         per: dict[str, dict[str, Rows]] = {}
         for name, one in sites.items():
-            per[name] = self._check_required(load_sources(one, opts.data_config, csv_options=opts.csv), required, opts, site=name)
+            per[name] = self._check_required(load_sources(one, opts.data_config, csv_options=opts.csv), required, opts,
+                                             site=name, present=present)
         with_validation = [n for n in per if "validation" in per[n]]
         if with_validation and len(with_validation) < len(per):
             raise TaskError(f"task.options.data.sites: sites {', '.join(with_validation)} have a validation split and the "
@@ -149,17 +154,20 @@ class FileTask:
         return {split: concat_rows([(n, per[n][split]) for n in per if split in per[n]], f"{split} rows of {len(per)} sites")
                 for split in ("train", "test", "validation") if any(split in per[n] for n in per)}
 
-    def _read_no_train(self, opts: FileTaskOptions, required: Sequence[tuple[str, str, str]]) -> dict[str, Rows]:
+    def _read_no_train(self, opts: FileTaskOptions, required: Sequence[tuple[str, str, str]],
+                       present: Sequence[tuple[str, str]] = ()) -> dict[str, Rows]:
         """No training rows: the server of a Flower deployment whose nodes bring the data
         (``federation.partition.kind: nodes``) reads at most a test (and validation) file of its
         own, ``data: {test: FILE}``, or nothing (``data`` null). The training split is empty, with
-        the ``required`` columns; the engine refuses to *train* on such a task anywhere else."""
+        the ``required`` and ``present`` columns (every column the task reads: an image task's
+        image column too); the engine refuses to *train* on such a task anywhere else."""
         import datasets
 
         raw = {} if opts.data is None else load_sources(opts.data, opts.data_config, need_train=False, csv_options=opts.csv)
-        raw = self._check_required(raw, required, opts)
+        raw = self._check_required(raw, required, opts, present=present)
         self._data_fingerprint = "none" if opts.data is None else data_fingerprint(opts.data, opts.data_config)
-        columns = sorted({c for c, _, _ in required} | set(next(iter(raw.values())).columns if raw else ()))
+        columns = sorted({c for c, _, _ in required} | {c for c, _ in present}
+                         | set(next(iter(raw.values())).columns if raw else ()))
         raw["train"] = Rows(datasets.Dataset.from_dict({c: [] for c in columns}), "no training rows (data stays on the nodes)")
         self.no_train = True
         return raw
@@ -183,14 +191,16 @@ class FileTask:
         return ""
 
     def _check_required(self, raw: dict[str, Rows], required: Sequence[tuple[str, str, str]],
-                        opts: FileTaskOptions | None = None, site: str | None = None) -> dict[str, Rows]:
+                        opts: FileTaskOptions | None = None, site: str | None = None,
+                        present: Sequence[tuple[str, str]] = ()) -> dict[str, Rows]:
         """``raw`` with the ``required`` columns checked present in every split, and filled: an
         empty or NaN value is one line — or, with ``task.options.drop_empty``, its row is dropped
-        (counted in one line per source; ``site`` names the source's site in that line)."""
+        (counted in one line per source; ``site`` names the source's site in that line); the
+        ``present`` columns checked present only."""
         drop = bool(getattr(opts, "drop_empty", False))
         out = {}
         for split, rows in raw.items():
-            for column, option, _ in required:
+            for column, option in [(c, o) for c, o, _ in required] + list(present):
                 rows.require(column, option, self._column_hint(rows))
             if drop and len(rows):
                 columns = list(dict.fromkeys(c for c, _, _ in required))

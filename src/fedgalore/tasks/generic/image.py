@@ -150,9 +150,7 @@ class GenericImageClassificationTask(FileTask, ImageClassificationTask):
         self.model_id = self._model_to_load(opts)  # an adapter folder's base (self.adapter)
         self.seed = opts.seed
         config = load_config(self.model_id)
-        raw = self._read_rows(opts, [(opts.label_column, "label_column", "label")])
-        for rows in raw.values():
-            rows.require(opts.image_column, "image_column")
+        raw = self._read_rows(opts, [(opts.label_column, "label_column", "label")], present=[(opts.image_column, "image_column")])
         self._require_labels_without_rows(opts)
         self._rows = self._split_rows(opts, raw, opts.label_column)
         train = self._rows["train"]
