@@ -145,6 +145,11 @@ def config_dict(method: str, lr: float, eps: float | None, seed: int, quick: boo
         # reruns bit for bit); not a deployment's setting — privacy.json says it is not protected against the server
         d["privacy"] = {"client": {"clip": 1.0, "target_epsilon": eps, "delta": 1e-5, "noise": "central",
                                    "adaptive_clipping": {"target_quantile": 0.5, "lr": 0.2}}, "reproducible": True}
+        # under privacy.client an upload's size is a public constant: FedGaLore needs fixed steps (fedgalore.privacy.view).
+        # The shards are equal, so one epoch's steps of a site, for every method (cells before 2026-12-03 ran local_epochs: 1,
+        # whose last batch was partial)
+        rows = int(b["n_train"] * (1 - d["federation"]["validation_fraction"])) // b["num_clients"]
+        d["train"] = {**{k: v for k, v in d["train"].items() if k != "local_epochs"}, "local_steps": -(-rows // 16)}
     return d
 
 

@@ -512,6 +512,8 @@ def probe_method(cfg: FederatedConfig, spec: ModelSpec, method: str, options: di
     # one process: the miniature's payloads and state do not depend on the site's devices (memory_plan counts them)
     data["train"] = {**data["train"], "batch_size": 1, "grad_accum_steps": 1, "local_steps": None, "local_epochs": 1,
                      "devices_per_client": 1, "shard_params": False}
+    if cfg.privacy.client is not None and len(set(sizes)) == 1:  # client-level DP: fixed steps (one epoch of n rows, the same)
+        data["train"]["local_steps"] = sizes[0]
     data["output"] = {**data.get("output", {}), "checkpoint_every": 100, "keep_checkpoints": 1, "progress": "quiet"}
     # the miniature is dense and on the CPU (a quantised base is counted by memory_plan); it keeps no adapters
     data["task"] = {**data["task"], "options": {k: v for k, v in (data["task"].get("options") or {}).items()

@@ -424,6 +424,7 @@ def test_client_level_dp_on_nodes_equals_the_simulation(tmp_path, bert_dir, monk
         d["privacy"] = priv
         d["method"]["options"] = {"projector": "random", "view_basis": "seeded"}
         d["train"]["weight_decay"] = 0.0  # FedGaLore's decay·W0 term would sit outside the clip (refused)
+        d["federation"]["client_eval"] = True  # per-site metrics leave the nodes only when asked for (NOT protected)
         return FederatedConfig.from_dict(d)
 
     sim = fedgalore.run(private(config(tmp_path / "sim", bert_dir, "fedgalore", "files", {"sites": data})))

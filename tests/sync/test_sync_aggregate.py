@@ -116,8 +116,8 @@ def test_default_projector_with_the_epoch_schedule_is_accepted():
 
 
 def _run(tmp_path, privacy=None, **options):
-    # under privacy.client no weight decay (FedGaLore's decay·W0 term would sit outside the clip: refused)
-    kw = {"privacy": privacy, "train": {"lr": 1e-2, "batch_size": 16, "local_epochs": 1, "weight_decay": 0.0}} if privacy else {}
+    # under privacy.client no weight decay (FedGaLore's decay·W0 term would sit outside the clip: refused) and fixed steps (its upload follows them)
+    kw = {"privacy": privacy, "train": {"lr": 1e-2, "batch_size": 16, "local_steps": 4, "weight_decay": 0.0}} if privacy else {}
     cfg = tiny_cfg(tmp_path, "fedgalore", rounds=3, method_options={"projector": "random", "sync": "aggregate", **options},
                    output={"dir": str(tmp_path), "progress": "quiet"}, **kw)
     return fedgalore.run(cfg)
