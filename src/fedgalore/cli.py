@@ -1,4 +1,4 @@
-"""The ``fedgalore`` command: run, status, compare, partition, plan, report, export, evaluate, predict, bench, repro, methods, tasks.
+"""The ``fedgalore`` command: run, status, compare, partition, plan, report, export, evaluate, predict, ledger, bench, repro, methods, tasks.
 
 See ``docs/cli.md`` for every command with examples. User errors (unknown method / task / config
 key, a value of the wrong type or out of range, a missing file or asset) print one line on
@@ -530,6 +530,58 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ledger(args: argparse.Namespace) -> int:
+    """What a site has spent: its ledger's releases composed per guarantee at the policy's δ (or
+    ``--delta``), per level and per run (fedgalore.privacy.site)."""
+    from fedgalore.job.config import ConfigError
+    from fedgalore.privacy.site import LEDGER_FILE, POLICY_FILE, SiteLedger, load_policy, spent
+
+    path = Path(args.path)
+    if path.is_dir():
+        ledger, policy = path / LEDGER_FILE, path / POLICY_FILE
+    elif path.is_file():
+        ledger, policy = path, path.parent / POLICY_FILE
+    else:
+        raise ConfigError(f"{path}: no such ledger file or site folder")
+    if not ledger.is_file():
+        raise ConfigError(f"{path} holds no {LEDGER_FILE} (a site writes it with its first release)")
+    pol = load_policy(policy) if policy.is_file() else None
+    delta = args.delta if args.delta is not None else (pol.delta if pol is not None else 1e-5)
+    if not 0 < delta < 1:
+        raise ConfigError(f"--delta={delta:g} must be in (0, 1) (e.g. 1e-5)")
+    lines = SiteLedger(ledger).lines()
+    sites = sorted({str(ln.get("site")) for ln in lines})
+    budget = pol.budget if pol is not None else None
+    doc = {"ledger": str(ledger), "policy": str(policy) if pol is not None else None,
+           "budget": {"epsilon": budget.epsilon, "delta": budget.delta} if budget is not None else None,
+           "sites": {s: spent([ln for ln in lines if str(ln.get("site")) == s], delta) for s in sites}}
+    if args.json:
+        def finite(v: Any) -> Any:  # JSON has no infinity: ε = ∞ (a release without noise) as "inf"
+            if isinstance(v, dict):
+                return {k: finite(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [finite(x) for x in v]
+            return "inf" if isinstance(v, float) and v == float("inf") else v
+
+        print(json.dumps(finite(doc), indent=1))
+        return 0
+    head = f"ledger {ledger}"
+    if pol is not None:
+        head += f" (policy {policy}: " + (f"budget ε = {budget.epsilon:g} at δ = {budget.delta:g})" if budget else "no budget)")
+    print(head)
+    if not sites:
+        print("no releases yet")
+    for s, d in doc["sites"].items():
+        print(f"site {s}: {d['releases']} release(s) in {len(d['runs'])} run(s); ε at δ = {delta:g}: each row "
+              f"{d['epsilon_rows']:.4g}, the site as a whole {d['epsilon_site']:.4g}")
+        print("  " + ", ".join(f"{level}: {n}" for level, n in sorted(d["levels"].items())))
+        print(f"  {'run':<16}  {'name':<12}  {'first':<20}  {'last':<20}  {'releases':>8}  {'ε rows':>8}  {'ε site':>8}")
+        for r in d["runs"]:
+            print(f"  {r['run']:<16}  {str(r['name'])[:12]:<12}  {str(r['first']):<20}  {str(r['last']):<20}  "
+                  f"{r['releases']:>8}  {r['epsilon_rows']:>8.4g}  {r['epsilon_site']:>8.4g}")
+    return 0
+
+
 def _repo_roots() -> list[Path]:
     import fedgalore
 
@@ -790,6 +842,12 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or a folder of runs: one line each)")
     st.add_argument("--json", action="store_true", help="print the state as JSON")
     st.set_defaults(func=cmd_status)
+
+    lg = sub.add_parser("ledger", parents=[common], help="what a site has spent: its privacy ledger across runs")
+    lg.add_argument("path", metavar="LEDGER_OR_SITE_DIR", help="a site's fedgalore-ledger.jsonl, or the folder holding it")
+    lg.add_argument("--delta", type=float, help="δ to read ε at (default: the policy's budget δ beside the ledger, else 1e-5)")
+    lg.add_argument("--json", action="store_true", help="print the result as JSON")
+    lg.set_defaults(func=cmd_ledger)
 
     b = sub.add_parser("bench", parents=[common], help="run benchmarks/NAME.py (or 'all')")
     b.add_argument("name", nargs="?", help="benchmark name (fedgalore bench --list)")

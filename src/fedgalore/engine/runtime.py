@@ -25,6 +25,7 @@ from fedgalore.job.clients import Clients, resolve_clients, split_clients
 from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.job.resolve import method_options, resolve_method
 from fedgalore.engine.jobs import ClientJob, ClientResult
+from fedgalore.engine.site_policy import SimulatedSites, admit
 from fedgalore.engine.stages import compose
 from fedgalore.federated.client import ClientError
 from fedgalore.engine.start_adapter import continues_adapter, merge_start_adapter, start_adapter_of
@@ -86,6 +87,9 @@ class Runtime:
         #: every backend runs a client, right before the upload is serialised
         self.view: ServerView = declare(cfg.privacy, cfg.federation.secure_aggregation is not None,
                                         bool(cfg.federation.client_eval))
+        #: the simulated sites' own policies and ledgers (fedgalore.engine.site_policy; None: none). A Flower
+        #: node sets None and brings its own guard with each job (``execute(site=...)``)
+        self.site_policies = SimulatedSites.build(cfg, [self.clients.name(i) for i in range(len(self.parts))])
 
     def _check_rank(self, model: torch.nn.Module) -> None:
         mods = dict(model.named_modules())
@@ -161,10 +165,16 @@ class Runtime:
         return ClientResult(client, blob, self.view.client_error(error), self.view.client_seconds(time.perf_counter() - t0),
                             stats or {}, origin="client")
 
-    def execute(self, job: ClientJob, broadcast: bytes | Payload, on_step=None, client_state: dict | None = None) -> ClientResult:
+    def site_guard(self, client: int):
+        """Client ``client``'s own policy and ledger in a simulation (fedgalore.privacy.site.SiteGuard; None: none)."""
+        return self.site_policies.guard(client) if self.site_policies is not None else None
+
+    def execute(self, job: ClientJob, broadcast: bytes | Payload, on_step=None, client_state: dict | None = None,
+                site=None) -> ClientResult:
         """Run operator T for one client on a serialised broadcast; never raises. ``client_state``:
         the client's own store when the caller keeps it (a Flower node's ``Context.state``),
-        else this runtime's ``client_state`` entry for the client (None: stateless).
+        else this runtime's ``client_state`` entry for the client (None: stateless). ``site``: the
+        site's own guard (a Flower node's), else :meth:`site_guard`'s.
 
         A :class:`Payload` broadcast (the caller runs in this process) is used through
         :func:`~fedgalore.protocol.payload.transfer` — exactly what decoding its bytes gives — and
@@ -205,8 +215,12 @@ class Runtime:
                         torch.cuda.manual_seed(seed)
                 payload = transfer(broadcast) if isinstance(broadcast, Payload) else decode(broadcast)
                 payload = self.stages.client_receive(payload, ctx)  # a stage's own entries out (SCAFFOLD's c − c_i)
+                # the site's own policy and budget before it trains: a refusal is this client's one-line error
+                turn = admit(self, job, payload, site if site is not None else self.site_guard(job.client))
                 upload = self.method.client_update(self.model, payload, ctx)  # T
                 upload = self.stages.client_release(upload, payload, ctx)  # as it leaves the site (DP, SCAFFOLD's c_i⁺)
+                if turn is not None:  # in the site's ledger, fsynced, before the upload leaves
+                    turn.record(upload)
             upload = self.view.release(upload)  # the declared fields only (fedgalore.privacy.view)
             blob = transfer(upload) if isinstance(broadcast, Payload) else encode(upload)
             return self._result(job.client, blob, None, t0, dict(upload.meta))

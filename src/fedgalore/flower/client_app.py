@@ -31,6 +31,14 @@ trained in this run holds the public ``W_0`` (its runtime builds it). A node tha
 cannot apply a chain: its round fails with that error, it reports holding ``W_0`` (version 0), and
 is sent the chain since ``W_0`` (or dense) next time.
 
+**The site's own policy** (fedgalore.privacy.site; docs/privacy.md, "The site's own policy and ledger"):
+node config ``privacy-policy='PATH'`` (default: a ``fedgalore-policy.yaml`` beside ``data``) and
+``privacy-ledger='PATH'`` (default: ``fedgalore-ledger.jsonl`` beside the policy). The node refuses
+in one line — in its log and as its error to the server — a job that asks for less than its policy
+or whose release would pass its budget, and writes every release to its ledger (fsynced) before
+the upload leaves. The server's ``privacy.sites_dir`` (a simulation's) is dropped from the config
+the node runs.
+
 A method that keeps its own state at the site between rounds (``Method.needs_client_state``:
 FedSA-LoRA's local ``B``): the node keeps it in ``Context.state`` too (records ``fedgalore.site.*``,
 tied to the run's key), so the same node trains its site in every round it is sampled.
@@ -108,7 +116,9 @@ def _runtime(job: ConfigRecord, node_config=None):
         from fedgalore.engine.runtime import Runtime
         from fedgalore.federated.partition import decode_partition
 
-        cfg = FederatedConfig.from_dict(json.loads(str(job["config"])))
+        plain = json.loads(str(job["config"]))
+        (plain.get("privacy") or {}).pop("sites_dir", None)  # a node's policy is its own, never a folder the server names
+        cfg = FederatedConfig.from_dict(plain)
         if cfg.privacy.enabled and cfg.privacy.reproducible:  # the node does not trust a server that asks for seeded noise
             from fedgalore.privacy.randomness import REPRODUCIBLE_REFUSED
             from fedgalore.privacy.view import SiteRefusal
@@ -128,6 +138,8 @@ def _runtime(job: ConfigRecord, node_config=None):
             parts = [np.arange(n) if j == me else np.arange(s) for j, s in enumerate(sizes)]
             rt = Runtime(cfg, parts=parts, task=task)
             rt.site = site
+        rt.site_policies = None  # the node's own policy comes with each job (_site_guard), not from the server's config
+        rt.run_key = run  # the run's key in the site's ledger
         base = getattr(rt.method, "downlink_base", None)
         rt.downlink_w0 = base(rt.model) if base is not None and getattr(rt.method, "per_client_downlink", False) else None
         _RUNTIMES[key] = rt
@@ -279,6 +291,20 @@ def train(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
+_GUARDS: dict[str, object] = {}  # this process's nodes' own guards, per node config (policy read once)
+
+
+def _site_guard(node_config, name: str):
+    """This node's own policy and ledger (node config ``privacy-policy``, ``privacy-ledger``; by default a
+    ``fedgalore-policy.yaml`` beside its ``data``: fedgalore.engine.site_policy.node_guard), or None."""
+    from fedgalore.engine.site_policy import node_guard
+
+    key = json.dumps([name] + [str(node_config.get(k, "")) for k in ("privacy-policy", "privacy-ledger", "data")])
+    if key not in _GUARDS:
+        _GUARDS[key] = node_guard(node_config, name)
+    return _GUARDS[key]
+
+
 def _run_job(job, broadcast: bytes, context: Context, received: int) -> tuple[dict, bytes | None]:
     """``(result record, upload blob)`` of one train job on this node."""
     from fedgalore.engine.runtime import ClientJob
@@ -305,8 +331,14 @@ def _run_job(job, broadcast: bytes, context: Context, received: int) -> tuple[di
         return {"client": client, "error": line, "time": 0.0, "stats": "{}"}, None
     key = str(job["key"])
     store = _load_store(context, key, rt)
+    try:
+        site = _site_guard(context.node_config, getattr(rt, "site", "") or str(context.node_config.get("site", "") or "")
+                           or f"partition {pid if pid is not None else client}")
+    except ValueError as exc:  # the node's own policy file does not parse: one line, here and on the server
+        print(f"fedgalore: error: {exc}", flush=True)
+        return {"client": client, "error": str(exc), "origin": "site", "time": 0.0, "stats": "{}"}, None
     res = rt.execute(ClientJob(int(job["round"]), int(job["total_rounds"]), client, int(str(job["round_seed"]))), broadcast,
-                     client_state=store)
+                     client_state=store, site=site)
     held = _save_store(context, key, store)
     result = {"client": client, "error": res.error or "", "origin": res.origin, "time": float(res.time),
               "stats": json.dumps(res.stats, default=float), "held_version": held, "received": received}

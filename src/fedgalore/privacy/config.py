@@ -25,6 +25,7 @@ YAML::
         adaptive_clipping: null  # {target_quantile: 0.5, lr: 0.2, count_noise_multiplier: null}: C follows a norm quantile
         release_metrics: false   # true: the clients' training losses travel in the clear (not protected)
 
+      sites_dir: null            # a simulation's sites' folders: DIR/<site>/fedgalore-policy.yaml and its ledger
       reproducible: false        # true (studies only): every DP draw seeded from the run's seed — NOT protected against
                                  # anyone who holds the config (the server); false: OS entropy (fedgalore.privacy.randomness)
 
@@ -206,6 +207,10 @@ class PrivacyConfig:
     #: bit for bit, and NOT protected against anyone who holds the config (the server); false: OS entropy
     #: (fedgalore.privacy.randomness). A Flower deployment refuses true.
     reproducible: bool = False
+    #: a simulation's sites' own folders: ``DIR/<site>/fedgalore-policy.yaml`` (the site's policy, if any) and
+    #: ``DIR/<site>/fedgalore-ledger.jsonl`` (its ledger across runs; fedgalore.privacy.site). Not sent to Flower
+    #: nodes: a node's policy is its own (node config ``privacy-policy``)
+    sites_dir: str | None = None
 
     @property
     def enabled(self) -> bool:
