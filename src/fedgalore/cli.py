@@ -543,18 +543,17 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         ledger, policy = path, path.parent / POLICY_FILE
     else:
         raise ConfigError(f"{path}: no such ledger file or site folder")
-    if not ledger.is_file():
-        raise ConfigError(f"{path} holds no {LEDGER_FILE} (a site writes it with its first release)")
+    if not ledger.is_file() and not policy.is_file():
+        raise ConfigError(f"{path} holds no {LEDGER_FILE} nor {POLICY_FILE} (a site writes its ledger with its first release)")
     pol = load_policy(policy) if policy.is_file() else None
     delta = args.delta if args.delta is not None else (pol.delta if pol is not None else 1e-5)
     if not 0 < delta < 1:
         raise ConfigError(f"--delta={delta:g} must be in (0, 1) (e.g. 1e-5)")
     lines = SiteLedger(ledger).lines()
-    sites = sorted({str(ln.get("site")) for ln in lines})
     budget = pol.budget if pol is not None else None
     doc = {"ledger": str(ledger), "policy": str(policy) if pol is not None else None,
            "budget": {"epsilon": budget.epsilon, "delta": budget.delta} if budget is not None else None,
-           "sites": {s: spent([ln for ln in lines if str(ln.get("site")) == s], delta) for s in sites}}
+           "sites": sorted({str(ln.get("site")) for ln in lines}), **spent(lines, delta)}
     if args.json:
         def finite(v: Any) -> Any:  # JSON has no infinity: ε = ∞ (a release without noise) as "inf"
             if isinstance(v, dict):
@@ -569,16 +568,16 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     if pol is not None:
         head += f" (policy {policy}: " + (f"budget ε = {budget.epsilon:g} at δ = {budget.delta:g})" if budget else "no budget)")
     print(head)
-    if not sites:
+    if not lines:
         print("no releases yet")
-    for s, d in doc["sites"].items():
-        print(f"site {s}: {d['releases']} release(s) in {len(d['runs'])} run(s); ε at δ = {delta:g}: each row "
-              f"{d['epsilon_rows']:.4g}, the site as a whole {d['epsilon_site']:.4g}")
-        print("  " + ", ".join(f"{level}: {n}" for level, n in sorted(d["levels"].items())))
-        print(f"  {'run':<16}  {'name':<12}  {'first':<20}  {'last':<20}  {'releases':>8}  {'ε rows':>8}  {'ε site':>8}")
-        for r in d["runs"]:
-            print(f"  {r['run']:<16}  {str(r['name'])[:12]:<12}  {str(r['first']):<20}  {str(r['last']):<20}  "
-                  f"{r['releases']:>8}  {r['epsilon_rows']:>8.4g}  {r['epsilon_site']:>8.4g}")
+        return 0
+    print(f"site {', '.join(doc['sites'])}: {doc['releases']} release(s) in {len(doc['runs'])} run(s); ε at δ = {delta:g}: "
+          f"each row {doc['epsilon_rows']:.4g}, the site's data as a whole {doc['epsilon_site']:.4g}")
+    print("  " + ", ".join(f"{level}: {n}" for level, n in sorted(doc["levels"].items())))
+    print(f"  {'run':<16}  {'name':<12}  {'first':<20}  {'last':<20}  {'releases':>8}  {'ε rows':>8}  {'ε site':>8}")
+    for r in doc["runs"]:
+        print(f"  {r['run']:<16}  {str(r['name'])[:12]:<12}  {str(r['first']):<20}  {str(r['last']):<20}  "
+              f"{r['releases']:>8}  {r['epsilon_rows']:>8.4g}  {r['epsilon_site']:>8.4g}")
     return 0
 
 

@@ -245,8 +245,8 @@ def test_a_client_whose_layout_differs_is_held_back_before_flower_sums(tmp_path,
 
     real_exec = Runtime.execute
 
-    def tagged(self, job, broadcast, client_state=None):
-        res = real_exec(self, job, broadcast, client_state=client_state)
+    def tagged(self, job, broadcast, client_state=None, **kw):
+        res = real_exec(self, job, broadcast, client_state=client_state, **kw)
         if res.upload is not None:
             from fedgalore.protocol.payload import decode, encode
 

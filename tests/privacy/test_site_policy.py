@@ -91,7 +91,7 @@ def test_the_budget_counts_every_release_across_runs(tmp_path):
     guard.admit(up)
     guard.record(up, "run-a", "a", 0)
     guard.record(up, "run-b", "b", 0)
-    with pytest.raises(SiteRefusal, match=f"the site's \\(its data as a whole\\) ε from {two:.4g} to {three:.4g}, past"):
+    with pytest.raises(SiteRefusal, match=f"the ε of the site's data as a whole from {two:.4g} to {three:.4g}, past"):
         guard.admit(up)
     with pytest.raises(SiteRefusal):  # the check at release time holds too (another run may have released meanwhile)
         guard.record(up, "run-c", "c", 0)
@@ -154,7 +154,7 @@ def test_two_runs_on_one_site_the_second_refused_at_the_sites_budget(tmp_path, m
     assert second.summary["rounds_completed"] == 2  # the round went on without the site
     err = capsys.readouterr().err
     refusal = [ln for ln in err.splitlines() if ln.startswith("fedgalore: site 0 refuses: ")]
-    assert len(refusal) == 1 and f"take the site's (its data as a whole) ε from {two:.4g} to {three:.4g}, past the site's budget" in refusal[0], err[-2000:]
+    assert len(refusal) == 1 and f"take the ε of the site's data as a whole from {two:.4g} to {three:.4g}, past the site's budget" in refusal[0], err[-2000:]
     recs = [r for r in read_jsonl(second.run_dir / "clients.jsonl") if r["round"] == 2]
     assert sorted(r["client"] for r in recs if "error" not in r) == [1, 2] and any(r["client"] == 0 and "error" in r for r in recs)
     # the ledger line of every upload was there (fsynced) when the upload was handed over: the k-th upload of a site sees k lines
@@ -170,9 +170,9 @@ def test_two_runs_on_one_site_the_second_refused_at_the_sites_budget(tmp_path, m
     # what the site reads: both runs, what each spent, at its policy's δ
     assert main(["ledger", str(sites / "0"), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    site = doc["sites"]["0"]
-    assert doc["budget"]["epsilon"] == pytest.approx((two + three) / 2, rel=1e-5) and site["releases"] == 2
-    assert site["epsilon_site"] == pytest.approx(two) and [r["releases"] for r in site["runs"]] == [1, 1]
+    assert doc["budget"]["epsilon"] == pytest.approx((two + three) / 2, rel=1e-5) and doc["releases"] == 2
+    assert doc["sites"] == ["0"] and doc["levels"] == {"client_distributed": 2}
+    assert doc["epsilon_site"] == pytest.approx(two) and [r["releases"] for r in doc["runs"]] == [1, 1]
     assert main(["ledger", str(sites / "0" / LEDGER_FILE)]) == 0
     out = capsys.readouterr().out
     assert "site 0: 2 release(s) in 2 run(s); ε at δ = 1e-05" in out and out.count(" t ") >= 2

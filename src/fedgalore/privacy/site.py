@@ -12,7 +12,9 @@ Here the site decides:
   and ``privacy.record.max_grad_norm``), a budget (ε, δ) and the levels it accepts (:data:`LEVELS`).
 * :class:`SiteLedger` — an append-only JSON-lines file on the site's disk, one line per release,
   written, flushed and fsynced **before** the upload leaves (:meth:`SiteGuard.record`), kept
-  across runs and servers; a line cut by a crash is skipped (its upload never left).
+  across runs and servers; a line cut by a crash is skipped (its upload never left). Every line
+  of the file counts against the budget, whatever site name it bears (a renamed site does not
+  start afresh; sites that share a file share its budget).
 * :class:`SiteGuard` — :meth:`~SiteGuard.admit` refuses in one line (:class:`~fedgalore.privacy.view.
   SiteRefusal`, which reaches the server as it is: it quotes no data) a job
   that asks for less than the policy or whose release would pass the budget; :meth:`~SiteGuard.
@@ -236,8 +238,8 @@ class SiteLedger:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
 
-    def lines(self, site: str | None = None) -> list[dict[str, Any]]:
-        """Every release recorded (of ``site`` only, when given); a damaged line is skipped."""
+    def lines(self) -> list[dict[str, Any]]:
+        """Every release recorded; a damaged line is skipped."""
         out = []
         try:
             text = self.path.read_text(encoding="utf-8")
@@ -248,7 +250,7 @@ class SiteLedger:
                 ln = json.loads(raw)
             except ValueError:  # cut by a crash while being written: its upload never left
                 continue
-            if isinstance(ln, dict) and ln.get("level") in LEVELS and (site is None or ln.get("site") == site):
+            if isinstance(ln, dict) and ln.get("level") in LEVELS:
                 out.append(ln)
         return out
 
@@ -352,14 +354,14 @@ class SiteGuard:
         b = self.policy.budget
         if b is None:
             return
-        lines = self.ledger.lines(self.name) if lines is None else lines
+        lines = self.ledger.lines() if lines is None else lines  # every line of the site's file counts, whatever name it bears
         new = [{**r.line(), "site": self.name} for r in releases]
         before, after = epsilons(lines, b.delta), epsilons([*lines, *new], b.delta)
         kinds = (["site"] if any(r.level.startswith("client") for r in releases) else []) + ["rows"]
         for kind in kinds:
             if after[kind] > b.epsilon * (1 + 1e-9):
-                what = "each row's" if kind == "rows" else "the site's (its data as a whole)"
-                raise self._refuse(f"this release would take {what} ε from {before[kind]:.4g} to {after[kind]:.4g}, past the "
+                what = "each row's ε" if kind == "rows" else "the ε of the site's data as a whole"
+                raise self._refuse(f"this release would take {what} from {before[kind]:.4g} to {after[kind]:.4g}, past the "
                                    f"site's budget ε = {b.epsilon:g} at δ = {b.delta:g} (ledger {self.ledger.path}); "
                                    "the site does not train")
 
