@@ -156,7 +156,9 @@ def test_two_runs_on_one_site_the_second_refused_at_the_sites_budget(tmp_path, m
     refusal = [ln for ln in err.splitlines() if ln.startswith("fedgalore: site 0 refuses: ")]
     assert len(refusal) == 1 and f"take the ε of the site's data as a whole from {two:.4g} to {three:.4g}, past the site's budget" in refusal[0], err[-2000:]
     recs = [r for r in read_jsonl(second.run_dir / "clients.jsonl") if r["round"] == 2]
-    assert sorted(r["client"] for r in recs if "error" not in r) == [1, 2] and any(r["client"] == 0 and "error" in r for r in recs)
+    assert sorted(r["client"] for r in recs if "error" not in r) == [1, 2]
+    # the site's refusal quotes no data: the server records it as it is, even under client-level DP
+    assert [r["error"] for r in recs if r["client"] == 0] == [refusal[0].removeprefix("fedgalore: ")]
     # the ledger line of every upload was there (fsynced) when the upload was handed over: the k-th upload of a site sees k lines
     per: dict[int, int] = {}
     for c, n in seen:
@@ -236,6 +238,7 @@ def test_a_flower_node_with_a_policy_refuses_a_job_below_it(tmp_path, capsys, mo
                     "accepts: client_distributed_secagg); the site does not train"]
     recs = read_jsonl(tmp_path / "run" / "clients.jsonl")
     assert sorted(r["client"] for r in recs if "error" not in r) == [1, 2]
+    assert [r["error"] for r in recs if r["client"] == 0] == [line[0].removeprefix("fedgalore: ")]  # as the site said it
     assert not (tmp_path / "node0" / LEDGER_FILE).exists()
     lines = SiteLedger(tmp_path / "node1" / "ledger.jsonl").lines()
     assert len(lines) == 1 and lines[0]["site"] == "partition 1" and len(lines[0]["run"]) == 16
