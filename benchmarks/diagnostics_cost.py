@@ -1,6 +1,6 @@
 """What the diagnostics cost in a round, by model size: MiniLM, SmolLM2, a RoBERTa-base-sized encoder.
 
-Three models, each with FedGaLore as shipped and short rounds (2 clients × 2 local steps, issue 68):
+Three models, each with FedGaLore as shipped and short rounds (2 clients × 2 local steps, a user's rehearsal shape):
 
 * ``minilm``: ``conf/pipeline/offline_text.yaml`` (all-MiniLM-L6-v2, 22.7 M parameters, BBC News);
 * ``smollm2``: ``conf/pipeline/offline_math.yaml`` (SmolLM2-135M, the offline GGUF asset);

@@ -1,4 +1,4 @@
-"""The diagnostics' two modes (fedgalore.federated.diagnostics; issue 68, wall 7).
+"""The diagnostics' two modes (fedgalore.federated.diagnostics).
 
 * Default: a FedGaLore round's updates reach the diagnostics in factors (``ΔW = a·W + L R``), and no
   ``m × n`` update is formed for them: the tail energy from ``QᵀΔW`` with ``Q = orth(L)`` (exact without
