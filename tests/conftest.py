@@ -15,6 +15,25 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+#: the fast tier (make test-fast): the tests listed here are marked ``fast`` at collection, and no test file
+#: carries the marker; scripts/select_fast_tier.py writes the list from measured durations (tests/README.md)
+FAST_TIER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fast_tier.txt")
+
+
+def fast_tier_ids() -> set[str]:
+    """The node ids in tests/fast_tier.txt."""
+    with open(FAST_TIER, encoding="utf-8") as fh:
+        return {line.rstrip("\n").split("\t", 1)[1] for line in fh if line.strip() and not line.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m fast`` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    fast = fast_tier_ids()
+    for item in items:
+        if item.nodeid in fast:
+            item.add_marker(pytest.mark.fast)
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _single_thread():
     before = torch.get_num_threads()

@@ -38,8 +38,6 @@ from fedgalore_testing.runs import tiny_cfg
 from fedgalore_testing.models import Run, logits_of
 from fedgalore_testing.assets import TOPICS, news_rows, write
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 @pytest.fixture(autouse=True)
 def _tmp_cache(tmp_path, monkeypatch):

@@ -20,7 +20,6 @@ from fedgalore_testing.cmdline import TINY, _error, cli, tiny_config
 # ----------------------------------------------------------------------------- user errors
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize(
     "override, expect",
     [
@@ -40,7 +39,6 @@ def test_run_user_errors_exit_2_with_one_line(tmp_path, capsys, override, expect
     assert expect in line
 
 
-@pytest.mark.fast
 def test_missing_files_and_names(tmp_path, capsys) -> None:
     assert "not found" in _error(capsys, ["run", "--config", str(tmp_path / "missing.yaml")])
     assert "does not exist" in _error(capsys, ["report", str(tmp_path / "missing")])
@@ -66,7 +64,6 @@ class _MissingData:
         raise FileNotFoundError(2, "No such file or directory; set task.options.data_dir", "/data/bbc.csv")
 
 
-@pytest.mark.fast
 def test_missing_data_path_and_offline_package(tmp_path, capsys, monkeypatch) -> None:
     from fedgalore.tasks import TASKS
 
@@ -80,14 +77,12 @@ def test_missing_data_path_and_offline_package(tmp_path, capsys, monkeypatch) ->
     assert "not installed" in _error(capsys, ["run", "--config", cfg, "task.name=offline_pkg", "--progress", "quiet"])
 
 
-@pytest.mark.fast
 def test_debug_shows_traceback(tmp_path, capsys) -> None:
     rc = main(["--debug", "run", "--config", str(tiny_config(tmp_path)), "method.name=nope"])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" in err and "fedgalore: error: unknown method" in err
 
 
-@pytest.mark.fast
 def test_usage_errors_and_help(capsys) -> None:
     assert main(["run", "--progress", "bogus"]) == 2
     assert main([]) == 2
@@ -95,7 +90,6 @@ def test_usage_errors_and_help(capsys) -> None:
     assert "compare" in capsys.readouterr().out
 
 
-@pytest.mark.fast
 def test_tensorboard_message_when_not_installed(tmp_path, capsys) -> None:
     pytest.importorskip("matplotlib")
     try:
@@ -110,7 +104,6 @@ def test_tensorboard_message_when_not_installed(tmp_path, capsys) -> None:
     assert "fedgalore[tensorboard]" in line
 
 
-@pytest.mark.fast
 def test_listing_commands(capsys) -> None:
     assert main(["methods"]) == 0
     out = capsys.readouterr().out
@@ -150,7 +143,6 @@ def test_bench_all_skips_staged_studies(tmp_path) -> None:
     assert r.returncode == 1 and "needs a stage" in r.stderr
 
 
-@pytest.mark.fast
 def test_repro_dispatch(monkeypatch, capsys) -> None:
     calls = []
     mod = types.ModuleType("fedgalore.experiments.fake_study")
@@ -180,7 +172,6 @@ def _drive(sink) -> None:
     sink.close()
 
 
-@pytest.mark.fast
 def test_plain_progress_one_line_per_round() -> None:
     buf = io.StringIO()
     _drive(PlainProgress(buf))
@@ -191,7 +182,6 @@ def test_plain_progress_one_line_per_round() -> None:
     assert "eta" in rnd[0] and any("client 1 dropped" in line for line in lines) and "done demo" in lines[-1]
 
 
-@pytest.mark.fast
 def test_rich_progress_renders() -> None:
     from rich.console import Console
 
@@ -202,7 +192,6 @@ def test_rich_progress_renders() -> None:
     assert "round 1/2" in out and "accuracy=0.7500" in out and "client 1 dropped" in out and "done" in out
 
 
-@pytest.mark.fast
 def test_make_progress_modes(monkeypatch) -> None:
     assert isinstance(make_progress("plain"), PlainProgress)
     assert isinstance(make_progress("quiet"), QuietProgress)
@@ -288,7 +277,6 @@ def test_compare_grid_skips_finished_cells(tmp_path, capsys) -> None:
 
 
 # ----------------------------------------------------------------------------- grid planning
-@pytest.mark.fast
 def test_plan_grid_budgets_options_and_aliases(tmp_path) -> None:
     from fedgalore.compare import plan_grid
     from fedgalore.job.config import ConfigError, load_config
@@ -327,7 +315,6 @@ def test_plan_grid_budgets_options_and_aliases(tmp_path) -> None:
         plan_grid(base, ["fedgalore", "fedgalore"], ["iid"], None, tmp_path, {})
 
 
-@pytest.mark.fast
 def test_compare_section_in_config(tmp_path) -> None:
     from fedgalore.cli import _load_config
 
@@ -339,7 +326,6 @@ def test_compare_section_in_config(tmp_path) -> None:
     assert section["method_options"] == {"fedgalore": {"update_proj_gap": 3}}
 
 
-@pytest.mark.fast
 def test_config_difference_ignores_schema_changes_and_the_display() -> None:
     from fedgalore.job.config import config_difference
 
@@ -352,7 +338,6 @@ def test_config_difference_ignores_schema_changes_and_the_display() -> None:
     assert config_difference(old, {"train": {"lr": 5e-4}, "federation": {"rounds": 2}}) == "train.lr: 0.001 -> 0.0005"
 
 
-@pytest.mark.fast
 def test_plan_grid_per_row_train_overrides(tmp_path) -> None:
     """A row's ``train`` mapping changes only that row's train section (e.g. a per-method lr)."""
     from fedgalore.compare import plan_grid

@@ -143,7 +143,6 @@ def test_a_site_with_two_devices_is_planned_per_rank():
     assert fs["memory"]["phases"]["evaluation"] == one["memory"]["phases"]["evaluation"]  # evaluated whole on rank 0
 
 
-@pytest.mark.fast
 def test_unknown_model_is_one_clear_error():
     cfg = FederatedConfig.from_dict({"task": {"name": "metamath", "options": {"model": "someone/unknown-7b"}}})
     with pytest.raises(PlanError, match="no config for model 'someone/unknown-7b'.*task.options.model"):
@@ -161,7 +160,6 @@ def test_cli_plan(tmp_path, capsys):
     assert main(["plan", "--config", "conf/pipeline/metamath_llama2.yaml", "task.options.model=nowhere/x"]) == 2
 
 
-@pytest.mark.fast
 def test_phase_formula():
     c = dict(model=10, gradients=5, optimizer_state=2, activations=1, server_state=20, broadcast_blob=21, upload_blob=3, eval_kv_cache=7)
     gpu = phase_peaks(c, clients=4, on_host=False, diagnostics=True, dense_uploads=False)

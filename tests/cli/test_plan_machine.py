@@ -48,7 +48,6 @@ def write_cfg(tmp_path: Path, data: dict) -> Path:
 
 
 # ============================================================================ detection
-@pytest.mark.fast
 def test_host_memory_from_meminfo_and_sysconf(tmp_path, monkeypatch):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24684084 kB\nMemFree:        1000 kB\nMemAvailable:   23835112 kB\n")
@@ -77,7 +76,6 @@ def test_detection_is_reported_and_used(llama_dir, qa, tmp_path, capsys):
     assert plan["methods"]["fedit"]["fit"] == {"fits": True, "reason": ""}
 
 
-@pytest.mark.fast
 def test_a_detected_gpu_is_judged_less_the_reserve():
     gpus = [{"index": 0, "name": "A", "total": 80 * GIB}, {"index": 1, "name": "B", "total": 24 * GIB}]
     machine = {"cuda": gpus, "cuda_missing": None, "mps": False, "host": FAKE_HOST}

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 

@@ -31,8 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import check_equivalence  # noqa: E402
 from fedgalore_testing.runs import killed_and_resumed, strip_times, tiny_cfg  # noqa: E402
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 # ----------------------------------------------------------------------------- payloads
 def test_payload_roundtrip_every_entry_type():

@@ -102,7 +102,6 @@ def test_factored_updates_have_the_dense_updates_inner_products(tmp_path, monkey
 
 
 # ----------------------------------------------------------------------------- refusals
-@pytest.mark.fast
 @pytest.mark.parametrize("method, fed, words", [
     ("fedit", {"robust": {"kind": "median"}}, "use kind krum or norm_filter"),
     ("fedgalore", {"robust": {"kind": "trimmed_mean"}}, "coordinate-wise statistic of dense uploads"),
@@ -117,7 +116,6 @@ def test_bad_robust_settings_are_one_line(tmp_path, method, fed, words):
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-@pytest.mark.fast
 def test_robust_with_client_dp_and_attack_in_a_deployment_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="sensitivity is no longer privacy.client.clip"):
         tiny_cfg(tmp_path, federation={**FED, "robust": {"kind": "norm_filter"}},

@@ -22,8 +22,6 @@ from fedgalore.federated.diagnostics import (EXACT_MAX_FLOPS, tail_energy, tail_
                                              update_space_diagnostics)
 from fedgalore.progress import PlainProgress
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 def _low_rank_plus_noise(m: int, n: int, k: int, noise: float, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)

@@ -16,7 +16,6 @@ from fedgalore.protocol.payload import Payload
 from fedgalore_testing.runs import tiny_cfg
 
 SRC = Path(fedgalore.__file__).resolve().parent
-pytestmark = pytest.mark.fast
 
 
 class Counting(RoundStage):

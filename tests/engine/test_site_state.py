@@ -2,7 +2,6 @@
 (fedgalore.engine.stages.site_state): a killed and resumed run ends as the uninterrupted one."""
 from __future__ import annotations
 
-import pytest
 
 import fedgalore
 from fedgalore_testing.runs import killed_and_resumed, tiny_cfg
@@ -24,7 +23,6 @@ def test_fedsa_lora_resumes_with_each_sites_b(tmp_path):
     assert max(counts) <= 2, counts
 
 
-@pytest.mark.fast
 def test_a_method_without_site_state_writes_none(tmp_path):
     res = fedgalore.run(tiny_cfg(tmp_path, "fedit", rounds=1))
     assert not (res.run_dir / "sites").exists()

@@ -48,7 +48,6 @@ def test_directions_geometry(land):
     assert land.A0.abs().max() <= bound
 
 
-@pytest.mark.fast
 def test_w_ref_is_between_the_basins():
     b = CFG.b_ref
     assert 0 < b < CFG.c
@@ -102,7 +101,6 @@ def test_lora_first_step_only_moves_B_and_stays_in_rowspace(land):
     assert (A2 - A1).abs().max() > 1e-6
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("rank", [1, 2, 3])
 def test_galore_update_has_rank_at_most_r(rank):
     cfg = replace(CFG, rank=rank)
@@ -140,7 +138,6 @@ def test_full_sgd_from_flat_centre_stays_and_converges(land):
     torch.testing.assert_close(W, CFG.c * land.E2, atol=1e-3, rtol=0)
 
 
-@pytest.mark.fast
 def test_tiny_run_is_deterministic_and_seed_dependent():
     cfg = replace(CFG, steps=200)
     a = kt.evaluate(cfg, trials=4, seed=5)
@@ -157,7 +154,6 @@ def test_tiny_run_is_deterministic_and_seed_dependent():
     torch.testing.assert_close(l3.A0, l5.A0[:3], atol=0, rtol=0)
 
 
-@pytest.mark.fast
 def test_no_global_rng_use():
     torch.manual_seed(0)
     expected = torch.rand(1)
@@ -166,7 +162,6 @@ def test_no_global_rng_use():
     assert torch.equal(torch.rand(1), expected)
 
 
-@pytest.mark.fast
 def test_wilson_interval():
     lo, hi = kt.wilson_interval(5, 10)
     assert (lo, hi) == (pytest.approx(0.236593, abs=1e-5), pytest.approx(0.763407, abs=1e-5))
@@ -175,7 +170,6 @@ def test_wilson_interval():
     assert kt.wilson_interval(200, 200)[1] == 1.0
 
 
-@pytest.mark.fast
 def test_bad_config():
     with pytest.raises(ValueError, match="between the basins"):
         _ = replace(CFG, kappa_sharp=0.5).b_ref

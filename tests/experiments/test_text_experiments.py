@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 TINY = {"n_train": 64, "n_test": 24, "hidden_size": 16, "num_layers": 1, "seq_len": 8}
 

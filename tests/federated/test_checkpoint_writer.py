@@ -14,8 +14,6 @@ from fedgalore.federated.checkpoint import CheckpointError, CheckpointWriter, lo
 from fedgalore.protocol.payload import MomentView, flatten_entries
 from fedgalore.protocol.state import ServerState
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 def _state(seed: int = 0) -> ServerState:
     g = torch.Generator().manual_seed(seed)

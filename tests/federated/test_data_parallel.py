@@ -17,7 +17,6 @@ from fedgalore_testing.runs import killed_and_resumed, tiny_cfg  # noqa: E402
 from fedgalore_testing.local import _Cls, _loop, _max_diff, _model, _TokenMean, assert_federation_equals_one_process
 
 
-@pytest.mark.fast
 def test_shards_are_contiguous_rows_and_empty_when_the_batch_is_short():
     b = {"x": torch.arange(10).view(5, 2), "y": torch.arange(5)}
     parts = shard_batch(b, 2)
@@ -50,7 +49,6 @@ def test_two_processes_give_the_one_process_update(optimizer):
             assert [t.seed for t in u1[name].terms if hasattr(t, "seed")] == [t.seed for t in u2[name].terms if hasattr(t, "seed")]
 
 
-@pytest.mark.fast
 def test_a_token_mean_loss_is_weighted_by_its_tokens_across_processes():
     """Shards with different numbers of valid tokens: the step's gradient is the mean over all of
     the step's tokens (not the mean of the shards' means, which DDP would take)."""
@@ -70,7 +68,6 @@ class _NanAtSecondRank(_Cls):
         return out * float("nan") if int(batch["y"].shape[0]) == 2 else out  # only a 2-row shard (rank 1's)
 
 
-@pytest.mark.fast
 def test_a_non_finite_loss_on_another_rank_stops_the_client_and_the_site_serves_the_next():
     with pytest.raises(ClientError, match="non-finite loss nan at local step 0"):
         _loop(2, "adamw", task=_NanAtSecondRank())
@@ -79,7 +76,6 @@ def test_a_non_finite_loss_on_another_rank_stops_the_client_and_the_site_serves_
     assert _max_diff(one, two) < 1e-6
 
 
-@pytest.mark.fast
 def test_bad_settings_are_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"devices_per_client=0 must be an int >= 1"):
         tiny_cfg(tmp_path, train={"lr": 1e-2, "devices_per_client": 0})
@@ -112,7 +108,6 @@ class _FailsOnRankZero(_Cls):
         return super().loss(model, batch)
 
 
-@pytest.mark.fast
 def test_an_error_on_rank_zero_releases_the_helpers_and_the_site_serves_the_next():
     with pytest.raises(RuntimeError, match="out of memory on rank 0"):
         _loop(2, "adamw", task=_FailsOnRankZero())

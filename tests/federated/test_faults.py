@@ -90,7 +90,6 @@ def test_lying_upload_is_rejected_and_never_applied(tmp_path, mode, reason):
     assert res.history[-1]["eval/loss"] != honest.history[-1]["eval/loss"]
 
 
-@pytest.mark.fast
 def test_update_norm_bound_rejects_and_clipping_scales(tmp_path):
     res = _run(tmp_path / "bound", "huge", max_update_norm=50.0)
     assert all(h["dropped"] == [0] for h in res.history)
@@ -103,7 +102,6 @@ def test_update_norm_bound_rejects_and_clipping_scales(tmp_path):
     assert all(d["aggregate_update_norm"] <= 1.0 + 1e-6 for d in diag)  # convex combination of clipped updates
 
 
-@pytest.mark.fast
 def test_too_few_survivors_retries_then_fails_cleanly_and_resumes(tmp_path):
     cfg = tiny_cfg(tmp_path, "test_lying_fedavg", rounds=3, method_options={"mode": "nan", "all_bad": True})
     cfg.federation.max_round_retries = 1
@@ -115,7 +113,6 @@ def test_too_few_survivors_retries_then_fails_cleanly_and_resumes(tmp_path):
     assert {r["round"] for r in ledger} == {1} and len([r for r in ledger if r["direction"] == "down"]) == 6  # 2 attempts × 3
 
 
-@pytest.mark.fast
 def test_min_clients_retry_draws_a_new_sample(tmp_path):
     cfg = tiny_cfg(tmp_path, "test_lying_fedavg", rounds=1, method_options={"mode": "nan"})
     cfg.federation.min_clients = 3  # 3 of 6 sampled; if client 0 is among them, the round is retried
@@ -143,7 +140,6 @@ class WrongSeedGaLore(FedGaLore):
         return Payload(entries, up.meta)
 
 
-@pytest.mark.fast
 def test_basis_seed_from_another_round_is_rejected(tmp_path):
     opts = {"projector": "random", "update_proj_gap": 2, "sync": "none"}  # as FedGaLore⁻
     cfg = tiny_cfg(tmp_path, "test_wrong_seed_galore", rounds=1, method_options=opts)
@@ -153,7 +149,6 @@ def test_basis_seed_from_another_round_is_rejected(tmp_path):
     assert any("does not belong to round seed" in r.get("rejected", "") for r in _ledger(res.run_dir))
 
 
-@pytest.mark.fast
 def test_malicious_checkpoint_cannot_execute_code(tmp_path):
     res = fedgalore.run(tiny_cfg(tmp_path, "fedavg_full", rounds=2))
     marker = tmp_path / "pwned"
@@ -270,7 +265,6 @@ class LyingFedIT(__import__("fedgalore.methods.fedit", fromlist=["FedIT"]).FedIT
         return Payload(entries, up.meta)
 
 
-@pytest.mark.fast
 def test_misshaped_lora_factors_are_rejected(tmp_path):
     cfg = tiny_cfg(tmp_path, "test_lying_fedit", rounds=1)
     cfg.federation.clients_per_round = None

@@ -55,7 +55,6 @@ def _grads(model, batch):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.fast
 def test_fedprox_step_is_the_proximal_gradient():
     """SGD on h(θ) = F(θ) + μ/2‖θ − θ_0‖²: θ ← θ − η(∇F(θ) + μ(θ − θ_0)) (Li et al. 2020, eq. 2)."""
     mu = 0.7
@@ -72,7 +71,6 @@ def test_fedprox_step_is_the_proximal_gradient():
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=n)
 
 
-@pytest.mark.fast
 def test_fedprox_mu_zero_is_plain_training_bitwise():
     a, batches = _setup()
     b, _ = _setup()
@@ -81,7 +79,6 @@ def test_fedprox_mu_zero_is_plain_training_bitwise():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
 
 
-@pytest.mark.fast
 def test_scaffold_local_step_and_option_ii_control_variate():
     """y ← y − η(g − c_i + c) (Alg. 1 line 10); c_i⁺ = c_i − c + (x − y)/(Kη) (line 12, option II)."""
     model, batches = _setup()
@@ -106,7 +103,6 @@ def test_scaffold_local_step_and_option_ii_control_variate():
         torch.testing.assert_close(ctx.scaffold.new_ci[n], expect, rtol=1e-4, atol=1e-5, msg=n)
 
 
-@pytest.mark.fast
 def test_server_control_variate_update():
     """c ← c + (1/N) Σ_{i∈S} (c_i⁺ − c_i) (Alg. 1 line 17); the uploaders' c_i are replaced."""
     like = {"w": torch.zeros(2, 2)}
@@ -127,7 +123,6 @@ def _train(**extra):
     return {"lr": 1e-2, "batch_size": 16, "local_epochs": 1, "weight_decay": 0.01, **extra}
 
 
-@pytest.mark.fast
 def test_fedprox_reduces_client_drift_on_the_tiny_task(tmp_path):
     """FFA-LoRA (SGD, the setting of Li et al.): the relative drift ‖Δ_i − Δ̄‖/‖Δ̄‖ falls with μ;
     FedAvg-Full (AdamW): the absolute drift ‖Δ_i − Δ̄‖ falls (Adam's normalisation shrinks Δ̄ too,
@@ -141,7 +136,6 @@ def test_fedprox_reduces_client_drift_on_the_tiny_task(tmp_path):
     assert all(absolute(q) < 0.9 * absolute(p) for p, q in zip(plain, prox))
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("method,train,msg", [
     ("fedgalore", {"scaffold": True}, "use one of: fedavg_full, fedit, ffa_lora"),
     ("lora_fair", {"scaffold": True}, "use one of: fedavg_full, fedit, ffa_lora"),
@@ -252,7 +246,6 @@ def test_remedies_doc_commands_run(tmp_path, monkeypatch, capsys):
     assert len(rows) == 10
 
 
-@pytest.mark.fast
 def test_a_remedy_differs_from_a_run_saved_before_the_option_existed():
     """A config saved by an older version lacks the new keys: they read as their defaults (the old
     behaviour), so a run with FedProx or a server optimizer is another run, and one without is the same."""
@@ -269,7 +262,6 @@ def test_a_remedy_differs_from_a_run_saved_before_the_option_existed():
     assert config_difference(old, new) == "federation.server_optimizer.name: 'fedavg' -> 'fedadam'"
 
 
-@pytest.mark.fast
 def test_compare_rows_carry_remedies_and_check_them_before_running(tmp_path):
     """A comparison row's train / server_optimizer overrides reach its cells; a bad one fails at planning."""
     from fedgalore.compare import plan_grid
@@ -287,7 +279,6 @@ def test_compare_rows_carry_remedies_and_check_them_before_running(tmp_path):
         plan_grid(base, ["bad"], ["iid"], [0], tmp_path / "i", {"bad": {"method": "flora", "train": {"scaffold": True}}})
 
 
-@pytest.mark.fast
 def test_report_budget_line_names_each_rows_remedy():
     from fedgalore.report.tables import _run_lr
 
@@ -300,7 +291,6 @@ def test_report_budget_line_names_each_rows_remedy():
     assert _run_lr(cfg) == "1e-2"
 
 
-@pytest.mark.fast
 def test_a_non_finite_control_variate_drops_that_client(tmp_path, monkeypatch):
     """c_i⁺ feeds c for every later round: a non-finite one is rejected with its upload."""
     from fedgalore.federated import scaffold

@@ -13,8 +13,6 @@ from fedgalore.protocol.state import ClientContext
 from fedgalore.protocol.train_config import TrainConfig
 from fedgalore_testing.local import _Cls, _data, _model, _TokenMean
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 def _run(task, data, batch_size, k, rounds=1, scope="round", lr=5e-2):
     x, y = data

@@ -16,8 +16,6 @@ from fedgalore.federated.partition import (
     parse_setting,
 )
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 def _labels(n=2000, k=10, seed=0):
     return np.random.default_rng(seed).integers(0, k, size=n)

@@ -8,8 +8,6 @@ import pytest
 from fedgalore.federated.partition import PartitionConfig, PartitionError, label_histograms, make_partition, parse_setting
 from fedgalore.federated.partitioners import available_partitioners, partitioner_class
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 def _labels(n=600, k=6, seed=0):
     return np.random.default_rng(seed).integers(0, k, size=n)

@@ -26,7 +26,6 @@ from fedgalore.federated.robust import (
 )
 from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, MomentView, SeededLowRank
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 flwr_agg = pytest.importorskip("flwr.server.strategy.aggregate")
 

@@ -19,7 +19,6 @@ from fedgalore.federated.server_opt import ServerOptimizerConfig, server_step
 
 from fedgalore_testing.runs import assert_same_checkpointed_state, killed_and_resumed, tiny_cfg
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 ROUNDS = 5
 SHAPES = [(4, 3), (5,)]

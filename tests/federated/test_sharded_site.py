@@ -98,7 +98,6 @@ def test_sharded_processes_give_the_one_process_update(optimizer, monkeypatch):
         assert seen_shapes["0.weight"] == ((8, 6), (16, 6), "DTensor") and seen_shapes["0.bias"][0] == (8,)
 
 
-@pytest.mark.fast
 def test_a_left_matrix_with_odd_columns_is_split_by_rows_and_keeps_whole_moments(monkeypatch):
     """3×15 (left side; FSDP2 cannot split 15 columns evenly): rows, the projected gradient
     all-reduced each step, the moments whole on every rank (fedgalore.optim.sharded); one process's
@@ -125,7 +124,6 @@ def test_a_left_matrix_with_odd_columns_is_split_by_rows_and_keeps_whole_moments
     _state_equal(o1, o2, 1e-6)
 
 
-@pytest.mark.fast
 def test_a_shard_without_loss_terms_runs_a_filler_row():
     """Rows whose tokens are all masked: rank 1's shard of a micro-batch has no loss term (FSDP2's
     collectives still need its forward); the update is one process's."""
@@ -199,7 +197,6 @@ def test_a_loss_that_bypasses_the_model_forward_is_one_clear_error():
     assert _max_diff(one, two) < 1e-6
 
 
-@pytest.mark.fast
 def test_bad_settings_are_refused_in_one_line(tmp_path):
     with pytest.raises(ConfigError, match=r"shard_params=true shards .* devices_per_client=1; set train.devices_per_client >= 2"):
         tiny_cfg(tmp_path, train={"lr": 1e-2, "shard_params": True})
@@ -227,7 +224,6 @@ def test_resume_with_sharded_sites(tmp_path):
                        tiny_cfg(tmp_path / "b", "fedgalore", rounds=4, method_options=opts, train=train))
 
 
-@pytest.mark.fast
 def test_units_are_the_layers_of_module_lists():
     model = nn.Sequential(nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2), nn.ModuleList([nn.Linear(2, 2)]), nn.ReLU()]))
     units = sharded_site._units(model)

@@ -31,7 +31,6 @@ def cfg(tmp: Path, method: str, opts: dict, federation: dict | None = None, **tr
     })
 
 
-@pytest.mark.fast
 def test_codec_roundtrips_bf16_and_payload_bytes():
     from fedgalore.flower.codec import blob_to_record, record_to_blob, record_to_tensors, tensors_to_record
     from fedgalore.protocol.payload import Dense, MomentView, Payload, decode, encode

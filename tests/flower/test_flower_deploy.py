@@ -516,7 +516,6 @@ def assert_ledger_is_the_wire(run_dir: Path) -> list[dict]:
 
 
 # ============================================================================ tests
-@pytest.mark.fast
 def test_certificates_and_node_keys_are_what_flower_reads(tmp_path, capsys):
     """fedgalore.flower.certs: a CA-signed SuperLink certificate valid for the given name and for
     127.0.0.1/localhost (its SuperExec's address), node keys flower-supernode and `flwr supernode
@@ -551,7 +550,6 @@ def test_certificates_and_node_keys_are_what_flower_reads(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("fedgalore: error: ") and "clinic-a.key" in err[0] and "already exist" in err[0]
 
 
-@pytest.mark.fast
 def test_run_config_resume_flag():
     from fedgalore.job.config import ConfigError
     from fedgalore.flower.server_app import run_config_flag

@@ -32,8 +32,6 @@ from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, MomentView,
 
 from fedgalore_testing.flower import SecAggGrid, _task_identity  # noqa: E402,F401
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 @pytest.fixture(autouse=True)
 def _tmp_cache(tmp_path, monkeypatch):

@@ -80,7 +80,6 @@ output: {dir: RUNS, progress: quiet}
 
 
 # ----------------------------------------------------------------------------- config
-@pytest.mark.fast
 def test_natural_infers_num_clients(tmp_path):
     cfg = _cfg(tmp_path)
     assert cfg.federation.num_clients is None  # left out: inferred (not the default 20)
@@ -97,7 +96,6 @@ def test_natural_infers_num_clients(tmp_path):
         _cfg(tmp_path, client_test_fraction=1.0)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("federation, match", [
     ({"num_clients": 5}, r"federation.num_clients=5, but column 'site' has 3 distinct values \(east, north, south\)"),
     ({"partition": {"kind": "natural", "column": "one"}}, r"column='one' has a single value \('only'\)"),
@@ -127,7 +125,6 @@ def test_cli_errors_of_natural_partitions(tmp_path, capsys, site_task_registered
 
 
 # ----------------------------------------------------------------------------- the split
-@pytest.mark.fast
 def test_every_example_in_exactly_one_place_with_validation_and_hold_out(tmp_path):
     cfg = _cfg(tmp_path, validation_fraction=0.1, client_eval=True, client_test_fraction=0.25)
     task = _task()
@@ -152,7 +149,6 @@ def _same(a, b):
     return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.fast
 def test_partition_by_a_column_for_any_kind(tmp_path):
     task = _task()
     sites = task.partition_values("site")
@@ -234,7 +230,6 @@ def test_natural_run_with_client_eval(tmp_path, capsys, site_task_registered):
 
 
 # ----------------------------------------------------------------------------- comparisons and plans
-@pytest.mark.fast
 def test_compare_settings_of_the_new_kinds(tmp_path):
     from fedgalore.compare import plan_grid
 
@@ -251,7 +246,6 @@ def test_compare_settings_of_the_new_kinds(tmp_path):
                                        "fedavg_full-pathological1@site-s0", "fedavg_full-quantitypower2-s0"]
 
 
-@pytest.mark.fast
 def test_plan_uses_the_runs_split(tmp_path):
     from fedgalore.plan import _client_sizes
 
@@ -269,7 +263,6 @@ def _data_md_blocks(lang: str) -> list[str]:
     return [m.group(2) for m in re.finditer(r"```(\w*)\n(.*?)```", section, re.S) if m.group(1) == lang]
 
 
-@pytest.mark.fast
 def test_data_md_python_example_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (code,) = _data_md_blocks("python")
@@ -281,7 +274,6 @@ def test_data_md_python_example_runs(tmp_path, monkeypatch, capsys):
         "client_names"] == ["clinic-a", "clinic-b", "clinic-c"]
 
 
-@pytest.mark.fast
 def test_data_md_yaml_examples_are_valid_configs(tmp_path):
     from omegaconf import OmegaConf
 

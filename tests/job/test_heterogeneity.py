@@ -21,7 +21,6 @@ def _hist(labels: np.ndarray, parts, k: int) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------- label side
-@pytest.mark.fast
 def test_label_tv_by_hand():
     h = np.array([[3, 1, 0],   # p = (.75, .25, 0)
                   [1, 3, 0],   # p = (.25, .75, 0)
@@ -36,7 +35,6 @@ def test_label_tv_by_hand():
     assert label_tv(np.array([[3, 0], [0, 7]])) == pytest.approx([0.7, 0.3], abs=1e-12)  # disjoint clients
 
 
-@pytest.mark.fast
 def test_label_tv_iid_is_what_an_iid_split_reads():
     rng = np.random.default_rng(0)
     k = 4
@@ -88,7 +86,6 @@ def _expected_shift(sizes, shift, d, site):
     return float(np.linalg.norm(means[site] - pool) / np.sqrt(tr))
 
 
-@pytest.mark.fast
 def test_feature_shift_recovers_a_known_shift():
     d, sizes = 24, [100, 2500, 1800, 3000, 600]
     x, sites, delta = _gaussian_sites(sizes, d=d)
@@ -106,7 +103,6 @@ def test_feature_shift_recovers_a_known_shift():
     assert np.all(capped[1:] < 0.12)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("cap", [None, 64])
 def test_feature_shift_of_an_iid_split_is_near_zero(cap):
     sizes = [40, 900, 150, 2000, 75, 400]  # unequal on purpose: the (1/n_i - 1/N) term removes the floor
@@ -123,7 +119,6 @@ def test_feature_shift_of_an_iid_split_is_near_zero(cap):
     assert raw > 0.1
 
 
-@pytest.mark.fast
 def test_feature_shift_formula_as_written():
     """sizes=None (or sizes = the sampled counts) is the docstring's formula, term by term."""
     rng = np.random.default_rng(2)
@@ -140,7 +135,6 @@ def test_feature_shift_formula_as_written():
         feature_shift(x, sites[:-1])
 
 
-@pytest.mark.fast
 def test_site_sample_is_the_same_rule_for_every_client():
     parts = [np.arange(0, 10), np.arange(10, 200), np.arange(200, 264)]
     picks = site_sample(parts, 64, seed=3)
@@ -174,7 +168,6 @@ def het_yaml(tmp_path):
     return path
 
 
-@pytest.mark.fast
 def test_partition_command_reports_heterogeneity(het_yaml, tmp_path, capsys):
     found = {}
     for setting in ("dirichlet", "iid"):
@@ -220,7 +213,6 @@ def test_partition_command_reports_heterogeneity(het_yaml, tmp_path, capsys):
     assert rec["heterogeneity"]["feature"]["examples"] == sum(min(8, n) for n in rec["sizes"]) < 48  # a client holds < 8
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("value", ["0", "-3", "many", "1.5"])
 def test_bad_feature_examples_is_one_line(het_yaml, capsys, value):
     line = _error(capsys, ["partition", "--config", str(het_yaml), "--feature-examples", value])
@@ -245,7 +237,6 @@ class _NoHiddenStates(TinyTextTask):
         return Bag()
 
 
-@pytest.mark.fast
 def test_a_model_without_hidden_states_skips_the_feature_side(het_yaml, tmp_path):
     from fedgalore.job.config import load_config
     from fedgalore.job.partition_files import format_partition, preview_partition
@@ -263,7 +254,6 @@ def test_a_model_without_hidden_states_skips_the_feature_side(het_yaml, tmp_path
     assert (d / "partition.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.fast
 def test_runs_record_the_label_side_and_the_figure_draws_it(tmp_path):
     """partition_record (what every run writes) has the label side only; the figure gains the
     heterogeneity panel, and a record written before it existed still draws."""

@@ -13,8 +13,6 @@ from fedgalore.tasks.base import stratified_split, subset_examples
 
 from fedgalore_testing.runs import tiny_cfg
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 def test_stratified_split_keeps_the_label_mix_and_is_seeded():
     labels = np.repeat([0, 1, 2], [50, 30, 20])

@@ -51,7 +51,6 @@ def test_nine_methods_match_the_recording(here):
                        f"checked on {here['cpu_capability']}); after a deliberate change: {RECORD}\n" + "\n".join(diffs[:20]))
 
 
-@pytest.mark.fast
 def test_the_recording_is_made_with_the_kernels_forced_down():
     expected = json.loads(GOLDEN.read_text())
     assert expected["cpu_capability"] == "DEFAULT" and expected["env"] == ce.LOW_ISA_ENV, (
@@ -115,7 +114,6 @@ def test_a_changed_weight_decay_constant_fails_the_check(here, monkeypatch):
     assert ce.compare({"methods": {"fedgalore": here["methods"]["fedgalore"]}}, got)
 
 
-@pytest.mark.fast
 def test_close_is_relative_with_an_absolute_floor():
     assert ce.close(1.0, 1.0 + 0.9e-3) and not ce.close(1.0, 1.0 + 1.2e-3)
     assert ce.close(0.0, 0.9e-5) and not ce.close(0.0, 1.1e-5)

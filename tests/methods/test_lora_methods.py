@@ -19,7 +19,6 @@ from fedgalore.protocol.train_config import TrainConfig
 from fedgalore.tasks.base import resolve_target_modules
 from fedgalore.tasks.synthetic import TinyTextTask
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 NAMES = ["fedit", "ffa_lora", "flora", "fr_lora", "lora_fair"]
 M, N, R = 6, 5, 2  # one adapted matrix W (M×N), rank R

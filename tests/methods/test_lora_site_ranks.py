@@ -15,7 +15,6 @@ from fedgalore.protocol.train_config import TrainConfig
 from fedgalore.tasks.base import resolve_target_modules
 from fedgalore.tasks.synthetic import TinyTextTask
 
-pytestmark = pytest.mark.fast
 
 RANKS = [2, 4, 8]
 SITE_METHODS = ["flora", "flexlora", "hetlora"]

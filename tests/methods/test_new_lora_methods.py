@@ -23,7 +23,6 @@ from fedgalore.protocol.train_config import TrainConfig
 from fedgalore.tasks.base import resolve_target_modules
 from fedgalore.tasks.synthetic import TinyTextTask
 
-pytestmark = pytest.mark.fast
 
 NAMES = ["fedex_lora", "fedsa_lora", "fed_sb", "flexlora", "hetlora"]
 M, N, R = 7, 6, 2

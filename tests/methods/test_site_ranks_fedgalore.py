@@ -19,7 +19,6 @@ from fedgalore.sync.moments import nested_views
 from fedgalore.typed import ConfigError
 from fedgalore_testing.runs import tiny_cfg
 
-pytestmark = pytest.mark.fast
 RANKS = (2, 4, 8, 16)
 
 

@@ -23,7 +23,6 @@ from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, Seeded
 
 from fedgalore_testing.runs import tiny_cfg
 
-pytestmark = pytest.mark.fast
 
 TWO_EPOCHS = {"lr": 1e-2, "batch_size": 16, "local_epochs": 2, "weight_decay": 0.01}
 

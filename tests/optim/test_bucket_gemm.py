@@ -131,7 +131,6 @@ def test_low_precision_weights_keep_their_path(counted):
         assert pa.dtype == pb.dtype and _close(pa, pb)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_a_nonfinite_matrix_of_a_stacked_bucket(bad):
     """Under ``skip`` only the bad matrix misses its step (the other of its bucket steps as
@@ -149,7 +148,6 @@ def test_a_nonfinite_matrix_of_a_stacked_bucket(bad):
         _run(_opt(c, "stacked"), c, 3, bad={(1, 2): bad})
 
 
-@pytest.mark.fast
 def test_unknown_bucket_gemm_is_refused():
     with pytest.raises(ValueError, match="bucket_gemm"):
         _opt(_params(), "bmm")

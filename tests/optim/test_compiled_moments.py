@@ -9,7 +9,6 @@ import torch
 
 from fedgalore.optim import GaLoreAdamW
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 torch_dynamo = pytest.importorskip("torch._dynamo.testing")
 

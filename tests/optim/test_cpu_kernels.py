@@ -170,7 +170,6 @@ def test_built_once_into_the_cache_folder(tmp_path):
     assert libs[0].stat().st_mtime_ns == stamp and len(list((tmp_path / "cache" / "kernels").iterdir())) == 1
 
 
-@pytest.mark.fast
 @needs_kernels
 @pytest.mark.parametrize("rows,cols,weight", [(40, 8, "col"), (8, 45, "row"), (3, 5, None), (17, 16, "col")])
 @pytest.mark.parametrize("b1", [0.9, 0.3])
@@ -203,7 +202,6 @@ def test_adam_moments_follow_torchs_formulas_and_refuse_nonfinite(rows, cols, we
         assert all(torch.equal(a, b) for a, b in zip(before, [m, v, cv] + ([] if w8 is None else [w8])))
 
 
-@pytest.mark.fast
 @needs_kernels
 @pytest.mark.parametrize("rows,cols,weight", [(40, 8, "col"), (8, 45, "row"), (17, 16, "col")])
 def test_adam_moments_cold_cap_follows_the_optimizer(rows, cols, weight):

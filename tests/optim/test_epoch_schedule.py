@@ -20,8 +20,6 @@ from fedgalore.protocol.payload import LowRank, SeededLowRank
 
 from fedgalore_testing.runs import tiny_cfg
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 @pytest.mark.parametrize("n,b,k,epochs,total,expect", [
     (36, 16, 1, 1.0, 5, 3),    # E = 2 over 36 examples: batches start at 0, 16, 32 | 48, 64: step 3 is the first of epoch 2

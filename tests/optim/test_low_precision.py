@@ -21,7 +21,6 @@ from fedgalore.protocol.train_config import TrainConfig
 from fedgalore.tasks.base import resolve_target_modules
 from fedgalore.tasks.synthetic import TinyTextTask
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 

@@ -26,7 +26,6 @@ def _gen(seed: int) -> torch.Generator:
 
 
 # ----------------------------------------------------------------------------- basis_seed
-@pytest.mark.fast
 def test_basis_seed_is_stable_and_in_range():
     # Golden values: a change here changes every seeded basis ever exported.
     assert basis_seed(0, "w", 0) == 5397803624892104648
@@ -38,7 +37,6 @@ def test_basis_seed_is_stable_and_in_range():
     assert all(0 <= s < 2**63 for s in seeds)
 
 
-@pytest.mark.fast
 def test_basis_seed_rejects_bad_arguments():
     with pytest.raises(ValueError):
         basis_seed(0, "w", -1)
@@ -47,7 +45,6 @@ def test_basis_seed_rejects_bad_arguments():
 
 
 # ----------------------------------------------------------------------------- seeded_basis
-@pytest.mark.fast
 @pytest.mark.parametrize("side,m,n,r", [("right", 48, 40, 6), ("left", 30, 70, 5), ("right", 16, 16, 16)])
 def test_seeded_basis_orthonormal_shape_dtype(side, m, n, r):
     p = seeded_basis(123, m, n, r, side)
@@ -61,7 +58,6 @@ def test_seeded_basis_orthonormal_shape_dtype(side, m, n, r):
     assert torch.allclose(gram, torch.eye(r, dtype=torch.float64), atol=1e-5)
 
 
-@pytest.mark.fast
 def test_seeded_basis_is_the_documented_haar_recipe():
     z = torch.randn(40, 6, generator=_gen(99), dtype=torch.float64)
     q, r = torch.linalg.qr(z)
@@ -72,7 +68,6 @@ def test_seeded_basis_is_the_documented_haar_recipe():
     assert bool((torch.diagonal(q.T @ z) > 0).all())
 
 
-@pytest.mark.fast
 def test_seeded_basis_same_seed_same_bits_and_different_seeds_differ():
     a = seeded_basis(basis_seed(5, "w", 0), 64, 32, 4, "right")
     b = seeded_basis(basis_seed(5, "w", 0), 64, 32, 4, "right")
@@ -85,7 +80,6 @@ def test_seeded_basis_same_seed_same_bits_and_different_seeds_differ():
         assert (a @ c.T).pow(2).sum().item() < 3.0
 
 
-@pytest.mark.fast
 def test_seeded_basis_uses_local_cpu_generator_only():
     torch_state = torch.get_rng_state()
     seeded_basis(1, 20, 30, 3, "left")
@@ -97,7 +91,6 @@ def test_seeded_basis_uses_local_cpu_generator_only():
         assert torch.equal(torch.cuda.get_rng_state(), cuda_state)
 
 
-@pytest.mark.fast
 def test_seeded_basis_rejects_bad_rank_and_side():
     with pytest.raises(ValueError):
         seeded_basis(0, 10, 5, 6, "right")
@@ -108,7 +101,6 @@ def test_seeded_basis_rejects_bad_rank_and_side():
 
 
 # ----------------------------------------------------------------------------- orientation
-@pytest.mark.fast
 def test_resolve_side_table():
     assert resolve_side((64, 32), "std") == "right"
     assert resolve_side((32, 32), "std") == "right"
@@ -130,7 +122,6 @@ def _low_rank_plus_noise(m: int, n: int, k: int, seed: int) -> torch.Tensor:
     return (u * s) @ v.T + 0.01 * torch.randn(m, n, generator=g)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_svd_basis_captures_top_singular_subspace(side):
     a = _low_rank_plus_noise(60, 40, 4, 1)
@@ -144,7 +135,6 @@ def test_svd_basis_captures_top_singular_subspace(side):
     assert torch.allclose(pp, rr, atol=1e-4)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_rsvd_basis_matches_svd_subspace_and_is_deterministic(side):
     a = _low_rank_plus_noise(80, 50, 4, 2)
@@ -164,7 +154,6 @@ def test_rsvd_basis_matches_svd_subspace_and_is_deterministic(side):
 
 
 # ----------------------------------------------------------------------------- change of basis
-@pytest.mark.fast
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_change_of_basis_preserves_component_in_new_span(side):
     m, n, r = 24, 18, 5
@@ -181,7 +170,6 @@ def test_change_of_basis_preserves_component_in_new_span(side):
     assert torch.allclose(c_same, torch.eye(r), atol=1e-5)
 
 
-@pytest.mark.fast
 def test_seeded_basis_cache_hands_out_copies_and_stays_within_its_budget(monkeypatch):
     """The per-process LRU cache of seeded bases: a hit returns the same bits as a fresh draw, a
     caller that writes into its basis does not change the next caller's, and the cache never

@@ -36,7 +36,6 @@ from fedgalore_testing.runs import cdp_cfg, killed_and_resumed, strip_times  # n
 
 
 # ----------------------------------------------------------------------------- accounting
-@pytest.mark.fast
 def test_epsilon_without_sampling_is_the_composed_gaussian():
     """K = M: R rounds of the Gaussian mechanism with multiplier σ/2 (replace-one): RDP α·R/(2(σ/2)²),
     converted by the same (Balle et al. 2020) rule dp-accounting uses."""
@@ -51,7 +50,6 @@ def test_epsilon_without_sampling_is_the_composed_gaussian():
     assert client_epsilon([(sigma, 6, 4), (sigma, 6, 6)], 6, delta) == pytest.approx(ours, rel=1e-9)  # composition
 
 
-@pytest.mark.fast
 def test_sampling_amplifies_and_releases_compose():
     one = client_epsilon([(1.0, 6, 5)], 6, 1e-5)
     half = client_epsilon([(1.0, 3, 5)], 6, 1e-5)
@@ -87,7 +85,6 @@ def _upload(scale: float) -> tuple[Payload, Payload]:
     return bcast, up
 
 
-@pytest.mark.fast
 def test_a_site_scaled_1000x_releases_a_change_of_norm_clip():
     bcast, up = _upload(1000.0)
     refs, changes, stats = clip_upload(up, lambda k: bcast.entries.get(k), clip=0.5, moment_clip=None)
@@ -104,7 +101,6 @@ def test_a_site_scaled_1000x_releases_a_change_of_norm_clip():
     assert torch.allclose(add_noise(small, refs, changes, lambda s, shape: None)["head"].tensor, small["head"].tensor)
 
 
-@pytest.mark.fast
 def test_central_noise_is_one_draw_on_the_sum():
     k, std = 4, 0.3
     changes = [{("w", "tensor"): torch.zeros(20000)} for _ in range(k)]
@@ -116,7 +112,6 @@ def test_central_noise_is_one_draw_on_the_sum():
     assert float(z.std()) == pytest.approx(std, rel=0.03)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("method,individual", [("fedavg_full", False), ("flora", True)])
 def test_distributed_noise_per_client(tmp_path, method, individual):
     """Each client's share: σC/√K on a method whose A is a mean (the K shares sum to σC), σC on one
@@ -154,7 +149,6 @@ def test_every_method_runs_under_client_dp(tmp_path, method):
     assert not any("loss_mean" in r for r in clients)  # withheld
 
 
-@pytest.mark.fast
 def test_the_global_model_moves_at_most_clip_per_round(tmp_path):
     """Noise 0 (clipping only): whatever the local training (lr ×1000 here), the uniform mean of
     clipped changes moves the global model by at most C."""
@@ -171,7 +165,6 @@ def test_the_global_model_moves_at_most_clip_per_round(tmp_path):
     assert 0.01 < moved <= 0.05 + 1e-6
 
 
-@pytest.mark.fast
 def test_fedgalore_refuses_data_driven_bases(tmp_path, capsys):
     with pytest.raises(ConfigError, match="projector: random"):
         fedgalore.run(cdp_cfg(tmp_path, "fedgalore", method_options={}))
@@ -272,7 +265,6 @@ def test_adaptive_clipping_follows_the_norm_quantile(tmp_path):
     assert float(torch.tensor(bits).std()) == pytest.approx(2.0 / math.sqrt(3), rel=0.1)
 
 
-@pytest.mark.fast
 def test_adaptive_clipping_bad_input(tmp_path):
     with pytest.raises(ConfigError, match="count_noise_multiplier=0.4 must exceed σ/2 = 1"):
         cdp_cfg(tmp_path, noise_multiplier=2.0, adaptive_clipping={"count_noise_multiplier": 0.4})
@@ -282,7 +274,6 @@ def test_adaptive_clipping_bad_input(tmp_path):
         cdp_cfg(tmp_path, noise_multiplier=0.0, adaptive_clipping={})
 
 
-@pytest.mark.fast
 def test_the_round_line_shows_the_federations_epsilon():
     from fedgalore.progress import _train_loss
 

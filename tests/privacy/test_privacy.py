@@ -78,7 +78,6 @@ def test_accounting_edges_and_calibration():
     assert every.epsilon_every_round(RecordPrivacy(target_epsilon=3.0, calibration="every_round")) <= 3.0
 
 
-@pytest.mark.fast
 def test_poisson_sampling_rate_and_micro_batches():
     draws = poisson_steps(200, 0.1, 300, 2, seed=3)
     assert len(draws) == 600  # steps x micro-batches
@@ -122,7 +121,6 @@ def _per_example_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> di
     return vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
 
 
-@pytest.mark.fast
 def test_clipping_is_real_on_the_training_step():
     """An example whose gradient is ×1000 moves the privatised gradient by at most C/(q·n), and the
     step's gradient is exactly Σ_i clip_C(g_i) / (q·n) (noise 0, so the clip is what is seen)."""
@@ -153,7 +151,6 @@ def test_clipping_is_real_on_the_training_step():
     assert (outlier - clean).norm() * q * n <= 2 * C + 1e-5  # only example 3 changed: the sums differ by ≤ 2C
 
 
-@pytest.mark.fast
 def test_noise_is_added_with_the_stated_scale():
     """σ C / (q n) per coordinate: the privatised gradient of a zero-gradient model is pure noise."""
     model = nn.Linear(50, 40, bias=False)
@@ -168,7 +165,6 @@ def test_noise_is_added_with_the_stated_scale():
     assert g.std().item() == pytest.approx(2.0 * 3.0 / 5.0, rel=0.05)
 
 
-@pytest.mark.fast
 def test_empty_poisson_draw_still_steps_with_noise():
     model = nn.Linear(4, 2)
     loss_fn = lambda m, b: nn.functional.mse_loss(m(b["x"]), b["y"])  # noqa: E731
@@ -180,7 +176,6 @@ def test_empty_poisson_draw_still_steps_with_noise():
     assert stats["dp_steps"] == 2 and len(opt.seen) == 2 and opt.seen[0][0].abs().sum() > 0  # noise only
 
 
-@pytest.mark.fast
 def test_galore_sees_only_the_privatised_gradient(monkeypatch):
     """Everything GaLoreAdamW derives from the gradient — the RSVD projector, both moments, the
     update record — comes from the privatised gradient: its step and its projector refresh read
@@ -352,7 +347,6 @@ def test_report_model_card_and_plan_state_the_privacy(tmp_path, capsys):
     assert "Privacy (every method): none — nothing was protected." in capsys.readouterr().out
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("override, message", [
     ("privacy.record.delta=0.1", "privacy.record.delta=0.1 must be below 1/n ="),
     ("privacy.record.max_grad_norm=0", "privacy.record.max_grad_norm=0 must be a positive number"),
@@ -377,7 +371,6 @@ privacy: {{record: {{max_grad_norm: 1.0, noise_multiplier: 0.0}}}}
     assert not runs.exists() or not any((d / "checkpoints").exists() for d in runs.iterdir())  # nothing written
 
 
-@pytest.mark.fast
 def test_a_model_opacus_cannot_make_private_is_refused(tmp_path):
     """A trainable BatchNorm (its batch statistics mix examples): one line naming the layer."""
     from fedgalore.tasks.synthetic import TinyTextTask
@@ -410,7 +403,6 @@ def test_resume_continues_the_accountant(tmp_path):
     assert [h["dp_epsilon"] for h in strip_times(resumed.history)] == [r["epsilon_max"] for r in a["rounds"]]
 
 
-@pytest.mark.fast
 def test_cached_rdp_is_opacus_rdp_accountant():
     from opacus.accountants import RDPAccountant
 
@@ -420,7 +412,6 @@ def test_cached_rdp_is_opacus_rdp_accountant():
     assert epsilon(hist, 1e-5) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
 
 
-@pytest.mark.fast
 def test_docs_yaml_is_a_valid_config():
     """docs/privacy.md's and README's YAML, added to the default pipeline, load as written."""
     import re
@@ -490,7 +481,6 @@ def test_docs_privacy_commands_run_as_written(tmp_path, monkeypatch, capsys):
     assert doc["client"]["mechanism"]["moments"].startswith("not released: FedGaLore's v̄ is built from the noised aggregate")
 
 
-@pytest.mark.fast
 def test_wrap_problem_names_trainable_buffers_and_frozen_batchnorm():
     from fedgalore.privacy.dpsgd import wrap_problem
 
@@ -527,7 +517,6 @@ def test_target_epsilon_is_spent_over_every_round(tmp_path):
         assert site["num_examples"] == 32 and site["noise_multiplier"] == sch.noise_multiplier
 
 
-@pytest.mark.fast
 def test_extension_secure_mode_and_release_metrics():
     from fedgalore.records.rundir import extension_problem
 

@@ -50,7 +50,6 @@ def _zero_upload(n: int = 20000) -> Payload:
 
 
 # ----------------------------------------------------------------------------- randomness
-@pytest.mark.fast
 @pytest.mark.parametrize("reproducible", [False, True])
 def test_two_runs_of_one_seed_draw_different_samples_and_noise(tmp_path, reproducible):
     """Default: two processes of one config (same seed, round, client) draw different Poisson
@@ -72,7 +71,6 @@ def test_two_runs_of_one_seed_draw_different_samples_and_noise(tmp_path, reprodu
     assert float(d1.std()) == pytest.approx(1.0 * 0.5 / math.sqrt(3), rel=0.05)  # the same distribution either way
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("reproducible", [False, True])
 def test_a_regenerating_adversary_cannot_remove_the_noise(tmp_path, reproducible):
     """The server holds the config: it regenerates the seeded stream of client 1's distributed
@@ -99,7 +97,6 @@ def _run_doc(cfg: FederatedConfig, **kw) -> dict:
     return json.loads((res.run_dir / "privacy.json").read_text())
 
 
-@pytest.mark.fast
 def test_a_deployment_refuses_reproducible_noise(tmp_path):
     class Deployed(SequentialBackend):
         simulated = False
@@ -109,7 +106,6 @@ def test_a_deployment_refuses_reproducible_noise(tmp_path):
     assert str(exc.value) == REPRODUCIBLE_REFUSED and "\n" not in REPRODUCIBLE_REFUSED
 
 
-@pytest.mark.fast
 def test_secure_mode_key_is_gone_with_one_line(tmp_path):
     d = {"name": "t", "task": {"name": "tiny_text"}, "federation": {"num_clients": 2},
          "privacy": {"record": {"noise_multiplier": 1.0, "secure_mode": True}}}
@@ -120,7 +116,6 @@ def test_secure_mode_key_is_gone_with_one_line(tmp_path):
 
 
 # ----------------------------------------------------------------------------- nothing raw
-@pytest.mark.fast
 @pytest.mark.parametrize("over, key", [({"federation": {"max_update_norm": 1.0}}, "federation.max_update_norm"),
                                        ({"method": "fedgalore", "weight_decay": 0.01}, "train.weight_decay")])
 def test_rules_that_read_raw_uploads_are_refused(tmp_path, over, key):
@@ -146,7 +141,6 @@ class _Spy(SequentialBackend):
         return out
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("noise", ["central", "distributed"])
 def test_privacy_json_lists_every_field_a_real_upload_carries(tmp_path, noise):
     spy = _Spy()

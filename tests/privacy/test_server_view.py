@@ -105,7 +105,6 @@ def _cfg_of(run_dir: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------- the declaration
-@pytest.mark.fast
 def test_the_docs_table_is_generated_from_the_declaration():
     """docs/privacy.md's table of the server's view is :func:`threat_table`'s output, verbatim."""
     doc = (REPO / "docs" / "privacy.md").read_text()
@@ -114,7 +113,6 @@ def test_the_docs_table_is_generated_from_the_declaration():
     assert m.group(1) == threat_table(), "regenerate it: python -m fedgalore.privacy.view"
 
 
-@pytest.mark.fast
 def test_every_level_declares_less_as_it_protects_more():
     from types import SimpleNamespace as NS
 

@@ -23,7 +23,6 @@ def demo_argv() -> list[str]:
     return argv[argv.index("compare"):]
 
 
-@pytest.mark.fast
 def test_demo_rates_are_the_probed_rates() -> None:
     """conf/demo_rates.yaml holds each demo method's probed rate; when a probe is re-run (e.g. after
     FedGaLore's state synchronisation changes) this fails until the demo's rates follow."""
@@ -70,7 +69,6 @@ def test_make_demo_command_prints_budget_and_rates(tmp_path, monkeypatch, capsys
     assert (tmp_path / "runs" / "demo" / "runs" / "fedit-dirichlet0.5-s1" / "summary.json").is_file()
 
 
-@pytest.mark.fast
 def test_readme_demo_table_states_the_demos_budget_and_rates() -> None:
     """The line under the README's demo table is the one `make demo` prints for its budget and rates."""
     from fedgalore.cli import _load_config

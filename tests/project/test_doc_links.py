@@ -11,7 +11,6 @@ import pytest
 
 from fedgalore_testing import REPO
 
-pytestmark = pytest.mark.fast
 
 DOCS = ["README.md", "CHANGELOG.md", "benchmarks/RESULTS.md", *sorted(str(p.relative_to(REPO)) for p in REPO.glob("docs/*.md"))]
 

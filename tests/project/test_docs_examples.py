@@ -30,7 +30,6 @@ from fedgalore_testing.docs import _tiny, blocks, commands, kind
 DOCS = ["README.md", "docs/cli.md", "docs/scale-out.md", "examples/flower/README.md", "docs/remedies.md"]
 
 
-@pytest.mark.fast
 def test_every_documented_command_is_covered() -> None:
     found = {doc: commands(doc) for doc in DOCS}
     assert sum(len(c) for c in found.values()) > 40
@@ -38,7 +37,6 @@ def test_every_documented_command_is_covered() -> None:
     assert not uncovered, f"documented commands without a test rule: {uncovered}"
 
 
-@pytest.mark.fast
 def test_static_examples_hold() -> None:
     """Environment commands: the venv's activate script, the pip extras, the Flower example folder;
     no reference to a DESIGN.md outside the repository or to a `fedgalore resume` command."""
@@ -59,7 +57,6 @@ def test_static_examples_hold() -> None:
         assert "DESIGN.md" not in path.read_text(), path
 
 
-@pytest.mark.fast
 def test_long_studies_exist(capsys) -> None:
     """`fedgalore repro NAME` / `fedgalore bench NAME ...` (hours) name real experiments and benchmarks."""
     assert main(["repro", "--list"]) == 0
@@ -201,7 +198,6 @@ def test_readme_own_data_as_written(tmp_path, monkeypatch, capsys) -> None:
     assert len(Path("predictions.jsonl").read_text().splitlines()) == 60
 
 
-@pytest.mark.fast
 def test_cli_md_option_examples(tmp_path) -> None:
     """docs/cli.md's method-options file and `compare:` section plan a valid grid."""
     from fedgalore.cli import _load_config, _read_method_options

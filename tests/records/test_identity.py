@@ -19,7 +19,6 @@ from fedgalore.tasks import fingerprint
 from fedgalore.tasks.fingerprint import data_fingerprint, fingerprint_path
 from fedgalore.tasks.synthetic import TinyTextTask
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 TINY = """\
 name: idt

@@ -29,7 +29,6 @@ def _dead_pid() -> int:
 
 
 # ----------------------------------------------------------------------------- the lock
-@pytest.mark.fast
 def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
     run_dir = tmp_path / "r"
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -52,7 +51,6 @@ def test_lock_refuses_a_live_holder_and_takes_over_a_dead_one(tmp_path):
     assert (run_dir / LOCK_FILE).is_file()
 
 
-@pytest.mark.fast
 def test_heartbeat_rewrites_the_summary_between_rounds(tmp_path):
     written: list[dict] = []
     hb = Heartbeat(written.append, interval=0.05)
@@ -105,7 +103,6 @@ def test_summary_is_current_every_round_and_a_failure_is_recorded(tmp_path):
     assert fedgalore.resume(d).summary["status"] == "finished"
 
 
-@pytest.mark.fast
 def test_a_live_run_without_checkpoint_is_not_called_stopped(tmp_path, capsys):
     """export / evaluate before the first checkpoint of a live run: "live, no checkpoint yet", not
     "continue it with --resume" (which would start a second process on it)."""
@@ -218,7 +215,6 @@ def test_sigterm_stops_the_run_cleanly_as_interrupted(tmp_path):
     assert run_state(run_dir).verdict().startswith(f"{run_dir}: interrupted by SIGTERM after ")
 
 
-@pytest.mark.fast
 def test_a_lock_left_by_a_killed_resume_reads_as_dead(tmp_path, capsys):
     """A resume killed while it loaded leaves its lock and the summary of the stop before it: status
     says the holder is gone, not just "interrupted"."""

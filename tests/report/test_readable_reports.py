@@ -9,14 +9,12 @@ import json
 import os
 from pathlib import Path
 
-import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from fedgalore.report import build_report, find_runs
 from fedgalore.report import tables as T
 from fedgalore_testing.reports import _md_row, write_run
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 SITES = ["Lakeview Clinic North", "prescription_refill_requests", "St. Mary's Hospital"]
 

@@ -11,8 +11,6 @@ from fedgalore.report import ReportError, build_report, find_runs, load_run
 from fedgalore.report import tables as T
 from fedgalore_testing.reports import LABELS, _md_row, write_run
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 # accuracy (final) per method / setting / seed
 GRID = {

@@ -48,7 +48,6 @@ def _factored_blocks(seed=0, m=100, dims=(30, 45), rank=8, dtype=torch.float64):
 
 
 # ----------------------------------------------------------------------------- vs mvlearn
-@pytest.mark.fast
 def test_matches_mvlearn_fixed_ranks():
     mv_mod = pytest.importorskip("mvlearn.decomposition")
     xs = _blocks()
@@ -67,7 +66,6 @@ def test_matches_mvlearn_fixed_ranks():
     np.testing.assert_allclose(u @ u.T, um @ um.T, atol=1e-10)
 
 
-@pytest.mark.fast
 def test_matches_mvlearn_elbow_ranks():
     mv_mod = pytest.importorskip("mvlearn.decomposition")
     xs = _blocks(seed=1)
@@ -77,7 +75,6 @@ def test_matches_mvlearn_elbow_ranks():
     np.testing.assert_allclose(res.sv_thresholds, mv.sv_thresholds_, rtol=1e-10)
 
 
-@pytest.mark.fast
 def test_matches_mvlearn_estimated_joint_rank():
     """Random bounds: same joint rank; cutoffs agree to Monte-Carlo accuracy (different RNGs)."""
     mv_mod = pytest.importorskip("mvlearn.decomposition")
@@ -107,7 +104,6 @@ def _identifiability_case():
     return [view([a], [10.0], 20), view([a, c, e], [10.0, 6.0, 5.0], 25), view([a, c, e], [9.0, 6.5, 5.5], 30)]
 
 
-@pytest.mark.fast
 def test_identifiability_drops_every_failing_component():
     xs = _identifiability_case()
     res = ajive(xs, init_signal_ranks=[1, 3, 3], joint_rank=3, center=False)
@@ -120,7 +116,6 @@ def test_identifiability_drops_every_failing_component():
     assert fail.tolist() == [False, True, True]
 
 
-@pytest.mark.fast
 def test_identifiability_mvlearn_bug_documented():
     mv_mod = pytest.importorskip("mvlearn.decomposition")
     xs = _identifiability_case()
@@ -130,7 +125,6 @@ def test_identifiability_mvlearn_bug_documented():
 
 
 # ----------------------------------------------------------------------------- factored == dense
-@pytest.mark.fast
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 1e-5)])
 def test_factored_equals_dense_fixed_ranks(dtype, tol):
     fs = _factored_blocks(dtype=dtype)
@@ -148,7 +142,6 @@ def test_factored_equals_dense_fixed_ranks(dtype, tol):
         assert _rel(b.means[k], a.means[k]) < tol
 
 
-@pytest.mark.fast
 def test_factored_equals_dense_estimated_ranks_same_seed():
     fs = _factored_blocks(seed=3)
     dense = [_dense(f) for f in fs]
@@ -162,7 +155,6 @@ def test_factored_equals_dense_estimated_ranks_same_seed():
         assert _rel(b.joint[k], a.joint[k]) < 1e-8
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 1e-4)])
 def test_iterative_joint_svd_matches_exact(dtype, tol):
     """Many views (Σ r_k ≥ 256): the subspace-iteration SVD of M gives the exact joint part."""
@@ -180,7 +172,6 @@ def test_iterative_joint_svd_matches_exact(dtype, tol):
         assert _rel(b.joint[i], a.joint[i]) < tol
 
 
-@pytest.mark.fast
 def test_decomposition_adds_up():
     xs = [torch.tensor(x) for x in _blocks(seed=4)]
     res = ajive(xs, init_signal_ranks=5, joint_rank=2)
@@ -194,7 +185,6 @@ def test_decomposition_adds_up():
         assert _rel(recon, _dense(f)) < 1e-10
 
 
-@pytest.mark.fast
 def test_thin_svd_factored_matches_dense():
     f = _factored_blocks()[0]
     u, s, v = thin_svd_factored(f.left, f.core, f.right)
@@ -204,7 +194,6 @@ def test_thin_svd_factored_matches_dense():
     assert _rel((u * s) @ v.T, _dense(f)) < 1e-12
 
 
-@pytest.mark.fast
 def test_truncated_path_matches_full_on_gapped_data():
     xs = [torch.tensor(x) for x in _blocks(seed=5, noise=0.05)]
     a = ajive(xs, init_signal_ranks=5, joint_rank=2, individual_ranks=[3, 3, 3], svd="full")
@@ -216,7 +205,6 @@ def test_truncated_path_matches_full_on_gapped_data():
 
 
 # ----------------------------------------------------------------------------- samplers
-@pytest.mark.fast
 def test_sample_project_distribution_matches_brute_force():
     """Our factored Wedin draws have the law of mvlearn's sample-project draws."""
     g = torch.Generator().manual_seed(0)
@@ -233,7 +221,6 @@ def test_sample_project_distribution_matches_brute_force():
         assert float(torch.quantile(ours, q)) == pytest.approx(float(torch.quantile(brute, q)), rel=0.03)
 
 
-@pytest.mark.fast
 def test_randdir_distribution_matches_brute_force():
     g = torch.Generator().manual_seed(1)
     m, ranks, n = 40, [3, 4, 2], 3000
@@ -244,7 +231,6 @@ def test_randdir_distribution_matches_brute_force():
         assert float(torch.quantile(ours, q)) == pytest.approx(float(torch.quantile(brute, q)), rel=0.02)
 
 
-@pytest.mark.fast
 def test_elbow_rank_on_clear_spectrum():
     sv = torch.tensor([50.0, 48, 47, 10, 9.5, 9, 1, 0.9, 0.8, 0.7])
     assert elbow_rank(sv, n_elbows=1) == 3
@@ -252,7 +238,6 @@ def test_elbow_rank_on_clear_spectrum():
 
 
 # ----------------------------------------------------------------------------- edge cases
-@pytest.mark.fast
 def test_randomness_is_local_and_seeded():
     xs = [torch.tensor(x) for x in _blocks(seed=6, n=60, dims=(15, 20))]
     torch_state, np_state = torch.random.get_rng_state(), np.random.get_state()[1].copy()
@@ -265,7 +250,6 @@ def test_randomness_is_local_and_seeded():
     assert not torch.equal(a.wedin_sv_samples, c.wedin_sv_samples)
 
 
-@pytest.mark.fast
 def test_errors():
     with pytest.raises(ValueError, match="at least one view"):
         ajive([])
@@ -280,7 +264,6 @@ def test_errors():
         ajive([x], svd="truncated")
 
 
-@pytest.mark.fast
 def test_zero_view_and_rank_caps():
     fs = _factored_blocks()
     zero = Factored(torch.zeros(100, 2, dtype=torch.float64), torch.eye(2, dtype=torch.float64), torch.zeros(30, 2, dtype=torch.float64))
@@ -303,7 +286,6 @@ def test_zero_view_and_rank_caps():
     assert r4.joint_rank <= 4
 
 
-@pytest.mark.fast
 def test_joint_rank_zero_and_single_view_and_no_centring():
     xs = [torch.tensor(x) for x in _blocks(seed=7)]
     res = ajive(xs, init_signal_ranks=5, joint_rank=0)

@@ -43,7 +43,6 @@ def _evidence_views(g, m=96, n=64, r=4):
     return view(1.0, 0.5), view(1.0, 0.5), view(100.0, 1e-6)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("batched", [False, True], ids=["per-matrix", "batched"])
 def test_a_view_without_evidence_cannot_move_the_joint_subspace(batched):
     g = torch.Generator().manual_seed(0)
@@ -58,7 +57,6 @@ def test_a_view_without_evidence_cannot_move_the_joint_subspace(batched):
                 _sync([v1, v2], [1, 1], "ajive", batched).state.moment) > 1.0
 
 
-@pytest.mark.fast
 def test_equal_evidence_is_the_published_algorithm():
     """Equal view weights are AJIVE as published: the state with evidence c on every view equals
     the state without evidence (paper mode), to float rounding."""
@@ -100,7 +98,6 @@ def _degenerate_cases(dtype, n_cases=40, seed=0):
     return out
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-9), (torch.float32, 2e-4)])
 def test_degenerate_views_give_the_pooled_mean_on_both_paths(dtype, tol):
     for views in _degenerate_cases(dtype):
@@ -115,7 +112,6 @@ def test_degenerate_views_give_the_pooled_mean_on_both_paths(dtype, tol):
         assert bat.diagnostics["ajive_fallback"] == ref.diagnostics["ajive_fallback"]
 
 
-@pytest.mark.fast
 def test_a_state_that_cannot_be_computed_falls_back_to_the_mean(monkeypatch):
     """A linear-algebra failure inside AJIVE (or a non-finite state) gives the evidence-pooled mean
     with ``ajive_fallback = 1``, never an exception or inf."""
@@ -134,7 +130,6 @@ def test_a_state_that_cannot_be_computed_falls_back_to_the_mean(monkeypatch):
     assert res.diagnostics["ajive_fallback"] == 1.0 and torch.equal(res.state.moment, mean)
 
 
-@pytest.mark.fast
 def test_joint_rank_auto_keeps_directions_every_view_shares():
     g = torch.Generator().manual_seed(3)
     m, n, r = 120, 64, 8

@@ -40,7 +40,6 @@ def _server_views(k=40, m=1500, d=300, r=16, dtype=torch.float32, seed=0):
     return [Factored((common + 0.3 * torch.rand(m, r, generator=g, dtype=torch.float64)).to(dtype), eye, p) for _ in range(k)]
 
 
-@pytest.mark.fast
 def test_fast_float32_path_matches_float64_exact_reference():
     views = _server_views()
     fast = ajive(views, init_signal_ranks=16, joint_rank=16, compute_individual=False, seed=1)  # packed, iterative
@@ -58,7 +57,6 @@ def test_fast_float32_path_matches_float64_exact_reference():
     assert float((fast_sum - ref_sum).norm() / ref_sum.norm()) < 1e-5
 
 
-@pytest.mark.fast
 def test_packed_and_unpacked_paths_agree():
     views = _server_views(k=30, m=800, d=200, r=12, dtype=torch.float64, seed=2)
     dense_last = views[:-1] + [_dense(views[-1])]  # one dense view: no packing, views concatenated
@@ -88,7 +86,6 @@ def _identifiability_factored():
     return [view([a], [10.0], 20), view([a, c, e], [10.0, 6.0, 5.0], 25), view([a, c, e], [9.0, 6.5, 5.5], 30)]
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("joint_svd", ["exact", "iterative"])
 def test_identifiability_with_reused_products_matches_direct_rule(joint_svd):
     fs = _identifiability_factored()
@@ -105,7 +102,6 @@ def test_identifiability_with_reused_products_matches_direct_rule(joint_svd):
         assert float((coef @ right.T - res.joint_scores.T @ _dense(f)).abs().max()) < 1e-10
 
 
-@pytest.mark.fast
 def test_subspace_iteration_stops_at_its_rounding_floor():
     views = _server_views(k=40, m=1500, d=300, r=16)
     st = [A._ViewState(v, True) for v in views]
@@ -121,7 +117,6 @@ def test_subspace_iteration_stops_at_its_rounding_floor():
     assert float((mtu.double() - mstack.double().T @ u).abs().max()) < 1e-5  # Mᵀu handed back is Mᵀu
 
 
-@pytest.mark.fast
 def test_all_finite_matches_isfinite():
     x = torch.rand(50, 7)
     assert A.all_finite(x) and A.all_finite(torch.empty(0, 3))

@@ -49,7 +49,6 @@ W = [1.0, 2.0, 3.0, 4.0]
 P = torch.tensor(W, dtype=torch.float64) / sum(W)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_mean_and_mean_svd_on_a_shared_basis_match_dense(side):
     views = _views(side=side)
@@ -68,7 +67,6 @@ def test_mean_and_mean_svd_on_a_shared_basis_match_dense(side):
     assert svd.diagnostics["joint_rank"] == 2
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_ajive_on_a_shared_basis_matches_dense_ajive(side):
     views = _views(side=side, seed=1)
@@ -85,7 +83,6 @@ def test_ajive_on_a_shared_basis_matches_dense_ajive(side):
     assert res.diagnostics["mismatch_after"] == pytest.approx(after, rel=1e-8)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_consensus_basis_and_views_moved_onto_it(side):
     """Views on different bases: B = top-r eigenvectors of Σ p_i P_iᵀP_i; every view moves onto
@@ -121,7 +118,6 @@ def test_consensus_basis_and_views_moved_onto_it(side):
     assert 0 < overlap < 1
 
 
-@pytest.mark.fast
 def test_consensus_sync_is_invariant_to_the_sign_of_client_basis_vectors():
     views = _views(shared=False, seed=3, weights=True)
     flipped = []
@@ -134,7 +130,6 @@ def test_consensus_sync_is_invariant_to_the_sign_of_client_basis_vectors():
     assert _rel(_full(b.state), _full(a.state)) < 1e-10
 
 
-@pytest.mark.fast
 def test_consensus_of_identical_bases_is_that_basis():
     g = torch.Generator().manual_seed(4)
     p0 = _basis(g, "right")
@@ -144,7 +139,6 @@ def test_consensus_of_identical_bases_is_that_basis():
         assert torch.allclose(b.T @ b, p0.T @ p0, atol=1e-12)  # the same subspace
 
 
-@pytest.mark.fast
 def test_joint_rank_auto_finds_a_planted_joint_rank():
     """Views of exactly rank r = 8 with a planted joint rank 2: the Wedin / random-direction
     estimate needs a residual spectrum, which the elbow-chosen signal ranks provide."""
@@ -165,7 +159,6 @@ def test_joint_rank_auto_finds_a_planted_joint_rank():
     assert fixed.diagnostics["joint_rank"] > 2
 
 
-@pytest.mark.fast
 def test_joint_rank_zero_is_mean_of_centring_means():
     views = _views(seed=6)
     dense = [_full(v) for v in views]
@@ -175,7 +168,6 @@ def test_joint_rank_zero_is_mean_of_centring_means():
     assert res.diagnostics["joint_rank"] == 0 and res.diagnostics["state_rank"] == 1
 
 
-@pytest.mark.fast
 def test_single_view_ajive_full_rank_reproduces_view():
     views = _views(k=1, seed=7)
     res = synchronize_moments(views, [1.0], "ajive")
@@ -183,7 +175,6 @@ def test_single_view_ajive_full_rank_reproduces_view():
     assert res.diagnostics["mismatch_before"] == 0.0
 
 
-@pytest.mark.fast
 def test_none_mode_and_errors():
     views = _views(seed=8)
     res = synchronize_moments(views, W, "none")
@@ -206,7 +197,6 @@ def test_none_mode_and_errors():
         synchronize_moments([MomentView(torch.zeros(M + 1, R), "right", (M, N), seed=1)], [1], "mean")
 
 
-@pytest.mark.fast
 def test_zero_view_and_too_large_rank():
     views = _views(seed=9)
     zero = MomentView(torch.zeros(M, R, dtype=torch.float64), "right", (M, N), basis=views[0].basis)
@@ -222,7 +212,6 @@ def test_zero_view_and_too_large_rank():
     assert big.diagnostics["joint_rank"] <= len(views) * R
 
 
-@pytest.mark.fast
 def test_float32_views():
     views = [MomentView(v.moment.float(), v.side, v.shape, basis=v.basis.float()) for v in _views(seed=10, shared=False)]
     res = synchronize_moments(views, W, "ajive", joint_rank=2)
@@ -231,7 +220,6 @@ def test_float32_views():
     assert _rel(_full(res.state), _full(res64.state)) < 1e-5
 
 
-@pytest.mark.fast
 def test_seeded_views_sync_on_their_seed_and_match_explicit_basis():
     """Views carrying only the round's seed (Algorithm 1 line 13) sync on that seeded basis and the
     state carries the seed, not the basis."""
@@ -247,7 +235,6 @@ def test_seeded_views_sync_on_their_seed_and_match_explicit_basis():
     assert a.diagnostics["mismatch_before"] == pytest.approx(b.diagnostics["mismatch_before"], rel=1e-6)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("mode", ["none", "mean", "ajive"])
 @pytest.mark.parametrize("orthonormal", [True, False])
 def test_closed_form_diagnostics_on_a_shared_basis_match_dense(mode, orthonormal):
@@ -272,7 +259,6 @@ def test_closed_form_diagnostics_on_a_shared_basis_match_dense(mode, orthonormal
     assert res.diagnostics["removed_fraction"] == pytest.approx(float((vbar_mean - vbar).norm() / vbar_mean.norm()), rel=1e-7, abs=1e-10)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("shared", [True, False])
 def test_diagnostics_off_gives_the_same_state_without_the_mismatch_diagnostics(shared):
     """``diagnostics=False`` (the run's switch, through RoundContext) only drops the mismatch

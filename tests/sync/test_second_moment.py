@@ -24,7 +24,6 @@ def _state(side: str, seed: int, m: int = 12, r: int = 4) -> tuple[torch.Tensor,
     return v, c
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_observe_from_zero_is_adamws_bias_corrected_second_moment(side):
     """s steps from (0, 0): c = 1 − β₂^s and V / c = torch AdamW's exp_avg_sq / (1 − β₂^s)."""
@@ -42,7 +41,6 @@ def test_observe_from_zero_is_adamws_bias_corrected_second_moment(side):
         torch.testing.assert_close(sm.estimate(v, c), opt.state[p]["exp_avg_sq"] / (1 - b2**s), rtol=1e-6, atol=0)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("rule", ["squared", "keep", "reset"])
 def test_move_by_the_identity_is_the_identity_and_results_are_nonnegative(side, rule):
@@ -64,7 +62,6 @@ def test_move_by_the_identity_is_the_identity_and_results_are_nonnegative(side, 
         assert bool((moved >= 0).all())
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_squared_move_is_sign_flip_invariant_and_linear_is_not(side):
     """Flipping the sign of a basis vector describes the same second moment: the squared rule
@@ -83,14 +80,12 @@ def test_squared_move_is_sign_flip_invariant_and_linear_is_not(side):
         assert same == (rule == "squared")
 
 
-@pytest.mark.fast
 def test_linear_move_of_per_coordinate_evidence_is_refused():
     v, c = _state("right", 7)
     with pytest.raises(ValueError, match="moment_transfer='squared'"):
         sm.move(v, c, torch.eye(4, dtype=torch.float64), "right", "linear")
 
 
-@pytest.mark.fast
 def test_squared_move_gives_no_evidence_to_a_direction_the_old_basis_misses():
     """A new basis vector orthogonal to the old span gets c = 0 (so no estimate: fresh gradients
     set its scale); one inside the span keeps the evidence."""
@@ -102,7 +97,6 @@ def test_squared_move_gives_no_evidence_to_a_direction_the_old_basis_misses():
     torch.testing.assert_close(sm.estimate(v2, c2), torch.tensor([[1.0, 0.0]] * 3, dtype=torch.float64))
 
 
-@pytest.mark.fast
 def test_pool_laws_and_the_evidence_free_client():
     """Pooling K copies of an estimate returns it; the weights are scale-invariant; a client with
     (almost) no evidence for a coordinate does not drag it: 1 with c = 0.5 and 100 with c = 1e-6
@@ -127,7 +121,6 @@ def test_pool_laws_and_the_evidence_free_client():
     assert float(sm.pool([ones, 3 * ones], [zero, zero], [0.5, 0.5])[0]) == pytest.approx(2.0)
 
 
-@pytest.mark.fast
 def test_warm_starts():
     """Aligned: exact on the state's own basis (estimate back, evidence back); paper: Algorithm 1
     line 3, the buffer re-projected linearly and clamped."""
@@ -145,7 +138,6 @@ def _view(value: float, evidence: float | None, basis: torch.Tensor) -> MomentVi
                       None if evidence is None else torch.full((4,), evidence, dtype=torch.float64))
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("mode", ["mean", "ajive"])
 def test_the_server_pools_estimates_by_their_evidence(mode):
     """Issue 33: client A's estimate 1 with c = 0.5 and client B's 100 with c = 1e-6, equal client

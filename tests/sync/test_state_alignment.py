@@ -15,8 +15,6 @@ from fedgalore.protocol.payload import LowRank, MomentView, Payload, decode, enc
 
 from fedgalore_testing.runs import tiny_cfg
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 def test_moment_view_weight_round_trips_and_a_shared_tensor_is_stored_once():
     g = torch.Generator().manual_seed(0)

@@ -28,8 +28,6 @@ from fedgalore.protocol.payload import GaLoreUpdate, MomentView, Payload, Seeded
 from fedgalore.protocol.state import RoundContext, ServerState
 from fedgalore_testing.runs import tiny_cfg  # noqa: E402
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 def test_state_is_the_normalised_square_of_the_aggregated_block_on_r_k():
     m = get_method("fedgalore", rank=3, projector="random", sync="aggregate")

@@ -64,7 +64,6 @@ def _both(items, weights, **kw):
     return ref, got, [str(w.message) for w in ref_w]
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("own", [False, True], ids=["seeded basis", "own bases"])
 @pytest.mark.parametrize("k,weight", [(2, True), (3, False)])
 def test_batched_sync_is_the_reference_to_float_rounding(own, k, weight, monkeypatch):
@@ -99,7 +98,6 @@ def test_batched_sync_is_the_reference_to_float_rounding(own, k, weight, monkeyp
     assert any("numerical rank 3" in w for w in warned) and any("numerical rank 5" in w for w in warned)
 
 
-@pytest.mark.fast
 def test_joint_components_dropped_by_identifiability_are_dropped_per_matrix():
     """A view with a planted individual direction: AJIVE's identifiability check drops joint
     candidates in some matrices and not in others; the batched path groups by what is kept."""
@@ -111,7 +109,6 @@ def test_joint_components_dropped_by_identifiability_are_dropped_per_matrix():
     assert max(_rel(b.state.moment, a.state.moment) for a, b in zip(ref, got)) < 1e-4
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("kw", [{"mode": "mean"}, {"mode": "mean_svd", "joint_rank": 3}, {"joint_rank": "auto"},
                                 {"center": False}, {"mode": "none"}])
 def test_calls_outside_the_batched_case_are_the_reference_exactly(kw):
@@ -124,7 +121,6 @@ def test_calls_outside_the_batched_case_are_the_reference_exactly(kw):
         assert torch.equal(a.state.moment, b.state.moment) and torch.equal(a.state.weight, b.state.weight)
 
 
-@pytest.mark.fast
 def test_batched_false_and_lone_shapes_are_the_reference_exactly():
     items = _items(2, True, True, gen_seed=4)
     seeds = list(range(len(items)))
@@ -138,7 +134,6 @@ def test_batched_false_and_lone_shapes_are_the_reference_exactly():
         assert torch.equal(a.state.weight, b.state.weight)
 
 
-@pytest.mark.fast
 def test_warnings_and_errors_are_the_references():
     items = _items(2, False, False, gen_seed=5, signals=(3, None, None))
     with warnings.catch_warnings(record=True) as ref_w:
@@ -168,7 +163,6 @@ def test_warnings_and_errors_are_the_references():
         synchronize_moments_many(items, W[:2], "ajive", seeds=[0])
 
 
-@pytest.mark.fast
 def test_a_fedgalore_run_with_batched_sync_matches_the_per_matrix_run(tmp_path, monkeypatch):
     """``sync_batched`` (default true) against ``false`` (the reference) in a whole run: the same
     metrics to float rounding, the same sync ranks, and the batched path really taken."""
@@ -202,7 +196,6 @@ def test_a_fedgalore_run_with_batched_sync_matches_the_per_matrix_run(tmp_path, 
         assert b["mismatch_before"] == pytest.approx(a["mismatch_before"], rel=1e-3)
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("joint_rank", [0, 2, 40])
 def test_joint_rank_zero_small_and_beyond_the_views(joint_rank):
     """``k = 0`` (the state is the centring means), a small ``k``, and ``k`` above the ``K r``
@@ -220,7 +213,6 @@ def test_joint_rank_zero_small_and_beyond_the_views(joint_rank):
         assert any("available joint directions" in w for w in warned)
 
 
-@pytest.mark.fast
 def test_mismatch_diagnostics_on_a_basis_that_is_not_orthonormal():
     """Views on one explicit basis with scaled rows (not orthonormal): the batched sync takes the
     reference's closed form with its Cholesky factor for the diagnostics; states and numbers agree."""

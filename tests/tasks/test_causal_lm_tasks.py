@@ -26,8 +26,6 @@ from fedgalore.tasks.paper_math.grading import (  # noqa: E402
 )
 from fedgalore.tasks.paper_math.metamath import MetaMathQATask  # noqa: E402
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 # ----------------------------------------------------------------------------- extraction
 @pytest.mark.parametrize(

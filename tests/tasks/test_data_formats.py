@@ -294,7 +294,6 @@ output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
         assert json.loads((run / "task.json").read_text())["format"] == fmt
 
 
-@pytest.mark.fast
 def test_format_options_are_typed():
     opts = parse_task_options("causal_lm", {"data": "x.json", "format": "alpaca"})
     assert opts.columns().prompt == "instruction" and opts.columns().input == "input" and opts.columns().response == "output"

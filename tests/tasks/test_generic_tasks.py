@@ -28,8 +28,6 @@ from fedgalore.tasks.generic.architectures import default_target_modules, pick_t
 from fedgalore_testing.assets import TOPICS, news_rows, write
 from fedgalore_testing.models import QA, _images, causal_task
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 @pytest.fixture(autouse=True)
 def _tmp_cache(tmp_path, monkeypatch):

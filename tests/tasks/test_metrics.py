@@ -10,8 +10,6 @@ import pytest
 
 from fedgalore.tasks.metrics import accuracy, binary_f1, macro_f1, matthews_corrcoef, mse, pearson, spearman
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 def test_accuracy():
     assert accuracy([0, 1, 1, 2], [0, 1, 2, 2]) == pytest.approx(0.75)

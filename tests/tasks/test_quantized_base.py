@@ -18,7 +18,6 @@ from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.tasks.base import TaskError
 from fedgalore.tasks.quantize import quantization_unavailable, quantized_bytes
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 ROOT = Path(__file__).resolve().parents[2]
 needs_cpu = pytest.mark.skipif(quantization_unavailable() is None, reason="bitsandbytes can run here")

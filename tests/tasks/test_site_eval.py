@@ -19,8 +19,6 @@ from fedgalore.tasks.base import subset_examples
 from fedgalore_testing.runs import tiny_cfg  # noqa: E402
 from fedgalore_testing.assets import news_rows, write  # noqa: E402
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 @pytest.fixture(autouse=True)
 def _tmp_cache(tmp_path, monkeypatch):

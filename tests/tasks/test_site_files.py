@@ -24,7 +24,6 @@ from fedgalore.jsonl import read_jsonl
 from fedgalore.tasks import get_task
 from fedgalore_testing.assets import TOPICS, news_rows, news_site_files, write
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 SITES = ["s1", "s0", "s2"]  # given out of sorted order on purpose
 

@@ -15,7 +15,6 @@ from fedgalore.tasks import TASKS, TaskError, get_task, parse_task_options, reso
 from fedgalore.tasks.base import TaskOptions
 from fedgalore.tasks.synthetic import TinyTextOptions, TinyTextTask
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 TINY = """\
 name: tiny

@@ -26,7 +26,6 @@ from fedgalore.tasks.base import stratified_split
 from fedgalore.tasks.paper_text.base import TokenizedDataset
 from fedgalore.tasks.paper_text.glue import GlueTask
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 POS = ["good", "great", "fine", "lovely", "superb", "happy"]
 NEG = ["bad", "awful", "poor", "sad", "terrible", "boring"]

@@ -33,7 +33,6 @@ def _images(n: int = 6, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
 
 
-@pytest.mark.fast
 def test_styles_are_the_transformations_they_name():
     x = _images()
     assert np.array_equal(render(x, "photo"), x)
@@ -71,7 +70,6 @@ def test_styles_are_the_transformations_they_name():
         assert out.dtype == np.uint8 and out.shape == x.shape
 
 
-@pytest.mark.fast
 def test_render_refuses_what_it_cannot_draw():
     with pytest.raises(TaskError, match="unknown style 'cartoon'; styles: photo, sketch"):
         render(_images(), "cartoon")
@@ -79,14 +77,12 @@ def test_render_refuses_what_it_cannot_draw():
         render(np.zeros((2, 32, 32), np.uint8), "photo")
 
 
-@pytest.mark.fast
 def test_domain_assignment_is_balanced_and_seeded():
     a = assign_domains(103, 5, seed=1)
     assert sorted(np.bincount(a).tolist()) == [20, 20, 21, 21, 21]
     assert np.array_equal(a, assign_domains(103, 5, seed=1)) and not np.array_equal(a, assign_domains(103, 5, seed=2))
 
 
-@pytest.mark.fast
 def test_options_are_checked():
     with pytest.raises(TaskError, match="unknown style 'oil'"):
         get_task("offline_vision_domains", domains=["photo", "oil"])
@@ -107,7 +103,6 @@ def small_task(tmp_path_factory):
 
 
 @needs_fashion
-@pytest.mark.fast
 def test_columns_and_images_follow_the_domains(small_task):
     task = small_task
     dom = task.partition_values("domain")
@@ -146,7 +141,6 @@ def test_per_domain_accuracies_make_up_the_accuracy(small_task):
 
 
 @needs_fashion
-@pytest.mark.fast
 def test_one_domain_per_client_split(small_task):
     from fedgalore.job.clients import split_clients
     from fedgalore.job.config import FederatedConfig

@@ -42,14 +42,12 @@ def _train_steps(task, model, batch, steps=8, lr=3e-3):
 
 
 # ----------------------------------------------------------------------------- target modules
-@pytest.mark.fast
 def test_vit_target_patterns_expand_both_namings():
     assert vit_target_patterns(("query", "value")) == ("query", "q_proj", "value", "v_proj")
     assert set(VIT_TARGET_PATTERNS) == {"query", "q_proj", "value", "v_proj", "dense", "o_proj", "fc1", "fc2"}
     assert vit_target_patterns(("custom",)) == ("custom",)
 
 
-@pytest.mark.fast
 def test_vit_target_modules_installed_transformers():
     from transformers import ViTForImageClassification
 
@@ -110,7 +108,6 @@ class _New(nn.Module):
         self.classifier = nn.Linear(h, 3)
 
 
-@pytest.mark.fast
 def test_vit_target_modules_old_naming():
     names = vit_target_modules(_Old())
     assert names == [
@@ -123,7 +120,6 @@ def test_vit_target_modules_old_naming():
     ]
 
 
-@pytest.mark.fast
 def test_vit_target_modules_new_naming_fake_tree():
     names = vit_target_modules(_New())
     assert names == [f"vit.layers.{i}.{s}" for i in range(2) for s in ("attention.q_proj", "attention.v_proj", "attention.o_proj", "mlp.fc1", "mlp.fc2")]
@@ -207,7 +203,6 @@ def test_domainnet_official_split_files_and_registry(tmp_path, tiny_vit_dir):
     assert not test_names & {p.name for p in task.train_set().paths}
 
 
-@pytest.mark.fast
 def test_domainnet_missing_root_is_a_clear_error(tmp_path):
     with pytest.raises(TaskError, match="not found"):
         DomainNetTask(domain="quickdraw", root=str(tmp_path))
@@ -237,7 +232,6 @@ def quick_checkpoint(tmp_path_factory):
     return pretrain_tiny_vit(out=out, epochs=1, max_images=512, batch_size=128)
 
 
-@pytest.mark.fast
 @needs_fashion
 def test_fashion_mnist_loader_numbers():
     from fedgalore.tasks.mnist import load_fashion_mnist

@@ -22,8 +22,6 @@ from fedgalore.methods.base import MethodError
 from fedgalore.tasks.base import TaskError
 from fedgalore_testing.assets import news_rows, write
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
-
 
 def text_cfg(root: Path, model: str, method: str, name: str, rounds: int = 1, rank: int = 2, **over) -> FederatedConfig:
     d = {"name": name, "seed": 0,

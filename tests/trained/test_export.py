@@ -190,7 +190,6 @@ def _fake_run(root: Path, kept: list[int], vals: list[float] | None, higher: boo
     return root
 
 
-@pytest.mark.fast
 def test_choose_round_rules(tmp_path):
     run = _fake_run(tmp_path / "a", [2, 3], [0.5, 0.2, 0.3], higher=False)
     assert choose_round(run) == 3 and choose_round(run, 2) == 2
@@ -212,7 +211,6 @@ class _KillAfter(ProgressSink):
             raise KeyboardInterrupt("simulated kill")
 
 
-@pytest.mark.fast
 def test_stopped_and_resumed_runs(tmp_path):
     cfg = tiny_cfg(tmp_path / "a", "lora_fair", rounds=3)
     with pytest.raises(KeyboardInterrupt):
@@ -294,7 +292,6 @@ def _tokenizer_dir(path: Path, words: list[str]):
     return tok
 
 
-@pytest.mark.fast
 def test_glue_roberta_family(tmp_path):
     """The paper's NLU path (``glue``: RoBERTa, a two-layer ``classifier`` head) on local files."""
     from peft import PeftModel
@@ -337,7 +334,6 @@ def test_glue_roberta_family(tmp_path):
                                atol=1e-5, rtol=0)
 
 
-@pytest.mark.fast
 def test_domainnet_vit_family(tmp_path):
     """The paper's vision path (``domainnet``: a ViT, PEFT without a task type) on a local image folder."""
     from PIL import Image
@@ -374,7 +370,6 @@ def test_domainnet_vit_family(tmp_path):
     torch.testing.assert_close(logits_of(peft_model, run.batch), run.logits, atol=1e-5, rtol=0)
 
 
-@pytest.mark.fast
 def test_offline_vit_processor_is_to_pixels():
     from PIL import Image
 
@@ -387,7 +382,6 @@ def test_offline_vit_processor_is_to_pixels():
     torch.testing.assert_close(got, to_pixels(images), atol=1e-6, rtol=0)
 
 
-@pytest.mark.fast
 def test_metamath_causal_lm_family(tmp_path):
     """The paper's NLG path (``metamath``: a Llama, no head, generation metrics) on local files."""
     from peft import PeftModel

@@ -364,7 +364,6 @@ def test_changed_data_or_default_model_is_another_run(tmp_path, monkeypatch, cap
                                                "runs/news-fedgalore-naturalsite-s0-3"), said
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("task, options, asset", [
     ("causal_lm", {"prompt_column": "q", "response_column": "a"}, ("fedgalore.tasks.assets", "smollm2_path")),
     ("image_classification", {}, ("fedgalore.tasks.pretrain_vit", "pretrained_vit_dir")),
@@ -387,7 +386,6 @@ def test_default_model_folders_are_fingerprinted(tmp_path, monkeypatch, task, op
 DATA_MD = Path(__file__).resolve().parents[2] / "docs" / "data.md"
 
 
-@pytest.mark.fast
 def test_data_md_custom_task_example_runs(tmp_path, monkeypatch, capsys):
     """docs/data.md's Task subclass written from scratch runs as written (``fedgalore.run(cfg,
     task=MyTask(...))``), and the run records the object and the digests of its data."""

@@ -19,7 +19,6 @@ from fedgalore.tasks.base import subset_examples
 from fedgalore_testing.assets import news_rows, write
 from fedgalore_testing.models import _loaded
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 NEWS = """\
 name: news

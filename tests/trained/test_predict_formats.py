@@ -29,7 +29,6 @@ from fedgalore.tasks import get_task
 from fedgalore_testing.models import _loaded  # noqa: E402
 from fedgalore_testing.assets import news_rows, write  # noqa: E402
 
-pytestmark = pytest.mark.fast  # the fast tier (tests/README.md)
 
 # a run whose files are written as a European Excel writes them: ';', a byte-order mark, CRLF, and
 # here quoted with ' (so that a ';' inside a text is only read right with the run's csv options)

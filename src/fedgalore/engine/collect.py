@@ -74,6 +74,8 @@ class Collector:
         become ``att.kept`` (with their ΔW_i when needed), every client a record in ``att.records``."""
         k, fed = att.round, self.cfg.federation
         need_deltas = self.stages.needs_deltas or (bool(self.cfg.diagnostics) and not self.stages.hides_clients)
+        # only the drift diagnostics read them: in factors where the method has them (diagnostics_exact: false)
+        factored = not self.stages.needs_deltas and not self.cfg.diagnostics_exact
         weight = dict(zip(att.clients, att.weights))
         decoded = []
         for res in results:
@@ -104,7 +106,9 @@ class Collector:
                 reason = validate_upload(self.method, state, up, rctx, keys)
                 item = Contribution(up, [res.client], weight[res.client])
                 if reason is None and need_deltas:
-                    item.delta = self.method.client_deltas(state, up)  # once per client, before A
+                    item.delta = self.method.client_delta_factors(state, up) if factored else None
+                    if item.delta is None:
+                        item.delta = self.method.client_deltas(state, up)  # once per client, before A
                 if reason is None:
                     reason = self.stages.check(item, rec)
                 if reason is None:

@@ -330,15 +330,18 @@ class Federation:
         t0 = time.perf_counter()
         rnd = self._train_clients(k)  # sample → broadcast → T → collect (retried while too few uploads)
         self._checkpoint_wait()  # the last checkpoint has the state's tensors: done before A changes them
+        t_diag = time.perf_counter()
+        drift = self._drift(rnd)  # before A: factored deltas read the round's W, which A changes in place
+        t_diag = time.perf_counter() - t_diag
         t_server = time.perf_counter()
         uploads = rnd.uploads
         applied = self.stages.aggregate(self.state, lambda: self.method.aggregate(self.state, uploads, rnd.ctx.weights, rnd.ctx))  # A
         self.stages.after_aggregate(self.state, rnd.att)
         sync_diag = self.method.synchronize(self.state, uploads, rnd.ctx.weights, rnd.ctx)  # S
         t_server = time.perf_counter() - t_server
-        t_diag = time.perf_counter()
-        diag = {"round": k + 1, **sync_diag, **self._diagnostics(applied, rnd), **rnd.att.diag}
-        t_diag = time.perf_counter() - t_diag
+        t1 = time.perf_counter()
+        diag = {"round": k + 1, **sync_diag, **self._update_space(applied), **drift, **rnd.att.diag}
+        t_diag += time.perf_counter() - t1
         evals, t_eval = self._evaluate(k)
         if self.cfg.export.every_round:  # this round's PEFT adapter (fedgalore.engine.round_adapters)
             save_round_adapter(self.runtime, self.state, self.run_dir, k + 1)
@@ -395,7 +398,7 @@ class Federation:
                     self.files.append_round(k + 1, records, self.ledger)
                 raise
             self.progress.round_start(k, clients)
-            rctx = RoundContext(k, fed.rounds, seed_k, clients, att.weights, cfg.diagnostics)
+            rctx = RoundContext(k, fed.rounds, seed_k, clients, att.weights, cfg.diagnostics, cfg.diagnostics_exact)
             blob = self._broadcast(k, rctx, att)
             jobs = [ClientJob(k, fed.rounds, c, seed_k) for c in clients if c not in att.held_back]
             t1 = time.perf_counter()
@@ -412,7 +415,7 @@ class Federation:
                 total = sum(item.weight for item in att.kept)
                 self.upload_keys = sorted(att.kept[0].upload.entries)
                 ctx = RoundContext(k, fed.rounds, seed_k, att.kept_clients, [item.weight / total for item in att.kept],
-                                   cfg.diagnostics)
+                                   cfg.diagnostics, cfg.diagnostics_exact)
                 return _Round(ctx, att, t_clients)
             self.progress.message(
                 f"round {k + 1}: only {len(att.kept_clients)} valid upload(s) < federation.min_clients={fed.min_clients}"
@@ -490,15 +493,18 @@ class Federation:
             return blob(bcast)
         return {c: blob(m) for c, m in train.items()}
 
-    def _diagnostics(self, applied: dict[str, Any], rnd: _Round) -> dict[str, float]:
-        """The update-space mismatch of the applied update and the client drift of the round's
-        deltas (``diagnostics: true``)."""
+    def _update_space(self, applied: dict[str, Any]) -> dict[str, float]:
+        """The update-space mismatch of the applied update (``diagnostics: true``; from its factors
+        unless ``diagnostics_exact``: fedgalore.federated.diagnostics)."""
         if not self.cfg.diagnostics:
             return {}
-        space = update_space_diagnostics(applied, self.method.rank, exact=self.cfg.diagnostics_exact)
-        if self.stages.hides_clients:  # e.g. privacy.client: the client-to-client drift would read raw uploads
-            return space
-        return {**space, **drift_diagnostics([item.delta for item in rnd.att.kept], rnd.ctx.weights)}
+        return update_space_diagnostics(applied, self.method.rank, exact=self.cfg.diagnostics_exact)
+
+    def _drift(self, rnd: _Round) -> dict[str, float]:
+        """The client drift of the round's deltas (``diagnostics: true``), computed before A."""
+        if not self.cfg.diagnostics or self.stages.hides_clients:  # e.g. privacy.client: it would read raw uploads
+            return {}
+        return drift_diagnostics([item.delta for item in rnd.att.kept], rnd.ctx.weights)
 
     def _evaluate(self, k: int) -> tuple[dict[str, float], float]:
         """The global model's test (and validation) metrics, every ``eval_every`` rounds, after

@@ -272,6 +272,13 @@ class Method(abc.ABC):
         the drift diagnostics. Methods that can compute it override this; default: none."""
         return {}
 
+    def client_delta_factors(self, state: ServerState, upload: Payload) -> dict[str, Any] | None:
+        """``ΔW_i`` of each adapted matrix in factors (:class:`fedgalore.federated.diagnostics.FactoredDelta`,
+        its decay term on ``state.params``), for the drift diagnostics when nothing else needs the dense
+        ``ΔW_i`` (``diagnostics_exact: false``); called like :meth:`client_deltas`. ``None``: the method has no
+        factored form, and the dense one is used."""
+        return None
+
     def validate_upload(self, state: ServerState, upload: Payload, ctx: "RoundContext") -> str | None:
         """Method-specific checks of an upload (reason to reject, or None). Generic checks —
         finite values, shapes, key sets, norm bound — are done by the server."""

@@ -24,8 +24,9 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from fedgalore.federated.diagnostics import FactoredDelta
 from fedgalore.protocol import downlink
-from fedgalore.protocol.payload import Entry, Payload
+from fedgalore.protocol.payload import Entry, GaLoreUpdate, Payload
 from fedgalore.protocol.state import RoundContext, ServerState
 
 __all__ = ["FactoredDownlink", "DOWNLINK_HELP"]
@@ -106,13 +107,34 @@ class FactoredDownlink:
             client_state["downlink"] = downlink.ClientCache(int(broadcast.meta["version"]), own, owned=True)
         return start
 
-    def apply_round_update(self, state: ServerState, updates: Mapping[str, Entry], delta: bool = True) -> dict[str, torch.Tensor]:
+    def apply_round_update(self, state: ServerState, updates: Mapping[str, Entry], delta: bool = True,
+                           factored: bool = False) -> dict[str, Any]:
         """``W ← W + ΔW`` for every chained matrix with :func:`fedgalore.protocol.downlink.apply_update`
         (what a client applies), the round's updates kept in the chain under ``factored``;
         returns each ``ΔW`` as an ``m × n`` matrix, or ``{}`` when not ``delta`` (a run
         without diagnostics: nothing reads it, and it costs an m × n product per matrix). The
-        new ``W`` is the same bits either way."""
+        new ``W`` is the same bits either way. ``factored`` (with ``delta``): a GaLore update record's ``ΔW``
+        as a :class:`~fedgalore.federated.diagnostics.FactoredDelta` instead, from its factors and the new
+        ``W`` (``ΔW = a·W_old + LR = a/(1+a)·W_new + LR/(1+a)``), no ``m × n`` product formed."""
+        if delta and factored:
+            applied = {}
+            for n, u in updates.items():
+                downlink.apply_update(state.params[n], u, return_delta=False)
+                applied[n] = factored_applied(u, state.params[n])
+            if self.factored_downlink:
+                downlink.record_update(state, updates)
+            return applied
         applied = {n: downlink.apply_update(state.params[n], u, return_delta=delta) for n, u in updates.items()}
         if self.factored_downlink:
             downlink.record_update(state, updates)
         return applied if delta else {}
+
+
+def factored_applied(update: Entry, w_new: torch.Tensor) -> Any:
+    """The ``ΔW`` an update record applied, for the diagnostics, given the matrix after it (``W_new =
+    (1+a)·W_old + LR``): a GaLore record as ``a/(1+a)·W_new + LR/(1+a)`` in factors, any other entry dense."""
+    if not isinstance(update, GaLoreUpdate):
+        return update.tensor.float() if hasattr(update, "tensor") else update.materialize()
+    c = 1.0 / (1.0 + float(update.decay))
+    pairs = [(a * c, b) for a, b in (t.factors() for t in update.terms)]
+    return FactoredDelta.of(pairs, tuple(update.shape), float(update.decay) * c, w_new)

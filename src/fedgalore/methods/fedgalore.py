@@ -135,6 +135,7 @@ from torch import nn
 
 from fedgalore.federated.client import epoch_switch_step, local_train, optimizer_steps
 from fedgalore.federated.robust import update_terms as robust_update_terms
+from fedgalore.federated.diagnostics import FactoredDelta
 from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
 from fedgalore.methods.base import MethodError, MethodOptions, load_params, named_params, option, register, register_preset
 from fedgalore.methods.fedavg_full import DenseTargetsMethod
@@ -499,7 +500,7 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         whatever the downlink: the server's W is bit-identical under ``downlink: dense`` and
         ``factored``. ``factored`` also keeps the record in the server's chain."""
         updates = {n: downlink.weighted_update([u[n] for u in uploads], weights) for n in self.targets}  # type: ignore[misc]
-        applied = self.apply_round_update(state, updates, delta=ctx.diagnostics)
+        applied = self.apply_round_update(state, updates, delta=ctx.diagnostics, factored=not ctx.diagnostics_exact)
         self.average_heads(state, uploads, weights)
         return applied
 
@@ -582,6 +583,11 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
 
     def client_deltas(self, state, upload):
         return {n: upload[n].materialize(state.params[n]) for n in self.targets}  # type: ignore[call-arg]
+
+    def client_delta_factors(self, state, upload):
+        """Each record ``ΔW_i = a_i W_k + Σ_q L_q R_q`` in factors, its decay term on ``W_k`` (``state.params``)."""
+        return {n: FactoredDelta.of([t.factors() for t in upload[n].terms], tuple(upload[n].shape), upload[n].decay,
+                                    state.params[n]) for n in self.targets}
 
     def update_terms(self, state, upload):
         """Each record ``ΔW_i = a_i W_k + Σ_q term_iq`` as its factored terms plus the decay's

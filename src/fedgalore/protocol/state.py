@@ -48,6 +48,9 @@ class RoundContext:
     weights: list[float]  # p_i over the sampled clients (sum to 1)
     #: the run's ``diagnostics`` switch: S may skip what only feeds the diagnostics file
     diagnostics: bool = True
+    #: the run's ``diagnostics_exact``: A returns every applied update as a dense ``m × n`` matrix; otherwise a
+    #: low-rank method may return it in factors (fedgalore.federated.diagnostics.FactoredDelta)
+    diagnostics_exact: bool = False
 
 
 @dataclass
