@@ -50,7 +50,7 @@ from fedgalore.federated.seeding import DP_CLIENT_NOISE, client_seed
 from fedgalore.privacy.client_dp import (DataDrivenBasis, add_noise, calibrate_client_noise, clip_upload,
                                          client_epsilon, combined_multiplier, is_moment, shared_noise)
 from fedgalore.privacy.accounting import solve_noise
-from fedgalore.privacy.config import ClientPrivacy
+from fedgalore.privacy.config import ClientPrivacy, noise_problem
 from fedgalore.privacy.randomness import dp_generator, gaussian
 from fedgalore.protocol.payload import Payload
 
@@ -101,6 +101,10 @@ class ClientRelease:
         #: draws from OS entropy (Opacus' secure Gaussian sampling) unless privacy.reproducible
         self.reproducible = bool(cfg.privacy.reproducible)
         self.sigma = self._sigma()
+        why = noise_problem("privacy.client.noise_multiplier (calibrated to target_epsilon)", self.sigma, client.clip,
+                            "privacy.client.clip")
+        if why is not None:  # (a given σ was checked with the config)
+            raise ConfigError(why)
         #: σ_m of the moment release (None: none)
         self.sigma_m = (client.moment_noise_multiplier or self.sigma) if self.moments else None
         a = client.adaptive_clipping

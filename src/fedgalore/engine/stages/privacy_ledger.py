@@ -27,9 +27,13 @@ budget_stop` checks the client-level budget with that attempt's worst case (dist
 through secure aggregation: only the fewest shares SecAgg+ still unmasks in the sum; without it: each
 sampled client's next upload as the server sees it), and :meth:`PrivacyLedger.spent_sites` holds
 back a site whose next client-round would take its record-level ε past ``privacy.record.
-target_epsilon``. Every release is journaled (``privacy_journal.jsonl``, fsynced) as the server
-receives it; a resumed run adds the releases its checkpoint lacks — the rounds a crash lost —
-unless ``privacy.reproducible`` (then the re-run releases the very same values).
+target_epsilon``. Account before release: every release is journaled (``privacy_journal.jsonl``,
+fsynced) before anything derived from it exists — a client's upload as the server receives it,
+central noise's aggregate before the noise is drawn (:meth:`PrivacyLedger.central_release`) — so
+no aggregate, per-round adapter, printed evaluation or checkpoint precedes its entry. A run that
+starts in a directory with a journal (resumed from a checkpoint, or restarted at round 0 when a
+crash came before the first one) adds every journaled release its state lacks, unless
+``privacy.reproducible`` (then the re-run releases the very same values).
 """
 from __future__ import annotations
 
@@ -48,8 +52,9 @@ from fedgalore.privacy.randomness import REPRODUCIBLE_REFUSED
 from fedgalore.federated.checkpoint import atomic_write_text
 from fedgalore.jsonl import read_json
 from fedgalore.privacy.accounting import epsilon, merge_history, site_schedule
-from fedgalore.privacy.statement import (NOT_AGAINST_CONFIG, NOTHING_PROTECTED, client_mechanism, client_release_record, client_statement,
-                                         mechanism, not_protected, record_statement, release_record, upload_fields)
+from fedgalore.privacy.statement import (NOT_AGAINST_CONFIG, NOTHING_PROTECTED, client_mechanism, client_noised,
+                                         client_release_record, client_statement, mechanism, not_protected, record_noised,
+                                         record_statement, release_record, upload_fields)
 from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, Payload
 
 __all__ = ["PrivacyAccountant", "PrivacyLedger", "BudgetStop", "PRIVACY_FILE", "JOURNAL_FILE", "release_kinds", "read_privacy", "privacy_plan"]
@@ -138,10 +143,12 @@ class PrivacyLedger:
         state.meta.setdefault("privacy_journal", []).append(entry["id"])
 
     def recover(self, state: Any) -> int:
-        """A resumed run: add to ``state``'s accountants every journaled release its checkpoint
-        lacks (rounds a crash lost after the checkpoint; their re-run draws fresh noise, so both
-        count). None under ``privacy.reproducible`` (a re-run releases the same values). Returns
-        how many releases were added."""
+        """A run starting in a directory whose journal holds releases: add to ``state``'s
+        accountants every journaled release it lacks — the rounds a crash lost after the last
+        checkpoint, or every release when there is no checkpoint (``state`` fresh: the run restarts
+        at round 0); their re-run draws fresh noise, so both count. None under
+        ``privacy.reproducible`` (a re-run releases the same values). Returns how many releases
+        were added."""
         if self.journal is None or self.cfg.privacy.reproducible or not self.journal.exists():
             return 0
         seen = set(state.meta.setdefault("privacy_journal", []))
@@ -170,7 +177,7 @@ class PrivacyLedger:
             added += 1
         if added:
             logging.getLogger("fedgalore").warning(
-                "privacy: %d release(s) after the last checkpoint were lost with the process that made them; they are "
+                "privacy: %d release(s) that no checkpoint holds were lost with the process that made them; they are "
                 "accounted (privacy.json: recovered_releases)", added)
         return added
 
@@ -319,6 +326,15 @@ class PrivacyLedger:
             p["steps"] += entry[2]
             p["attempts"].append(attempt)
 
+    def central_release(self, state: Any, round_idx: int, kept: int) -> None:
+        """Central noise: the server is about to noise the sum of the round's ``kept`` clipped uploads
+        — journaled (fsynced) before the noise is drawn, so nothing derived from the release (the
+        aggregate, a per-round adapter, a printed evaluation, a checkpoint) exists unaccounted."""
+        if self.release is None or self.release.client.noise != "central":
+            return
+        event = self._client_event(client_book(state), kept, self.release.sample)
+        self._journal(state, {"level": "client", "round": round_idx + 1, "event": event, "uploads": []})
+
     def end_round(self, state: Any, round_idx: int, uploads: Sequence[Payload], run_dir: Path) -> dict[str, float]:
         """Close round ``round_idx``: ε of the sites that took part, the round's release record,
         ``privacy.json`` rewritten; returns what joins the round's metrics (``dp_epsilon``: the
@@ -344,10 +360,7 @@ class PrivacyLedger:
             out["dp_epsilon"] = rec["epsilon_max"]
         if self.release is not None:
             cb = client_book(state)
-            if self.release.client.noise == "central":  # the server released the noised aggregate of the kept uploads
-                event = self._client_event(cb, len(uploads), self.release.sample)
-                self._journal(state, {"level": "client", "round": round_idx + 1, "event": event, "uploads": []})
-            events = self._flush_client(cb)
+            events = self._flush_client(cb)  # central noise: the aggregate's release, journaled by central_release
             clip = self.current_clip(state)
             rec["client"] = {"releases": [{"noise_multiplier": e[0], "sampled": e[1], "uploads": e[2]} for e in events],
                              "epsilon": cb["epsilon"], "clip": clip}
@@ -386,7 +399,7 @@ class PrivacyLedger:
         reproducible = bool(self.cfg.privacy.reproducible)
         client = self._client_document(state) if self.release is not None else None
         if r is None and client is not None:
-            return {"protected": True, "statement": client["statement"], "mechanism": None,
+            return {"protected": client_noised(self.release), "statement": client["statement"], "mechanism": None,
                     "not_protected": client.pop("not_protected"), "client": client, "rounds": book.get("rounds", [])}
         if r is None:
             return {"protected": False, "statement": NOTHING_PROTECTED, "mechanism": None,
@@ -403,7 +416,8 @@ class PrivacyLedger:
         if self.cfg.federation.client_eval:
             unprotected.append("the per-site evaluation metrics of federation.client_eval (computed on the sites' held-out "
                                "rows, not by DP-SGD)")
-        doc = {"protected": True, "statement": record_statement(r, reproducible),
+        # σ = 0 clips and adds no noise (ε = ∞): not protected, and said so (statement, not_protected)
+        doc = {"protected": record_noised(r) or client_noised(self.release), "statement": record_statement(r, reproducible),
                "mechanism": mechanism(r, self.support, reproducible),
                "delta": r.delta, "epsilon_max": max(eps) if eps else 0.0,
                "not_protected": unprotected, "sites": sites, "rounds": book["rounds"]}
@@ -424,6 +438,9 @@ class PrivacyLedger:
         rel, c = self.release, self.release.client
         cb = state.meta.get("privacy_client") or {"history": [], "epsilon": 0.0}
         unprotected = ["which sites took part in which round (DP does not hide participation)"]
+        if not client_noised(rel):
+            unprotected.insert(0, "each site's data: privacy.client.noise_multiplier=0 clips the uploads and adds no noise "
+                                  "(ε = ∞)")
         if c.release_metrics:
             unprotected.append("the clients' training losses (privacy.client.release_metrics: true sends them in the clear)")
         if self.cfg.federation.client_eval:
@@ -587,13 +604,14 @@ class PrivacyAccountant(RoundStage):
         return cls(ledger, run.run_dir)
 
     def start(self, state: Any, resumed: bool, start_round: int, rounds: int) -> None:
-        if resumed:  # releases a crash lost after the checkpoint still count (privacy_journal.jsonl)
-            self.ledger.recover(state)
+        # releases a crash lost still count (privacy_journal.jsonl): after the checkpoint, or before the first
+        # one — a run restarted from round 0 in its own directory (no checkpoint) has no other record of them
+        recovered = self.ledger.recover(state)
         if start_round < rounds:
             why = self.ledger.budget_stop(state, start_round)
             if why is not None:
                 raise ConfigError(why.split("; the run stops")[0] + (
-                    "; nothing to resume — a larger budget needs a new run" if start_round else
+                    "; nothing to resume — a larger budget needs a new run" if start_round or recovered else
                     "; not even one round fits: raise privacy.client.target_epsilon or the noise"))
         self.ledger.write(self.run_dir, state)
 
@@ -607,6 +625,10 @@ class PrivacyAccountant(RoundStage):
 
     def observe(self, att: Attempt, results: list[Any], state: Any) -> None:
         self.ledger.observe(state, att.round, att.number, results)  # every upload the server saw counts
+
+    def release(self, att: Attempt, state: Any) -> None:
+        # account before release: this stage acts first, so central noise's release is journaled before it is drawn
+        self.ledger.central_release(state, att.round, len(att.kept))
 
     def round_record(self, state: Any, round_idx: int, uploads: list[Payload]) -> dict[str, float]:
         return self.ledger.end_round(state, round_idx, uploads, self.run_dir)  # privacy.json; dp_epsilon
