@@ -57,7 +57,8 @@ from fedgalore.privacy.statement import (NOT_AGAINST_CONFIG, NOTHING_PROTECTED, 
                                          record_statement, release_record, upload_fields)
 from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, Payload
 
-__all__ = ["PrivacyAccountant", "PrivacyLedger", "BudgetStop", "PRIVACY_FILE", "JOURNAL_FILE", "release_kinds", "read_privacy", "privacy_plan"]
+__all__ = ["PrivacyAccountant", "PrivacyLedger", "BudgetStop", "PRIVACY_FILE", "JOURNAL_FILE", "release_kinds", "read_privacy", "privacy_plan",
+           "client_signal"]
 
 PRIVACY_FILE = "privacy.json"
 #: every release as the server received it, appended and fsynced (module doc)
@@ -563,6 +564,23 @@ def client_plan(cfg: FederatedConfig, num_clients: int) -> dict[str, Any] | None
     return out
 
 
+def client_signal(cfg: FederatedConfig, method_name: str, options: Any, num_clients: int, dim: int) -> Any:
+    """Client-level DP's noise in the released mean against the signal, for ``method_name`` with
+    its parsed ``options`` and ``dim`` coordinates per client (``fedgalore plan``; the run says the
+    same at its start): :meth:`ClientRelease.noise_vs_signal`. None without ``privacy.client`` or
+    for a config a run refuses (client_plan's ``error`` says why)."""
+    if cfg.privacy.client is None:
+        return None
+    from fedgalore.engine.stages.client_dp import ClientRelease
+    from fedgalore.methods.base import build_method
+
+    try:
+        rel = ClientRelease.build(cfg, build_method(method_name, cfg.method.rank, options), num_clients)
+    except (ConfigError, ValueError):
+        return None
+    return rel.noise_vs_signal(dim)
+
+
 #: errors after which a client's upload may have left its site although none came back (a reply lost or late)
 _UNKNOWN = ("no reply", "timed out")
 
@@ -584,8 +602,11 @@ class PrivacyAccountant(RoundStage):
     name = "privacy"
     server_only = True
 
-    def __init__(self, ledger: PrivacyLedger, run_dir: Path) -> None:
+    def __init__(self, ledger: PrivacyLedger, run_dir: Path, say: Callable[[str], None] | None = None,
+                 signal: Any = None) -> None:
         self.ledger, self.run_dir = ledger, Path(run_dir)
+        #: client-level DP's noise against the signal (fedgalore.privacy.signal.NoiseVsSignal; None: off), said at the start
+        self.say, self.signal = say, signal
 
     @classmethod
     def backend_problem(cls, cfg: FederatedConfig, backend: Any) -> str | None:
@@ -601,7 +622,7 @@ class PrivacyAccountant(RoundStage):
         ledger = PrivacyLedger(cfg, runtime.head_params, runtime.clients.name, [len(p) for p in runtime.parts],
                                sites.support if sites is not None else None, client.mechanism if client is not None else None,
                                sites=sites, run_dir=run.run_dir)
-        return cls(ledger, run.run_dir)
+        return cls(ledger, run.run_dir, run.say, client.signal(runtime) if client is not None else None)
 
     def start(self, state: Any, resumed: bool, start_round: int, rounds: int) -> None:
         # releases a crash lost still count (privacy_journal.jsonl): after the checkpoint, or before the first
@@ -614,6 +635,8 @@ class PrivacyAccountant(RoundStage):
                     "; nothing to resume — a larger budget needs a new run" if start_round or recovered else
                     "; not even one round fits: raise privacy.client.target_epsilon or the noise"))
         self.ledger.write(self.run_dir, state)
+        if self.signal is not None and self.say is not None and start_round < rounds:  # before any round is paid for
+            self.say(self.signal.line())
 
     def plan(self, att: Attempt, state: Any) -> None:
         # the cap holds at every release: this attempt's worst case must fit the client-level budget,
