@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from fedgalore.job.config import ConfigError, FederatedConfig
-from fedgalore.engine.stages.privacy_ledger import privacy_plan
+from fedgalore.engine.stages.privacy_ledger import client_signal, privacy_plan
 from fedgalore.federated.client import optimizer_steps
 from fedgalore.methods.base import MethodOptions, parse_options, split_options
 from fedgalore.methods.fedgalore import FedGaLoreOptions
@@ -464,6 +464,9 @@ class Probe:
     trained: int  # bytes of the parameters the client trains (= their gradients)
     model: int  # all model parameters, adapters included
     optimizers: list[str] = field(default_factory=list)  # optimizer classes the clients built
+    #: q -> d, the coordinates of a client's upload change at the real size (second moments excluded):
+    #: what client-level DP clips and noises (fedgalore.privacy.signal)
+    up_coordinates_by_refreshes: dict[int, int] = field(default_factory=dict)
 
 
 def _method_setting(cfg: FederatedConfig, method: str, options: dict[str, Any]) -> tuple[dict[str, Any], MethodOptions]:
@@ -561,14 +564,25 @@ def probe_method(cfg: FederatedConfig, spec: ModelSpec, method: str, options: di
     first, last = rounds[0], rounds[-1]
     down_first, down = real[(first, 0, "down")], real[(last, 0, "down")]
     ups = {(sizes[c] if galore else 0): real[(last, c, "up")] for c in range(len(sizes))}
+    coords = {(sizes[c] if galore else 0): _upload_coordinates(b, dims) for r, c, d, b in records if r == last and d == "up"}
     largest = max(ups.values())
     return Probe(
         method=method, refreshes=sizes if galore else [0] * len(sizes),
         down_first=down_first[0], down=down[0], up=largest[0],
         down_first_tensor_bytes=down_first[1], down_tensor_bytes=down[1], up_tensor_bytes=largest[1], up_by_refreshes=ups,
-        optimizers=sorted(opt_kinds),
+        optimizers=sorted(opt_kinds), up_coordinates_by_refreshes=coords,
         server_state=state_bytes, optimizer_state=opt_peak[0], trained=trained, model=model_bytes,
     )
+
+
+def _upload_coordinates(blob: bytes, dims: DimMap) -> int:
+    """d of one miniature upload at the real size: every coordinate of its update and head entries
+    (second moments, clipped apart, excluded) — what client-level DP clips and noises."""
+    from fedgalore.privacy.client_dp import is_moment
+    from fedgalore.protocol.payload import decode
+
+    return sum(int(np.prod(dims.real(tuple(t.shape), key), dtype=np.int64))
+               for key, e in decode(blob).entries.items() if not is_moment(key) for t in _tensors(e))
 
 
 # ============================================================================ memory model
@@ -1038,6 +1052,11 @@ def make_plan(cfg: FederatedConfig, methods: Sequence[str] | None = None, method
             "probe": dataclasses.asdict(base), "memory": mem, "quantized_base": quantized_for(spec, method),
             "fit": fit_verdict(mem["peak"], usable),
         }
+        if cfg.privacy.client is not None:  # the noise against the signal, before any round is paid for
+            dim = max(base.up_coordinates_by_refreshes.get(q, 0) for q in set(qs)) if base.up_coordinates_by_refreshes else 0
+            signal = client_signal(cfg, method, parsed, M, dim) if dim else None
+            out["methods"][method]["client_dp_signal"] = dataclasses.asdict(signal) if signal is not None else None
+            out["methods"][method]["client_dp_signal_line"] = signal.line() if signal is not None else None
     return out
 
 
@@ -1209,6 +1228,8 @@ def format_plan(plan: dict[str, Any], accelerator_gib: float | None = None, host
                       for m, v in sites.items()) + " GiB."]
     if "privacy" in plan:
         lines += [""] + format_privacy_plan(plan["privacy"])
+        signals = [(m, r["client_dp_signal_line"]) for m, r in plan["methods"].items() if r.get("client_dp_signal_line")]
+        lines += [f"{m}: {line}" if len(plan["methods"]) > 1 else line for m, line in signals]
     return "\n".join(lines) + "\n"
 
 

@@ -105,7 +105,9 @@ def coerce(tp: Any, value: Any, path: str) -> Any:
             raise ConfigError(f"{path} must be an integer, got {value!r}")
         return int(value)
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool):  # true is not 1.0: a number key given a switch is a mistake
+            raise ConfigError(f"{path} must be a number, got {value!r}")
+        if not isinstance(value, (int, float)):
             try:
                 return float(value)  # "5e-5" from a YAML 1.1 string
             except (TypeError, ValueError):

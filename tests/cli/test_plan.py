@@ -2,6 +2,7 @@
 the ledger of real runs at a tiny size; component sizes against the live objects of those runs;
 the Llama-2-7B plan without the hub; the per-phase memory formula; the peak tracker."""
 import json
+import math
 
 import pytest
 import torch
@@ -224,3 +225,36 @@ def test_sites_at_their_own_ranks_are_planned_per_tier(tmp_path):
     assert "## Sites at their own ranks" in text and "Sites that do not fit their device: fedgalore: 0." in text
     with pytest.raises(PlanError, match="site_ranks: method 'fedit'"):
         make_plan(cfg, ["fedit"])
+
+
+@pytest.mark.parametrize("method", ["fedgalore", "fedit"])
+def test_plan_says_the_noise_against_the_signal_under_client_dp(tmp_path, capsys, method):
+    """Client-level DP: the plan gives d from its miniature's upload (FedGaLore: coefficient blocks
+    over ⌈T/τ⌉ refreshes), equal to what the run counts (Method.released_coordinates), and prints
+    noise_vs_signal's line — the run says the same before round 1."""
+    import yaml
+
+    from fedgalore.cli import main
+    from fedgalore.engine.loop import Federation
+    from fedgalore.federated.client import optimizer_steps
+    from fedgalore.privacy.signal import noise_vs_signal
+
+    opts = {"update_proj_gap": 2, "projector": "random", "view_basis": "seeded"} if method == "fedgalore" else {}
+    data = _cfg(tmp_path, method, train={"lr": 1e-3, "batch_size": 8, "local_epochs": 1, "weight_decay": 0.0},
+                privacy={"client": {"clip": 0.5, "noise_multiplier": 1.0}}).to_dict()
+    data["method"]["options"] = opts
+    data["federation"]["clients_per_round"] = 2
+    cfg = FederatedConfig.from_dict(data)
+    plan = make_plan(cfg, [method])["methods"][method]
+    fed = Federation(cfg)
+    rt = fed.runtime
+    steps = max(optimizer_steps(rt.micro_batches(len(p)), 1) for p in rt.parts)
+    d = rt.method.released_coordinates(rt.model, steps)
+    assert plan["client_dp_signal"]["dim"] == d
+    expected = noise_vs_signal(1.0, 0.5, d, 2)
+    assert plan["client_dp_signal"]["noise_norm"] == pytest.approx(1.0 * 0.5 * math.sqrt(d) / 2)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    capsys.readouterr()
+    assert main(["plan", "--config", str(path)]) == 0
+    assert expected.line() in capsys.readouterr().out

@@ -177,6 +177,16 @@ def test_fedgalore_refuses_data_driven_bases(tmp_path, capsys):
     ({"noise_multiplier": 0.0, "target_epsilon": 3.0}, "noise_multiplier=0 adds no noise"),
     ({"delta": 0.5}, "below 1/M"),
     ({"noise_multiplier": None, "target_epsilon": 1e-4}, "target_epsilon"),
+    # a σ whose noise overflows float32 (it reached the diagnostics' SVD as a traceback)
+    ({"noise_multiplier": 1e300}, "privacy.client.noise_multiplier=1e+300 with privacy.client.clip=0.5 gives noise"),
+    ({"noise_multiplier": 2e6, "clip": 0.1}, "σ and σ·C must be at most 1e+06"),  # σ itself bounded, though σ·C = 2e5
+    ({"clip": 1e7}, "σ·C = 1e+07 per coordinate"),
+    # booleans are not numbers (true was taken as 1)
+    ({"noise_multiplier": True}, "privacy.client.noise_multiplier must be a number, got True"),
+    ({"noise_multiplier": None, "target_epsilon": True}, "privacy.client.target_epsilon must be a number, got True"),
+    ({"clip": True}, "privacy.client.clip must be a number, got True"),
+    ({"moment_noise_multiplier": False}, "privacy.client.moment_noise_multiplier must be a number, got False"),
+    ({"delta": True}, "privacy.client.delta must be a number, got True"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, client, message):
     import yaml

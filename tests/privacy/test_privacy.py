@@ -354,6 +354,10 @@ def test_report_model_card_and_plan_state_the_privacy(tmp_path, capsys):
     ("privacy.record.target_epsilon=2", "privacy.record.noise_multiplier=0 adds no noise, so no target_epsilon=2"),
     ("privacy.record.noise_multiplier=null", "privacy.record needs noise_multiplier"),
     ("privacy.record.accountant=gdp", "privacy.record.accountant='gdp' must be one of 'rdp', 'prv'"),
+    ("privacy.record.noise_multiplier=true", "privacy.record.noise_multiplier must be a number, got True"),
+    ("privacy.record.max_grad_norm=true", "privacy.record.max_grad_norm must be a number, got True"),
+    ("privacy.record.delta=false", "privacy.record.delta must be a number, got False"),
+    ("privacy.record.noise_multiplier=1e300", "σ and σ·C must be at most 1e+06"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, override, message):
     yaml = tmp_path / "bad.yaml"
@@ -369,6 +373,28 @@ privacy: {{record: {{max_grad_norm: 1.0, noise_multiplier: 0.0}}}}
     assert len(err.splitlines()) == 1 and message in err, err
     runs = tmp_path / "runs"
     assert not runs.exists() or not any((d / "checkpoints").exists() for d in runs.iterdir())  # nothing written
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["privacy.record.noise_multiplier=null", "privacy.record.target_epsilon=1e-6"],
+     "privacy.record.target_epsilon: no noise multiplier reaches ε=1e-06"),  # was a ValueError traceback
+    (["privacy.record.noise_multiplier=null", "privacy.record.target_epsilon=true"],
+     "privacy.record.target_epsilon must be a number, got True"),
+])
+def test_a_target_no_noise_meets_is_one_line(tmp_path, capsys, overrides, message):
+    from fedgalore_testing.cmdline import _error
+
+    yaml = tmp_path / "bad.yaml"
+    yaml.write_text(f"""name: bad
+task: {{name: tiny_text, options: {{n_train: 96, n_test: 32, hidden_size: 16, num_layers: 1}}}}
+method: {{name: fedavg_full, rank: 4}}
+federation: {{num_clients: 3, clients_per_round: 2, rounds: 1, partition: {{kind: iid}}}}
+output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
+privacy: {{record: {{max_grad_norm: 1.0, noise_multiplier: 1.0}}}}
+""")
+    assert message in _error(capsys, ["run", "--config", str(yaml), *overrides])
+    runs = tmp_path / "runs"
+    assert not runs.exists() or not any((d / "summary.json").exists() for d in runs.iterdir())  # nothing ran
 
 
 def test_a_model_opacus_cannot_make_private_is_refused(tmp_path):

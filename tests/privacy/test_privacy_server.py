@@ -224,3 +224,115 @@ def test_a_round_rerun_after_a_crash_is_accounted(tmp_path):
 
     rel = _release(cfg)
     assert doc["client"]["epsilon"] == pytest.approx(client_epsilon([(rel.round_multiplier(3), 3, 4)], 6, 1e-5), rel=1e-9)
+
+
+@pytest.mark.parametrize("level", ["client", "record"])
+def test_a_crash_before_the_first_checkpoint_keeps_its_releases(tmp_path, level):
+    """Round 1 released, the process killed before checkpoint 1: the resumed run restarts at round 0,
+    and the journal's round-1 releases still count (a re-run draws fresh noise)."""
+    cfg = (cdp_cfg(tmp_path, rounds=2, output={"checkpoint_every": 1}) if level == "client" else
+           tiny_cfg(tmp_path, "fedavg_full", rounds=2, privacy={"record": {"noise_multiplier": 1.0}}))
+    with pytest.raises(KeyboardInterrupt):
+        fedgalore.run(cfg, progress=_Kill(at_round=0))
+    run_dir = next(Path(cfg.output.dir).iterdir())
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+    journal = [json.loads(x) for x in (run_dir / "privacy_journal.jsonl").read_text().splitlines()]
+    resumed = fedgalore.resume(run_dir)
+    doc = json.loads((resumed.run_dir / "privacy.json").read_text())
+    assert len(doc["recovered_releases"]) == len(journal) > 0
+    assert {r["round"] for r in doc["recovered_releases"]} == {1}
+    if level == "client":
+        assert sum(h[2] for h in doc["client"]["history"]) == 3  # round 1 (lost), rounds 1 and 2 (re-run)
+        from fedgalore.privacy.client_dp import client_epsilon
+
+        rel = _release(cfg)
+        assert doc["client"]["epsilon"] == pytest.approx(client_epsilon([(rel.round_multiplier(3), 3, 3)], 6, 1e-5), rel=1e-9)
+    else:
+        lost = {str(e["client"]): e["entry"][2] for e in journal}
+        for c, site in doc["sites"].items():  # every lost client-round's steps are in its site's history
+            ran = sum(r["sites"][c]["steps"] for r in doc["rounds"] if c in r["sites"])
+            assert site["steps"] == ran + lost.get(c, 0)
+
+
+def test_the_budget_counts_releases_lost_before_the_first_checkpoint(tmp_path):
+    """target_epsilon fits two rounds; round 1 released, killed before its checkpoint: the resumed
+    run re-runs round 1 and stops there — ε never passes the target."""
+    from fedgalore.privacy.client_dp import client_epsilon
+
+    probe = _release(cdp_cfg(tmp_path / "probe"))
+    s = probe.round_multiplier(3)
+    target = 0.5 * (client_epsilon([(s, 3, 2)], 6, 1e-5) + client_epsilon([(s, 3, 3)], 6, 1e-5))
+    cfg = cdp_cfg(tmp_path / "run", rounds=4, target_epsilon=target, output={"checkpoint_every": 1})
+    with pytest.raises(KeyboardInterrupt):
+        fedgalore.run(cfg, progress=_Kill(at_round=0))
+    resumed = fedgalore.resume(next(Path(cfg.output.dir).iterdir()))
+    doc = json.loads((resumed.run_dir / "privacy.json").read_text())
+    assert "privacy budget" in resumed.summary["stopped"] and resumed.summary["rounds_completed"] == 1
+    assert sum(h[2] for h in doc["client"]["history"]) == 2
+    assert doc["client"]["epsilon"] <= target
+
+
+def test_a_round_adapter_is_written_after_its_release_is_journaled(tmp_path, monkeypatch):
+    """Account before release: with export.every_round under central noise, the process killed right
+    after round 1's adapter is written — the journal already holds round 1's release, and the
+    resumed run accounts it."""
+    import fedgalore.engine.loop as loop
+
+    cfg = cdp_cfg(tmp_path, "fedit", rounds=2)
+    cfg.export.every_round = True
+    seen = []
+
+    def adapter_then_kill(runtime, state, run_dir, round):  # noqa: A002
+        out = loop_save(runtime, state, run_dir, round)
+        journal = Path(run_dir) / "privacy_journal.jsonl"
+        seen.append([json.loads(x) for x in journal.read_text().splitlines()] if journal.exists() else [])
+        raise KeyboardInterrupt("killed after the adapter")
+
+    loop_save = loop.save_round_adapter
+    monkeypatch.setattr(loop, "save_round_adapter", adapter_then_kill)
+    with pytest.raises(KeyboardInterrupt):
+        fedgalore.run(cfg)
+    run_dir = next(Path(cfg.output.dir).iterdir())
+    assert (run_dir / "adapters" / "round-0001").is_dir()
+    assert [(e["level"], e["round"]) for e in seen[0]] == [("client", 1)]  # journaled before the adapter existed
+    monkeypatch.setattr(loop, "save_round_adapter", loop_save)
+    doc = json.loads((fedgalore.resume(run_dir).run_dir / "privacy.json").read_text())
+    assert [r["round"] for r in doc["recovered_releases"]] == [1]
+    assert sum(h[2] for h in doc["client"]["history"]) == 3
+
+
+@pytest.mark.parametrize("level", ["client", "record"])
+def test_the_report_says_a_reproducible_run_is_not_protected_against_the_config(tmp_path, capsys, level):
+    """privacy.reproducible: the report's privacy line (as the model card's) says whom it does not protect against."""
+    from fedgalore.cli import main
+
+    cfg = (cdp_cfg(tmp_path, rounds=1, reproducible=True) if level == "client" else
+           tiny_cfg(tmp_path, "fedavg_full", rounds=1, privacy={"record": {"noise_multiplier": 1.0}, "reproducible": True}))
+    res = fedgalore.run(cfg)
+    capsys.readouterr()
+    assert main(["report", str(res.run_dir), "--no-plots"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Privacy"))
+    assert "NOT protected against whoever holds the config (privacy.reproducible)" in line, line
+
+
+@pytest.mark.parametrize("level", ["client", "record"])
+def test_noise_zero_is_clipping_only_and_not_protected(tmp_path, capsys, level):
+    """σ = 0 clips and adds no noise (ε = ∞): privacy.json, the report and the model card say it is
+    not protected — never "protected at (ε, δ)"."""
+    from fedgalore.cli import main
+
+    cfg = (cdp_cfg(tmp_path, "fedit", rounds=1, noise_multiplier=0.0) if level == "client" else
+           tiny_cfg(tmp_path, "fedit", rounds=1, privacy={"record": {"noise_multiplier": 0.0}}))
+    res = fedgalore.run(cfg)
+    doc = json.loads((res.run_dir / "privacy.json").read_text())
+    assert doc["protected"] is False
+    assert "clipping only" in doc["statement"] and "NOT protected: ε = ∞" in doc["statement"]
+    assert "protected at" not in doc["statement"]
+    assert any("adds no noise (ε = ∞)" in x for x in doc["not_protected"])
+    capsys.readouterr()
+    assert main(["report", str(res.run_dir), "--no-plots"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("Privacy"))
+    assert line == "Privacy (every method): NOT protected — clipping only (σ = 0: no noise, ε = ∞).", line
+    assert main(["export", str(res.run_dir), "--out", str(tmp_path / "exp")]) == 0
+    card = (tmp_path / "exp" / "README.md").read_text()
+    assert "| privacy | NOT protected — clipping only (σ = 0: no noise, ε = ∞) |" in card

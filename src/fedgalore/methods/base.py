@@ -120,6 +120,15 @@ class Method(abc.ABC):
             return None
         return broadcast.entries.get(key)
 
+    def released_coordinates(self, model: nn.Module, steps: int) -> int:
+        """d: how many coordinates one client's upload change has — what client-level DP clips
+        jointly to C and noises (the update and the head; second moments have their own clip and
+        are not counted) — for a client that runs ``steps`` optimizer steps a round, on the
+        prepared ``model``. Default: every parameter the model trains (the dense changes of
+        FedAvg-Full, the LoRA methods' factors and head). :func:`fedgalore.privacy.signal.noise_vs_signal`
+        weighs the noise in these d coordinates against the clip."""
+        return sum(int(p.numel()) for p in model.parameters() if p.requires_grad)
+
     def start_notes(self, train: Any) -> list[str]:
         """One-line notes the run prints when it starts, about how this method reads the
         ``train`` config (e.g. a setting it does not use). Default: none."""

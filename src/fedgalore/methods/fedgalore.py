@@ -151,7 +151,7 @@ from fedgalore.optim.galore_adamw import (
     GaLoreAdamW,
 )
 from fedgalore.optim import client_protocol
-from fedgalore.optim.projector import PROJ_TYPES
+from fedgalore.optim.projector import PROJ_TYPES, resolve_side
 from fedgalore.protocol import downlink
 from fedgalore.protocol.bases import basis_seed, frame_of, padded_sum
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
@@ -503,6 +503,18 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
         applied = self.apply_round_update(state, updates, delta=ctx.diagnostics, factored=not ctx.diagnostics_exact)
         self.average_heads(state, uploads, weights)
         return applied
+
+    def released_coordinates(self, model: nn.Module, steps: int) -> int:
+        """d on seeded bases (``projector: random``, what client-level DP requires): per adapted m×n
+        matrix one r×n (left) or m×r (right) coefficient block per projector refresh — ⌈steps/τ⌉ of
+        them —, and the head dense; not the m·n entries the model trains."""
+        params = named_params(model, self.targets + self.heads)
+        terms = max(-(-int(steps) // int(self.options.update_proj_gap)), 1)
+        d = sum(int(params[n].numel()) for n in self.heads)
+        for n in self.targets:
+            rows, cols = (int(x) for x in params[n].shape[-2:])
+            d += terms * int(self.rank) * (cols if resolve_side((rows, cols), self.options.proj_type) == "left" else rows)
+        return d
 
     def client_dp_problem(self, moments: str) -> str | None:
         """Under client-level DP every basis a client's upload uses must be public: the projector

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from fedgalore.privacy.config import RecordPrivacy
+from fedgalore.typed import ConfigError
 
 __all__ = ["History", "merge_history", "epsilon", "reference_epsilon", "calibrate_noise", "bisect_noise", "solve_noise", "SiteSchedule",
-           "site_schedule", "sample_rate"]
+           "site_schedule", "target_problem", "MAX_CALIBRATED_SIGMA", "sample_rate"]
 
 #: (noise multiplier σ, sampling rate q, steps)
 History = Sequence[Sequence[float]]
@@ -222,12 +223,51 @@ def site_schedule(record: RecordPrivacy, num_examples: int, batch_size: int, gra
     ``participation`` (clients_per_round / num_clients). Planned rounds: ``participation ·
     rounds`` (``calibration: expected``) or ``rounds`` (``every_round``); with
     ``target_epsilon`` σ is calibrated to spend it over ``⌈planned rounds · steps per round⌉``
-    steps, else σ is ``noise_multiplier``."""
-    q = sample_rate(num_examples, batch_size, grad_accum_steps)
-    planned_rounds = float(rounds) * (float(participation) if record.calibration == "expected" else 1.0)
-    planned_steps = max(int(math.ceil(planned_rounds * steps_per_round - 1e-9)), 1) if steps_per_round > 0 else 0
+    steps (a target no σ meets is a :class:`ConfigError`), else σ is ``noise_multiplier``."""
+    q, planned_rounds, planned_steps = _planned(record, num_examples, batch_size, grad_accum_steps, steps_per_round,
+                                                rounds, participation)
     if record.target_epsilon is not None and planned_steps > 0:
-        sigma = calibrate_noise(float(record.target_epsilon), float(record.delta), q, planned_steps, record.accountant)
+        try:
+            sigma = calibrate_noise(float(record.target_epsilon), float(record.delta), q, planned_steps, record.accountant)
+        except ValueError as exc:  # a budget no σ meets: the user's to change, in one line
+            raise ConfigError(_unreachable(exc, num_examples)) from None
     else:
         sigma = float(record.noise_multiplier or 0.0)
     return SiteSchedule(int(num_examples), q, int(steps_per_round), int(rounds), planned_rounds, planned_steps, sigma)
+
+
+def _planned(record: RecordPrivacy, num_examples: int, batch_size: int, grad_accum_steps: int, steps_per_round: int,
+             rounds: int, participation: float) -> tuple[float, float, int]:
+    """``(q, planned rounds, planned steps)`` of a site (:func:`site_schedule`)."""
+    q = sample_rate(num_examples, batch_size, grad_accum_steps)
+    planned_rounds = float(rounds) * (float(participation) if record.calibration == "expected" else 1.0)
+    planned_steps = max(int(math.ceil(planned_rounds * steps_per_round - 1e-9)), 1) if steps_per_round > 0 else 0
+    return q, planned_rounds, planned_steps
+
+
+def _unreachable(exc: Exception, num_examples: int) -> str:
+    return (f"privacy.record.target_epsilon: {exc}, for a site of {int(num_examples)} examples; raise target_epsilon or "
+            "lower federation.rounds")
+
+
+#: the largest σ a calibration tries (Opacus' ``get_noise_multiplier`` gives up beyond it)
+MAX_CALIBRATED_SIGMA = 1e6
+
+
+def target_problem(record: RecordPrivacy, num_examples: int, batch_size: int, grad_accum_steps: int,
+                   steps_per_round: int, rounds: int, participation: float) -> str | None:
+    """Why no σ calibrates this site to ``record.target_epsilon`` — even σ = 10⁶ over its planned
+    steps spends more — as one line, or None (also without a target). Cheap (one accountant
+    evaluation, no search): the run checks every site size with it before anything trains."""
+    if record.target_epsilon is None:
+        return None
+    q, _, planned_steps = _planned(record, num_examples, batch_size, grad_accum_steps, steps_per_round, rounds,
+                                   participation)
+    if planned_steps <= 0:
+        return None
+    least = epsilon([(MAX_CALIBRATED_SIGMA, q, planned_steps)], record.delta, record.accountant)
+    if least <= float(record.target_epsilon):
+        return None
+    return _unreachable(ValueError(f"no noise multiplier reaches ε={float(record.target_epsilon):g} at "
+                                   f"δ={float(record.delta):g} over {planned_steps} steps of sampling rate {q:.4g} (even "
+                                   f"σ = {MAX_CALIBRATED_SIGMA:g} spends ε = {least:.3g})"), num_examples)

@@ -40,7 +40,7 @@ from typing import Literal
 
 from fedgalore.typed import ConfigError
 
-__all__ = ["RecordPrivacy", "ClientPrivacy", "AdaptiveClipping", "PrivacyConfig", "ACCOUNTANTS", "CALIBRATIONS", "CLIENT_NOISE", "MOMENT_RELEASES"]
+__all__ = ["RecordPrivacy", "ClientPrivacy", "AdaptiveClipping", "PrivacyConfig", "MAX_NOISE", "noise_problem", "ACCOUNTANTS", "CALIBRATIONS", "CLIENT_NOISE", "MOMENT_RELEASES"]
 
 ACCOUNTANTS = ("rdp", "prv")
 CALIBRATIONS = ("expected", "every_round")
@@ -50,6 +50,28 @@ MOMENT_RELEASES = ("noised", "withheld")
 
 def _num(v: object) -> str:
     return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
+
+
+def _finite(v: object) -> bool:
+    """A finite number (``true``/``false`` are not numbers here)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+#: the largest noise multiplier σ and noise std σ·C (per coordinate) a run accepts: beyond it the
+#: output is all noise, and its squares (norms, the diagnostics' SVD) overflow float32 (3.4e38)
+MAX_NOISE = 1e6
+
+
+def noise_problem(path: str, sigma: float | None, clip: float, clip_key: str) -> str | None:
+    """Why noise multiplier ``sigma`` (``path``) with clip ``clip`` (``clip_key``) is refused — σ or
+    the noise std σ·C above :data:`MAX_NOISE` — as one line, or None."""
+    if sigma is None or not _finite(sigma) or not _finite(clip):
+        return None
+    if sigma > MAX_NOISE or sigma * clip > MAX_NOISE:
+        return (f"{path}={_num(sigma)} with {clip_key}={_num(clip)} gives noise of std σ·C = {sigma * clip:.3g} per "
+                f"coordinate; σ and σ·C must be at most {MAX_NOISE:g} (beyond, the model is all noise and its norms "
+                "overflow float32): lower the noise multiplier")
+    return None
 
 
 _SECURE_MODE_REMOVED = ("was removed: every DP draw now comes from OS entropy by default (secure); "
@@ -83,8 +105,12 @@ class RecordPrivacy:
     def check(self, path: str = "privacy.record") -> None:
         """Raise :class:`ConfigError` (one line, naming the key and the fix) on a bad value."""
         c, s, e, d = self.max_grad_norm, self.noise_multiplier, self.target_epsilon, self.delta
-        if not (isinstance(c, (int, float)) and math.isfinite(c) and c > 0):
+        if not (_finite(c) and c > 0):
             raise ConfigError(f"{path}.max_grad_norm={_num(c)} must be a positive number (the per-example clipping norm C, e.g. 1.0)")
+        if s is not None and not (_finite(s) and s >= 0):
+            raise ConfigError(f"{path}.noise_multiplier={_num(s)} must be a number >= 0 (0: clipping only, ε = ∞)")
+        if e is not None and not (_finite(e) and e > 0):
+            raise ConfigError(f"{path}.target_epsilon={_num(e)} must be a positive number (e.g. 8)")
         if s is None and e is None:
             raise ConfigError(f"{path} needs noise_multiplier (σ, e.g. 1.0) or target_epsilon (ε, e.g. 8); set one")
         if s is not None and e is not None:
@@ -92,11 +118,10 @@ class RecordPrivacy:
                 raise ConfigError(f"{path}.noise_multiplier=0 adds no noise, so no target_epsilon={e:g} can be met; "
                                   "drop noise_multiplier to calibrate σ to target_epsilon")
             raise ConfigError(f"{path}: give noise_multiplier or target_epsilon, not both (σ fixed, or calibrated to ε)")
-        if s is not None and not (math.isfinite(s) and s >= 0):
-            raise ConfigError(f"{path}.noise_multiplier={_num(s)} must be a number >= 0 (0: clipping only, ε = ∞)")
-        if e is not None and not (math.isfinite(e) and e > 0):
-            raise ConfigError(f"{path}.target_epsilon={_num(e)} must be a positive number (e.g. 8)")
-        if not (isinstance(d, (int, float)) and math.isfinite(d) and 0 < d < 1):
+        why = noise_problem(f"{path}.noise_multiplier", s, c, f"{path}.max_grad_norm")
+        if why is not None:
+            raise ConfigError(why)
+        if not (_finite(d) and 0 < d < 1):
             raise ConfigError(f"{path}.delta={_num(d)} must be in (0, 1) and below 1/n for every site (e.g. 1e-5)")
         if self.accountant not in ACCOUNTANTS:
             raise ConfigError(f"{path}.accountant={self.accountant!r} must be one of {', '.join(ACCOUNTANTS)}")
@@ -120,11 +145,11 @@ class AdaptiveClipping:
 
     def check(self, path: str) -> None:
         q, lr, sb = self.target_quantile, self.lr, self.count_noise_multiplier
-        if not (isinstance(q, (int, float)) and 0 < q < 1):
+        if not (_finite(q) and 0 < q < 1):
             raise ConfigError(f"{path}.target_quantile={_num(q)} must be in (0, 1) (e.g. 0.5: the median update norm)")
-        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0):
+        if not (_finite(lr) and lr > 0):
             raise ConfigError(f"{path}.lr={_num(lr)} must be a positive number (e.g. 0.2)")
-        if sb is not None and not (math.isfinite(sb) and sb > 0):
+        if sb is not None and not (_finite(sb) and sb > 0):
             raise ConfigError(f"{path}.count_noise_multiplier={_num(sb)} must be a positive number (null: max(K/20, σ))")
 
 
@@ -161,29 +186,37 @@ class ClientPrivacy:
     def check(self, path: str = "privacy.client") -> None:
         """Raise :class:`ConfigError` (one line, naming the key and the fix) on a bad value."""
         c, s, e, d = self.clip, self.noise_multiplier, self.target_epsilon, self.delta
-        if not (isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c > 0):
+        if not (_finite(c) and c > 0):
             raise ConfigError(f"{path}.clip={_num(c)} must be a positive number (the L2 norm each client's upload change "
                               "is clipped to, e.g. 0.1)")
         if s is None and e is None:
             raise ConfigError(f"{path} needs noise_multiplier (σ, e.g. 1.0) or target_epsilon (ε, e.g. 8); set one")
-        if s is not None and not (math.isfinite(s) and s >= 0):
+        if s is not None and not (_finite(s) and s >= 0):
             raise ConfigError(f"{path}.noise_multiplier={_num(s)} must be a number >= 0 (0: clipping only, ε = ∞)")
         if s is not None and s == 0 and e is not None:
             raise ConfigError(f"{path}.noise_multiplier=0 adds no noise, so target_epsilon={e:g} cannot be met; drop "
                               "noise_multiplier to calibrate σ to target_epsilon")
-        if e is not None and not (math.isfinite(e) and e > 0):
+        if e is not None and not (_finite(e) and e > 0):
             raise ConfigError(f"{path}.target_epsilon={_num(e)} must be a positive number (e.g. 8)")
-        if not (isinstance(d, (int, float)) and math.isfinite(d) and 0 < d < 1):
+        why = noise_problem(f"{path}.noise_multiplier", s, c, f"{path}.clip")
+        if why is not None:
+            raise ConfigError(why)
+        if not (_finite(d) and 0 < d < 1):
             raise ConfigError(f"{path}.delta={_num(d)} must be in (0, 1) and below 1/M for M sites (e.g. 1e-5)")
         if self.noise not in CLIENT_NOISE:
             raise ConfigError(f"{path}.noise={self.noise!r} must be one of {', '.join(CLIENT_NOISE)}")
         if self.moments not in MOMENT_RELEASES:
             raise ConfigError(f"{path}.moments={self.moments!r} must be one of {', '.join(MOMENT_RELEASES)}")
         mc, ms = self.moment_clip, self.moment_noise_multiplier
-        if not (isinstance(mc, (int, float)) and not isinstance(mc, bool) and math.isfinite(mc) and mc > 0):
+        if not (_finite(mc) and mc > 0):
             raise ConfigError(f"{path}.moment_clip={_num(mc)} must be a positive number (e.g. 1.0)")
-        if ms is not None and not (math.isfinite(ms) and ms > 0):
+        if ms is not None and not (_finite(ms) and ms > 0):
             raise ConfigError(f"{path}.moment_noise_multiplier={_num(ms)} must be a positive number (null: the update's σ)")
+        if self.moments == "noised":
+            why = (noise_problem(f"{path}.moment_noise_multiplier", ms, mc, f"{path}.moment_clip") if ms is not None else
+                   noise_problem(f"{path}.noise_multiplier", s, mc, f"{path}.moment_clip"))
+            if why is not None:
+                raise ConfigError(why)
         if self.adaptive_clipping is not None:
             a = self.adaptive_clipping
             a.check(f"{path}.adaptive_clipping")

@@ -15,7 +15,8 @@ from typing import Any, Mapping
 from fedgalore.privacy.config import RecordPrivacy
 from fedgalore.privacy.randomness import RANDOMNESS_ENTROPY, RANDOMNESS_SEEDED
 
-__all__ = ["NOT_AGAINST_CONFIG", "NOTHING_PROTECTED", "RELEASE_KINDS", "record_statement", "not_protected", "release_record", "summary_line",
+__all__ = ["NOT_AGAINST_CONFIG", "NOTHING_PROTECTED", "NOT_PROTECTED_REPRODUCIBLE", "CLIPPING_ONLY",
+           "record_noised", "client_noised", "RELEASE_KINDS", "record_statement", "not_protected", "release_record", "summary_line",
            "mechanism", "client_statement", "client_mechanism", "client_release_record"]
 
 NOTHING_PROTECTED = ("Nothing was protected: no differential privacy was on (privacy.record unset). Every upload "
@@ -26,6 +27,12 @@ NOTHING_PROTECTED = ("Nothing was protected: no differential privacy was on (pri
 NOT_AGAINST_CONFIG = ("anyone who holds the config — the server included — since every DP draw is seeded from the run's "
                       "seed (privacy.reproducible: true, for studies)")
 
+#: the report's and the model card's words for privacy.reproducible (privacy.json: ``reproducible``)
+NOT_PROTECTED_REPRODUCIBLE = "NOT protected against whoever holds the config (privacy.reproducible)"
+
+#: the report's and the model card's words for a run whose every level ran with σ = 0
+CLIPPING_ONLY = "NOT protected — clipping only (σ = 0: no noise, ε = ∞)"
+
 RELEASE_KINDS = ("update", "moment", "basis", "head", "control_variate", "metrics", "counts")
 
 _WHAT = {
@@ -35,6 +42,17 @@ _WHAT = {
     "head": "the classifier head's change",
     "control_variate": "SCAFFOLD's control variate c_i",
 }
+
+
+def record_noised(record: RecordPrivacy | None) -> bool:
+    """Whether ``privacy.record`` adds noise (σ > 0, or σ calibrated to a target ε): without noise
+    DP-SGD only clips, and ε = ∞ — nothing is protected."""
+    return record is not None and (record.target_epsilon is not None or float(record.noise_multiplier or 0) > 0)
+
+
+def client_noised(release: Any) -> bool:
+    """Whether client-level DP (the run's ClientRelease; None: off) adds noise (σ > 0)."""
+    return release is not None and float(release.sigma) > 0
 
 
 def mechanism(record: RecordPrivacy, support: Mapping[str, Any] | None = None, reproducible: bool = False) -> dict[str, Any]:
@@ -64,6 +82,10 @@ def record_statement(record: RecordPrivacy, reproducible: bool = False) -> str:
     how = (f"σ calibrated per site to ε = {record.target_epsilon:g} over its "
            f"{'expected' if record.calibration == 'expected' else 'every'} round(s)" if record.target_epsilon is not None
            else f"σ = {record.noise_multiplier:g}")
+    if not record_noised(record):
+        return (f"Record-level clipping only (DP-SGD with privacy.record.noise_multiplier=0): every example's gradient "
+                f"clipped to C = {record.max_grad_norm:g} each local step, no noise. NOT protected: ε = ∞ for every "
+                "site (clipping bounds each example's influence but hides nothing).")
     text = (f"Record-level differential privacy (DP-SGD) at each site: every example's gradient clipped to "
             f"C = {record.max_grad_norm:g} each local step, Gaussian noise ({how}), Poisson sampling. Each site's "
             f"records are protected at (ε, δ = {record.delta:g}) with ε per site in 'sites' (Opacus "
@@ -81,6 +103,9 @@ def not_protected(record: RecordPrivacy | None, reproducible: bool = False) -> l
     """What the run did not protect (plainly, for ``privacy.json``)."""
     if record is None:
         return ["everything: no differential privacy was on"]
+    if not record_noised(record):
+        return ["every record of every site: privacy.record.noise_multiplier=0 clips the gradients and adds no noise "
+                "(ε = ∞)"]
     out = ["which sites took part in which round (DP does not hide participation)",
            "a site's data as a whole (record-level DP protects rows; client-level DP, privacy.client, is not on)",
            "each site's number of examples (num_examples is sent exact; the site's size is treated as public)"]
@@ -125,6 +150,8 @@ def summary_line(doc: Mapping[str, Any] | None, upto_round: int | None = None) -
     if not doc:
         return "privacy: not recorded (a run from before privacy.json)"
     if not doc.get("protected"):
+        if doc.get("mechanism") or doc.get("client"):  # DP was on with σ = 0
+            return f"privacy: {CLIPPING_ONLY}"
         return "privacy: none — nothing was protected (no differential privacy)"
     client = doc.get("client")
     client_line = ""
@@ -138,7 +165,7 @@ def summary_line(doc: Mapping[str, Any] | None, upto_round: int | None = None) -
         client_line = (f"client-level DP-FedAvg ({cm.get('noise')} noise, C = {cm.get('clip')}, σ = "
                        f"{float(client.get('noise_multiplier') or 0):.3g}): ε ≤ {eps_s} for the federation at δ = "
                        f"{client.get('delta'):g}{f' by round {upto_round}' if upto_round is not None else ''}"
-                       + ("; NOT protected against whoever holds the config (privacy.reproducible)" if cm.get("reproducible") else ""))
+                       + (f"; {NOT_PROTECTED_REPRODUCIBLE}" if cm.get("reproducible") else ""))
         if not doc.get("mechanism"):
             return "privacy: " + client_line
     mech = doc.get("mechanism") or {}
@@ -156,7 +183,7 @@ def summary_line(doc: Mapping[str, Any] | None, upto_round: int | None = None) -
     return (f"privacy: record-level DP-SGD at each site (Opacus, Poisson sampling, {accountant} accountant): "
             f"ε ≤ {_fmt_eps(float(eps)) if eps is not None else '?'} per site at δ = {delta:g} "
             f"{f'by round {upto_round} ' if upto_round is not None else ''}(max over {len(sites)} site(s) that trained; C = {mech.get('max_grad_norm', float('nan')):g}, {sigma}"
-            + ("; NOT protected against whoever holds the config (privacy.reproducible)" if mech.get("reproducible") else "") + ")"
+            + (f"; {NOT_PROTECTED_REPRODUCIBLE}" if mech.get("reproducible") else "") + ")"
             + (f"; {client_line}" if client_line else ""))
 
 
@@ -213,6 +240,10 @@ def client_statement(release: Any) -> str:
            else f"σ = {release.sigma:g}" + (f", the run stopped before ε exceeds {c.target_epsilon:g}" if c.target_epsilon else ""))
     clip = (f"C (adaptive from {c.clip:g}, target quantile {c.adaptive_clipping.target_quantile:g})"
             if c.adaptive_clipping is not None else f"C = {c.clip:g}")
+    if not client_noised(release):
+        return (f"Client-level clipping only (DP-FedAvg with privacy.client.noise_multiplier=0): each client's whole upload "
+                f"change clipped to {clip}, uniform weights, no noise. NOT protected: ε = ∞ (clipping bounds each site's "
+                "influence but hides nothing).")
     text = (f"Client-level differential privacy (DP-FedAvg) across sites: each client's whole upload change clipped to "
             f"{clip}, Gaussian noise on their sum ({c.noise}; {how}), uniform weights. Each site's data as a whole "
             f"is protected at (ε, δ = {c.delta:g}) with ε in 'client' (dp-accounting RDP, K of M sampled without "

@@ -2,7 +2,9 @@
 
 A run with record-level DP (``privacy.record``) states ε (the largest over its sites), δ, C, σ
 and the accountant; one with client-level DP (``privacy.client``) ε of the federation, δ, C, σ and
-the noise; a run without DP says that nothing was protected; a run from before
+the noise — and, under ``privacy.reproducible``, that it is NOT protected against whoever holds the
+config; a run with σ = 0 that it was clipping only (not protected); a run without DP says that
+nothing was protected; a run from before
 ``privacy.json`` says it was not recorded (docs/privacy.md).
 """
 from __future__ import annotations
@@ -11,6 +13,7 @@ import math
 from typing import Any, Sequence
 
 from fedgalore.engine.stages.privacy_ledger import read_privacy
+from fedgalore.privacy.statement import CLIPPING_ONLY, NOT_PROTECTED_REPRODUCIBLE
 from fedgalore.report import RunRecord, method_display_name
 
 __all__ = ["privacy_line"]
@@ -20,15 +23,21 @@ def _method_text(docs: list[dict[str, Any] | None]) -> str:
     if any(d is None for d in docs):
         return "not recorded (run(s) from before privacy.json)"
     if not any(d.get("protected") for d in docs):
+        if all(d.get("mechanism") or d.get("client") for d in docs):  # DP on, σ = 0
+            return CLIPPING_ONLY
         return "none — nothing was protected"
     if not all(d.get("protected") for d in docs):
-        return "mixed — some runs without DP"
+        return "mixed — some runs without DP (or with σ = 0)"
     parts = []
     if all(d.get("mechanism") for d in docs):
         parts.append(_record_text(docs))
     if all(d.get("client") for d in docs):
         parts.append(_client_text(docs))
-    return "; ".join(parts) if parts else "mixed — record-level and client-level DP in different runs"
+    text = "; ".join(parts) if parts else "mixed — record-level and client-level DP in different runs"
+    if any(d.get("reproducible") for d in docs):  # seeded draws: whoever holds the config regenerates the noise
+        text += f"; {NOT_PROTECTED_REPRODUCIBLE}" if all(d.get("reproducible") for d in docs) else (
+            f"; some runs {NOT_PROTECTED_REPRODUCIBLE}")
+    return text
 
 
 def _client_text(docs: list[dict[str, Any]]) -> str:

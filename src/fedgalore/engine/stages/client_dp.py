@@ -46,12 +46,14 @@ import torch
 
 from fedgalore.engine.stages.base import Attempt, RoundStage, RunView
 from fedgalore.job.config import ConfigError, FederatedConfig
+from fedgalore.federated.client import optimizer_steps
 from fedgalore.federated.seeding import DP_CLIENT_NOISE, client_seed
 from fedgalore.privacy.client_dp import (DataDrivenBasis, add_noise, calibrate_client_noise, clip_upload,
                                          client_epsilon, combined_multiplier, is_moment, shared_noise)
 from fedgalore.privacy.accounting import solve_noise
-from fedgalore.privacy.config import ClientPrivacy
+from fedgalore.privacy.config import ClientPrivacy, noise_problem
 from fedgalore.privacy.randomness import dp_generator, gaussian
+from fedgalore.privacy.signal import NoiseVsSignal, noise_vs_signal
 from fedgalore.protocol.payload import Payload
 
 __all__ = ["ClientRelease", "ClientDP", "ROUND_CLIP", "CLIENT_BOOK", "client_book", "round_clip"]
@@ -95,6 +97,10 @@ class ClientRelease:
         #: draws from OS entropy (Opacus' secure Gaussian sampling) unless privacy.reproducible
         self.reproducible = bool(cfg.privacy.reproducible)
         self.sigma = self._sigma()
+        why = noise_problem("privacy.client.noise_multiplier (calibrated to target_epsilon)", self.sigma, client.clip,
+                            "privacy.client.clip")
+        if why is not None:  # (a given σ was checked with the config)
+            raise ConfigError(why)
         #: σ_m of the moment release (None: none)
         self.sigma_m = (client.moment_noise_multiplier or self.sigma) if self.moments else None
         a = client.adaptive_clipping
@@ -167,6 +173,12 @@ class ClientRelease:
                                           1.0 if self.moments else None)
         except ValueError as exc:
             raise ConfigError(f"privacy.client.target_epsilon: {exc}; raise target_epsilon or lower federation.rounds") from None
+
+    def noise_vs_signal(self, dim: int) -> NoiseVsSignal:
+        """The round's noise in the released mean against the clip, for ``dim`` coordinates per
+        client (:func:`fedgalore.privacy.signal.noise_vs_signal`: the update's σ_Δ, C at its start,
+        K sampled, the method's aggregate a mean or not)."""
+        return noise_vs_signal(self.sigma_update, self.client.clip, dim, self.sample, self.mean)
 
     def _share(self) -> float:
         """The divisor of a client's own noise under distributed noise: √K on a mean method (the sum of
@@ -324,6 +336,14 @@ class ClientDP(RoundStage):
     def build(cls, cfg: FederatedConfig, runtime: Any, run: RunView | None) -> "ClientDP | None":
         release = ClientRelease.build(cfg, runtime.method, len(runtime.parts))
         return None if release is None else cls(release)
+
+    def signal(self, runtime: Any) -> NoiseVsSignal:
+        """The noise the released mean will carry against the signal it hides, on ``runtime``'s
+        model: d from the method (:meth:`~fedgalore.methods.base.Method.released_coordinates`) for
+        the client with the most optimizer steps a round."""
+        k = max(int(runtime.cfg.train.grad_accum_steps), 1)
+        steps = max((optimizer_steps(runtime.micro_batches(len(p)), k) for p in runtime.parts), default=1)
+        return self.mechanism.noise_vs_signal(runtime.method.released_coordinates(runtime.model, steps))
 
     def client_release(self, upload: Payload, broadcast: Payload, ctx: Any) -> Payload:
         return self.mechanism.client_side(upload, broadcast, ctx.round, ctx.client)

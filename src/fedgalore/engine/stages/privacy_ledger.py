@@ -27,9 +27,13 @@ budget_stop` checks the client-level budget with that attempt's worst case (dist
 through secure aggregation: only the fewest shares SecAgg+ still unmasks in the sum; without it: each
 sampled client's next upload as the server sees it), and :meth:`PrivacyLedger.spent_sites` holds
 back a site whose next client-round would take its record-level ε past ``privacy.record.
-target_epsilon``. Every release is journaled (``privacy_journal.jsonl``, fsynced) as the server
-receives it; a resumed run adds the releases its checkpoint lacks — the rounds a crash lost —
-unless ``privacy.reproducible`` (then the re-run releases the very same values).
+target_epsilon``. Account before release: every release is journaled (``privacy_journal.jsonl``,
+fsynced) before anything derived from it exists — a client's upload as the server receives it,
+central noise's aggregate before the noise is drawn (:meth:`PrivacyLedger.central_release`) — so
+no aggregate, per-round adapter, printed evaluation or checkpoint precedes its entry. A run that
+starts in a directory with a journal (resumed from a checkpoint, or restarted at round 0 when a
+crash came before the first one) adds every journaled release its state lacks, unless
+``privacy.reproducible`` (then the re-run releases the very same values).
 """
 from __future__ import annotations
 
@@ -49,11 +53,13 @@ from fedgalore.federated.checkpoint import atomic_write_text
 from fedgalore.privacy.view import declare
 from fedgalore.jsonl import read_json
 from fedgalore.privacy.accounting import epsilon, merge_history, site_schedule
-from fedgalore.privacy.statement import (NOT_AGAINST_CONFIG, NOTHING_PROTECTED, client_mechanism, client_release_record, client_statement,
-                                         mechanism, not_protected, record_statement, release_record)
+from fedgalore.privacy.statement import (NOT_AGAINST_CONFIG, NOTHING_PROTECTED, client_mechanism, client_noised,
+                                         client_release_record, client_statement, mechanism, not_protected, record_noised,
+                                         record_statement, release_record)
 from fedgalore.protocol.payload import GaLoreUpdate, LowRank, MomentView, Payload
 
-__all__ = ["PrivacyAccountant", "PrivacyLedger", "BudgetStop", "PRIVACY_FILE", "JOURNAL_FILE", "release_kinds", "read_privacy", "privacy_plan"]
+__all__ = ["PrivacyAccountant", "PrivacyLedger", "BudgetStop", "PRIVACY_FILE", "JOURNAL_FILE", "release_kinds", "read_privacy", "privacy_plan",
+           "client_signal"]
 
 PRIVACY_FILE = "privacy.json"
 #: every release as the server received it, appended and fsynced (module doc)
@@ -139,10 +145,12 @@ class PrivacyLedger:
         state.meta.setdefault("privacy_journal", []).append(entry["id"])
 
     def recover(self, state: Any) -> int:
-        """A resumed run: add to ``state``'s accountants every journaled release its checkpoint
-        lacks (rounds a crash lost after the checkpoint; their re-run draws fresh noise, so both
-        count). None under ``privacy.reproducible`` (a re-run releases the same values). Returns
-        how many releases were added."""
+        """A run starting in a directory whose journal holds releases: add to ``state``'s
+        accountants every journaled release it lacks — the rounds a crash lost after the last
+        checkpoint, or every release when there is no checkpoint (``state`` fresh: the run restarts
+        at round 0); their re-run draws fresh noise, so both count. None under
+        ``privacy.reproducible`` (a re-run releases the same values). Returns how many releases
+        were added."""
         if self.journal is None or self.cfg.privacy.reproducible or not self.journal.exists():
             return 0
         seen = set(state.meta.setdefault("privacy_journal", []))
@@ -171,7 +179,7 @@ class PrivacyLedger:
             added += 1
         if added:
             logging.getLogger("fedgalore").warning(
-                "privacy: %d release(s) after the last checkpoint were lost with the process that made them; they are "
+                "privacy: %d release(s) that no checkpoint holds were lost with the process that made them; they are "
                 "accounted (privacy.json: recovered_releases)", added)
         return added
 
@@ -320,6 +328,15 @@ class PrivacyLedger:
             p["steps"] += entry[2]
             p["attempts"].append(attempt)
 
+    def central_release(self, state: Any, round_idx: int, kept: int) -> None:
+        """Central noise: the server is about to noise the sum of the round's ``kept`` clipped uploads
+        — journaled (fsynced) before the noise is drawn, so nothing derived from the release (the
+        aggregate, a per-round adapter, a printed evaluation, a checkpoint) exists unaccounted."""
+        if self.release is None or self.release.client.noise != "central":
+            return
+        event = self._client_event(client_book(state), kept, self.release.sample)
+        self._journal(state, {"level": "client", "round": round_idx + 1, "event": event, "uploads": []})
+
     def end_round(self, state: Any, round_idx: int, uploads: Sequence[Payload], run_dir: Path) -> dict[str, float]:
         """Close round ``round_idx``: ε of the sites that took part, the round's release record,
         ``privacy.json`` rewritten; returns what joins the round's metrics (``dp_epsilon``: the
@@ -345,10 +362,7 @@ class PrivacyLedger:
             out["dp_epsilon"] = rec["epsilon_max"]
         if self.release is not None:
             cb = client_book(state)
-            if self.release.client.noise == "central":  # the server released the noised aggregate of the kept uploads
-                event = self._client_event(cb, len(uploads), self.release.sample)
-                self._journal(state, {"level": "client", "round": round_idx + 1, "event": event, "uploads": []})
-            events = self._flush_client(cb)
+            events = self._flush_client(cb)  # central noise: the aggregate's release, journaled by central_release
             clip = self.current_clip(state)
             rec["client"] = {"releases": [{"noise_multiplier": e[0], "sampled": e[1], "uploads": e[2]} for e in events],
                              "epsilon": cb["epsilon"], "clip": clip}
@@ -391,7 +405,7 @@ class PrivacyLedger:
         reproducible = bool(self.cfg.privacy.reproducible)
         client = self._client_document(state) if self.release is not None else None
         if r is None and client is not None:
-            return {"protected": True, "statement": client["statement"], "mechanism": None,
+            return {"protected": client_noised(self.release), "statement": client["statement"], "mechanism": None,
                     "not_protected": client.pop("not_protected"), "client": client, "rounds": book.get("rounds", [])}
         if r is None:
             return {"protected": False, "statement": NOTHING_PROTECTED, "mechanism": None,
@@ -408,7 +422,8 @@ class PrivacyLedger:
         if self.cfg.federation.client_eval:
             unprotected.append("the per-site evaluation metrics of federation.client_eval (computed on the sites' held-out "
                                "rows, not by DP-SGD)")
-        doc = {"protected": True, "statement": record_statement(r, reproducible),
+        # σ = 0 clips and adds no noise (ε = ∞): not protected, and said so (statement, not_protected)
+        doc = {"protected": record_noised(r) or client_noised(self.release), "statement": record_statement(r, reproducible),
                "mechanism": mechanism(r, self.support, reproducible),
                "delta": r.delta, "epsilon_max": max(eps) if eps else 0.0,
                "not_protected": unprotected, "sites": sites, "rounds": book["rounds"]}
@@ -429,6 +444,9 @@ class PrivacyLedger:
         rel, c = self.release, self.release.client
         cb = state.meta.get("privacy_client") or {"history": [], "epsilon": 0.0}
         unprotected = ["which sites took part in which round (DP does not hide participation)"]
+        if not client_noised(rel):
+            unprotected.insert(0, "each site's data: privacy.client.noise_multiplier=0 clips the uploads and adds no noise "
+                                  "(ε = ∞)")
         if c.release_metrics:
             unprotected.append("the clients' training losses (privacy.client.release_metrics: true sends them in the clear)")
         if self.cfg.federation.client_eval:
@@ -551,6 +569,23 @@ def client_plan(cfg: FederatedConfig, num_clients: int) -> dict[str, Any] | None
     return out
 
 
+def client_signal(cfg: FederatedConfig, method_name: str, options: Any, num_clients: int, dim: int) -> Any:
+    """Client-level DP's noise in the released mean against the signal, for ``method_name`` with
+    its parsed ``options`` and ``dim`` coordinates per client (``fedgalore plan``; the run says the
+    same at its start): :meth:`ClientRelease.noise_vs_signal`. None without ``privacy.client`` or
+    for a config a run refuses (client_plan's ``error`` says why)."""
+    if cfg.privacy.client is None:
+        return None
+    from fedgalore.engine.stages.client_dp import ClientRelease
+    from fedgalore.methods.base import build_method
+
+    try:
+        rel = ClientRelease.build(cfg, build_method(method_name, cfg.method.rank, options), num_clients)
+    except (ConfigError, ValueError):
+        return None
+    return rel.noise_vs_signal(dim)
+
+
 #: errors after which a client's upload may have left its site although none came back (a reply lost or late)
 _UNKNOWN = ("no reply", "timed out")
 
@@ -572,8 +607,11 @@ class PrivacyAccountant(RoundStage):
     name = "privacy"
     server_only = True
 
-    def __init__(self, ledger: PrivacyLedger, run_dir: Path) -> None:
+    def __init__(self, ledger: PrivacyLedger, run_dir: Path, say: Callable[[str], None] | None = None,
+                 signal: Any = None) -> None:
         self.ledger, self.run_dir = ledger, Path(run_dir)
+        #: client-level DP's noise against the signal (fedgalore.privacy.signal.NoiseVsSignal; None: off), said at the start
+        self.say, self.signal = say, signal
 
     @classmethod
     def backend_problem(cls, cfg: FederatedConfig, backend: Any) -> str | None:
@@ -589,18 +627,21 @@ class PrivacyAccountant(RoundStage):
         ledger = PrivacyLedger(cfg, runtime.head_params, runtime.clients.name, [len(p) for p in runtime.parts],
                                sites.support if sites is not None else None, client.mechanism if client is not None else None,
                                sites=sites, run_dir=run.run_dir)
-        return cls(ledger, run.run_dir)
+        return cls(ledger, run.run_dir, run.say, client.signal(runtime) if client is not None else None)
 
     def start(self, state: Any, resumed: bool, start_round: int, rounds: int) -> None:
-        if resumed:  # releases a crash lost after the checkpoint still count (privacy_journal.jsonl)
-            self.ledger.recover(state)
+        # releases a crash lost still count (privacy_journal.jsonl): after the checkpoint, or before the first
+        # one — a run restarted from round 0 in its own directory (no checkpoint) has no other record of them
+        recovered = self.ledger.recover(state)
         if start_round < rounds:
             why = self.ledger.budget_stop(state, start_round)
             if why is not None:
                 raise ConfigError(why.split("; the run stops")[0] + (
-                    "; nothing to resume — a larger budget needs a new run" if start_round else
+                    "; nothing to resume — a larger budget needs a new run" if start_round or recovered else
                     "; not even one round fits: raise privacy.client.target_epsilon or the noise"))
         self.ledger.write(self.run_dir, state)
+        if self.signal is not None and self.say is not None and start_round < rounds:  # before any round is paid for
+            self.say(self.signal.line())
 
     def plan(self, att: Attempt, state: Any) -> None:
         # the cap holds at every release: this attempt's worst case must fit the client-level budget,
@@ -612,6 +653,10 @@ class PrivacyAccountant(RoundStage):
 
     def observe(self, att: Attempt, results: list[Any], state: Any) -> None:
         self.ledger.observe(state, att.round, att.number, results)  # every upload the server saw counts
+
+    def release(self, att: Attempt, state: Any) -> None:
+        # account before release: this stage acts first, so central noise's release is journaled before it is drawn
+        self.ledger.central_release(state, att.round, len(att.kept))
 
     def round_record(self, state: Any, round_idx: int, uploads: list[Payload]) -> dict[str, float]:
         return self.ledger.end_round(state, round_idx, uploads, self.run_dir)  # privacy.json; dp_epsilon

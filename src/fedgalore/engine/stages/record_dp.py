@@ -23,7 +23,7 @@ from fedgalore.engine.stages.base import RoundStage
 from fedgalore.federated.client import optimizer_steps
 from fedgalore.federated.seeding import BATCHES, DP_NOISE, client_seed
 from fedgalore.job.config import ConfigError, FederatedConfig
-from fedgalore.privacy.accounting import SiteSchedule, site_schedule
+from fedgalore.privacy.accounting import SiteSchedule, site_schedule, target_problem
 from fedgalore.privacy.config import RecordPrivacy
 from fedgalore.privacy.randomness import dp_seed
 
@@ -74,6 +74,12 @@ class SitePrivacy:
                                   f"site ({n} examples, client {i}); set privacy.record.delta below that (e.g. 1e-5)")
         k = max(int(cfg.train.grad_accum_steps), 1)
         steps = [optimizer_steps(micro_batches(int(n)), k) for n in sizes]
+        fed = cfg.federation
+        participation = (fed.clients_per_round or len(sizes)) / max(len(sizes), 1)
+        for n, t in sorted(set(zip(sizes, steps))):  # a target no σ meets: refused before anything trains
+            why = target_problem(record, n, cfg.train.batch_size, k, t, fed.rounds, participation)
+            if why is not None:
+                raise ConfigError(why)
         return cls(cfg, record, sizes, steps, per_sample_support(model))
 
     # ------------------------------------------------------------------ per site
