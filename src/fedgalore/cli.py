@@ -661,36 +661,31 @@ def _yaml_scalar(value: Any) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def _method_listing() -> list[dict[str, Any]]:
+    """The methods to list (``fedgalore.methods.listing``): the registry's when this process has
+    imported it (it may hold methods registered here), else the built-in methods' generated
+    ``methods/catalog.json``, read without importing the method classes (and torch)."""
+    if "fedgalore.methods.base" not in sys.modules:
+        try:
+            return json.loads((Path(__file__).parent / "methods" / "catalog.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # not shipped or unreadable: the registry itself
+            pass
+    from fedgalore.methods.listing import describe_methods
+
+    return describe_methods()
+
+
 def cmd_methods(args: argparse.Namespace) -> int:
     """Each method with its summary and its options (default, one-line doc); a method whose
     options are those of one listed before says so."""
-    import dataclasses
-    import types
-    from typing import Literal, Union, get_args, get_origin, get_type_hints
-
-    from fedgalore.methods.base import available_methods, registration
-
-    def choices(tp: Any) -> list[str]:  # the values of a Literal (or Literal | None) field
-        if get_origin(tp) is Literal:
-            return [str(a) for a in get_args(tp)]
-        args = [a for a in get_args(tp) if a is not type(None)] if get_origin(tp) in (Union, types.UnionType) else []
-        return choices(args[0]) if len(args) == 1 else []
-
-    listed: dict[type, str] = {}
-    for name in available_methods():
-        reg = registration(name)
-        cls = reg.cls
-        print(f"{name:<18} {reg.summary}".rstrip() + ("  [site ranks]" if cls.supports_site_ranks else ""))
-        opts = cls.options_class
-        if opts in listed:
-            print(f"    options: as {listed[opts]}")
+    for entry in _method_listing():
+        print(f"{entry['name']:<18} {entry['summary']}".rstrip() + ("  [site ranks]" if entry["site_ranks"] else ""))
+        if "options_as" in entry:
+            print(f"    options: as {entry['options_as']}")
             continue
-        listed[opts] = name
-        hints = get_type_hints(opts)
-        for f in dataclasses.fields(opts):
-            one_of = choices(hints[f.name])
-            print(f"    {f.name:<22} {_yaml_scalar(f.default):<18} {f.metadata['doc']}"
-                  + (f" [{', '.join(one_of)}]" if one_of else ""))
+        for opt in entry["options"]:
+            print(f"    {opt['name']:<22} {opt['default']:<18} {opt['doc']}"
+                  + (f" [{', '.join(opt['choices'])}]" if opt["choices"] else ""))
     print("options go in method.options (YAML or method.options.<name>=<value>); docs/cli.md, \"Method options\"; "
           "[site ranks]: trains sites at their own ranks (federation.site_ranks)")
     return 0

@@ -20,7 +20,6 @@ import time
 from typing import Any, TextIO
 
 from fedgalore.engine.events import ProgressSink
-from fedgalore.report.tables import format_bytes
 
 __all__ = ["make_progress", "PlainProgress", "RichProgress", "QuietProgress", "PROGRESS_MODES"]
 
@@ -143,6 +142,8 @@ class PlainProgress(ProgressSink):
         ev = _evals(record)
         if ev:
             parts.append(f"eval {ev}")
+        from fedgalore.report.tables import format_bytes  # here: `fedgalore --help` reads PROGRESS_MODES without torch
+
         parts.append(f"up {format_bytes(record.get('bytes_up'))} down {format_bytes(record.get('bytes_down'))}")
         parts.append(f"{record.get('time_round', 0.0):.2f}s eta {_hms(eta)}")
         self._print(" | ".join(parts))
@@ -240,6 +241,8 @@ class RichProgress(ProgressSink):
     def round_end(self, round: int, record: dict[str, Any]) -> None:
         self.cum_up = int(record.get("cum_bytes_up", self.cum_up + int(record.get("bytes_up", 0))))
         self.cum_down = int(record.get("cum_bytes_down", self.cum_down + int(record.get("bytes_down", 0))))
+        from fedgalore.report.tables import format_bytes  # here: `fedgalore --help` reads PROGRESS_MODES without torch
+
         ev = _evals(record, limit=2)
         self.last = (f"round {round + 1}: {_train_loss(record)}" + (f" | eval {ev}" if ev else "")
                      + f" | sent ↑{format_bytes(self.cum_up)} ↓{format_bytes(self.cum_down)}")

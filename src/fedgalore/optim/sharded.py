@@ -38,6 +38,7 @@ by bucket, is).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -46,10 +47,14 @@ import torch.distributed as dist
 from fedgalore.optim.projector import resolve_side
 from fedgalore.optim.state import GaLoreParamState, ParamState, map_tensors
 
-try:  # torch >= 2.4
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-except ImportError:  # pragma: no cover - older torch: nothing is ever sharded
-    DTensor, Replicate, Shard = None, None, None  # type: ignore[assignment,misc]
+
+
+def _dtensor() -> Any:
+    """``torch.distributed.tensor.DTensor`` once someone has imported it (``fully_shard`` does),
+    else None: no tensor can be a ``DTensor`` before, and importing it costs about a second (sympy,
+    the DTensor op tables) that a process which never shards should not pay at start."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 __all__ = ["is_sharded", "local", "galore_placement", "shard_dim", "along_basis", "all_reduce_sum", "any_rank", "any_rank_each", "gather",
            "keep_local", "broadcast_basis", "convert_state", "move_state"]
@@ -63,7 +68,8 @@ __all__ = ["is_sharded", "local", "galore_placement", "shard_dim", "along_basis"
 
 def is_sharded(x: Any) -> bool:
     """Whether ``x`` is a ``DTensor`` (a parameter under FSDP2, or its gradient)."""
-    return DTensor is not None and isinstance(x, DTensor)
+    dtensor = _dtensor()
+    return dtensor is not None and isinstance(x, dtensor)
 
 
 def local(x: torch.Tensor) -> torch.Tensor:
@@ -79,6 +85,7 @@ def galore_placement(proj_type: str = "std", world_size: Optional[int] = None) -
     key) whose columns the mesh's size (``world_size``; default: the default group's) divides
     (FSDP2 splits columns only evenly; otherwise rows, and the step all-reduces ``R``); everything
     else ``Shard(0)``, FSDP2's default."""
+    from torch.distributed.tensor import Shard
 
     def place(p: torch.nn.Parameter) -> Any:
         if p.dim() == 2 and resolve_side((int(p.shape[0]), int(p.shape[1])), proj_type) == "left":
@@ -95,6 +102,8 @@ def shard_dim(p: torch.Tensor, name: str) -> Optional[int]:
     shard); anything else is refused with the placement named."""
     if not is_sharded(p):
         return None
+    from torch.distributed.tensor import Replicate, Shard
+
     placements = [pl for pl in p.placements if not isinstance(pl, Replicate)]
     if not placements:
         return None
@@ -120,6 +129,8 @@ def all_reduce_sum(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 def _group(p: torch.Tensor) -> Any:
     """The process group of the mesh dimension that shards ``p`` (HSDP: not the replicas')."""
+    from torch.distributed.tensor import Shard
+
     mesh = p.device_mesh
     for i, pl in enumerate(p.placements):
         if isinstance(pl, Shard):

@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
-from fedgalore.job.config import ConfigError
+from fedgalore.typed import ConfigError  # (fedgalore.job.config's, without building the config's imports)
 from fedgalore.federated.checkpoint import kept_rounds
 from fedgalore.jsonl import read_json, read_jsonl
 
