@@ -1057,10 +1057,19 @@ def _site_plan(cfg: FederatedConfig, methods: Sequence[str] | None, method_optio
     from fedgalore.methods.base import method_class
 
     probe_cfg = FederatedConfig.from_dict(cfg.to_dict())
-    num = cfg.federation.num_clients
-    if num is None:  # a natural / files partition: the sites are known once the data is split
+    num, names = cfg.federation.num_clients, None
+    if cfg.federation.site_ranks.named:  # sites by name: their ids come from the data's split
+        from fedgalore.job.clients import split_clients
+
+        task = model_spec(cfg)[1]
+        if task is None:
+            raise PlanError("plan: federation.site_ranks names sites by name, which the data's split gives; "
+                            "plan it where the task's data is readable, or give the sites' client ids")
+        clients = split_clients(cfg, task)
+        num, names = len(clients.parts), clients.names
+    elif num is None:  # a natural / files partition: the sites are known once the data is split
         num = len(_client_sizes(cfg, model_spec(cfg)[1], train_examples))
-    ranks = site_ranks(cfg.federation.site_ranks, num, cfg.method.rank) or []
+    ranks = site_ranks(cfg.federation.site_ranks, num, cfg.method.rank, names) or []
     devices = site_devices(cfg.federation.site_ranks, num)
     methods = list(methods or [cfg.method.name])
     for m in methods:
