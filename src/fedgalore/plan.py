@@ -61,6 +61,7 @@ from fedgalore.methods.base import MethodOptions, parse_options, split_options
 from fedgalore.methods.fedgalore import FedGaLoreOptions
 from fedgalore.protocol.payload import dump_header_json, dump_safetensors_header
 from fedgalore.tasks.base import ArrayDataset, Task, TaskError, head_parameters, resolve_target_modules
+from fedgalore.report.tables import format_count
 
 __all__ = [
     "PlanError",
@@ -1177,7 +1178,7 @@ def format_plan(plan: dict[str, Any], accelerator_gib: float | None = None, host
     if usable is None or accelerator_gib is not None or host_gib is not None:
         usable = usable_memory(plan["device"], machine, accelerator_gib, host_gib)
     quant = f", {plan['quantization']} base for the LoRA methods" if plan.get("quantization") else ""
-    lines = [f"# Plan: {plan['config']} — {plan['model']} ({plan['params'] / 1e9:.2f} B params, {plan['dtype']}{quant}, "
+    lines = [f"# Plan: {plan['config']} — {plan['model']} ({format_count(plan['params'])} params, {plan['dtype']}{quant}, "
              f"{plan['targets']} adapted matrices), {plan['clients_per_round']} of {plan['clients']} clients per round, "
              f"{plan['rounds']} rounds, device {plan['device']}", ""]
     if plan.get("data_note"):
