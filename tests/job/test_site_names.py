@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fedgalore.federated.sites import site_index
-from fedgalore.job.clients import resolve_clients, split_clients
+from fedgalore.job.clients import resolve_clients, site_ids, split_clients
 from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.tasks.synthetic import TinyTextTask
 
@@ -36,7 +36,11 @@ def _cfg(**federation) -> FederatedConfig:
 
 
 def _resolved(cfg: FederatedConfig) -> FederatedConfig:
-    return resolve_clients(cfg, split_clients(cfg, ClinicTask(n_train=N_TRAIN, n_test=16)))
+    """The config the round runs with (the recorded one keeps the names: checked by resolve_clients)."""
+    clients = split_clients(cfg, ClinicTask(n_train=N_TRAIN, n_test=16))
+    recorded = resolve_clients(cfg, clients)
+    assert recorded.to_dict()["federation"]["site_ranks"] == cfg.to_dict()["federation"]["site_ranks"]
+    return site_ids(recorded, clients)
 
 
 def test_site_ranks_and_attack_name_sites_by_their_names():
@@ -44,7 +48,7 @@ def test_site_ranks_and_attack_name_sites_by_their_names():
     got = _resolved(cfg)
     assert got.federation.site_ranks.ranks == {2: 2, 1: 8, 0: 4}  # sorted by name: blur 0, clean 1, noisy 2
     assert cfg.federation.site_ranks.ranks == {"clinic_noisy": 2, "clinic_clean": 8, 0: 4}  # the given config is kept
-    assert got.to_dict()["federation"]["site_ranks"]["ranks"] == {2: 2, 1: 8, 0: 4}  # what workers and config.yaml see
+    assert got.to_dict()["federation"]["site_ranks"]["ranks"] == {2: 2, 1: 8, 0: 4}  # what Ray actors and Flower nodes get
     attacked = _resolved(_cfg(attack={"clients": ["clinic_blur", 2]}))
     assert attacked.federation.attack.clients == [0, 2]
 
@@ -67,3 +71,27 @@ def test_names_need_a_partition_that_names_sites():
     with pytest.raises(ConfigError, match=r"site 5 does not exist \(the partition has 3 clients\); use ids 0..2"):
         site_index(5, None, 3, "federation.site_ranks.ranks")
     assert site_index("1", ["a", "b"], 2, "x") == 1  # digits from a command-line override are an id
+
+
+def test_a_run_with_named_sites_trains_them_at_their_ranks_and_is_found_again(tmp_path, monkeypatch):
+    """The run records the names as given (config.yaml, identity), so the same config is the same
+    run; the method trains each site at its named rank."""
+    import sys
+    import types
+
+    import fedgalore
+    from fedgalore.engine.runtime import Runtime
+    from fedgalore.tasks import TASKS
+
+    mod = types.ModuleType("fg_clinic_tasks")
+    mod.ClinicTask = ClinicTask
+    monkeypatch.setitem(sys.modules, "fg_clinic_tasks", mod)
+    monkeypatch.setitem(TASKS, "clinic_text", "fg_clinic_tasks:ClinicTask")
+    d = _cfg(site_ranks={"ranks": {"clinic_noisy": 2, "clinic_clean": 8}}).to_dict()
+    d["task"]["name"], d["output"]["dir"] = "clinic_text", str(tmp_path / "runs")
+    cfg = FederatedConfig.from_dict(d)
+    assert Runtime(cfg).site_ranks == [4, 8, 2]  # blur at method.rank
+    first = fedgalore.run(cfg)
+    assert "clinic_noisy: 2" in (first.run_dir / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match="already holds this run"):  # not a new "-2" directory
+        fedgalore.run(FederatedConfig.from_dict(d))

@@ -225,6 +225,9 @@ output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
     ev = json.loads(capsys.readouterr().out)
     assert ev["examples"] == 18
     assert ev["metrics"]["accuracy"] == pytest.approx(np.mean(classes["predicted_label"] == classes["label"]), abs=1e-9)
+    assert main(["evaluate", str(run_dir), "--data", str(flat)]) == 2  # no class folders: nothing to score, said so
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds images without class sub-folders" in err[0] and "fedgalore predict" in err[0]
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["predict", str(run_dir), "--data", str(empty), "--out", str(tmp_path / "e.csv")]) == 2
