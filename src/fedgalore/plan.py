@@ -61,6 +61,7 @@ from fedgalore.methods.base import MethodOptions, parse_options, split_options
 from fedgalore.methods.fedgalore import FedGaLoreOptions
 from fedgalore.protocol.payload import dump_header_json, dump_safetensors_header
 from fedgalore.tasks.base import ArrayDataset, Task, TaskError, head_parameters, resolve_target_modules
+from fedgalore.report.tables import format_count
 
 __all__ = [
     "PlanError",
@@ -1078,10 +1079,19 @@ def _site_plan(cfg: FederatedConfig, methods: Sequence[str] | None, method_optio
     from fedgalore.methods.base import method_class
 
     probe_cfg = FederatedConfig.from_dict(cfg.to_dict())
-    num = cfg.federation.num_clients
-    if num is None:  # a natural / files partition: the sites are known once the data is split
+    num, names = cfg.federation.num_clients, None
+    if cfg.federation.site_ranks.named:  # sites by name: their ids come from the data's split
+        from fedgalore.job.clients import split_clients
+
+        task = model_spec(cfg)[1]
+        if task is None:
+            raise PlanError("plan: federation.site_ranks names sites by name, which the data's split gives; "
+                            "plan it where the task's data is readable, or give the sites' client ids")
+        clients = split_clients(cfg, task)
+        num, names = len(clients.parts), clients.names
+    elif num is None:  # a natural / files partition: the sites are known once the data is split
         num = len(_client_sizes(cfg, model_spec(cfg)[1], train_examples))
-    ranks = site_ranks(cfg.federation.site_ranks, num, cfg.method.rank) or []
+    ranks = site_ranks(cfg.federation.site_ranks, num, cfg.method.rank, names) or []
     devices = site_devices(cfg.federation.site_ranks, num)
     methods = list(methods or [cfg.method.name])
     for m in methods:
@@ -1189,7 +1199,7 @@ def format_plan(plan: dict[str, Any], accelerator_gib: float | None = None, host
     if usable is None or accelerator_gib is not None or host_gib is not None:
         usable = usable_memory(plan["device"], machine, accelerator_gib, host_gib)
     quant = f", {plan['quantization']} base for the LoRA methods" if plan.get("quantization") else ""
-    lines = [f"# Plan: {plan['config']} — {plan['model']} ({plan['params'] / 1e9:.2f} B params, {plan['dtype']}{quant}, "
+    lines = [f"# Plan: {plan['config']} — {plan['model']} ({format_count(plan['params'])} params, {plan['dtype']}{quant}, "
              f"{plan['targets']} adapted matrices), {plan['clients_per_round']} of {plan['clients']} clients per round, "
              f"{plan['rounds']} rounds, device {plan['device']}", ""]
     if plan.get("data_note"):

@@ -144,7 +144,9 @@ class PlainProgress(ProgressSink):
             parts.append(f"eval {ev}")
         from fedgalore.report.tables import format_bytes  # here: `fedgalore --help` reads PROGRESS_MODES without torch
 
-        parts.append(f"up {format_bytes(record.get('bytes_up'))} down {format_bytes(record.get('bytes_down'))}")
+        k = len(record.get("clients", []))  # the round's bytes, summed over its clients (the report's are per client)
+        parts.append(f"up {format_bytes(record.get('bytes_up'))} down {format_bytes(record.get('bytes_down'))} "
+                     f"(round, {k} client{'s' if k != 1 else ''})")
         parts.append(f"{record.get('time_round', 0.0):.2f}s eta {_hms(eta)}")
         self._print(" | ".join(parts))
 
@@ -245,7 +247,7 @@ class RichProgress(ProgressSink):
 
         ev = _evals(record, limit=2)
         self.last = (f"round {round + 1}: {_train_loss(record)}" + (f" | eval {ev}" if ev else "")
-                     + f" | sent ↑{format_bytes(self.cum_up)} ↓{format_bytes(self.cum_down)}")
+                     + f" | sent so far (all clients) ↑{format_bytes(self.cum_up)} ↓{format_bytes(self.cum_down)}")
         self._set_status()
         if self._progress is not None:
             self._progress.update(self._rounds, completed=round + 1)

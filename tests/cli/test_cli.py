@@ -178,7 +178,8 @@ def test_plain_progress_one_line_per_round() -> None:
     lines = buf.getvalue().splitlines()
     rnd = [line for line in lines if line.startswith("round ")]
     assert len(rnd) == 1
-    assert "round 1/2" in rnd[0] and "clients 0,2" in rnd[0] and "accuracy=0.7500" in rnd[0] and "up 2.00 KiB" in rnd[0]
+    assert "round 1/2" in rnd[0] and "clients 0,2" in rnd[0] and "accuracy=0.7500" in rnd[0]
+    assert "up 2.00 KiB down 4.00 KiB (round, 2 clients)" in rnd[0]  # the round's total over its clients, said so
     assert "eta" in rnd[0] and any("client 1 dropped" in line for line in lines) and "done demo" in lines[-1]
 
 

@@ -156,9 +156,21 @@ def test_cli_plan(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["plan", "--config", "conf/pipeline/metamath_llama2.yaml", "--methods", "fedgalore", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "| fedgalore |" in text and "peak accelerator" in text
+    assert "| fedgalore |" in text and "peak accelerator" in text and "(6.74 B params," in text
     assert json.loads(out.read_text())["methods"]["fedgalore"]["refreshes_per_round"] == [5]
     assert main(["plan", "--config", "conf/pipeline/metamath_llama2.yaml", "task.options.model=nowhere/x"]) == 2
+
+
+def test_parameter_counts_read_sensibly(tmp_path):
+    """A 0.2 M-parameter model is 0.2 M in the plan's title, not "0.00 B"."""
+    from fedgalore.plan import format_plan
+    from fedgalore.report.tables import format_count
+
+    assert [format_count(n) for n in (950, 12_345, 200_000, 123_456_789, 1_100_000_000)] == \
+        ["950", "12.3 k", "0.2 M", "123.5 M", "1.10 B"]
+    plan = make_plan(_cfg(tmp_path, "fedgalore"), ["fedgalore"])
+    title = format_plan(plan).splitlines()[0]
+    assert f"({format_count(plan['params'])} params," in title and "0.00 B" not in title
 
 
 def test_phase_formula():

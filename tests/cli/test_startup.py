@@ -16,7 +16,6 @@ import pytest
 
 from fedgalore_testing import REPO
 
-pytestmark = pytest.mark.fast
 
 HEAVY = ("torch", "transformers", "peft", "flwr", "ray", "opacus", "sklearn", "scipy", "matplotlib", "datasets")
 

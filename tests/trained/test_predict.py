@@ -182,3 +182,53 @@ def test_predict_images_without_labels(tmp_path, vit_dir, monkeypatch):
         ref = torch.softmax(loaded.model(pixel_values=pixels).logits.double(), -1).numpy()
     np.testing.assert_allclose(got[[f"prob_{c}" for c in task.label_names()]].to_numpy(), ref, atol=1e-5)
     assert got["predicted_label"].tolist() == [task.label_names()[i] for i in ref.argmax(1)]
+
+
+def test_predict_and_evaluate_read_an_image_folder(tmp_path, vit_dir, monkeypatch, capsys):
+    """``--data`` a folder of images: flat (rows without labels) or one sub-folder per class (as
+    training reads one) for predict, the class folders for evaluate — the same numbers as a file
+    listing the same images."""
+    import shutil
+
+    import fedgalore
+    from fedgalore_testing.models import _images
+
+    monkeypatch.setenv("FEDGALORE_CACHE", str(tmp_path / "cache"))
+    root = _images(tmp_path / "pets")
+    (tmp_path / "pets.yaml").write_text(f"""\
+name: pets
+task: {{name: image_classification, options: {{model: {vit_dir}, data: {root}, new_head: true, test_fraction: 0.25}}}}
+method: {{name: fedit, rank: 2}}
+federation: {{num_clients: 2, clients_per_round: 2, rounds: 1, partition: {{kind: iid}}}}
+train: {{lr: 1.0e-2, batch_size: 4, local_steps: 1}}
+output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
+""")
+    run_dir = fedgalore.run(fedgalore.load_config(tmp_path / "pets.yaml")).run_dir
+    flat = tmp_path / "scans"
+    flat.mkdir()
+    for f in sorted(root.rglob("*.png"))[::3]:
+        shutil.copy(f, flat / f.name)
+    listed = write(pd.DataFrame({"image": [str(f) for f in sorted(flat.iterdir())]}), tmp_path / "listed.csv")
+    assert main(["predict", str(run_dir), "--data", str(listed), "--out", str(tmp_path / "by_file.csv")]) == 0
+    assert main(["predict", str(run_dir), "--data", str(flat), "--out", str(tmp_path / "flat.csv")]) == 0
+    assert "predicted 6 rows of" in capsys.readouterr().out
+    by_file, by_folder = pd.read_csv(tmp_path / "by_file.csv"), pd.read_csv(tmp_path / "flat.csv")
+    assert by_folder["image"].tolist() == by_file["image"].tolist()
+    probs = [c for c in by_file if c.startswith("prob_")]
+    np.testing.assert_allclose(by_folder[probs].to_numpy(), by_file[probs].to_numpy(), atol=1e-6)
+    assert main(["predict", str(run_dir), "--data", str(root), "--out", str(tmp_path / "classes.csv")]) == 0
+    classes = pd.read_csv(tmp_path / "classes.csv")
+    assert len(classes) == 18 and classes["label"].tolist() == ["cat"] * 6 + ["dog"] * 6 + ["owl"] * 6
+    capsys.readouterr()
+    assert main(["evaluate", str(run_dir), "--data", str(root), "--json"]) == 0
+    ev = json.loads(capsys.readouterr().out)
+    assert ev["examples"] == 18
+    assert ev["metrics"]["accuracy"] == pytest.approx(np.mean(classes["predicted_label"] == classes["label"]), abs=1e-9)
+    assert main(["evaluate", str(run_dir), "--data", str(flat)]) == 2  # no class folders: nothing to score, said so
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds images without class sub-folders" in err[0] and "fedgalore predict" in err[0]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["predict", str(run_dir), "--data", str(empty), "--out", str(tmp_path / "e.csv")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no images" in err[0] and not (tmp_path / "e.csv").exists()

@@ -151,7 +151,7 @@ class Federation:
         self.task, self.method = self.runtime.task, self.runtime.method
         self._client_eval: dict[str, Any] | None = None  # the last evaluation's per-client record (client_eval)
         #: recorded after the build, which may have made a default input (e.g. the pretrained tiny ViT)
-        self.identity = run_identity(cfg, task=task, method=method)
+        self.identity = run_identity(self.runtime.recorded_cfg, task=task, method=method)  # sites by name as given
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.backend.start(self.runtime)
         if self._downlink_mode() == "dense":
@@ -178,7 +178,10 @@ class Federation:
             self.upload_keys = info.get("loop", {}).get("upload_keys")
             self.history, self.ledger.records = self.files.restore(self.start_round)
             self.progress.message(f"resuming {self.run_dir} after round {self.start_round}")
-        self.files.write_static(cfg, self.runtime, self.identity)
+        partition = self.files.write_static(self.runtime.recorded_cfg, self.runtime, self.identity)
+        if ckpt is None:  # the split's coverage (a label one site alone holds ...), before the first round
+            for line in partition.get("warnings", []):
+                self.progress.message(f"warning: {line}")
         #: the round's stages (fedgalore.engine.stages): the runtime's client side and the server's own, composed from the config
         view = RunView(self.run_dir, self.method, self.runtime, lambda line: self.progress.message(line))
         self.stages = compose(cfg, self.runtime, view, have=self.runtime.stages)

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from fedgalore.job.clients import Clients, resolve_clients, split_clients
+from fedgalore.job.clients import Clients, resolve_clients, site_ids, split_clients
 from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.job.resolve import method_options, resolve_method
 from fedgalore.engine.jobs import ClientJob, ClientResult
@@ -52,8 +52,10 @@ class Runtime:
         #: the clients' training parts (and held-out parts, names), the validation pool (fedgalore.job.clients);
         #: ``clients`` given: a nodes deployment's server, whose parts are stand-ins of the nodes' sizes
         self.clients = clients if clients is not None else split_clients(cfg, self.task, parts)
-        #: the config as it runs (a natural partition's client count filled in)
-        self.cfg = cfg = resolve_clients(cfg, self.clients)
+        #: the config as recorded (config.yaml, the run's identity): as given, a natural partition's client count filled in
+        self.recorded_cfg = resolve_clients(cfg, self.clients)
+        #: the config as it runs (and as workers get it): sites that per-site settings name by name as their ids
+        self.cfg = cfg = site_ids(self.recorded_cfg, self.clients)
         self.method = (resolve_method(method, cfg) if method is not None
                        else build_method(cfg.method.name, cfg.method.rank, method_options(cfg)))
         #: each site's rank (federation.site_ranks), given to the method before it prepares the model

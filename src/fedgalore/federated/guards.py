@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from fedgalore.federated.sites import is_site_id, is_site_name
 from fedgalore.typed import ConfigError
 
 __all__ = ["SecureAggregationConfig", "RobustConfig", "AttackConfig", "ROBUST_KINDS", "DENSE_ONLY_KINDS", "ATTACK_KINDS"]
@@ -153,7 +154,8 @@ class AttackConfig:
     factored uploads (the LoRA family) each uploaded tensor's change from what the client started
     from is scaled (fedgalore.engine.stages.attack)."""
 
-    clients: list[int] = field(default_factory=lambda: [0])
+    #: the hostile sites: client ids, or the sites' names where the partition names them (fedgalore.federated.sites)
+    clients: list[int | str] = field(default_factory=lambda: [0])
     kind: str = "scale"
     #: null: 50 for scale, 1 for sign_flip
     factor: float | None = None
@@ -161,8 +163,10 @@ class AttackConfig:
     def check(self, path: str = "federation.attack") -> "AttackConfig":
         if self.kind not in ATTACK_KINDS:
             raise ConfigError(f"{path}.kind={self.kind!r} must be one of {', '.join(ATTACK_KINDS)}")
-        if not self.clients or not all(isinstance(c, int) and c >= 0 for c in self.clients):
-            raise ConfigError(f"{path}.clients={self.clients!r} must be a non-empty list of client ids (e.g. [0])")
+        if not isinstance(self.clients, (list, tuple)) or not self.clients \
+                or not all(is_site_id(c) or is_site_name(c) for c in self.clients):
+            raise ConfigError(f"{path}.clients={self.clients!r} must be a non-empty list of client ids (e.g. [0]) "
+                              "or site names (natural, files and nodes partitions: fedgalore partition lists them)")
         if self.factor is not None and not (math.isfinite(self.factor) and self.factor > 0):
             raise ConfigError(f"{path}.factor={self.factor!r} must be a positive number (sign_flip negates it)")
         return self

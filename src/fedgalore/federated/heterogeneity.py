@@ -12,15 +12,52 @@ Pure numpy (arrays in, arrays out), beside the partitioners;
 * :func:`site_sample` — the seeded per-client sample the feature side embeds;
 * :func:`feature_shift` — per client the bias-corrected standardised shift of its mean embedding
   from the pool's mean (≈ 0 for an IID split, whatever the site sizes);
-* :func:`weighted_mean` — the size-weighted mean of per-client values (the split's one number).
+* :func:`weighted_mean` — the size-weighted mean of per-client values (the split's one number);
+* :func:`label_coverage` — the categories one client alone holds or no client holds, and the
+  clients that hold one category only: what a mean TV does not say, and what a run warns about.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-__all__ = ["label_tv", "label_tv_iid", "site_sample", "feature_shift", "weighted_mean"]
+__all__ = ["label_tv", "label_tv_iid", "site_sample", "feature_shift", "weighted_mean", "Coverage", "label_coverage"]
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """Where a split's categories live (:func:`label_coverage`); indices into the histogram's axes."""
+
+    #: ``(category, client, rows)``: a category that one client alone holds, and its rows there
+    single: tuple[tuple[int, int, int], ...]
+    #: categories no client holds (0 training rows: all in the validation pool or at dropped sites)
+    absent: tuple[int, ...]
+    #: ``(client, category)``: a client whose examples are all of one category
+    one_class: tuple[tuple[int, int], ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.single or self.absent or self.one_class)
+
+
+def label_coverage(histograms: np.ndarray) -> Coverage:
+    """The categories of a clients × categories count table ``H`` that one client alone holds
+    (``|{i : H_ic > 0}| = 1``: learned only in the rounds that sample it), those no client holds
+    (``Σ_i H_ic = 0``), and the clients holding examples of one category only
+    (``|{c : H_ic > 0}| = 1``). A pool of fewer than two categories has nothing to say (an empty
+    :class:`Coverage`)."""
+    h = np.asarray(histograms, dtype=np.int64)
+    if h.ndim != 2:
+        raise ValueError(f"histograms must be clients x categories, got shape {h.shape}")
+    if h.shape[1] < 2:
+        return Coverage((), (), ())
+    held = h > 0
+    single = tuple((int(c), int(np.flatnonzero(held[:, c])[0]), int(h[:, c].sum()))
+                   for c in np.flatnonzero(held.sum(0) == 1))
+    absent = tuple(int(c) for c in np.flatnonzero(held.sum(0) == 0))
+    one_class = tuple((int(i), int(np.flatnonzero(held[i])[0])) for i in np.flatnonzero(held.sum(1) == 1))
+    return Coverage(single, absent, one_class)
 
 
 def label_tv(histograms: np.ndarray) -> np.ndarray:

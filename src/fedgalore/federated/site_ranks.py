@@ -1,7 +1,8 @@
 """Sites with different budgets: ``federation.site_ranks``, a rank per site.
 
 A federation is rarely uniform: a site with an 80 GB GPU and a site with a laptop GPU should not
-train at one rank. ``federation.site_ranks`` gives each site (client id ``0 … M−1``) its own rank;
+train at one rank. ``federation.site_ranks`` gives each site (client id ``0 … M−1``, or the site's
+name where the partition names its clients: :mod:`fedgalore.federated.sites`) its own rank;
 the method decides what the rank means and how uploads of different ranks combine
 (:meth:`fedgalore.methods.base.Method.site_ranks_problem` refuses a method that cannot):
 
@@ -19,6 +20,7 @@ Two ways to say it (YAML)::
           - {rank: 8, share: 0.5}       # share (optional): this tier's share of the sites (default: equal)
           - {rank: 32}
         ranks: {0: 16, 7: 4}          # single sites (override their tier); a site in neither: method.rank
+        # ranks: {clinic_noisy: 2, clinic_clean: 32}   # natural / files / nodes partitions: sites by name
 
 Tier ``t`` of ``T`` holds sites ``⌊M·S_{t−1}⌋ … ⌊M·S_t⌋ − 1`` with ``S_t`` the cumulative shares
 (equal shares: a third each for three tiers). Sites are numbered by the partition, whose order does
@@ -30,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from fedgalore.federated.sites import is_site_id, is_site_name, site_index
 from fedgalore.typed import ConfigError, from_plain
 
 __all__ = ["SiteTier", "SiteRanksConfig", "site_ranks", "site_devices"]
@@ -51,8 +54,8 @@ class SiteRanksConfig:
     """``federation.site_ranks`` (module doc)."""
 
     tiers: list[SiteTier] = field(default_factory=list)
-    #: single sites' ranks (site id → rank), over their tier's
-    ranks: dict[int, int] = field(default_factory=dict)
+    #: single sites' ranks (site id or name → rank), over their tier's
+    ranks: dict[int | str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.tiers, (list, tuple)):
@@ -78,10 +81,23 @@ class SiteRanksConfig:
             raise ConfigError(f"federation.site_ranks: the tiers' shares add up to {given:g}; make them sum to 1 "
                               "(or leave one tier's share out: it takes the rest)")
         for site, rank in self.ranks.items():
-            if not isinstance(site, int) or isinstance(site, bool) or site < 0:
-                raise ConfigError(f"federation.site_ranks.ranks: site {site!r} must be a client id (an integer >= 0)")
+            if not (is_site_id(site) or is_site_name(site)):
+                raise ConfigError(f"federation.site_ranks.ranks: site {site!r} must be a client id (an integer >= 0) "
+                                  "or a site's name (natural, files and nodes partitions: fedgalore partition lists them)")
             if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
                 raise ConfigError(f"federation.site_ranks.ranks[{site}]={rank!r} must be a positive integer")
+
+    @property
+    def named(self) -> bool:
+        """Whether :attr:`ranks` names a site by name (resolved by :meth:`with_ids` once the data is split)."""
+        return any(is_site_name(k) for k in self.ranks)
+
+    def with_ids(self, names: Sequence[str] | None, num_clients: int) -> "SiteRanksConfig":
+        """This setting with every site in :attr:`ranks` as its client id (``names``: the
+        partition's client names, None where it names none); a site that does not exist is a
+        :class:`ConfigError` listing the sites with their ids."""
+        ids = {site_index(k, names, num_clients, "federation.site_ranks.ranks"): v for k, v in self.ranks.items()}
+        return SiteRanksConfig(list(self.tiers), ids)
 
     def tier_bounds(self, num_clients: int) -> list[tuple[int, int]]:
         """``[(first, end), …]``: the sites of each tier (module doc)."""
@@ -97,11 +113,14 @@ class SiteRanksConfig:
         return out
 
 
-def site_ranks(cfg: SiteRanksConfig | None, num_clients: int, default: int) -> list[int] | None:
+def site_ranks(cfg: SiteRanksConfig | None, num_clients: int, default: int,
+               names: Sequence[str] | None = None) -> list[int] | None:
     """Each site's rank (``None`` when ``cfg`` is None: every site at ``default``, the method's rank).
-    A tier with no site (more tiers than sites) is an error, and so is a site id ≥ ``num_clients``."""
+    A tier with no site (more tiers than sites) is an error, and so is a site id ≥ ``num_clients``
+    or a name not among ``names`` (the partition's client names: :mod:`fedgalore.federated.sites`)."""
     if cfg is None:
         return None
+    cfg = cfg.with_ids(names, num_clients)
     ranks = [int(default)] * int(num_clients)
     for i, (t, (start, end)) in enumerate(zip(cfg.tiers, cfg.tier_bounds(num_clients))):
         if end <= start:
@@ -110,9 +129,6 @@ def site_ranks(cfg: SiteRanksConfig | None, num_clients: int, default: int) -> l
         for c in range(start, end):
             ranks[c] = int(t.rank)
     for site, rank in cfg.ranks.items():
-        if site >= num_clients:
-            raise ConfigError(f"federation.site_ranks.ranks: site {site} does not exist (federation.num_clients={num_clients}); "
-                              f"use ids 0..{num_clients - 1}")
         ranks[site] = int(rank)
     return ranks
 

@@ -38,9 +38,10 @@ from fedgalore.federated.partition import make_partition
 from fedgalore.federated.partitioners import infers_clients
 from fedgalore.federated.partitioners.nodes import NODES_ONLY
 from fedgalore.federated.seeding import client_test_seed, validation_seed
+from fedgalore.federated.sites import is_site_name, site_index
 from fedgalore.tasks.base import Task, TaskError, stratified_split
 
-__all__ = ["Clients", "split_clients", "resolve_clients", "drop_small_clients"]
+__all__ = ["Clients", "split_clients", "resolve_clients", "site_ids", "drop_small_clients"]
 
 log = logging.getLogger(__name__)
 _SAID: set[str] = set()
@@ -209,8 +210,12 @@ def _check_batches(cfg: FederatedConfig, clients: Clients) -> None:
 
 def resolve_clients(cfg: FederatedConfig, clients: Clients) -> FederatedConfig:
     """``cfg`` with ``federation.num_clients`` set to the partition's client count when it was
-    left to the partition (``natural``; a copy — ``cfg`` is not changed), after checking
-    ``clients_per_round`` against that count."""
+    left to the partition (``natural``), after checking ``clients_per_round`` against that count,
+    and the sites the per-site settings name by name checked to exist (a name the data does not
+    hold is one line listing the sites with their ids). A copy where anything changes — ``cfg`` is
+    not changed. The names stay names (what the run records and is identified by);
+    :func:`site_ids` gives the config the round runs with."""
+    site_ids(cfg, clients)
     fed = cfg.federation
     m = len(clients.parts)
     if fed.num_clients is not None:
@@ -222,4 +227,24 @@ def resolve_clients(cfg: FederatedConfig, clients: Clients) -> FederatedConfig:
         )
     out = copy.deepcopy(cfg)
     out.federation.num_clients = m
+    return out.validate()
+
+
+def site_ids(cfg: FederatedConfig, clients: Clients) -> FederatedConfig:
+    """``cfg`` with the sites that per-site settings (``federation.site_ranks.ranks``,
+    ``federation.attack.clients``) name by name replaced by their client ids
+    (:mod:`fedgalore.federated.sites`; a copy when any is named): the config a run's round loop,
+    Ray actors and Flower nodes run with, none of which knows the names. A name ``clients`` does
+    not hold is a :class:`ConfigError` listing the sites with their ids."""
+    fed, m = cfg.federation, len(clients.parts)
+    ranks = fed.site_ranks is not None and fed.site_ranks.named
+    attack = fed.attack is not None and any(is_site_name(c) for c in fed.attack.clients)
+    if not (ranks or attack):
+        return cfg
+    out = copy.deepcopy(cfg)
+    if ranks:
+        out.federation.site_ranks = fed.site_ranks.with_ids(clients.names, m)
+    if attack:
+        out.federation.attack.clients = [site_index(c, clients.names, m, "federation.attack.clients")
+                                         for c in fed.attack.clients]
     return out.validate()

@@ -35,6 +35,7 @@ from fedgalore.federated.partition import PartitionConfig
 from fedgalore.federated.partitioners import infers_clients
 from fedgalore.federated.server_opt import ServerOptimizerConfig
 from fedgalore.federated.site_ranks import SiteRanksConfig, site_ranks
+from fedgalore.federated.sites import is_site_name
 from fedgalore.methods.base import MethodOptions, available_methods, method_class, parse_options, split_options
 from fedgalore.privacy.config import PrivacyConfig, RecordPrivacy
 from fedgalore.federated.data_parallel import devices_problem
@@ -280,8 +281,14 @@ class FederatedConfig:
         f = self.federation
         if f.site_ranks is None:
             return
-        if f.num_clients is not None:
-            site_ranks(f.site_ranks, f.num_clients, self.method.rank)  # raises on a site or tier that does not fit
+        named = [k for k in f.site_ranks.ranks if is_site_name(k)]
+        _check(not named or infers_clients(f.partition.kind),
+               f"federation.site_ranks.ranks: site {named[0] if named else ''!r} is a name, but federation.partition.kind={f.partition.kind} "
+               "names no sites (natural, files and nodes partitions do); use client ids 0..M-1")
+        if f.num_clients is not None:  # the ids and tiers now; the names once the data is split (resolve_clients)
+            ids = {k: v for k, v in f.site_ranks.ranks.items() if k not in named}
+            if ids or f.site_ranks.tiers:
+                site_ranks(SiteRanksConfig(list(f.site_ranks.tiers), ids), f.num_clients, self.method.rank)
         if self.method.name in available_methods():
             cls = method_class(self.method.name)
             opts = cls.resolve_options(self.method.typed_options(), self.method.rank)
@@ -310,7 +317,11 @@ class FederatedConfig:
             _check(self.backend.name != "flower",
                    "federation.attack simulates hostile sites; a Flower deployment's sites are real ones — set "
                    "federation.attack=null")
-            _check(f.num_clients is None or all(c < f.num_clients for c in f.attack.clients),
+            named = [c for c in f.attack.clients if is_site_name(c)]
+            _check(not named or infers_clients(f.partition.kind),
+                   f"federation.attack.clients: site {named[0] if named else ''!r} is a name, but federation.partition.kind={f.partition.kind} "
+                   "names no sites (natural, files and nodes partitions do); use client ids 0..M-1")
+            _check(f.num_clients is None or all(c < f.num_clients for c in f.attack.clients if c not in named),
                    f"federation.attack.clients={f.attack.clients} names a client outside 0..{(f.num_clients or 1) - 1}")
         known = name in available_methods()
         cls = method_class(name) if known else None

@@ -11,6 +11,7 @@ and ``fedgalore partition --config CONFIG`` (:func:`preview_partition`) writes t
      "clients": [{"id": 0, "name": "A", "size": 41, "histogram": {"business": 12, ...}}, ...],
      "validation_size": 0, "test_sizes": [held-out examples per client] (federation.client_eval),
      "dropped": [{"name": site, "size": n}, ...] (sites federation.partition.min_client_size dropped),
+     "warnings": ["label 'oncology' is held by one site only: ...", ...] (coverage_warnings; absent when none),
      "heterogeneity": {"label_tv": [TV per client], "label_tv_mean": size-weighted mean TV,
                        "label_tv_iid": the same mean an IID split of these sizes gives (expected),
                        "feature_shift": [shift per client], "feature_shift_mean": size-weighted mean,
@@ -48,11 +49,12 @@ from fedgalore.job.clients import Clients, resolve_clients, split_clients
 from fedgalore.job.config import FederatedConfig
 from fedgalore.federated.checkpoint import atomic_write_text
 from fedgalore.federated.partition import label_histograms
-from fedgalore.federated.heterogeneity import feature_shift, label_tv, label_tv_iid, site_sample, weighted_mean
+from fedgalore.federated.heterogeneity import (feature_shift, label_coverage, label_tv, label_tv_iid, site_sample,
+                                               weighted_mean)
 from fedgalore.tasks.base import Task
 
 __all__ = ["partition_record", "write_partition_files", "partition_figure", "format_partition", "preview_partition",
-           "label_heterogeneity", "feature_heterogeneity", "wrap_label"]
+           "label_heterogeneity", "feature_heterogeneity", "wrap_label", "coverage_warnings"]
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +115,50 @@ def partition_record(cfg: FederatedConfig, task: Task, clients: Clients) -> dict
     if clients.dropped:  # federation.partition.min_client_size
         rec["dropped"] = [{"name": name, "size": k} for name, k in clients.dropped]
     rec["heterogeneity"] = label_heterogeneity(hist, cfg.seed)
+    warnings = coverage_warnings(hist, names, cnames, p.by or "label", detail=cfg.privacy.client is None)
+    if warnings:
+        rec["warnings"] = warnings
     return rec
+
+
+def _listed(items: list[str], limit: int = 5) -> str:
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def coverage_warnings(histograms: np.ndarray, label_names: list[str], client_names: list[str], category: str = "label",
+                      detail: bool = True) -> list[str]:
+    """What the split's coverage warns about (:func:`fedgalore.federated.heterogeneity.label_coverage`),
+    one line each: a ``category`` (the label, or ``federation.partition.by``'s column) that one site
+    alone holds — named with the site and its rows: it is learned only in the rounds that sample
+    that site —, a category with no training rows at any site, and the sites whose examples are all
+    of one category. ``fedgalore partition`` prints them and ``fedgalore run`` logs them before
+    training.
+
+    ``detail`` False (a run under ``privacy.client``, whose server must not publish what a site
+    holds): the lines say how many categories and sites, never which site holds what, nor its
+    counts; a category with no training rows anywhere is still named (it says nothing of a site)."""
+    cov = label_coverage(histograms)
+    lines: list[str] = []
+    n = len(client_names)
+    if cov.single:
+        if detail:
+            held = [f"{category} {label_names[c]!r} only at site {client_names[i]!r} ({k} training rows)"
+                    for c, i, k in cov.single]
+            lines.append(f"{len(cov.single)} {category}(s) held by one site only: {_listed(held)}; such a {category} "
+                         "is learned only in the rounds that sample its site")
+        else:
+            lines.append(f"{len(cov.single)} {category}(s) held by one site only; such a {category} is learned only in "
+                         "the rounds that sample its site (which, and its counts, not shown under privacy.client)")
+    if cov.absent:
+        lines.append(f"{len(cov.absent)} {category}(s) with no training rows at any site: "
+                     f"{_listed([repr(label_names[c]) for c in cov.absent])}; the model never trains on them")
+    if cov.one_class:
+        if detail:
+            sites = [f"{client_names[i]!r} (all {label_names[c]!r})" for i, c in cov.one_class]
+            lines.append(f"{len(cov.one_class)} of {n} sites hold one {category} only: {_listed(sites)}")
+        else:
+            lines.append(f"{len(cov.one_class)} of {n} sites hold one {category} only (which not shown under privacy.client)")
+    return lines
 
 
 def _num(v: float, digits: int = 6) -> float | None:
@@ -340,7 +385,8 @@ def format_partition(rec: dict[str, Any], limit: int = 30) -> str:
     """A short table of the split: per client its size (and held-out size), its label TV (and
     feature shift) against the pool and its largest categories; then the sizes and one
     ``heterogeneity:`` line — the size-weighted mean label TV beside what an IID split of the same
-    sizes gives, and the mean feature shift (≈ 0 for an IID split) or why it was skipped."""
+    sizes gives, and the mean feature shift (≈ 0 for an IID split) or why it was skipped; then a
+    ``warning:`` line for each of the record's ``warnings`` (:func:`coverage_warnings`)."""
     test = rec.get("test_sizes")
     het = rec.get("heterogeneity") or {}
     tvs = het.get("label_tv")
@@ -364,6 +410,7 @@ def format_partition(rec: dict[str, Any], limit: int = 30) -> str:
     lines.append(f"sizes: min {sizes.min()}, median {int(np.median(sizes))}, max {sizes.max()}")
     if het:
         lines.append(_heterogeneity_line(het, rec.get("by") or "label"))
+    lines += [f"warning: {w}" for w in rec.get("warnings", [])]
     if rec.get("dropped"):
         shown = ", ".join(f"{d['name']} ({d['size']})" for d in rec["dropped"][:10])
         more = f" and {len(rec['dropped']) - 10} more" if len(rec["dropped"]) > 10 else ""

@@ -78,10 +78,11 @@ class RunDirectory:
                 ledger = recs
         return history, ledger
 
-    def write_static(self, cfg: FederatedConfig, runtime: Any, identity: RunIdentity | None = None) -> None:
+    def write_static(self, cfg: FederatedConfig, runtime: Any, identity: RunIdentity | None = None) -> dict[str, Any]:
         """config.yaml, identity.json, partition.json and partition.png, task.json and
         environment.json. A task object passed in code is recorded in config.yaml as what it is
-        (``task.object``: its class; its name and the options it reports), not as the config's task."""
+        (``task.object``: its class; its name and the options it reports), not as the config's task.
+        Returns the partition record (its ``warnings``: what the run says before training)."""
         from omegaconf import OmegaConf
 
         task, method = runtime.task, runtime.method
@@ -92,7 +93,8 @@ class RunDirectory:
         atomic_write_text(self.path / "config.yaml", OmegaConf.to_yaml(OmegaConf.create(saved)))
         write_identity(self.path, identity)
         self.view = runtime.view
-        write_partition_files(public_partition(partition_record(cfg, task, runtime.clients), self.view), self.path)
+        partition = partition_record(cfg, task, runtime.clients)
+        write_partition_files(public_partition(partition, self.view), self.path)
         atomic_write_text(self.path / "task.json", json.dumps(task.describe(), default=str))
         env = {
             "python": platform.python_version(),
@@ -118,6 +120,7 @@ class RunDirectory:
             except Exception:  # pragma: no cover
                 pass
         atomic_write_text(self.path / "environment.json", json.dumps(env, indent=1, default=str))
+        return partition
 
     # ------------------------------------------------------------------ per round
     def append_round(self, round_done: int, client_recs: Sequence[dict[str, Any]], ledger: Ledger,

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 
 from fedgalore.report import METHOD_ORDER, RunRecord, method_display_name
 
-__all__ = ["aggregate", "to_markdown", "to_latex", "write_tables", "format_bytes", "budget_line", "worst_site"]
+__all__ = ["aggregate", "to_markdown", "to_latex", "write_tables", "format_bytes", "format_count", "budget_line", "worst_site"]
 
 _NOT_PERCENT = ("loss", "mse", "mae", "perplexity", "ppl", "rmse")
 
@@ -302,6 +302,22 @@ def format_bytes(n: float | None) -> str:
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
+
+
+def format_count(n: float | None) -> str:
+    """A parameter (or any) count for people: ``1.10 B``, ``123.5 M``, ``0.2 M``, ``12.3 k``, ``950``
+    — billions from 10⁹, millions from 10⁵ (a 200 000-parameter model is ``0.2 M``, not ``0.00 B``),
+    thousands from 10³."""
+    if n is None:
+        return "–"
+    a = abs(float(n))
+    if a >= 1e9:
+        return f"{n / 1e9:.2f} B"
+    if a >= 1e5:
+        return f"{n / 1e6:.1f} M"
+    if a >= 1e3:
+        return f"{n / 1e3:.1f} k"
+    return f"{n:.0f}"
 
 
 def _fmt_value(cell: dict[str, Any] | None, task: dict[str, Any], latex: bool) -> str:

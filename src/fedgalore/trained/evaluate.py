@@ -110,7 +110,9 @@ def _load_hf_folder(path: Path) -> nn.Module:
 
 
 def with_test_data(cfg: FederatedConfig, data: str | Path, labels: list[str] | None = None) -> FederatedConfig:
-    """``cfg`` with its task's test split read from the file ``data``: the task option ``data``
+    """``cfg`` with its task's test split read from the file ``data`` (or, for an image classifier,
+    a folder of one sub-folder of images per class; a flat folder of images has no labels: one
+    :class:`ExportError` line saying so): the task option ``data``
     becomes ``{train: <its training data>, test: data}`` (a mapping keeps its other splits; a
     single file loses its ``test_fraction``, since the file is now all training data). Per-site
     data (``{sites: ...}``) has no one training source: the task reads the test file alone
@@ -123,6 +125,16 @@ def with_test_data(cfg: FederatedConfig, data: str | Path, labels: list[str] | N
         raise ExportError(f"task {cfg.task.name!r} reads no data files (it has no `data` option), so --data cannot "
                           "replace its test set; --data works for the tasks that read files (text_classification, "
                           "causal_lm, image_classification)")
+    if Path(data).is_dir() and "image_column" in names:  # an image folder: its classes are its sub-folders
+        from fedgalore.tasks.generic.data import read_image_folder
+
+        try:
+            held = read_image_folder(data).columns
+        except TaskError as exc:
+            raise ExportError(f"--data {exc}") from None
+        if "label" not in held:
+            raise ExportError(f"--data {data} holds images without class sub-folders, so there are no labels to score; "
+                              "sort them into one sub-folder per class, or get their predictions with fedgalore predict")
     options = dict(cfg.task.options)
     current = options.get("data")
     if isinstance(current, dict) and "sites" in current:

@@ -25,7 +25,10 @@ line is one value, commas and all (a quoted value is unquoted).
   ``predicted_probability`` and ``prob_<class>`` for every class (softmax of the logits); a
   regression: ``predicted_score``;
 * ``image_classification``: the image column (paths relative to the file's folder) → the same
-  columns as text classification;
+  columns as text classification. ``data`` may also be a folder of images — flat, or one
+  sub-folder per class as training reads one (:func:`~fedgalore.tasks.generic.data.read_image_folder`)
+  —: its rows are the images (sorted; the column named as the task's ``image_column``, and ``label``
+  with the class folder's name), written to a UTF-8 ``,`` CSV;
 * ``causal_lm``: the columns its format reads for the prompt (an instruction, a template's
   fields, or a conversation ending with the user's turn) → ``generation`` (greedy,
   ``max_new_tokens`` from the task or given), batched and with the key/value cache of
@@ -122,14 +125,15 @@ def predict(path: str | Path, data: str | Path, out: str | Path, cfg: FederatedC
         raise ExportError(f"--out {out}: write predictions to a {' or '.join(OUT_FORMATS)} file (the extension picks the format)")
     if out.exists() and not force:
         raise ExportError(f"--out {out} exists; choose another file, or add --force to replace it")
-    if not data.is_file():
-        raise ExportError(f"--data {data}: no such file (a .csv, .tsv, .json, .jsonl or .parquet file of the rows to predict)")
+    if not data.is_file() and not data.is_dir():
+        raise ExportError(f"--data {data}: no such file or folder (a .csv, .tsv, .json, .jsonl or .parquet file of the rows "
+                          "to predict, or a folder of images)")
     unknown = sorted(set(csv or {}) - set(CSV_KEYS))
     if unknown:
         raise ExportError(f"--csv {unknown[0]}: not a CSV option; give {', '.join(CSV_KEYS)}")
     loaded = load_for_inference(path, cfg, device=device)
     task, model = loaded.task, loaded.model
-    rows, style = _read(data, _csv_options(task, csv, data))
+    rows, style = _image_folder(task, data) if data.is_dir() else _read(data, _csv_options(task, csv, data))
     size = int(batch_size or loaded.cfg.federation.eval_batch_size)
     kind = _kind(task)
     if kind == "causal":
@@ -193,6 +197,24 @@ def _read(path: Path, options: Any = None) -> tuple[Any, CsvStyle | None]:
     if set(raw) != {"train"}:
         raise ExportError(f"--data {path} holds several splits ({', '.join(raw)}); give one file of rows")
     return raw["train"], style
+
+
+def _image_folder(task: Task, path: Path) -> tuple[Any, None]:
+    """The images of the folder ``path`` as rows (:func:`~fedgalore.tasks.generic.data.read_image_folder`:
+    flat, or one sub-folder per class), the image column named as the task's ``image_column``."""
+    from fedgalore.tasks.generic.data import Rows, read_image_folder
+
+    column = getattr(getattr(task, "options", None), "image_column", None)
+    if _kind(task) != "image" or column is None:
+        raise ExportError(f"--data {path} is a folder; a folder of images is read for image_classification, and task "
+                          f"{task.name!r} reads a file (.csv, .tsv, .json, .jsonl or .parquet)")
+    try:
+        rows = read_image_folder(path)
+    except TaskError as exc:
+        raise ExportError(f"--data {exc}") from None
+    if column != "image":
+        rows = Rows(rows.data.rename_column("image", column), rows.name, rows.folder, rows.index, rows.origins)
+    return rows, None
 
 
 def _one_column(path: Path, encoding: str, quotechar: str) -> bool:

@@ -46,6 +46,7 @@ from fedgalore.tasks.generic.csvfiles import CsvOptions, csv_reader_options, inn
 
 log = logging.getLogger(__name__)
 __all__ = ["SPLITS", "SITE_COLUMN", "site_sources", "concat_rows", "FILE_EXTENSIONS", "IMAGE_EXTENSIONS", "Rows", "LabelSet", "load_sources", "data_fingerprint",
+           "read_image_folder",
            "split_rows", "limit_rows", "is_missing", "check_filled", "drop_empty_rows", "CsvOptions"]
 
 SPLITS = ("train", "test", "validation")
@@ -324,6 +325,23 @@ def _read_image_folder(path: Path, name: str) -> Rows:
         images += [str(f.resolve()) for f in files]
         labels += [d.name] * len(files)
     return Rows(datasets.Dataset.from_dict({"image": images, "label": labels}), name)
+
+
+def read_image_folder(path: str | Path) -> Rows:
+    """The images of a folder as rows to predict or evaluate on: one sub-folder of images per class
+    (the columns ``image`` and ``label``, read as training reads an image folder), or the images
+    directly in it (``image`` only: rows without labels). A folder of neither is one
+    :class:`TaskError` line."""
+    import datasets
+
+    path = Path(path)
+    if _class_folders(path):
+        return _read_image_folder(path, path.name)
+    files = sorted(f for f in path.iterdir() if f.is_file() and f.suffix.lower() in IMAGE_EXTENSIONS)
+    if not files:
+        raise TaskError(f"{path}: no images ({', '.join(IMAGE_EXTENSIONS)}) in it or in sub-folders of it; give a folder "
+                        "of images, one with a sub-folder of images per class, or a file listing them")
+    return Rows(datasets.Dataset.from_dict({"image": [str(f.resolve()) for f in files]}), path.name)
 
 
 def _split_folders(path: Path) -> dict[str, Path]:
