@@ -11,7 +11,7 @@ stage or the drift diagnostics need it (built once, against the state the round 
 checked by the stages (:meth:`~fedgalore.engine.stages.base.RoundStage.check`: the norm guard).
 Every client gets one ``clients.jsonl`` record; under client-level DP
 (:attr:`~fedgalore.engine.stages.base.RoundStage.hides_clients`) it holds no time or size and a
-client's own error without its text (:func:`public_error`).
+client's own error without its text (:meth:`fedgalore.privacy.view.ServerView.error`).
 
 A stage that changes how uploads arrive brings its own collector (secure aggregation's sum:
 :class:`fedgalore.engine.stages.secure_aggregation.SummedCollector`).
@@ -26,14 +26,7 @@ from fedgalore.engine.validation import expected_keys, validate_upload
 from fedgalore.protocol.payload import Ledger, Payload, PayloadError, decode
 from fedgalore.protocol.state import RoundContext
 
-__all__ = ["Collector", "public_error"]
-
-
-def public_error(error: str, view: Any, origin: str) -> str:
-    """A client's error as the server records it: :meth:`fedgalore.privacy.view.ServerView.error` (the
-    server's own decisions in full; a client's own text only where the view declares it — the origin is
-    structural, :attr:`fedgalore.engine.jobs.ClientResult.origin`, never read from the text)."""
-    return view.error(error, origin)
+__all__ = ["Collector"]
 
 
 class Collector:
@@ -64,7 +57,7 @@ class Collector:
 
     def dropped(self, att: Attempt, rec: dict[str, Any], res: ClientResult) -> None:
         """Record (and say) why a client's upload does not count."""
-        rec["error"] = public_error(res.error, self.runtime.view, res.origin)
+        rec["error"] = self.runtime.view.error(res.error, res.origin)  # fedgalore.privacy.view: origin, not text
         self.say(f"round {att.round + 1}: client {self.runtime.clients.name(res.client)} dropped ({rec['error']})")
 
     # ------------------------------------------------------------------ the uploads

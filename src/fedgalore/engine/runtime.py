@@ -36,7 +36,7 @@ from fedgalore.methods.lora_common import matrix_shape
 from fedgalore.protocol.payload import Payload, decode, encode, transfer
 from fedgalore.protocol.state import ClientContext
 from fedgalore.protocol.train_config import TrainConfig
-from fedgalore.privacy.view import ServerView, SiteRefusal, declare
+from fedgalore.privacy.view import ServerView, SiteRefusal, view_of
 from fedgalore.tasks import Task, get_task, resolve_target_modules
 from fedgalore.tasks.base import head_parameters, subset_examples
 
@@ -87,8 +87,7 @@ class Runtime:
         self.stages = compose(cfg, self)
         #: what may leave this process's sites (fedgalore.privacy.view): applied in :meth:`execute`, the one place
         #: every backend runs a client, right before the upload is serialised
-        self.view: ServerView = declare(cfg.privacy, cfg.federation.secure_aggregation is not None,
-                                        bool(cfg.federation.client_eval))
+        self.view: ServerView = view_of(cfg)
         #: the simulated sites' own policies and ledgers (fedgalore.engine.site_policy; None: none). A Flower
         #: node sets None and brings its own guard with each job (``execute(site=...)``)
         self.site_policies = SimulatedSites.build(cfg, [self.clients.name(i) for i in range(len(self.parts))])

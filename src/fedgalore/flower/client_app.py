@@ -89,9 +89,9 @@ def site_options(node_config, task_options: dict) -> tuple[str, dict]:
 
 def _view(cfg):
     """What this site lets leave (fedgalore.privacy.view), decided here from the job's config."""
-    from fedgalore.privacy.view import declare
+    from fedgalore.privacy.view import view_of
 
-    return declare(cfg.privacy, cfg.federation.secure_aggregation is not None, bool(cfg.federation.client_eval))
+    return view_of(cfg)
 
 
 def _site_task(node_config, cfg):

@@ -559,9 +559,9 @@ class FedGaLoreStrategy(Strategy):
     @staticmethod
     def view_of(cfg: FederatedConfig):
         """The run's server view (fedgalore.privacy.view): what the server may record about a site."""
-        from fedgalore.privacy.view import declare
+        from fedgalore.privacy.view import view_of
 
-        return declare(cfg.privacy, cfg.federation.secure_aggregation is not None, bool(cfg.federation.client_eval))
+        return view_of(cfg)
 
     def discover_sites(self, grid: Grid, cfg: FederatedConfig, wait_s: float | None = None) -> tuple[dict[str, dict], list[dict]]:
         """Kind nodes: wait for the SuperNodes (``federation.num_clients`` of them when given, else

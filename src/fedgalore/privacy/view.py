@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["SiteRefusal", "LEVELS", "ServerView", "declare", "level_of", "threat_table", "CLIENT_FAILED", "STRUCTURE_META",
+__all__ = ["SiteRefusal", "LEVELS", "ServerView", "declare", "view_of", "level_of", "threat_table", "CLIENT_FAILED", "STRUCTURE_META",
            "COUNT_META", "LOSS_META", "DIAGNOSTIC_META", "RECORD_DP_PREFIX", "CLIP_BIT_META"]
 
 class SiteRefusal(ValueError):
@@ -244,6 +244,13 @@ def declare(privacy: Any, secure_aggregation: bool = False, client_eval: bool = 
             "client_distributed": "each noised upload", "client_distributed_secagg": "only the noised sum"}[level]
     return ServerView(level, meta, prefixes, entries, recs, client_error_text=False, client_time=False, site_size=False,
                       site_labels=False, site_eval=bool(client_eval), site_paths=False, site_state=False, sees=sees)
+
+
+def view_of(cfg: Any) -> ServerView:
+    """The :class:`ServerView` of a run's config (its ``privacy``, ``federation.secure_aggregation`` and
+    ``federation.client_eval``): the one reading of a config every process that applies the view uses."""
+    fed = cfg.federation
+    return declare(cfg.privacy, fed.secure_aggregation is not None, bool(fed.client_eval))
 
 
 def threat_table() -> str:

@@ -17,7 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from fedgalore.job.config import ConfigError
 from fedgalore.trained.global_model import GlobalModel
-from fedgalore.privacy.view import declare
+from fedgalore.privacy.view import view_of
 from fedgalore.records.identity import IDENTITY_FILE, base_model_local, base_model_name_for, run_identity
 from fedgalore.trained.lora_extract import RANK_NOTES, LoraFactors
 from fedgalore.records.liveness import run_state
@@ -123,7 +123,7 @@ def _metric_rows(record: Mapping[str, Any]) -> list[str]:
 
 def _view(g: GlobalModel):
     """The run's server view (fedgalore.privacy.view): what the card may say about a site."""
-    return declare(g.cfg.privacy, g.cfg.federation.secure_aggregation is not None, bool(g.cfg.federation.client_eval))
+    return view_of(g.cfg)
 
 
 def _site_input(f: Mapping[str, Any]) -> bool:

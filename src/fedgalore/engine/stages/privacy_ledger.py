@@ -50,7 +50,7 @@ from fedgalore.engine.stages.client_dp import client_book
 from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.privacy.randomness import REPRODUCIBLE_REFUSED
 from fedgalore.federated.checkpoint import atomic_write_text
-from fedgalore.privacy.view import declare
+from fedgalore.privacy.view import view_of
 from fedgalore.jsonl import read_json
 from fedgalore.privacy.accounting import epsilon, merge_history, site_schedule
 from fedgalore.privacy.statement import (NOT_AGAINST_CONFIG, NOTHING_PROTECTED, client_mechanism, client_noised,
@@ -388,8 +388,7 @@ class PrivacyLedger:
         if self.cfg.privacy.enabled:
             doc["reproducible"] = bool(self.cfg.privacy.reproducible)
             # generated from the server view's declaration (fedgalore.privacy.view), never hand-kept
-            view = declare(self.cfg.privacy, self.cfg.federation.secure_aggregation is not None,
-                           bool(self.cfg.federation.client_eval)).fields()
+            view = view_of(self.cfg).fields()
             doc["server_view"], doc["upload_fields"], doc["server_records"] = (view["level"], view["upload_fields"],
                                                                               view["server_records"])
             if state.meta.get("privacy_recovered"):
