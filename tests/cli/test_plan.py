@@ -252,7 +252,9 @@ def test_plan_says_the_noise_against_the_signal_under_client_dp(tmp_path, capsys
     from fedgalore.privacy.signal import noise_vs_signal
 
     opts = {"update_proj_gap": 2, "projector": "random", "view_basis": "seeded"} if method == "fedgalore" else {}
-    data = _cfg(tmp_path, method, train={"lr": 1e-3, "batch_size": 8, "local_epochs": 1, "weight_decay": 0.0},
+    # FedGaLore under client DP runs a fixed train.local_steps (its upload's size follows the steps)
+    length = {"local_steps": 3} if method == "fedgalore" else {"local_epochs": 1}
+    data = _cfg(tmp_path, method, train={"lr": 1e-3, "batch_size": 8, **length, "weight_decay": 0.0},
                 privacy={"client": {"clip": 0.5, "noise_multiplier": 1.0}}).to_dict()
     data["method"]["options"] = opts
     data["federation"]["clients_per_round"] = 2
@@ -260,7 +262,7 @@ def test_plan_says_the_noise_against_the_signal_under_client_dp(tmp_path, capsys
     plan = make_plan(cfg, [method])["methods"][method]
     fed = Federation(cfg)
     rt = fed.runtime
-    steps = max(optimizer_steps(rt.micro_batches(len(p)), 1) for p in rt.parts)
+    steps = 3 if method == "fedgalore" else max(optimizer_steps(rt.micro_batches(len(p)), 1) for p in rt.parts)
     d = rt.method.released_coordinates(rt.model, steps)
     assert plan["client_dp_signal"]["dim"] == d
     expected = noise_vs_signal(1.0, 0.5, d, 2)

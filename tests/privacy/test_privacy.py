@@ -479,8 +479,9 @@ def test_docs_privacy_commands_run_as_written(tmp_path, monkeypatch, capsys):
     (tmp_path / "conf").symlink_to(REPO / "conf")
     monkeypatch.chdir(tmp_path)
     cmds = [c for c in commands("docs/privacy.md") if kind(c) == "cli"]
-    assert [c.split()[1] for c in cmds] == ["plan", "run", "report", "plan", "run", "run"]
-    client, cmds = cmds[3:], cmds[:3]  # the record-level commands, then the client-level ones
+    assert [c.split()[1] for c in cmds] == ["plan", "run", "report", "plan", "run", "run", "run", "ledger"]
+    site = cmds[6:]  # a site's own policy and ledger (after the shell lines that write the policy)
+    client, cmds = cmds[3:6], cmds[:3]  # the record-level commands, then the client-level ones
     for cmd in cmds:
         argv = _tiny(shlex.split(cmd)[1:], tmp_path)
         assert main(argv) == 0, f"{cmd}\n{capsys.readouterr().err[-2000:]}"
@@ -506,6 +507,21 @@ def test_docs_privacy_commands_run_as_written(tmp_path, monkeypatch, capsys):
     doc = _read(tmp_path / "client" / "runs_aggregate" / "offline_text-fedgalore-dirichlet0.5-s0", "privacy.json")
     assert doc["client"]["moment_noise_multiplier"] is None and len(doc["rounds"]) == 3
     assert doc["client"]["mechanism"]["moments"].startswith("not released: FedGaLore's v̄ is built from the noised aggregate")
+    # the site's policy: the shell lines exactly as documented, then the run under it and its ledger
+    import subprocess
+
+    shell = [c for c in commands("docs/privacy.md") if kind(c) == "uncovered"]
+    assert [c.split()[0] for c in shell] == ["mkdir", "printf"]
+    for cmd in shell:
+        subprocess.run(cmd, shell=True, check=True, cwd=tmp_path / "client")
+    capsys.readouterr()
+    run, ledger = site
+    argv = _tiny(shlex.split(run)[1:], tmp_path / "client")
+    assert main(argv) == 0, f"{run}\n{capsys.readouterr().err[-2000:]}"
+    capsys.readouterr()
+    assert main(shlex.split(ledger)[1:]) == 0
+    out = capsys.readouterr().out
+    assert "budget ε = 20 at δ = 1e-05" in out and "no releases yet" not in out, out
 
 
 def test_wrap_problem_names_trainable_buffers_and_frozen_batchnorm():
