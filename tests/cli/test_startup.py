@@ -74,6 +74,14 @@ def test_run_start_modules_leave_metrics_and_dtensor_libraries_to_their_use() ->
     assert accuracy([1, 2, 3], [1, 2, 0]) == pytest.approx(2 / 3) and spearman([1, 2, 3], [1, 3, 2]) == pytest.approx(0.5)
 
 
+def test_a_classification_evaluation_imports_no_scikit_learn() -> None:
+    """Accuracy and macro-F1 — what every classification evaluation reports (an image or text
+    ``evaluate``, each run's evaluation) — are numpy: scikit-learn (~0.5 s) is left to the GLUE metrics."""
+    loaded, out = _loaded_after("from fedgalore.tasks.metrics import accuracy, macro_f1\n"
+                                "print(accuracy([0, 1, 1], [0, 1, 0]), macro_f1([0, 1, 1], [0, 1, 0]))", ("sklearn", "scipy"))
+    assert loaded == [] and [float(x) for x in out.split()] == pytest.approx([2 / 3, 2 / 3]), (loaded, out)
+
+
 def test_sharded_sees_dtensors_once_imported() -> None:
     """``is_sharded`` does not import ``torch.distributed.tensor``, and still recognises a DTensor."""
     proc = _python("import sys, torch\nfrom fedgalore.optim.sharded import is_sharded\n"

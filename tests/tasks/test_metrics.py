@@ -16,6 +16,39 @@ def test_accuracy():
     assert accuracy([], []) == 0.0
 
 
+def test_accuracy_equals_sklearns_accuracy_score():
+    """numpy's mean of matches is scikit-learn's accuracy_score on integer, string and numpy
+    inputs (accuracy no longer imports scikit-learn); unequal lengths are refused."""
+    from sklearn.metrics import accuracy_score
+
+    rng = np.random.default_rng(0)
+    for n, k in ((1, 2), (17, 3), (500, 10)):
+        gold, pred = rng.integers(k, size=n), rng.integers(k, size=n)
+        assert accuracy(pred, gold) == pytest.approx(accuracy_score(gold, pred), abs=1e-12)
+        assert accuracy(list(pred), list(gold)) == pytest.approx(accuracy_score(gold, pred), abs=1e-12)
+        names = np.array(["a", "bb", "c"] * 200)[:k]
+        gs, ps = names[gold % len(names)], names[pred % len(names)]
+        assert accuracy(ps, gs) == pytest.approx(accuracy_score(gs, ps), abs=1e-12)
+    with pytest.raises(ValueError, match="3 predictions for 2 labels"):
+        accuracy([1, 2, 3], [1, 2])
+
+
+def test_macro_f1_equals_sklearns_f1_score_over_the_gold_classes():
+    """macro_f1 (numpy) is f1_score(labels=<gold classes>, average="macro", zero_division=0): classes
+    predicted but absent from gold do not count, a gold class never predicted counts 0."""
+    from sklearn.metrics import f1_score
+
+    rng = np.random.default_rng(1)
+    for n, k, kp in ((1, 2, 2), (9, 3, 5), (40, 4, 6), (700, 10, 12)):
+        gold, pred = rng.integers(k, size=n), rng.integers(kp, size=n)
+        want = f1_score(gold, pred, labels=np.unique(gold), average="macro", zero_division=0)
+        assert macro_f1(pred, gold) == pytest.approx(want, abs=1e-12)
+        names = np.array([f"c{i}" for i in range(kp)])
+        assert macro_f1(names[pred], names[gold]) == pytest.approx(want, abs=1e-12)
+    with pytest.raises(ValueError, match="1 predictions for 2 labels"):
+        macro_f1([1], [1, 2])
+
+
 def test_macro_f1_hand_computed():
     # class 0: TP1 FP0 FN0 -> 1; class 1: TP1 FP1 FN0 -> 2/3; class 2: TP1 FP0 FN1 -> 2/3
     assert macro_f1([0, 1, 1, 2], [0, 1, 2, 2]) == pytest.approx((1 + 2 / 3 + 2 / 3) / 3)

@@ -258,6 +258,10 @@ class Federation:
         finally:
             heartbeat.stop()
             try:
+                self.files.finish_static()  # partition.png, drawn beside round 1
+            except Exception as exc:  # noqa: BLE001 - a figure that cannot be drawn does not fail a run
+                self.progress.message(f"could not draw partition.png ({type(exc).__name__}: {exc})")
+            try:
                 writer.wait()  # an interrupted run still finishes the checkpoint it started
             except CheckpointError as exc:
                 self.progress.message(str(exc))

@@ -53,7 +53,7 @@ from fedgalore.federated.heterogeneity import (feature_shift, label_coverage, la
                                                weighted_mean)
 from fedgalore.tasks.base import Task
 
-__all__ = ["partition_record", "write_partition_files", "partition_figure", "format_partition", "preview_partition",
+__all__ = ["partition_record", "write_partition_files", "wait_for_partition_png", "partition_figure", "format_partition", "preview_partition",
            "label_heterogeneity", "feature_heterogeneity", "wrap_label", "coverage_warnings"]
 
 log = logging.getLogger(__name__)
@@ -368,17 +368,67 @@ def _png(text: str) -> bytes:
     return buf.getvalue()
 
 
-def write_partition_files(rec: dict[str, Any], directory: str | Path) -> list[Path]:
-    """Write ``partition.json`` and ``partition.png`` into ``directory``; returns both paths."""
+#: partition.png files being drawn in the background (write_partition_files(background=True)), by path
+_DRAWING: dict[Path, "_Drawing"] = {}
+
+
+class _Drawing:
+    """One ``partition.png`` drawn on a thread of its own (matplotlib's import and the drawing take
+    ~1 s, which a run's first round need not wait for: RESULTS §9.8). Non-daemon: the interpreter
+    waits for it at exit. A failure (any exception) is kept, and :func:`wait_for_partition_png`
+    then draws the figure on the caller's thread, where an error is the caller's."""
+
+    def __init__(self, text: str, path: Path) -> None:
+        import threading
+
+        self.text, self.path, self.error = text, path, None
+        self.thread = threading.Thread(target=self._draw, name=f"draw {path}", daemon=False)
+        self.thread.start()
+
+    def _draw(self) -> None:
+        try:
+            _write_png(self.path, _png(self.text))
+        except Exception as exc:  # noqa: BLE001 - redrawn (and raised) on the caller's thread
+            self.error = exc
+            log.debug("drawing %s in the background failed; it is drawn when the run ends", self.path, exc_info=True)
+
+
+def _write_png(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)  # a reader never sees half a PNG
+
+
+def wait_for_partition_png(directory: str | Path) -> None:
+    """Wait for the background drawing of ``directory``'s ``partition.png`` (if one runs); if it
+    failed, draw it here (an error then raises). The round loop calls this when a run ends."""
+    path = Path(directory) / "partition.png"
+    job = _DRAWING.pop(path, None)
+    if job is None:
+        return
+    job.thread.join()
+    if job.error is not None:
+        _write_png(path, _png(job.text))
+
+
+def write_partition_files(rec: dict[str, Any], directory: str | Path, *, background: bool = False) -> list[Path]:
+    """Write ``partition.json`` and ``partition.png`` into ``directory``; returns both paths.
+    ``background``: ``partition.png`` is drawn on a thread (a run's start does not wait for it;
+    :func:`wait_for_partition_png` joins it)."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     text = json.dumps(rec)
+    png = d / "partition.png"
+    wait_for_partition_png(d)  # a drawing still running for this folder (a resumed run) ends first
     atomic_write_text(d / "partition.json", text)
     if "withheld" in rec:  # the sites' sizes and labels stay at the sites: nothing to draw
-        (d / "partition.png").unlink(missing_ok=True)
+        png.unlink(missing_ok=True)
         return [d / "partition.json"]
-    (d / "partition.png").write_bytes(_png(text))
-    return [d / "partition.json", d / "partition.png"]
+    if background:
+        _DRAWING[png] = _Drawing(text, png)
+    else:
+        _write_png(png, _png(text))
+    return [d / "partition.json", png]
 
 
 def format_partition(rec: dict[str, Any], limit: int = 30) -> str:

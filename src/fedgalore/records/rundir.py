@@ -38,7 +38,7 @@ from fedgalore.job.config import ConfigError, FederatedConfig, load_config
 from fedgalore.records.identity import (Difference, RunIdentity, compare_with_saved, run_identity, summarize, task_label,
                                        write_identity)
 from fedgalore.records.liveness import LOCK_FILE, is_finished, run_state
-from fedgalore.job.partition_files import partition_record, write_partition_files
+from fedgalore.job.partition_files import partition_record, wait_for_partition_png, write_partition_files
 from fedgalore.federated.checkpoint import atomic_write_text
 from fedgalore.jsonl import append_jsonl, read_json, read_jsonl
 from fedgalore.optim import cpu_kernels
@@ -94,7 +94,8 @@ class RunDirectory:
         write_identity(self.path, identity)
         self.view = runtime.view
         partition = partition_record(cfg, task, runtime.clients)
-        write_partition_files(public_partition(partition, self.view), self.path)
+        # partition.png on a thread of its own: round 1 need not wait for matplotlib (finish_static joins it)
+        write_partition_files(public_partition(partition, self.view), self.path, background=True)
         atomic_write_text(self.path / "task.json", json.dumps(task.describe(), default=str))
         env = {
             "python": platform.python_version(),
@@ -114,10 +115,12 @@ class RunDirectory:
             "head_params": runtime.head_params,
             "steps_per_round": runtime.steps_per_round,
         }
-        for mod in ("transformers", "peft", "safetensors", "numpy"):
+        from importlib import metadata
+
+        for mod in ("transformers", "peft", "safetensors", "numpy"):  # the installed versions, without importing peft (~0.5 s)
             try:
-                env[mod] = __import__(mod).__version__
-            except Exception:  # pragma: no cover
+                env[mod] = metadata.version(mod)
+            except metadata.PackageNotFoundError:  # pragma: no cover
                 pass
         atomic_write_text(self.path / "environment.json", json.dumps(env, indent=1, default=str))
         return partition
@@ -146,6 +149,11 @@ class RunDirectory:
             w.writeheader()
             for h in history:
                 w.writerow(h)
+
+    def finish_static(self) -> None:
+        """Wait for what :meth:`write_static` left drawing (``partition.png``); the round loop calls
+        this when a run ends, however it ends."""
+        wait_for_partition_png(self.path)
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         """``summary.json``, atomically (the round loop writes it through a

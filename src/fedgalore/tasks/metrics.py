@@ -1,8 +1,8 @@
 """Evaluation metrics (GLUE conventions): accuracy, macro-F1, binary F1, Matthews correlation,
 Pearson / Spearman correlation and mean squared error.
 
-Thin wrappers around the reference implementations users trust — scikit-learn
-(``accuracy_score``, ``f1_score``, ``matthews_corrcoef``, ``mean_squared_error``) and SciPy
+Accuracy and macro-F1 are computed with numpy (checked equal to scikit-learn's); the others are thin wrappers around the reference
+implementations users trust — scikit-learn (``f1_score``, ``matthews_corrcoef``, ``mean_squared_error``) and SciPy
 (``pearsonr``, ``spearmanr``) — fixing the conventions the federated evaluation needs:
 
 * empty inputs give 0.0 (an evaluation on no examples reports nothing, never NaN);
@@ -24,22 +24,37 @@ __all__ = ["accuracy", "macro_f1", "binary_f1", "matthews_corrcoef", "pearson", 
 
 
 def accuracy(pred: np.ndarray, gold: np.ndarray) -> float:
-    """(1/N) Σ [ŷ_i = y_i] (``sklearn.metrics.accuracy_score``); 0 for no examples."""
-    from sklearn import metrics as skm
+    """(1/N) Σ [ŷ_i = y_i]; 0 for no examples.
 
-    pred, gold = np.asarray(pred), np.asarray(gold)
-    return float(skm.accuracy_score(gold, pred)) if len(gold) else 0.0
+    Computed with numpy, not ``sklearn.metrics.accuracy_score`` (equal on every 1-D input,
+    ``tests/tasks/test_metrics.py``): importing scikit-learn for a mean of matches cost an
+    ``evaluate`` of a small image model ~0.7 s of its ~8 s on an idle core (RESULTS §9.8)."""
+    pred, gold = np.asarray(pred).reshape(-1), np.asarray(gold).reshape(-1)
+    if len(pred) != len(gold):
+        raise ValueError(f"accuracy: {len(pred)} predictions for {len(gold)} labels")
+    return float(np.mean(pred == gold)) if len(gold) else 0.0
 
 
 def macro_f1(pred: np.ndarray, gold: np.ndarray) -> float:
-    """Unweighted mean over the classes present in ``gold`` of F1_c = 2TP/(2TP+FP+FN)
-    (``sklearn.metrics.f1_score(average="macro", labels=<gold classes>)``)."""
-    from sklearn import metrics as skm
+    """Unweighted mean over the classes present in ``gold`` of F1_c = 2TP/(2TP+FP+FN).
 
-    pred, gold = np.asarray(pred), np.asarray(gold)
+    Equal to ``sklearn.metrics.f1_score(gold, pred, labels=<gold classes>, average="macro",
+    zero_division=0)`` on every 1-D input (``tests/tasks/test_metrics.py`` checks it against
+    scikit-learn); computed with numpy because it is, with :func:`accuracy`, what every
+    classification evaluation reports, and importing scikit-learn for it cost each ``evaluate``
+    and each run's first evaluation ~0.5 s (RESULTS §9.8). A class of ``gold`` has TP + FN ≥ 1,
+    so no F1_c divides by zero."""
+    pred, gold = np.asarray(pred).reshape(-1), np.asarray(gold).reshape(-1)
+    if len(pred) != len(gold):
+        raise ValueError(f"macro_f1: {len(pred)} predictions for {len(gold)} labels")
     if not len(gold):
         return 0.0
-    return float(skm.f1_score(gold, pred, labels=np.unique(gold), average="macro", zero_division=0))
+    f1 = []
+    for c in np.unique(gold):
+        p, g = pred == c, gold == c
+        tp = np.sum(p & g)
+        f1.append(2 * tp / (2 * tp + np.sum(p & ~g) + np.sum(~p & g)))
+    return float(np.mean(f1))
 
 
 def binary_f1(pred: np.ndarray, gold: np.ndarray, positive=1) -> float:
