@@ -192,3 +192,32 @@ def test_site_count_mistakes_say_sites(tmp_path, bert_dir, monkeypatch, capsys):
     cfg.write_text(CONFIG.format(model=bert_dir, sites=json.dumps({"s0": data["s0"]})))
     line = _one_line(capsys, ["partition", "--config", str(cfg)])
     assert "task.options.data.sites names one site with training rows ('s0'); a federation needs at least 2" in line
+
+
+def test_an_export_under_client_dp_carries_no_sites_files_or_sizes(tmp_path, bert_dir, monkeypatch, capsys):
+    """Under client-level DP the export's fedgalore_identity.json drops the sites' inputs (their byte
+    sizes and fingerprints would say how much each site holds), as its card does, and says so;
+    the model's own entry stays. Without DP the export carries the run's identity.json whole
+    (tests/trained/test_own_data.py)."""
+    from fedgalore.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    data = site_files(tmp_path)
+    text = CONFIG.format(model=bert_dir, sites=json.dumps(data)).replace(
+        "output:", "privacy: {client: {clip: 0.5, noise_multiplier: 1.0}}\noutput:").replace("rounds: 2", "rounds: 1").replace(
+        "{name: fedgalore, rank: 4}", "{name: fedgalore, rank: 4, options: {projector: random, view_basis: seeded}}").replace(
+        "local_steps: 2}", "local_steps: 2, weight_decay: 0.0}")
+    (tmp_path / "run.yaml").write_text(text)
+    run = Path(fedgalore.run(load_config(tmp_path / "run.yaml")).run_dir)
+    recorded = json.loads((run / "identity.json").read_text())["inputs"]
+    site_labels = [k for k in recorded if "sites" in k]
+    assert site_labels and any("model" in k for k in recorded)  # the run itself recorded the sites' files
+    assert main(["export", str(run), "--out", str(tmp_path / "exported")]) == 0
+    capsys.readouterr()
+    exported = json.loads((tmp_path / "exported" / "fedgalore_identity.json").read_text())
+    assert not any("sites" in k for k in exported["inputs"]) and any("model" in k for k in exported["inputs"])
+    assert exported["withheld"].startswith(f"{len(site_labels)} data input(s) of the sites (client_central")
+    everything = (tmp_path / "exported" / "fedgalore_identity.json").read_text() + (tmp_path / "exported" / "README.md").read_text()
+    for label in site_labels:  # no site file's size or fingerprint (the config's own paths stay: the operator wrote them)
+        assert recorded[label]["sha256"] not in everything and f'"size": {recorded[label]["size"]}' not in everything
+        assert f"{recorded[label]['size']:,} B" not in everything

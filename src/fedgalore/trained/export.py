@@ -76,8 +76,8 @@ from fedgalore.trained.global_model import (
 )
 from fedgalore.trained.lora_exact import ExactFactors, exact_factors, exact_problem
 from fedgalore.trained.lora_extract import LoraFactors, lora_factors, total_error
-from fedgalore.records.identity import IDENTITY_FILE
-from fedgalore.trained.model_card import EXPORT_BASE, EXPORT_CONFIG, EXPORT_IDENTITY, base_model_name, model_card, ships_base
+from fedgalore.trained.model_card import (EXPORT_BASE, EXPORT_CONFIG, EXPORT_IDENTITY, base_model_name, exported_identity,
+                                          model_card, ships_base)
 from fedgalore.methods.base import Method, available_methods, method_class
 from fedgalore.tasks.base import Task, quiet_transformers
 
@@ -191,8 +191,9 @@ def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None
         if format == "peft":
             result.adapter_bytes = _adapter_tensor_bytes(tmp)
         shutil.copyfile(run_dir / "config.yaml", tmp / EXPORT_CONFIG)
-        if (run_dir / IDENTITY_FILE).is_file():
-            shutil.copyfile(run_dir / IDENTITY_FILE, tmp / EXPORT_IDENTITY)
+        identity = exported_identity(g)  # under DP without the sites' inputs, as the card (fedgalore.privacy.view)
+        if identity is not None:
+            (tmp / EXPORT_IDENTITY).write_text(json.dumps(identity, indent=1, sort_keys=True))
         result.labels = class_names(g.task)
         _write_info(tmp, result)
         (tmp / "README.md").write_text(model_card(

@@ -26,7 +26,7 @@ from fedgalore.records.rundir import saved_summary
 from fedgalore.privacy.statement import summary_line
 from fedgalore.tasks.base import TaskError
 
-__all__ = ["model_card", "recorded_inputs", "base_model_name", "base_model_name_for", "base_model_local", "ships_base",
+__all__ = ["model_card", "recorded_inputs", "exported_identity", "base_model_name", "base_model_name_for", "base_model_local", "ships_base",
            "EXPORT_CONFIG", "EXPORT_IDENTITY", "EXPORT_BASE"]
 
 #: the run's config.yaml, copied into an export (the card's reproduce command; ``fedgalore evaluate``)
@@ -129,6 +129,27 @@ def _view(g: GlobalModel):
 def _site_input(f: Mapping[str, Any]) -> bool:
     """Whether recorded input ``f`` is a site's data (not the model or a shared test set)."""
     return "model" not in f["label"] and f.get("kind") != "examples"
+
+
+def exported_identity(g: GlobalModel) -> dict[str, Any] | None:
+    """The run's ``identity.json`` as an export carries it (:data:`EXPORT_IDENTITY`): whole where the
+    server view names the sites' data paths, else without the sites' inputs (their paths, byte sizes
+    and file counts would say how much data each site holds: the card lists none of them either),
+    with ``withheld`` saying so. None when the run has no identity file."""
+    try:
+        doc = json.loads((g.run_dir / IDENTITY_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    view = _view(g)
+    if view.site_paths:
+        return doc
+    inputs = doc.get("inputs") or {}
+    kept = {label: fp for label, fp in inputs.items() if not _site_input({"label": label, **fp})}
+    if len(kept) < len(inputs):
+        doc["inputs"] = kept
+        doc["withheld"] = (f"{len(inputs) - len(kept)} data input(s) of the sites ({view.level}: an export names no "
+                           "site's files, sizes or counts; fedgalore.privacy.view)")
+    return doc
 
 
 def _partition_line(g: GlobalModel) -> str:
