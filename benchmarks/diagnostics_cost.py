@@ -21,6 +21,10 @@ overhead ``(time_round − time_round[off]) / time_round``, and the diagnostics'
 client's local step (``time_clients / (2 clients × 2 steps)``). Round 1 only, evaluation not in it
 (``eval_every: 2``). Single-threaded (``torch.set_num_threads(1)``); the load average is recorded
 next to every timing. Writes ``benchmarks/results/diagnostics_cost.json``. ``--quick``: MiniLM only, one rep.
+
+``--own-budget``: instead, round 1 of each shipped pipeline a CPU runs (``OWN``) exactly as
+shipped, with the default diagnostics: their share of a round at the pipeline's own budget
+(``results/diagnostics_own_budget.json``).
 """
 # fedgalore-bench: not-in-all (about 15 min single-threaded for one rep on a loaded machine; run it by name)
 from __future__ import annotations
@@ -127,13 +131,75 @@ def _round_one(task: str, variant: str, out: Path, rehearsal: tuple[str, str] | 
     return {k: float(got.get(k, 0.0)) for k in keys}
 
 
+#: the shipped pipelines a CPU runs at their own budget (glue_roberta, domainnet_vit and metamath_llama2 need a GPU)
+OWN = ("offline_text", "offline_text_amazon", "offline_vision", "offline_vision_domains", "offline_math")
+OUT_OWN = ROOT / "benchmarks" / "results" / "diagnostics_own_budget.json"
+
+
+def _round_one_as_shipped(name: str, out: Path) -> dict:
+    """Round 1 of ``conf/pipeline/NAME.yaml`` exactly as shipped (its clients per round, its local
+    epochs or steps, its evaluation), FedGaLore with the default diagnostics: the loop's time split."""
+    import yaml
+
+    import fedgalore
+    from fedgalore.engine.events import ProgressSink
+    from fedgalore.job.config import FederatedConfig
+
+    data = yaml.safe_load((ROOT / "conf" / "pipeline" / f"{name}.yaml").read_text())
+    data.pop("compare", None)  # a pipeline file may carry its comparison's keys (fedgalore compare reads them)
+    cfg = FederatedConfig.from_dict(data)
+    cfg.output.dir, cfg.output.progress = str(out), "quiet"
+    got: dict = {}
+
+    class Stop(ProgressSink):
+        def round_end(self, round, record):
+            got.update(record)
+            raise KeyboardInterrupt("benchmark: round 1 measured")
+
+    try:
+        fedgalore.run(cfg, progress=Stop())
+    except KeyboardInterrupt:
+        pass
+    keys = ("time_round", "time_clients", "time_server", "time_diagnostics", "time_eval")
+    rec = {k: float(got.get(k, 0.0)) for k in keys}
+    rec.update(clients=int(cfg.federation.clients_per_round or cfg.federation.num_clients),
+               local=f"{cfg.train.local_steps} steps" if cfg.train.local_steps else f"{cfg.train.local_epochs} epoch(s)",
+               diagnostics=bool(cfg.diagnostics), load_avg=os.getloadavg()[0])
+    return rec
+
+
+def own_budget(names: list[str]) -> None:
+    """``--own-budget``: each CPU-runnable shipped pipeline's round 1 at its own budget; the
+    diagnostics' share of the round (with and without its evaluation). Writes
+    ``results/diagnostics_own_budget.json``, keeping the pipelines it holds that this call does not run."""
+    runs = json.loads(OUT_OWN.read_text())["runs"] if OUT_OWN.is_file() else {}  # pipelines measured before stay
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            rec = _round_one_as_shipped(name, Path(tmp) / name)
+            train = rec["time_round"] - rec["time_eval"]
+            rec["diagnostics_share"] = rec["time_diagnostics"] / rec["time_round"]
+            rec["diagnostics_share_without_eval"] = rec["time_diagnostics"] / train if train > 0 else None
+            runs[name] = rec
+            print(f"{name:24s} round {rec['time_round']:7.1f} s ({rec['clients']} clients × {rec['local']}; eval "
+                  f"{rec['time_eval']:.1f} s)  diagnostics {rec['time_diagnostics']:5.2f} s = "
+                  f"{100 * rec['diagnostics_share']:.2f} % of the round, {100 * rec['diagnostics_share_without_eval']:.2f} % "
+                  f"without its evaluation (load {rec['load_avg']:.2f})", flush=True)
+    OUT_OWN.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                                   "threads": 1, "runs": runs}, indent=1) + "\n")
+    print(f"wrote {OUT_OWN}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--own-budget", nargs="?", const=",".join(OWN), metavar="PIPELINES",
+                    help="round 1 of each shipped CPU pipeline at its own budget (default: all of " + ", ".join(OWN) + ")")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.own_budget:
+        return own_budget([n for n in args.own_budget.split(",") if n])
     tasks = ["minilm"] if args.quick else [t for t in args.tasks.split(",") if t]
     reps = 1 if args.quick else args.reps
     runs: dict = {t: {v: [] for v in VARIANTS} for t in tasks}

@@ -53,8 +53,8 @@ from fedgalore.federated.heterogeneity import (feature_shift, label_coverage, la
                                                weighted_mean)
 from fedgalore.tasks.base import Task
 
-__all__ = ["partition_record", "write_partition_files", "wait_for_partition_png", "partition_figure", "format_partition", "preview_partition",
-           "label_heterogeneity", "feature_heterogeneity", "wrap_label", "coverage_warnings"]
+__all__ = ["partition_record", "write_partition_files", "wait_for_partition_png", "partition_figure", "format_partition",
+           "preview_partition", "label_heterogeneity", "feature_heterogeneity", "wrap_label", "coverage_warnings"]
 
 log = logging.getLogger(__name__)
 

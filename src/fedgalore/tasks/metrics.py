@@ -1,9 +1,9 @@
 """Evaluation metrics (GLUE conventions): accuracy, macro-F1, binary F1, Matthews correlation,
 Pearson / Spearman correlation and mean squared error.
 
-Accuracy and macro-F1 are computed with numpy (checked equal to scikit-learn's); the others are thin wrappers around the reference
-implementations users trust — scikit-learn (``f1_score``, ``matthews_corrcoef``, ``mean_squared_error``) and SciPy
-(``pearsonr``, ``spearmanr``) — fixing the conventions the federated evaluation needs:
+Accuracy and macro-F1 are computed with numpy (checked equal to scikit-learn's); the others are
+thin wrappers around the reference implementations users trust — scikit-learn (``f1_score``,
+``matthews_corrcoef``, ``mean_squared_error``) and SciPy (``pearsonr``, ``spearmanr``) — fixing the conventions the federated evaluation needs:
 
 * empty inputs give 0.0 (an evaluation on no examples reports nothing, never NaN);
 * macro-F1 averages over the classes present in the gold labels (a class the model predicts
@@ -12,9 +12,10 @@ implementations users trust — scikit-learn (``f1_score``, ``matthews_corrcoef`
 * Matthews correlation is 0 when undefined (constant predictions), as scikit-learn returns;
 * Pearson / Spearman are 0 when either side is constant (SciPy would return NaN and warn).
 
-``tests/tasks/test_metrics.py`` checks every function against hand-computed values. scikit-learn
-and SciPy are imported by the first metric computed (about 1.5 s on an idle core, several under
-load), not with this module: a run's start, ``export`` and ``predict`` do not need them.
+``tests/tasks/test_metrics.py`` checks every function against hand-computed values (and the two
+numpy ones against scikit-learn). scikit-learn and SciPy are imported by the first metric that
+uses them (about 0.5-1.5 s on an idle core, several under load), not with this module: a run's
+start, ``export``, ``predict`` and a classification evaluation do not need them.
 """
 from __future__ import annotations
 

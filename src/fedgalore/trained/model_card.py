@@ -26,8 +26,8 @@ from fedgalore.records.rundir import saved_summary
 from fedgalore.privacy.statement import summary_line
 from fedgalore.tasks.base import TaskError
 
-__all__ = ["model_card", "recorded_inputs", "exported_identity", "base_model_name", "base_model_name_for", "base_model_local", "ships_base",
-           "EXPORT_CONFIG", "EXPORT_IDENTITY", "EXPORT_BASE"]
+__all__ = ["model_card", "recorded_inputs", "exported_identity", "base_model_name", "base_model_name_for",
+           "base_model_local", "ships_base", "EXPORT_CONFIG", "EXPORT_IDENTITY", "EXPORT_BASE"]
 
 #: the run's config.yaml, copied into an export (the card's reproduce command; ``fedgalore evaluate``)
 EXPORT_CONFIG = "fedgalore_config.yaml"
@@ -133,9 +133,10 @@ def _site_input(f: Mapping[str, Any]) -> bool:
 
 def exported_identity(g: GlobalModel) -> dict[str, Any] | None:
     """The run's ``identity.json`` as an export carries it (:data:`EXPORT_IDENTITY`): whole where the
-    server view names the sites' data paths, else without the sites' inputs (their paths, byte sizes
-    and file counts would say how much data each site holds: the card lists none of them either),
-    with ``withheld`` saying so. None when the run has no identity file."""
+    server view names the sites' data paths, else without the sites' inputs (their byte sizes, file
+    counts and fingerprints would say how much data each site holds: the card lists none of them
+    either), with ``withheld`` saying so. The config's own paths stay (``config`` here and
+    ``fedgalore_config.yaml``: what the operator wrote). None when the run has no identity file."""
     try:
         doc = json.loads((g.run_dir / IDENTITY_FILE).read_text())
     except (OSError, json.JSONDecodeError):
@@ -147,8 +148,8 @@ def exported_identity(g: GlobalModel) -> dict[str, Any] | None:
     kept = {label: fp for label, fp in inputs.items() if not _site_input({"label": label, **fp})}
     if len(kept) < len(inputs):
         doc["inputs"] = kept
-        doc["withheld"] = (f"{len(inputs) - len(kept)} data input(s) of the sites ({view.level}: an export names no "
-                           "site's files, sizes or counts; fedgalore.privacy.view)")
+        doc["withheld"] = (f"{len(inputs) - len(kept)} data input(s) of the sites ({view.level}: an export gives no "
+                           "site's file sizes, counts or fingerprints; fedgalore.privacy.view)")
     return doc
 
 
