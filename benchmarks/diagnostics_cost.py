@@ -85,15 +85,29 @@ def roberta_base_rehearsal(root: Path) -> tuple[str, str]:
     return str(model_dir), str(data_dir)
 
 
-class _StopAfterFirstRound(Exception):
-    pass
+def _first_round_times(cfg) -> dict:
+    """Run ``cfg`` until round 1 ends (then stop it as Ctrl-C would): the round loop's time split."""
+    import fedgalore
+    from fedgalore.engine.events import ProgressSink
+
+    got: dict = {}
+
+    class Stop(ProgressSink):
+        def round_end(self, round, record):
+            got.update(record)
+            raise KeyboardInterrupt("benchmark: round 1 measured")
+
+    try:
+        fedgalore.run(cfg, progress=Stop())
+    except KeyboardInterrupt:
+        pass
+    keys = ("time_round", "time_clients", "time_server", "time_diagnostics", "time_eval")
+    return {k: float(got.get(k, 0.0)) for k in keys}
 
 
 def _round_one(task: str, variant: str, out: Path, rehearsal: tuple[str, str] | None) -> dict:
     """Round 1 of ``task``'s pipeline under ``variant`` (2 clients × 2 local steps): the loop's time split."""
-    import fedgalore
     from fedgalore.job.config import load_config
-    from fedgalore.engine.events import ProgressSink
 
     if task == "roberta_base":  # the pipeline's file has the comparison's own keys and asks for a GPU
         import yaml
@@ -116,19 +130,7 @@ def _round_one(task: str, variant: str, out: Path, rehearsal: tuple[str, str] | 
     cfg.output.dir, cfg.output.progress = str(out), "quiet"
     for k, v in VARIANTS[variant].items():
         setattr(cfg, k, v)
-    got: dict = {}
-
-    class Stop(ProgressSink):
-        def round_end(self, round, record):
-            got.update(record)
-            raise KeyboardInterrupt("benchmark: round 1 measured")
-
-    try:
-        fedgalore.run(cfg, progress=Stop())
-    except KeyboardInterrupt:
-        pass
-    keys = ("time_round", "time_clients", "time_server", "time_diagnostics", "time_eval")
-    return {k: float(got.get(k, 0.0)) for k in keys}
+    return _first_round_times(cfg)
 
 
 #: the shipped pipelines a CPU runs at their own budget (glue_roberta, domainnet_vit and metamath_llama2 need a GPU)
@@ -141,27 +143,13 @@ def _round_one_as_shipped(name: str, out: Path) -> dict:
     epochs or steps, its evaluation), FedGaLore with the default diagnostics: the loop's time split."""
     import yaml
 
-    import fedgalore
-    from fedgalore.engine.events import ProgressSink
     from fedgalore.job.config import FederatedConfig
 
     data = yaml.safe_load((ROOT / "conf" / "pipeline" / f"{name}.yaml").read_text())
     data.pop("compare", None)  # a pipeline file may carry its comparison's keys (fedgalore compare reads them)
     cfg = FederatedConfig.from_dict(data)
     cfg.output.dir, cfg.output.progress = str(out), "quiet"
-    got: dict = {}
-
-    class Stop(ProgressSink):
-        def round_end(self, round, record):
-            got.update(record)
-            raise KeyboardInterrupt("benchmark: round 1 measured")
-
-    try:
-        fedgalore.run(cfg, progress=Stop())
-    except KeyboardInterrupt:
-        pass
-    keys = ("time_round", "time_clients", "time_server", "time_diagnostics", "time_eval")
-    rec = {k: float(got.get(k, 0.0)) for k in keys}
+    rec = _first_round_times(cfg)
     rec.update(clients=int(cfg.federation.clients_per_round or cfg.federation.num_clients),
                local=f"{cfg.train.local_steps} steps" if cfg.train.local_steps else f"{cfg.train.local_epochs} epoch(s)",
                diagnostics=bool(cfg.diagnostics), load_avg=os.getloadavg()[0])
