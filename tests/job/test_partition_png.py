@@ -69,4 +69,16 @@ def test_a_run_ends_with_its_partition_png_drawn(tmp_path):
     res = fedgalore.run(tiny_cfg(tmp_path, rounds=1))
     png = (res.run_dir / "partition.png").read_bytes()
     assert png[:8] == PNG and len(png) > 1000
-    assert not pf._DRAWING
+    assert res.run_dir / "partition.png" not in pf._DRAWING  # nothing of this run left to wait for
+
+
+def test_a_finished_drawing_leaves_no_entry_behind(tmp_path):
+    """A drawing that succeeds removes itself: a Federation that is built but never run (tests,
+    a refused start) leaves nothing in the module's table."""
+    pf.write_partition_files(REC, tmp_path, background=True)
+    with pf._DRAWING_LOCK:
+        job = pf._DRAWING.get(tmp_path / "partition.png")
+    if job is not None:
+        job.thread.join()
+    assert tmp_path / "partition.png" not in pf._DRAWING
+    assert (tmp_path / "partition.png").read_bytes()[:8] == PNG

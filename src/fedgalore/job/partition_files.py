@@ -40,6 +40,7 @@ import functools
 import io
 import json
 import logging
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -368,8 +369,10 @@ def _png(text: str) -> bytes:
     return buf.getvalue()
 
 
-#: partition.png files being drawn in the background (write_partition_files(background=True)), by path
+#: partition.png files being drawn in the background (write_partition_files(background=True)), by
+#: path; a drawing that succeeded removes itself, one that failed stays for wait_for_partition_png
 _DRAWING: dict[Path, "_Drawing"] = {}
+_DRAWING_LOCK = threading.Lock()
 
 
 class _Drawing:
@@ -379,10 +382,10 @@ class _Drawing:
     then draws the figure on the caller's thread, where an error is the caller's."""
 
     def __init__(self, text: str, path: Path) -> None:
-        import threading
-
         self.text, self.path, self.error = text, path, None
         self.thread = threading.Thread(target=self._draw, name=f"draw {path}", daemon=False)
+        with _DRAWING_LOCK:
+            _DRAWING[path] = self
         self.thread.start()
 
     def _draw(self) -> None:
@@ -391,6 +394,10 @@ class _Drawing:
         except Exception as exc:  # noqa: BLE001 - redrawn (and raised) on the caller's thread
             self.error = exc
             log.debug("drawing %s in the background failed; it is drawn when the run ends", self.path, exc_info=True)
+            return
+        with _DRAWING_LOCK:  # done: nothing to wait for (a run that is never run leaves no entry behind)
+            if _DRAWING.get(self.path) is self:
+                del _DRAWING[self.path]
 
 
 def _write_png(path: Path, data: bytes) -> None:
@@ -403,7 +410,8 @@ def wait_for_partition_png(directory: str | Path) -> None:
     """Wait for the background drawing of ``directory``'s ``partition.png`` (if one runs); if it
     failed, draw it here (an error then raises). The round loop calls this when a run ends."""
     path = Path(directory) / "partition.png"
-    job = _DRAWING.pop(path, None)
+    with _DRAWING_LOCK:
+        job = _DRAWING.pop(path, None)
     if job is None:
         return
     job.thread.join()
@@ -425,7 +433,7 @@ def write_partition_files(rec: dict[str, Any], directory: str | Path, *, backgro
         png.unlink(missing_ok=True)
         return [d / "partition.json"]
     if background:
-        _DRAWING[png] = _Drawing(text, png)
+        _Drawing(text, png)
     else:
         _write_png(png, _png(text))
     return [d / "partition.json", png]
