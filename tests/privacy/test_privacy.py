@@ -347,6 +347,19 @@ def test_report_model_card_and_plan_state_the_privacy(tmp_path, capsys):
     assert "Privacy (every method): none — nothing was protected." in capsys.readouterr().out
 
 
+def _record_dp_yaml(tmp_path, method: str, noise_multiplier: float):
+    """A tiny record-level DP run's config file (the bad-input tests add one override to it)."""
+    yaml = tmp_path / "bad.yaml"
+    yaml.write_text(f"""name: bad
+task: {{name: tiny_text, options: {{n_train: 96, n_test: 32, hidden_size: 16, num_layers: 1}}}}
+method: {{name: {method}, rank: 4}}
+federation: {{num_clients: 3, clients_per_round: 2, rounds: 1, partition: {{kind: iid}}}}
+output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
+privacy: {{record: {{max_grad_norm: 1.0, noise_multiplier: {noise_multiplier}}}}}
+""")
+    return yaml
+
+
 @pytest.mark.parametrize("override, message", [
     ("privacy.record.delta=0.1", "privacy.record.delta=0.1 must be below 1/n ="),
     ("privacy.record.max_grad_norm=0", "privacy.record.max_grad_norm=0 must be a positive number"),
@@ -360,14 +373,7 @@ def test_report_model_card_and_plan_state_the_privacy(tmp_path, capsys):
     ("privacy.record.noise_multiplier=1e300", "σ and σ·C must be at most 1e+06"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, override, message):
-    yaml = tmp_path / "bad.yaml"
-    yaml.write_text(f"""name: bad
-task: {{name: tiny_text, options: {{n_train: 96, n_test: 32, hidden_size: 16, num_layers: 1}}}}
-method: {{name: fedgalore, rank: 4}}
-federation: {{num_clients: 3, clients_per_round: 2, rounds: 1, partition: {{kind: iid}}}}
-output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
-privacy: {{record: {{max_grad_norm: 1.0, noise_multiplier: 0.0}}}}
-""")
+    yaml = _record_dp_yaml(tmp_path, "fedgalore", 0.0)
     assert main(["run", "--config", str(yaml), override]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and message in err, err
@@ -384,14 +390,7 @@ privacy: {{record: {{max_grad_norm: 1.0, noise_multiplier: 0.0}}}}
 def test_a_target_no_noise_meets_is_one_line(tmp_path, capsys, overrides, message):
     from fedgalore_testing.cmdline import _error
 
-    yaml = tmp_path / "bad.yaml"
-    yaml.write_text(f"""name: bad
-task: {{name: tiny_text, options: {{n_train: 96, n_test: 32, hidden_size: 16, num_layers: 1}}}}
-method: {{name: fedavg_full, rank: 4}}
-federation: {{num_clients: 3, clients_per_round: 2, rounds: 1, partition: {{kind: iid}}}}
-output: {{dir: {tmp_path / 'runs'}, progress: quiet}}
-privacy: {{record: {{max_grad_norm: 1.0, noise_multiplier: 1.0}}}}
-""")
+    yaml = _record_dp_yaml(tmp_path, "fedavg_full", 1.0)
     assert message in _error(capsys, ["run", "--config", str(yaml), *overrides])
     runs = tmp_path / "runs"
     assert not runs.exists() or not any((d / "summary.json").exists() for d in runs.iterdir())  # nothing ran
