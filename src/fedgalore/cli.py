@@ -1,4 +1,4 @@
-"""The ``fedgalore`` command: run, status, compare, partition, plan, report, export, evaluate, predict, ledger, bench, repro, methods, tasks.
+"""The ``fedgalore`` command: run, status, compare, tune, partition, plan, report, export, evaluate, predict, ledger, bench, repro, methods, tasks.
 
 See ``docs/cli.md`` for every command with examples. User errors (unknown method / task / config
 key, a value of the wrong type or out of range, a missing file or asset) print one line on
@@ -271,6 +271,43 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if not quiet and not args.no_report and (out / "table.md").is_file():
         print((out / "table.md").read_text().split("### Runs")[0].rstrip())
     print(f"comparison dir: {out}")
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    """Search each row's space on the validation split, confirm on held-out seeds, write the report."""
+    from fedgalore.job.config import ConfigError
+    from fedgalore.tune import TuneSpec, tune
+    from fedgalore.tune.space import parse_space
+
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise ConfigError("fedgalore tune needs Optuna: pip install 'optuna>=4' (scripts/setup.sh installs it)") from None
+    cfg, section = _load_config(args.config, args.overrides)
+    methods = _split_list(args.methods if args.methods is not None else section.get("methods"), "--methods") or [cfg.method.name]
+    options = _check_method_options(section.get("method_options"), "compare.method_options")
+    if args.method_options:
+        for label, opts in _read_method_options(args.method_options).items():
+            options.setdefault(label, {}).update(opts)
+    rounds = []
+    for v in _split_list(args.confirm_rounds, "--confirm-rounds"):
+        try:
+            rounds.append(int(v))
+        except ValueError:
+            raise ConfigError(f"--confirm-rounds must be comma-separated integers (e.g. 20,50), got {v!r}") from None
+    if any(r < 1 for r in rounds):
+        raise ConfigError(f"--confirm-rounds must be positive, got {args.confirm_rounds}")
+    spec = TuneSpec(base=cfg, labels=methods, out=Path(args.out or Path(cfg.output.dir) / f"tune-{cfg.name}"),
+                    method_options=options, space=parse_space(args.space, methods), trials=args.trials,
+                    storage=args.storage, workers=args.workers, sampler=args.sampler, pruner=args.pruner, last=args.last,
+                    heldout_seeds=_parse_seeds(args.heldout_seeds), confirm_rounds=rounds, close=args.close,
+                    widen=not args.no_widen, sampler_seed=args.sampler_seed)
+    quiet = (getattr(args, "progress", None) or cfg.output.progress) == "quiet"
+    path = tune(spec, (lambda text: None) if quiet else (lambda text: print(text, flush=True)), confirm=not args.no_confirm)
+    if not quiet:
+        print(path.read_text().split("## The search")[0].rstrip())
+    print(f"tune dir: {spec.out}")
     return 0
 
 
@@ -751,6 +788,29 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--rerun-changed", action="store_true",
                    help="re-run cells that ran with another config or inputs (their old runs move to <out>/.superseded/)")
     c.set_defaults(func=cmd_compare)
+
+    tu = sub.add_parser("tune", parents=[common], help="choose each method's rate (and any key) on validation data, confirm on held-out seeds, recommend with costs")
+    tu.add_argument("--config", help="pipeline YAML (the base config of every trial; needs a validation split)")
+    tu.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides of the base config")
+    tu.add_argument("--methods", help="comma-separated methods / row labels, e.g. fedgalore,fedit,fedavg_full (default: compare.methods, else method.name)")
+    tu.add_argument("--method-options", metavar="FILE", help="YAML/JSON mapping row -> options, as fedgalore compare's")
+    tu.add_argument("--space", action="append", default=[], metavar="[ROWS:]KEY=SPEC",
+                    help="a searched key: log:LOW:HIGH, float:LOW:HIGH, int:LOW:HIGH or choice:A,B,C, e.g. train.lr=log:1e-4:1e-1 "
+                         "or fedit,flexlora:method.rank=choice:8,16,32 (repeatable; default: train.lr, two decades around the row's rate)")
+    tu.add_argument("--trials", type=int, default=8, help="trials per row, finished or pruned (default: 8)")
+    tu.add_argument("--sampler", choices=("tpe", "random", "grid"), default="tpe", help="Optuna sampler (default: tpe; grid needs choice: spaces)")
+    tu.add_argument("--pruner", choices=("median", "hyperband", "none"), default="median", help="stops hopeless trials along the rounds (default: median)")
+    tu.add_argument("--last", type=int, default=2, help="objective: mean validation metric over the last N evaluated rounds (default: 2)")
+    tu.add_argument("--heldout-seeds", default="1,2,3,4", help="seeds of the confirmation runs, none the config's (default: 1,2,3,4)")
+    tu.add_argument("--confirm-rounds", help="comma-separated horizons of the confirmation runs (default: the config's rounds)")
+    tu.add_argument("--close", type=float, default=0.01, help="a runner-up this close to the best (metric units) is confirmed too (default: 0.01)")
+    tu.add_argument("--no-widen", action="store_true", help="do not widen a range whose best value lies at its edge")
+    tu.add_argument("--no-confirm", action="store_true", help="search only (e.g. the other machines of a shared --storage); the report lists the search")
+    tu.add_argument("--out", help="tune folder: its SQLite study, trials, cells and report (default: <output.dir>/tune-<name>)")
+    tu.add_argument("--storage", metavar="URL", help="an Optuna RDB URL shared by workers on several machines (default: sqlite in --out)")
+    tu.add_argument("--workers", type=int, default=1, help="processes on this machine sharing the study (default: 1; one per core, OMP_NUM_THREADS=1)")
+    tu.add_argument("--sampler-seed", type=int, default=0, help="seed of the sampler (default: 0)")
+    tu.set_defaults(func=cmd_tune)
 
     pa = sub.add_parser("partition", parents=[common], help="the clients' data split of a config, drawn without training")
     pa.add_argument("--config", required=True, help="pipeline YAML (conf/pipeline/<name>.yaml)")

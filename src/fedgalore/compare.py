@@ -66,7 +66,7 @@ from fedgalore.records.liveness import is_finished
 from fedgalore.federated.partition import PartitionConfig, parse_setting
 from fedgalore.methods.base import MethodError, available_methods, parse_options, split_options
 
-__all__ = ["Cell", "plan_grid", "run_grid", "cell_status"]
+__all__ = ["Cell", "plan_grid", "row_config", "check_rows", "run_grid", "cell_status", "claim_cell"]
 
 log = logging.getLogger("fedgalore")
 
@@ -91,7 +91,7 @@ def _slug(setting: str) -> str:
     return setting.replace(":", "")
 
 
-def _check_methods(labels: Sequence[str], method_options: Mapping[str, Mapping[str, Any]]) -> None:
+def check_rows(labels: Sequence[str], method_options: Mapping[str, Mapping[str, Any]]) -> None:
     if not labels:
         raise ConfigError("no methods given; pass e.g. --methods fedgalore,fedit")
     names = available_methods()
@@ -110,6 +110,38 @@ def _check_methods(labels: Sequence[str], method_options: Mapping[str, Mapping[s
         raise ConfigError(f"methods list has duplicates: {', '.join(labels)}")
 
 
+def row_config(base_cfg: FederatedConfig, label: str, method_options: Mapping[str, Mapping[str, Any]] | None = None
+               ) -> tuple[str, dict[str, Any]]:
+    """The config (a plain dict) of row ``label``: the base config with the row's method, its
+    options (the base pool's that the method accepts, then the row's own), its ``train`` overrides
+    and its ``server_optimizer`` (module doc, "Method options"); returns ``(method, config)``.
+    A bad option or key is a :class:`ConfigError` / :class:`MethodError` naming the row."""
+    opts = dict((method_options or {}).get(label, {}))
+    method = str(opts.pop("method", label))
+    base = base_cfg.to_dict()
+    train_over = opts.pop("train", None) or {}
+    if not isinstance(train_over, Mapping):
+        raise ConfigError(f"row {label!r}: train must be a mapping of train.* overrides, e.g. {{lr: 1.0e-3}}, got {train_over!r}")
+    unknown = sorted(set(train_over) - set(base["train"]))
+    if unknown:
+        raise ConfigError(f"row {label!r}: unknown train key {unknown[0]!r}; valid: {', '.join(sorted(base['train']))}")
+    server_opt = opts.pop("server_optimizer", None)
+    if server_opt is not None and not isinstance(server_opt, Mapping):
+        raise ConfigError(f"row {label!r}: server_optimizer must be a mapping like {{name: fedadam, lr: 1.0e-3}}, got {server_opt!r}")
+    options, _ = split_options(method, dict(base["method"]["options"]))
+    options.update(opts)
+    try:  # a bad option fails before any cell runs
+        parse_options(method, options, base_cfg.method.rank)
+    except MethodError as exc:
+        raise MethodError(f"row {label!r}: {exc}") from None
+    base["method"]["name"] = method
+    base["method"]["options"] = options
+    base["train"].update(json.loads(json.dumps(dict(train_over))))
+    if server_opt is not None:  # the row's own server optimizer replaces the base config's
+        base["federation"]["server_optimizer"] = json.loads(json.dumps(dict(server_opt)))
+    return method, base
+
+
 def plan_grid(
     base_cfg: FederatedConfig,
     methods: Sequence[str],
@@ -120,7 +152,7 @@ def plan_grid(
 ) -> list[Cell]:
     """The grid's cells (method-major, then setting, then seed), each with its own config."""
     method_options = {k: dict(v) for k, v in (method_options or {}).items()}
-    _check_methods(list(methods), method_options)
+    check_rows(list(methods), method_options)
     parts = [_setting(s) for s in settings]
     if not parts:
         raise ConfigError("no partition settings given; pass e.g. --settings iid,dirichlet:0.5")
@@ -129,35 +161,13 @@ def plan_grid(
         if isinstance(s, bool) or not isinstance(s, int):
             raise ConfigError(f"seeds must be integers, got {s!r}")
     out = Path(out_dir)
-    base = base_cfg.to_dict()
     cells = []
     for label in methods:
-        opts = dict(method_options.get(label, {}))
-        method = str(opts.pop("method", label))
-        train_over = opts.pop("train", None) or {}
-        if not isinstance(train_over, Mapping):
-            raise ConfigError(f"row {label!r}: train must be a mapping of train.* overrides, e.g. {{lr: 1.0e-3}}, got {train_over!r}")
-        unknown = sorted(set(train_over) - set(base["train"]))
-        if unknown:
-            raise ConfigError(f"row {label!r}: unknown train key {unknown[0]!r}; valid: {', '.join(sorted(base['train']))}")
-        server_opt = opts.pop("server_optimizer", None)
-        if server_opt is not None and not isinstance(server_opt, Mapping):
-            raise ConfigError(f"row {label!r}: server_optimizer must be a mapping like {{name: fedadam, lr: 1.0e-3}}, got {server_opt!r}")
-        options, _ = split_options(method, dict(base["method"]["options"]))
-        options.update(opts)
-        try:  # a bad option fails before any cell runs
-            parse_options(method, options, base_cfg.method.rank)
-        except MethodError as exc:
-            raise MethodError(f"row {label!r}: {exc}") from None
+        method, row = row_config(base_cfg, label, method_options)
         for part in parts:
             setting = part.label()
             for seed in seeds:
-                d = json.loads(json.dumps(base))  # deep copy
-                d["method"]["name"] = method
-                d["method"]["options"] = options
-                d["train"].update(json.loads(json.dumps(dict(train_over))))
-                if server_opt is not None:  # the row's own server optimizer replaces the base config's
-                    d["federation"]["server_optimizer"] = json.loads(json.dumps(dict(server_opt)))
+                d = json.loads(json.dumps(row))  # deep copy
                 d["federation"]["partition"].update(part.setting_fields())  # the rest: the base config's
                 if part.kind == "natural":  # one client per value: the data decides how many
                     d["federation"]["num_clients"] = None
@@ -179,7 +189,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _claim(out: Path, name: str) -> Path | None:
+def claim_cell(out: Path, name: str) -> Path | None:
     """Atomically claim cell ``name`` for this process; ``None`` if a live process holds it."""
     d = out / ".claims"
     d.mkdir(parents=True, exist_ok=True)
@@ -366,7 +376,7 @@ def run_grid(
         if status == "complete" and cell.name not in stale:
             say(f"{head}: complete, skipped ({run_dir})")
             continue
-        claim = _claim(out, cell.name)
+        claim = claim_cell(out, cell.name)
         if claim is None:
             say(f"{head}: claimed by another worker, skipped")
             continue

@@ -523,6 +523,8 @@ def probe_method(cfg: FederatedConfig, spec: ModelSpec, method: str, options: di
     data["task"] = {**data["task"], "options": {k: v for k, v in (data["task"].get("options") or {}).items()
                                                 if k not in ("quantization", "load_in_4bit")}}
     data["export"] = {}
+    if data.get("privacy", {}).get("sites_dir"):  # the miniature releases nothing on the sites: no line in their ledgers
+        data["privacy"] = {**data["privacy"], "sites_dir": None}
     probe_cfg = FederatedConfig.from_dict(data)
     task = _ProbeTask(spec, dims, sum(sizes))
     tmp = Path(tempfile.mkdtemp(prefix="fedgalore-plan-"))

@@ -28,8 +28,9 @@ level packages                                what they are
 9     fedgalore, report, hub, memory          the public facade, reports, hub access,
                                               memory model
 10    progress, compare, plan, experiments    progress display, grids, plans, experiments
-11    cli                                     the command line
-12    flower, __main__                        the Flower apps (reuse the CLI's messages);
+11    tune                                    choosing rates and ranks on validation data
+12    cli                                     the command line
+13    flower, __main__                        the Flower apps (reuse the CLI's messages);
                                               ``python -m fedgalore``
 ====  ======================================  ===========================================
 """
@@ -55,6 +56,7 @@ LEVELS: list[set[str]] = [
     {"trained"},
     {"fedgalore", "report", "hub", "memory"},
     {"progress", "compare", "plan", "experiments"},
+    {"tune"},
     {"cli"},
     {"flower", "__main__"},
 ]
