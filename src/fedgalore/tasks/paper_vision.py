@@ -12,8 +12,9 @@ Tasks:
   loaded lazily (PIL), resized to ``image_size`` and normalised with ``image_mean/std``.
 * ``offline_vision`` — :class:`OfflineFashionMnistTask` and ``offline_vision_mnist`` —
   :class:`OfflineMnistTask`: a tiny ViT (28×28 grayscale, patch 7, hidden 64, 4 layers, ≈ 0.2 M
-  parameters) that was first **pretrained centrally** (:mod:`fedgalore.tasks.pretrain_vit`),
-  so that federated training is a fine-tune with a fresh, seeded 10-class head.
+  parameters) that was first **pretrained centrally** (:mod:`fedgalore.tasks.pretrain_vit`,
+  with pinned numerics: the same weights on every machine), so that federated training is a
+  fine-tune with a fresh, seeded 10-class head.
 
 Transfer setup of the offline tasks (one cached backbone, two fine-tunes):
 
@@ -265,8 +266,8 @@ class _OfflineVitTask(ImageClassificationTask):
         d = pretrained_vit_dir()
         if not (d / "model.safetensors").is_file():
             if not self.auto_pretrain:
-                raise AssetError(f"the pretrained tiny ViT is not cached in {d}; run `python -m fedgalore.tasks.pretrain_vit` (about a minute on CPU)")
-            log.warning("pretrained tiny ViT not cached in %s: pretraining it now (once, about a minute on CPU; `python -m fedgalore.tasks.pretrain_vit` does this ahead)", d)
+                raise AssetError(f"the pretrained tiny ViT is not cached in {d}; run `python -m fedgalore.tasks.pretrain_vit` (about 1.5 minutes on one CPU core)")
+            log.warning("pretrained tiny ViT not cached in %s: pretraining it now (once, about 1.5 minutes on one CPU core; `python -m fedgalore.tasks.pretrain_vit` does this ahead)", d)
             pretrain_tiny_vit(out=d)
         return d
 
