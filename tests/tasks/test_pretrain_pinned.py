@@ -111,3 +111,32 @@ def test_missing_data_is_a_task_error_before_any_child_starts(tmp_path):
     with pytest.raises(TaskError, match="does not hold the Fashion-MNIST"):
         pretrain_tiny_vit(out=tmp_path / "vit", data_dir=str(tmp_path / "no-such-folder"), **SMALL)
     assert not (tmp_path / "vit").exists()
+
+
+def test_ensure_builds_the_cached_vit_once_when_two_need_it_at_once(tmp_path, monkeypatch):
+    """Two threads (as two processes: each opens the lock file itself) need the missing ViT at once:
+    one pretraining, and both get the folder."""
+    import threading
+    import time
+
+    from fedgalore.tasks import pretrain_vit
+
+    monkeypatch.setenv("FEDGALORE_CACHE", str(tmp_path))
+    built = []
+
+    def fake(out):
+        built.append(out)
+        time.sleep(0.3)
+        out.mkdir(parents=True)
+        (out / "model.safetensors").write_bytes(b"x")
+        return out
+
+    monkeypatch.setattr(pretrain_vit, "pretrain_tiny_vit", fake)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(pretrain_vit.ensure_pretrained_vit())) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert built == [pretrain_vit.pretrained_vit_dir()] and got == [pretrain_vit.pretrained_vit_dir()] * 2
+    assert pretrain_vit.ensure_pretrained_vit() == built[0] and len(built) == 1

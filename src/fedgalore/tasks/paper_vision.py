@@ -48,7 +48,7 @@ from fedgalore.tasks.assets import AssetError
 from fedgalore.tasks.base import ArrayDataset, Task, TaskError, TaskOptions, resolve_target_modules, stratified_split, task_option
 from fedgalore.tasks.metrics import accuracy, macro_f1
 from fedgalore.tasks.mnist import FASHION_MNIST_CLASSES, fashion_mnist_dir, load_fashion_mnist, load_mnist5k, mnist5k_file, to_pixels
-from fedgalore.tasks.pretrain_vit import pretrain_tiny_vit, pretrained_vit_dir
+from fedgalore.tasks.pretrain_vit import ensure_pretrained_vit, pretrained_vit_dir
 
 __all__ = [
     "VIT_MODULE_ALIASES",
@@ -268,7 +268,7 @@ class _OfflineVitTask(ImageClassificationTask):
             if not self.auto_pretrain:
                 raise AssetError(f"the pretrained tiny ViT is not cached in {d}; run `python -m fedgalore.tasks.pretrain_vit` (about 1.5 minutes on one CPU core)")
             log.warning("pretrained tiny ViT not cached in %s: pretraining it now (once, about 1.5 minutes on one CPU core; `python -m fedgalore.tasks.pretrain_vit` does this ahead)", d)
-            pretrain_tiny_vit(out=d)
+            ensure_pretrained_vit()
         return d
 
     def build_model(self) -> nn.Module:

@@ -61,7 +61,7 @@ from fedgalore.tasks.base import TaskError
 from fedgalore.tasks.mnist import fashion_mnist_dir, load_fashion_mnist, to_pixels
 
 __all__ = ["tiny_vit_config", "pretrained_vit_dir", "pretrain_tiny_vit", "init_vit_weights", "weights_sha256",
-           "pinned_env", "PINNED_ENV", "NUMERICS_VERSION", "main"]
+           "ensure_pretrained_vit", "pinned_env", "PINNED_ENV", "NUMERICS_VERSION", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,25 @@ def pretrain_tiny_vit(
     if not pinned:
         return _train(**args, numerics={"version": NUMERICS_VERSION, "pinned": False, **_kernels()})
     return _run_pinned_child(args)
+
+
+def ensure_pretrained_vit() -> Path:
+    """The default cache folder (:func:`pretrained_vit_dir`), pretrained (pinned) first when it holds
+    no ``model.safetensors``. Under a file lock beside it, so two processes that need it at once
+    (two test workers, two study shards) build it once and neither reads it half-replaced."""
+    d = pretrained_vit_dir()
+    if (d / "model.safetensors").is_file():
+        return d
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks: build without one
+        fcntl = None
+    with open(d.with_name(f".{d.name}.lock"), "a") as lock:
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (d / "model.safetensors").is_file():
+            pretrain_tiny_vit(out=d)
+    return d
 
 
 def pinned_env(base: dict[str, str] | None = None) -> dict[str, str]:
