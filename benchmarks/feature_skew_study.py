@@ -205,7 +205,9 @@ def _probe_val(method: str, setting: str, rounds: int | None = None) -> dict[flo
 
 def report(methods: list[str], settings: list[str], rounds: int | None = None) -> dict:
     """Rows, gaps to IID and paired differences against FedGaLore and FedGaLore⁻ of the held-out
-    seeds at ``rounds`` (None: the config's); written to ``feature_skew[_r<rounds>].{json,md,png}``."""
+    seeds at ``rounds`` (None: the config's); written to ``feature_skew[_r<rounds>].{json,md,png}``.
+    Refused when the cells ran on two backbones (:func:`_study_cells.check_one_backbone`)."""
+    cells_lib.check_one_backbone(OUT / "cells")
     rows = []
     for m in methods:
         for s in settings:

@@ -177,6 +177,7 @@ def mixed_cells() -> list[tuple]:
 
 
 def report() -> dict:
+    cells_lib.check_one_backbone(OUT / "cells")  # a study's cells share one backbone (_study_cells)
     rates = choice()
     out: dict = {"rates": rates, "probe": {}, "seeds": {}, "mixed": {}, "budget": str(CONFIG.relative_to(ROOT))}
     for m in RATES:

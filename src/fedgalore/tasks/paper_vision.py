@@ -12,8 +12,9 @@ Tasks:
   loaded lazily (PIL), resized to ``image_size`` and normalised with ``image_mean/std``.
 * ``offline_vision`` — :class:`OfflineFashionMnistTask` and ``offline_vision_mnist`` —
   :class:`OfflineMnistTask`: a tiny ViT (28×28 grayscale, patch 7, hidden 64, 4 layers, ≈ 0.2 M
-  parameters) that was first **pretrained centrally** (:mod:`fedgalore.tasks.pretrain_vit`),
-  so that federated training is a fine-tune with a fresh, seeded 10-class head.
+  parameters) that was first **pretrained centrally** (:mod:`fedgalore.tasks.pretrain_vit`,
+  with pinned numerics: the same weights on every machine), so that federated training is a
+  fine-tune with a fresh, seeded 10-class head.
 
 Transfer setup of the offline tasks (one cached backbone, two fine-tunes):
 
@@ -47,7 +48,7 @@ from fedgalore.tasks.assets import AssetError
 from fedgalore.tasks.base import ArrayDataset, Task, TaskError, TaskOptions, resolve_target_modules, stratified_split, task_option
 from fedgalore.tasks.metrics import accuracy, macro_f1
 from fedgalore.tasks.mnist import FASHION_MNIST_CLASSES, fashion_mnist_dir, load_fashion_mnist, load_mnist5k, mnist5k_file, to_pixels
-from fedgalore.tasks.pretrain_vit import pretrain_tiny_vit, pretrained_vit_dir
+from fedgalore.tasks.pretrain_vit import ensure_pretrained_vit, pretrained_vit_dir
 
 __all__ = [
     "VIT_MODULE_ALIASES",
@@ -265,9 +266,9 @@ class _OfflineVitTask(ImageClassificationTask):
         d = pretrained_vit_dir()
         if not (d / "model.safetensors").is_file():
             if not self.auto_pretrain:
-                raise AssetError(f"the pretrained tiny ViT is not cached in {d}; run `python -m fedgalore.tasks.pretrain_vit` (about a minute on CPU)")
-            log.warning("pretrained tiny ViT not cached in %s: pretraining it now (once, about a minute on CPU; `python -m fedgalore.tasks.pretrain_vit` does this ahead)", d)
-            pretrain_tiny_vit(out=d)
+                raise AssetError(f"the pretrained tiny ViT is not cached in {d}; run `python -m fedgalore.tasks.pretrain_vit` (about 1.5 minutes on one CPU core)")
+            log.warning("pretrained tiny ViT not cached in %s: pretraining it now (once, about 1.5 minutes on one CPU core; `python -m fedgalore.tasks.pretrain_vit` does this ahead)", d)
+            ensure_pretrained_vit()
         return d
 
     def build_model(self) -> nn.Module:

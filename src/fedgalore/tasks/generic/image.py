@@ -174,19 +174,19 @@ class GenericImageClassificationTask(FileTask, ImageClassificationTask):
     @staticmethod
     def default_model() -> Path:
         """The offline tiny ViT folder (:func:`fedgalore.tasks.pretrain_vit.pretrained_vit_dir`),
-        pretrained on first use as ``offline_vision`` does (once, about a minute on one CPU core,
+        pretrained on first use as ``offline_vision`` does (once, about 1.5 minutes on one CPU core,
         from the offline Fashion-MNIST; said in the log); an
         :class:`~fedgalore.tasks.assets.AssetError` when the data to make it is not installed."""
         import logging
 
-        from fedgalore.tasks.pretrain_vit import pretrain_tiny_vit, pretrained_vit_dir
+        from fedgalore.tasks.pretrain_vit import ensure_pretrained_vit, pretrained_vit_dir
 
         d = pretrained_vit_dir()
         if not (d / "model.safetensors").is_file():
             logging.getLogger(__name__).warning(
-                "image_classification: the offline tiny ViT is not in %s: pretraining it now (once, about a minute on "
-                "CPU; `python -m fedgalore.tasks.pretrain_vit` does this ahead; task.options.model picks another)", d)
-            pretrain_tiny_vit(out=d)
+                "image_classification: the offline tiny ViT is not in %s: pretraining it now (once, about 1.5 minutes on "
+                "one CPU core; `python -m fedgalore.tasks.pretrain_vit` does this ahead; task.options.model picks another)", d)
+            ensure_pretrained_vit()
         return d
 
     def _processor(self, config: Any) -> Any:
