@@ -55,6 +55,14 @@ def _tiny(argv: list[str], tmp: Path) -> list[str]:
         argv[argv.index("--seeds") + 1] = "0"
     if argv[0] == "run" and "--resume" in argv:  # extending: one round beyond the 3 it ran
         argv = [("federation.rounds=4" if a.startswith("federation.rounds=") else a) for a in argv]
+    if argv[0] == "tune":  # two trials a row, one held-out seed, one worker, ranks the tiny model has
+        for flag, value in (("--trials", "2"), ("--heldout-seeds", "1"), ("--workers", "1"), ("--confirm-rounds", "1,2")):
+            if flag in argv:
+                argv[argv.index(flag) + 1] = value
+            elif flag == "--heldout-seeds":
+                argv += [flag, value]
+        argv = [a.replace("method.rank=choice:8,16,32", "method.rank=choice:2,4") for a in argv]
+        argv += [*TINY_PAPER, "federation.partition.kind=iid", "federation.partition.by=null"]  # tiny_text has no domains
     if argv[0] in ("run", "compare") and "--resume" not in argv:
         config = argv[argv.index("--config") + 1]
         if config.endswith("offline_text.yaml"):
