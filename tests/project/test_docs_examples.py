@@ -13,6 +13,8 @@ the multi-machine Flower deployment is checked against the options its programs 
 """
 from __future__ import annotations
 
+import json
+
 import os
 import re
 import shlex
@@ -157,12 +159,16 @@ def test_readme_own_data_as_written(tmp_path, monkeypatch, capsys) -> None:
     Path("news.yaml").write_text(yaml)
     _bbc_news_csv(tmp_path / "news.csv")
     cmds = [c for c in commands("README.md") if kind(c) == "own-data"]
-    assert len(cmds) == 3 and all(c in section for c in cmds)
+    assert len(cmds) == 4 and all(c in section for c in cmds)
     for cmd in cmds:
         argv = shlex.split(cmd)
         if argv[0] == "fedgalore":
             rc = main(argv[1:] + (["--progress", "quiet"] if argv[1] == "run" else []))
             assert rc == 0, f"{cmd}\n{capsys.readouterr().err[-2000:]}"
+            if argv[1] == "tune":  # the recommendation, from the held-out seeds
+                report = json.loads((tmp_path / "runs" / "tune-news" / "tune_report.json").read_text())
+                assert report["heldout"][0]["seeds"] == [1] and report["heldout"][0]["rows"]
+                assert "run **" in (tmp_path / "runs" / "tune-news" / "tune_report.md").read_text()
         else:
             assert argv[:2] == ["python", "-c"], cmd
             env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # transformers alone, no fedgalore
@@ -170,7 +176,6 @@ def test_readme_own_data_as_written(tmp_path, monkeypatch, capsys) -> None:
             assert done.returncode == 0, done.stderr[-2000:]
             assert done.stdout.strip().splitlines()[-1] == "{0: 'business', 1: 'entertainment', 2: 'politics', 3: 'sports', 4: 'tech'}"
     run = tmp_path / "runs" / "news-fedgalore-naturalsite-s0"
-    import json
 
     part = json.loads((run / "partition.json").read_text())
     assert part["client_names"] == ["site0", "site1", "site2"] and sum(part["sizes"]) == 50  # round(0.2 · 12) = 2 per topic held out

@@ -305,11 +305,21 @@ def open_study(spec: TuneSpec, row: Row, url: str, *, check: bool = True) -> Any
         _check_space(study, row, url)
     if ident is not None and "identity" in attrs:
         diff = _identity_difference(attrs["identity"], json.loads(json.dumps(ident, default=str)))
+        if diff and not _has_results(study):  # nothing learned under the old setup: start the row afresh
+            optuna.delete_study(study_name=row.label, storage=_storage(url))
+            return open_study(spec, row, url, check=check)
         if diff:
             raise ConfigError(f"the study {row.label!r} in {url} was searched with another config or inputs ({diff}); "
                               "its trials would mix two setups: use another --out (or --storage), or delete "
                               f"{url.replace('sqlite:///', '')} to start afresh")
     return study
+
+
+def _has_results(study: Any) -> bool:
+    """Whether a study holds a finished, pruned or running trial (else only queued or failed ones)."""
+    from optuna.trial import TrialState
+
+    return bool(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)))
 
 
 def _check_space(study: Any, row: Row, url: str) -> None:
@@ -517,6 +527,25 @@ def best_trial(study: Any) -> Any | None:
 
 
 def search_row(spec: TuneSpec, row: Row, url: str, say: Callable[[str], None]) -> None:
+    """:func:`_search_row`; a user error in a trial (a config the data cannot take, e.g. a batch
+    larger than a site) before any trial finished removes the row's empty study, so the command
+    runs again with the corrected config on the same ``--out``."""
+    from fedgalore.federated.partition import PartitionError
+    from fedgalore.methods.base import MethodError
+    from fedgalore.tasks.base import TaskError
+
+    try:
+        _search_row(spec, row, url, say)
+    except (ConfigError, TaskError, MethodError, PartitionError):
+        import optuna
+
+        study = optuna.load_study(study_name=row.label, storage=_storage(url))
+        if _counted(study) == 0:
+            optuna.delete_study(study_name=row.label, storage=_storage(url))
+        raise
+
+
+def _search_row(spec: TuneSpec, row: Row, url: str, say: Callable[[str], None]) -> None:
     """Run the row's trials until ``spec.trials`` have finished or been pruned (over all workers);
     then, when ``spec.widen`` and the best value of a numeric key lies at the edge of its range,
     widen that range (once per key) and run half as many trials again."""
