@@ -30,7 +30,7 @@ from typing import Any, Sequence
 
 from fedgalore.job.config import FederatedConfig
 from fedgalore.tune.confirm import Candidate, check_one_setup, paired
-from fedgalore.tune.search import Row, TuneSpec, open_study, storage_url
+from fedgalore.tune.search import Row, TuneSpec, stored_space, open_study, storage_url, trial_config
 from fedgalore.tune.space import at_edge
 
 __all__ = ["build_report", "dense_reference", "plan_costs"]
@@ -96,9 +96,7 @@ def _search_rows(spec: TuneSpec, rows: Sequence[Row]) -> list[dict[str, Any]]:
         if done:
             higher = study.direction.name == "MAXIMIZE"
             best = max(done, key=lambda t: t.value) if higher else min(done, key=lambda t: t.value)
-        from fedgalore.tune.search import _stored_space
-
-        space = _stored_space(study, row)
+        space = stored_space(study, row)
         edges = []
         if best is not None:
             for key, p in space.items():
@@ -180,8 +178,6 @@ def build_report(spec: TuneSpec, rows: Sequence[Row], cands: Sequence[Candidate]
     # costs that do not depend on the seed: per candidate (its config at the search's seed)
     costs: dict[str, dict[str, Any]] = {}
     for c in cands:
-        from fedgalore.tune.search import trial_config
-
         cfg = FederatedConfig.from_dict(trial_config(c.row, c.params))
         cache = spec.out / "costs" / f"{c.name}.json"
         if cache.is_file():

@@ -14,8 +14,6 @@ shows what the ledgers recorded during the tune (:func:`privacy_ledgers`).
 from __future__ import annotations
 
 import multiprocessing as mp
-import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -157,7 +155,6 @@ def tune(spec: TuneSpec, say: Callable[[str], None] | None = None, *, confirm: b
 
     cands = candidates(spec, rows)
     cells = confirm_cells(spec, cands)
-    t0 = time.perf_counter()
     if confirm:
         say(f"tune: confirming {len(cands)} configuration(s) on seeds {','.join(map(str, spec.heldout_seeds))}: {len(cells)} run(s)")
         _with_workers(spec, _confirm_worker, lambda: run_cells(spec, cells, say))

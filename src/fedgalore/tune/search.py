@@ -46,7 +46,7 @@ from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.tune.space import Param, apply_params, at_edge, default_rate, row_space, widened
 
 __all__ = ["TuneSpec", "Row", "build_rows", "storage_url", "open_study", "search_row", "search", "trial_config",
-           "objective_key", "row_identity", "PRUNERS", "SAMPLERS"]
+           "objective_key", "row_identity", "stored_space", "grid_points", "PRUNERS", "SAMPLERS"]
 
 log = logging.getLogger("fedgalore")
 
@@ -556,7 +556,7 @@ def _search_row(spec: TuneSpec, row: Row, url: str, say: Callable[[str], None]) 
     if not study.trials:  # the first trial at the row's own values; a grid's points in order
         for point in grid or [first_values(row)]:
             study.enqueue_trial(point, skip_if_exists=True)
-    space = _stored_space(study, row)
+    space = stored_space(study, row)
     stages = study.user_attrs.get("widened_stages", 0)
     target = spec.trials + stages * max(1, math.ceil(spec.trials / 2))
     if grid is not None:  # a grid is searched once, point by point (its trials: at most its points)
@@ -586,7 +586,7 @@ def _search_row(spec: TuneSpec, row: Row, url: str, say: Callable[[str], None]) 
                 spec.trials + max(1, math.ceil(spec.trials / 2)))
 
 
-def _stored_space(study: Any, row: Row) -> dict[str, Param]:
+def stored_space(study: Any, row: Row) -> dict[str, Param]:
     """The row's space as the study last searched it (a widened range survives a resume)."""
     from fedgalore.tune.space import parse_param
 
