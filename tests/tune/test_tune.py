@@ -116,12 +116,16 @@ def test_a_hopeless_rate_is_pruned_and_a_resumed_search_continues_the_same_study
 
 
 def test_a_study_refuses_another_config_or_other_data(tmp_path) -> None:
-    spec = _spec(tmp_path, trials=1)
+    spec = _spec(tmp_path, trials=1, rounds=1)
     open_study(spec, build_rows(spec)[0], storage_url(spec))
-    other = _spec(tmp_path, trials=1)
-    other.base.task.options["seed"] = 1  # other data and model weights: another setup
-    with pytest.raises(ConfigError, match=r"another config or inputs \(task.options.seed: 0 -> 1\)"):
-        open_study(other, build_rows(other)[0], storage_url(other))
+    other = _spec(tmp_path, trials=1, rounds=1)
+    other.base.task.options["n_train"] = 150  # other data: nothing was learned yet, so the row starts afresh
+    assert open_study(other, build_rows(other)[0], storage_url(other)).user_attrs["identity"]["config"]["task"]["options"]["n_train"] == 150
+    search(other, build_rows(other), lambda s: None)  # one finished trial: now the study holds results
+    third = _spec(tmp_path, trials=1, rounds=1)
+    third.base.task.options["seed"] = 1  # other data and model weights: another setup
+    with pytest.raises(ConfigError, match=r"another config or inputs \(task.options.n_train: 150 -> 160\)"):
+        open_study(third, build_rows(third)[0], storage_url(third))
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.Popen:
