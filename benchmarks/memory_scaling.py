@@ -292,7 +292,8 @@ PHASES = {"broadcast": "broadcast", "client_training": "client_update", "upload"
 def composition(run: dict, act: dict | None) -> dict:
     """The plan's per-phase formula (:func:`fedgalore.plan.phase_peaks`, CPU: one pool) applied
     to the *measured* exact components, next to the measured phase peaks."""
-    from fedgalore.plan import ADAMW_STEP_TRANSIENT, DENSE_UPLOADS, activation_bytes, phase_peaks
+    from fedgalore.methods.base import method_class
+    from fedgalore.plan import ADAMW_STEP_TRANSIENT, activation_bytes, phase_peaks
 
     import torch
 
@@ -304,7 +305,7 @@ def composition(run: dict, act: dict | None) -> dict:
     comp = {"model": c["model"], "gradients": c["trained"], "optimizer_state": c["optimizer_state"], "activations": A,
             "server_state": c["server_state"], "broadcast_blob": c["broadcast_blob"], "upload_blob": c["upload_blob"], "eval_kv_cache": 0,
             "optimizer_step_transient": int(ADAMW_STEP_TRANSIENT["cpu"] * c["trained"]) if run["method"] == "fedavg_full" else 0}
-    pred = phase_peaks(comp, CLIENTS, True, run["size"] == "smollm2-135m", run["method"] in DENSE_UPLOADS)
+    pred = phase_peaks(comp, CLIENTS, True, run["size"] == "smollm2-135m", method_class(run["method"]).traits.uploads_dense_deltas)
     out = {}
     for phase, v in pred.items():
         meas = run["peaks"].get(PHASES[phase])

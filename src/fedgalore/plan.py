@@ -57,7 +57,7 @@ from torch import nn
 from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.engine.stages.privacy_ledger import client_signal, privacy_plan
 from fedgalore.federated.client import optimizer_steps
-from fedgalore.methods.base import MethodOptions, parse_options, split_options
+from fedgalore.methods.base import MethodOptions, method_class, parse_options, split_options
 from fedgalore.methods.fedgalore import FedGaLoreOptions
 from fedgalore.protocol.payload import dump_header_json, dump_safetensors_header
 from fedgalore.tasks.base import ArrayDataset, Task, TaskError, head_parameters, resolve_target_modules
@@ -240,7 +240,7 @@ def quantized_for(spec: ModelSpec, method: str) -> bool:
     adapters on a frozen base (the config check refuses the others)."""
     from fedgalore.methods.base import available_methods, method_class
 
-    return bool(spec.quantization) and method in available_methods() and method_class(method).explicit_adapters
+    return bool(spec.quantization) and method in available_methods() and method_class(method).traits.explicit_adapters
 
 
 def quantized_model_bytes(spec: ModelSpec) -> tuple[int, int]:
@@ -486,8 +486,9 @@ def probe_method(cfg: FederatedConfig, spec: ModelSpec, method: str, options: di
     from fedgalore.engine.loop import Federation
 
     opts, parsed = _method_setting(cfg, method, dict(cfg.method.options if options is None else options))
-    galore = isinstance(parsed, FedGaLoreOptions)
-    if hasattr(parsed, "downlink"):
+    traits = method_class(method).traits
+    galore = traits.upload_follows_steps  # one update term per projector refresh (FedGaLore)
+    if traits.downlink == "factored":
         # the plan's downlink is the dense model: what a client that holds no recent version gets, the
         # most any client gets; the factored downlink's bytes depend on who was sampled when
         # (benchmarks/downlink_bytes.py measures them)
@@ -703,8 +704,6 @@ def phase_peaks(c: dict[str, int], clients: int, on_host: bool, diagnostics: boo
 #: temporaries of one torch AdamW step, as a share of the trained parameters' bytes (measured:
 #: foreach — CUDA's default — 1.0; the CPU single-tensor path 0.37); GaLoreAdamW works per matrix
 ADAMW_STEP_TRANSIENT = {"foreach": 1.0, "cpu": 0.37, "fused": 0.0}  # FedAvg-Full runs AdamW(fused=True) on CUDA
-#: methods whose uploads are the dense deltas themselves (the diagnostics reuse them)
-DENSE_UPLOADS = frozenset({"fedavg_full"})
 #: host memory outside the components: Python, torch, the tokenizer and the tokenised data set
 HOST_RUNTIME = 3 * GIB
 
@@ -780,7 +779,7 @@ def memory_plan(cfg: FederatedConfig, spec: ModelSpec, probe: Probe, clients_per
     if "AdamW" in probe.optimizers:  # torch's AdamW (GaLoreAdamW is a different class)
         comp["optimizer_step_transient"] = int(ADAMW_STEP_TRANSIENT["cpu" if on_host else "fused"] * probe.trained)
     comp["optimizer_state"] += low_precision_bytes(cfg, spec, probe)
-    phases = phase_peaks(comp, clients_per_round, on_host, bool(cfg.diagnostics), probe.method in DENSE_UPLOADS)
+    phases = phase_peaks(comp, clients_per_round, on_host, bool(cfg.diagnostics), method_class(probe.method).traits.uploads_dense_deltas)
     n_dev, shard = int(tc.devices_per_client), bool(tc.shard_params)
     site = None
     if n_dev > 1:  # a site with several devices: the training phase per rank (site_training)
@@ -1035,7 +1034,7 @@ def make_plan(cfg: FederatedConfig, methods: Sequence[str] | None = None, method
         say(f"plan: {method} ({i + 1}/{len(methods)}): running its miniature ({len(spec.targets)} adapted matrices)")
         options = {**dict(cfg.method.options), **dict((method_options or {}).get(method, {}))}
         _, parsed = _method_setting(cfg, method, options)
-        galore = isinstance(parsed, FedGaLoreOptions)
+        galore = method_class(method).traits.upload_follows_steps  # one update term per projector refresh
         terms = [galore_terms(n, cfg, parsed) if galore else (0, 0) for n in sizes]  # (data-driven, seeded) per client
         qs = [max(d + sd, 1) if galore else 0 for d, sd in terms]
         distinct = sorted(set(qs))

@@ -392,9 +392,9 @@ def test_secure_aggregation_and_client_dp_are_what_the_aggregation_allows():
     for name, opts in ok.items():
         cls = method_class(name)
         assert cls.secure_aggregation_problem(cls.resolve_options(cls.options_class(**opts), 4)) is None, name
-        assert get_method(name, rank=4, **opts).dp_aggregate == "mean", name
+        assert get_method(name, rank=4, **opts).run_traits.dp_aggregate == "mean", name
     for name, opts in {"fedex_lora": {}, "flexlora": {}, "hetlora": {}}.items():
-        assert get_method(name, rank=4, **opts).dp_aggregate == "individual", name
+        assert get_method(name, rank=4, **opts).run_traits.dp_aggregate == "individual", name
 
 
 # ----------------------------------------------------------------------------- robust aggregation, client-level DP

@@ -158,7 +158,7 @@ def test_every_methods_upload_is_the_clients_own_change(task, name, dtype):
     tc = TrainConfig(lr=1e-3, batch_size=16, local_steps=steps)
     ctx = ClientContext(0, 2, 0, 1234, 16, tc, targets, heads, task.loss,
                         lambda: (task.train_set().batch(idx) for _ in range(steps)), steps, steps, on_step=at_step,
-                        state={} if meth.needs_client_state else None)  # FedSA-LoRA keeps its B in the site's store
+                        state={} if meth.traits.keeps_client_state else None)  # FedSA-LoRA keeps its B in the site's store
     upload = meth.client_update(model, transfer(bcast), ctx)
     end = measure()
     deltas = meth.client_deltas(state, upload)

@@ -87,7 +87,7 @@ def test_adapter_as_the_starting_model_is_the_adapters_model(adapter, method):
     with torch.no_grad():
         want = PeftModel.from_pretrained(fed.task.build_model(), folder).eval()(**batch).logits.float()
     torch.testing.assert_close(global_logits(fed, batch), want, atol=2e-6, rtol=0)
-    if fed.method.explicit_adapters:  # the adapter is trained on, not merged: W0 stays the base
+    if fed.method.traits.explicit_adapters:  # the adapter is trained on, not merged: W0 stays the base
         t = fed.runtime.target_modules[0]
         base = dict(fed.task.build_model().named_parameters())[t + ".weight"]
         assert torch.equal(fed.method.base_weight(fed.runtime.model, t).detach().cpu(), base.detach())

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 import fedgalore
+from fedgalore.methods.base import method_class
 from fedgalore.cli import main
 from fedgalore.job.config import FederatedConfig
 from fedgalore.engine.events import ProgressSink
@@ -30,7 +31,8 @@ from fedgalore.trained.lora_extract import RANK_NOTES
 from fedgalore_testing.models import Run, logits_of, same_metrics
 
 METHODS = ["fedgalore", "fedgalore_minus", "fedgalore_mean", "fedavg_full", "fedit", "ffa_lora", "flora", "fr_lora", "lora_fair"]
-ADAPTER_METHODS = ["fedit", "ffa_lora", "lora_fair"]
+#: the methods whose global model is W0 + their adapters (MethodTraits.explicit_adapters)
+ADAPTER_METHODS = [m for m in METHODS if method_class(m).traits.explicit_adapters]
 TINY = {"n_train": 64, "n_test": 24, "hidden_size": 16, "num_layers": 1, "seq_len": 8}
 
 

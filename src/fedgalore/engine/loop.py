@@ -60,6 +60,7 @@ from fedgalore.federated.checkpoint import CheckpointError, CheckpointWriter, ke
 from fedgalore.federated.diagnostics import drift_diagnostics, update_space_diagnostics
 from fedgalore.federated.seeding import round_seed, sample_clients
 from fedgalore.methods.base import Method
+from fedgalore.methods.traits import per_client_downlink_ops
 from fedgalore.protocol.payload import Ledger, Payload, encode, encoded_size
 from fedgalore.protocol.state import RoundContext
 from fedgalore.tasks.base import Task
@@ -440,7 +441,7 @@ class Federation:
         simulation: clients are handed the dense model, the ledger counts what a client that kept
         its last model would receive), ``dense`` (a deployment whose clients keep nothing: dense is
         sent and counted); None when the method's downlink is the same for every client."""
-        if not getattr(self.method, "per_client_downlink", False):
+        if not self.method.run_traits.per_client_downlink:
             return None
         if self.backend.keeps_client_state:
             return "replay"
@@ -457,12 +458,13 @@ class Federation:
         in an ``account`` simulation, the dense broadcast, which yields the same model."""
         bcast = self.stages.broadcast(self.method.broadcast(self.state, rctx), self.state)  # e.g. the round's DP clip norm
         att.reference = bcast  # what the clients started from: client-level DP's public reference
-        per_client = getattr(self.method, "client_broadcast", None)
+        ops = per_client_downlink_ops(self.method)  # None: every client gets bcast
+        per_client = None if ops is None else ops.client_broadcast
         mode = self._downlink_mode()
         if mode == "replay":
             held = self.backend.client_versions(self.method, rctx.clients)
         elif mode == "account":
-            held = self.method.held_versions(self.state, rctx.clients)
+            held = ops.held_versions(self.state, rctx.clients)
         else:
             held = {}
         by_held: dict[int | None, Payload] = {}  # a message depends on the held version only: built once per version
@@ -475,7 +477,7 @@ class Federation:
 
         msgs = {c: message(c) if per_client is not None else bcast for c in rctx.clients}
         if mode in ("replay", "account"):
-            self.method.downlink_sent(self.state, rctx.clients)
+            ops.downlink_sent(self.state, rctx.clients)
         # a stage's per-client entries (e.g. SCAFFOLD's c − c_i), counted down
         msgs = {c: self.stages.message(m, c, self.state) for c, m in msgs.items()}
         train = msgs if mode != "account" else {c: self.stages.message(bcast, c, self.state) for c in rctx.clients}

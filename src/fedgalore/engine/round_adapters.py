@@ -1,7 +1,7 @@
 """A small PEFT adapter of the global model after every round (``export.every_round: true``).
 
 For the methods whose global model is the pretrained base plus LoRA adapters (FedIT, FFA-LoRA,
-LoRA-FAIR: :attr:`~fedgalore.methods.base.Method.explicit_adapters`) the round loop writes, after
+LoRA-FAIR: :attr:`~fedgalore.methods.traits.MethodTraits.explicit_adapters`) the round loop writes, after
 each round's aggregation, ``<run dir>/adapters/round-NNNN/`` — ``adapter_config.json`` and
 ``adapter_model.safetensors`` in PEFT's own layout: the global ``(B, A)`` of every adapted module
 and the head as ``modules_to_save`` — so any round loads with

@@ -6,7 +6,7 @@ factors aside (``task.start_adapter``: per layer ``(B, A)`` and ``s``). The roun
 model at round 0 is then the adapter's model ``W0 + s·BA``, reached per method:
 
 * the methods whose global model is the base plus LoRA adapters
-  (:attr:`~fedgalore.methods.base.Method.explicit_adapters`: FedIT, FFA-LoRA, LoRA-FAIR) train
+  (:attr:`~fedgalore.methods.traits.MethodTraits.explicit_adapters`: FedIT, FFA-LoRA, LoRA-FAIR) train
   the adapter further: after ``setup`` its factors replace the fresh ones
   (:meth:`~fedgalore.methods.lora_common.LoraMethod.start_from`; same rank and scaling needed).
   ``W0`` stays the base, so an export ``--format peft`` is an adapter of the same base;
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from fedgalore.methods.base import Method
+from fedgalore.methods.traits import StartsFromAdapter
 
 __all__ = ["continues_adapter", "merge_start_adapter", "start_adapter_of"]
 
@@ -39,7 +40,7 @@ def start_adapter_of(task: Any) -> Any:
 
 def continues_adapter(method: Method) -> bool:
     """Whether ``method`` trains a starting adapter further (else it starts from the merged weights)."""
-    return bool(type(method).explicit_adapters) and callable(getattr(method, "start_from", None))
+    return method.traits.explicit_adapters and isinstance(method, StartsFromAdapter)
 
 
 @torch.no_grad()

@@ -39,7 +39,7 @@ or whose release would pass its budget, and writes every release to its ledger (
 the upload leaves. The server's ``privacy.sites_dir`` (a simulation's) is dropped from the config
 the node runs.
 
-A method that keeps its own state at the site between rounds (``Method.needs_client_state``:
+A method that keeps its own state at the site between rounds (``MethodTraits.keeps_client_state``:
 FedSA-LoRA's local ``B``): the node keeps it in ``Context.state`` too (records ``fedgalore.site.*``,
 tied to the run's key), so the same node trains its site in every round it is sampled.
 """
@@ -57,6 +57,7 @@ from flwr.clientapp import ClientApp  # noqa: E402
 
 from fedgalore.flower.codec import blob_to_record, record_to_blob  # noqa: E402
 from fedgalore.flower.secagg import secagg_mod  # noqa: E402
+from fedgalore.methods.traits import per_client_downlink_ops  # noqa: E402
 
 __all__ = ["app", "train", "whoami", "evaluate", "site_options"]
 
@@ -65,7 +66,7 @@ app = ClientApp()
 #: test grid holds several nodes). ``downlink_base``: W_0 of the chained matrices (factored downlink)
 _RUNTIMES: dict[tuple[str, str], object] = {}
 _STATE, _STATE_META = "fedgalore.downlink", "fedgalore.downlink.meta"
-#: a method's own state kept at the site between rounds (Method.needs_client_state): one record per entry
+#: a method's own state kept at the site between rounds (MethodTraits.keeps_client_state): one record per entry
 _SITE, _SITE_META = "fedgalore.site", "fedgalore.site.meta"
 
 
@@ -140,16 +141,16 @@ def _runtime(job: ConfigRecord, node_config=None):
             rt.site = site
         rt.site_policies = None  # the node's own policy comes with each job (_site_guard), not from the server's config
         rt.run_key = run  # the run's key in the site's ledger
-        base = getattr(rt.method, "downlink_base", None)
-        rt.downlink_w0 = base(rt.model) if base is not None and getattr(rt.method, "per_client_downlink", False) else None
+        ops = per_client_downlink_ops(rt.method)
+        rt.downlink_w0 = ops.downlink_base(rt.model) if ops is not None else None
         _RUNTIMES[key] = rt
     return _RUNTIMES[key]
 
 
 def _load_store(context: Context, key: str, rt) -> dict | None:
     """This node's store for its client (``ctx.state``): the downlink copy it kept (if it belongs to
-    this run), else W_0; and the method's own state kept at the site (:attr:`~fedgalore.methods.base.
-    Method.needs_client_state`, e.g. FedSA-LoRA's B), restored from ``Context.state``. None: the
+    this run), else W_0; and the method's own state kept at the site (:attr:`~fedgalore.methods.traits.
+    MethodTraits.keeps_client_state`, e.g. FedSA-LoRA's B), restored from ``Context.state``. None: the
     method keeps nothing at the site."""
     from fedgalore.flower.codec import record_to_tensors
     from fedgalore.protocol.downlink import ClientCache
@@ -162,7 +163,7 @@ def _load_store(context: Context, key: str, rt) -> dict | None:
             store = {"downlink": ClientCache(int(state[_STATE_META]["version"]), record_to_tensors(state[_STATE]))}
         else:
             store = {"downlink": ClientCache(0, base)}
-    if getattr(rt.method, "needs_client_state", False):
+    if rt.method.traits.keeps_client_state:
         store = {} if store is None else store
         if _SITE_META in state and str(state[_SITE_META]["key"]) == key:
             for name in json.loads(str(state[_SITE_META]["names"])):

@@ -349,7 +349,7 @@ class GridBackend(Backend):
     def client_versions(self, method, clients: list[int]) -> dict[int, int | None]:
         """What each node holds: the version it last reported, W_0 (0) for a node that has not
         trained in this run, None (dense) after a missing reply or a node that kept nothing."""
-        if not getattr(method, "per_client_downlink", False):
+        if not method.run_traits.per_client_downlink:
             return {c: None for c in clients}
         self.refresh_nodes()  # before the messages are built for what each client's node holds
         self._versions = {c: self.held.get(c, 0) for c in clients}

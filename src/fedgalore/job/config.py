@@ -265,7 +265,7 @@ class FederatedConfig:
                 raise ConfigError(f"federation.server_optimizer.name={f.server_optimizer.name} changes the update the "
                                   "factored downlink sends; set method.options.downlink=dense (or server_optimizer.name=fedavg)")
             self._check_adapter_needs()
-            if method_class(self.method.name).needs_client_state:  # e.g. FedSA-LoRA's local B
+            if method_class(self.method.name).traits.keeps_client_state:  # e.g. FedSA-LoRA's local B
                 _check(self.backend.name in ("sequential", "flower"),
                        f"method {self.method.name!r} keeps each site's own adapter factor between rounds, which the "
                        f"sequential backend and Flower's nodes keep for it (backend.name={self.backend.name} keeps no "
@@ -361,12 +361,12 @@ class FederatedConfig:
 
     def _check_adapter_needs(self) -> None:
         """``task.options.quantization`` and ``export.every_round`` need a method whose global model is
-        the pretrained base plus LoRA adapters (:attr:`~fedgalore.methods.base.Method.explicit_adapters`)."""
+        the pretrained base plus LoRA adapters (:attr:`~fedgalore.methods.traits.MethodTraits.explicit_adapters`)."""
         name = self.method.name
-        adapters = ", ".join(m for m in available_methods() if method_class(m).explicit_adapters)
+        adapters = ", ".join(m for m in available_methods() if method_class(m).traits.explicit_adapters)
         options = self.task.options or {}
         quant = options.get("quantization") or ("4bit" if options.get("load_in_4bit") is True else None)
-        if quant is not None and not method_class(name).explicit_adapters:
+        if quant is not None and not method_class(name).traits.explicit_adapters:
             raise ConfigError(f"task.options.quantization={quant} freezes a quantised base, but method {name!r} trains the "
                               f"weight matrices themselves; use a method that trains LoRA adapters on a frozen base "
                               f"({adapters}), or leave quantization out")
@@ -376,7 +376,7 @@ class FederatedConfig:
             why = quantization_unavailable()
             raise ConfigError(f"task.options.quantization={quant}: bitsandbytes' quantised layers run on a CUDA GPU; set "
                               "device=cuda" + (f" on a machine with one (here: {why})" if why else ""))
-        if self.export.every_round and not method_class(name).explicit_adapters:
+        if self.export.every_round and not method_class(name).traits.explicit_adapters:
             raise ConfigError(f"export.every_round keeps each round's LoRA adapter, and method {name!r} has none (it changes "
                               f"the weights themselves); use it with {adapters}, or export a round's model with fedgalore export")
 

@@ -47,7 +47,9 @@ def resolve_method(method, cfg: FederatedConfig):
     server optimizer other than ``fedavg``."""
     from dataclasses import replace
 
-    downlink = getattr(method.options, "downlink", None)
+    if method.traits.downlink != "factored":  # no downlink option (MethodTraits.downlink)
+        return method
+    downlink = method.options.downlink
     identity = cfg.federation.server_optimizer.identity
     if downlink == "auto":
         method.options = replace(method.options, downlink="factored" if identity else "dense")

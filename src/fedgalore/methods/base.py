@@ -32,10 +32,12 @@ from torch import nn
 
 from fedgalore.protocol.payload import Dense, Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
+from fedgalore.methods.traits import ROBUST_RULES, MethodTraits
 from fedgalore.typed import ConfigError, coerce, to_plain
 
 __all__ = [
     "Method",
+    "MethodTraits",
     "register",
     "register_preset",
     "Registration",
@@ -89,25 +91,30 @@ class Method(abc.ABC):
     #: clients train (:meth:`scaffold_params`), so a control variate per parameter makes sense
     supports_scaffold: ClassVar[bool] = False
 
-    #: whether the global model is the task's pretrained model with the method's LoRA adapters
-    #: added, the base weights never changed (FedIT, FFA-LoRA, LoRA-FAIR): then the adapters
-    #: themselves are a PEFT adapter of the pretrained model (``fedgalore export --format peft``);
-    #: other methods change the weights themselves and need an extraction (``--rank``)
-    explicit_adapters: ClassVar[bool] = False
+    #: what the engine may rely on (:class:`~fedgalore.methods.traits.MethodTraits`; every registered
+    #: class of the package declares its own, tests/project/test_method_traits.py); traits that follow
+    #: the options: :meth:`traits_for`, a built method's: :attr:`run_traits`
+    traits: ClassVar[MethodTraits] = MethodTraits()
 
-    #: how A combines what the uploads release, for client-level DP (``privacy.client``,
-    #: fedgalore.privacy.client_dp): ``mean`` — each released tensor is averaged with the round's
-    #: weights (uniform under client-level DP), so noise on the sum protects the aggregate;
-    #: ``individual`` — A uses each upload on its own (stacking, products), so each upload must
-    #: carry the whole noise
-    dp_aggregate: ClassVar[str] = "individual"
     #: whether every upload entry is a change from what the client started with (zero when it did
     #: not train); else entries are absolute values whose untrained value is the broadcast's
     uploads_changes: ClassVar[bool] = False
-    #: whether an upload's structure (its size, a count in it) follows the site's local step count — FedGaLore:
-    #: one update term per projector refresh, the moment view's evidence 1 − β₂^T. Under client-level DP an
-    #: upload's size must be a public constant (fedgalore.privacy.view), so such a method needs train.local_steps
-    upload_follows_steps: ClassVar[bool] = False
+
+    @classmethod
+    def traits_for(cls, options: MethodOptions) -> MethodTraits:
+        """The traits of this method with its resolved ``options``: :attr:`traits`, with
+        ``per_client_downlink`` filled in for a ``factored`` downlink (its ``downlink`` option
+        ``factored``, or ``auto`` not resolved yet). A class whose traits follow other options
+        overrides this (FedGaLore's ``sync``, HetLoRA's ``aggregation``)."""
+        t = cls.traits
+        if t.downlink == "factored" and getattr(options, "downlink", "dense") in ("factored", "auto"):
+            t = dataclasses.replace(t, per_client_downlink=True)
+        return t
+
+    @property
+    def run_traits(self) -> MethodTraits:
+        """This method's traits as it runs (:meth:`traits_for` its current options)."""
+        return type(self).traits_for(self.options)
 
     def release_reference(self, broadcast: Payload | None, key: str, upload: Payload | None = None) -> Any:
         """The public value upload entry ``key`` would have if the client had not trained: the
@@ -139,15 +146,6 @@ class Method(abc.ABC):
         names the option to change, or None. ``moments``: ``privacy.client.moments``."""
         return None
 
-    #: whether each client keeps something of its own between rounds in ``ctx.state`` (FedSA-LoRA's
-    #: local B): the sequential backend keeps a store per client for it (written with the run after every
-    #: round, fedgalore.engine.stages.site_state, so a resume continues it), a Flower node in its
-    #: ``Context.state``; the config refuses Ray, whose workers keep no method state
-    needs_client_state: ClassVar[bool] = False
-
-    #: whether sites may train at different ranks (``federation.site_ranks``): what A does with
-    #: uploads of different ranks is the method's (each module's doc says it)
-    supports_site_ranks: ClassVar[bool] = False
     #: each site's rank (:meth:`use_site_ranks`, before :meth:`setup`); None: every site at :attr:`rank`
     site_ranks: tuple[int, ...] | None = None
 
@@ -155,7 +153,7 @@ class Method(abc.ABC):
     def site_ranks_problem(cls, options: MethodOptions, name: str | None = None) -> str | None:
         """Why this method, with its resolved ``options``, cannot train sites at different ranks
         (``federation.site_ranks``), as one line naming what to change, or None."""
-        if cls.supports_site_ranks:
+        if cls.traits_for(options).site_ranks:
             return None
         return (f"federation.site_ranks: method {(name or cls.name)!r} trains one shape at every site and combines the "
                 "uploads coordinate by coordinate, which factors of different ranks do not share; use fedgalore, "
@@ -186,19 +184,15 @@ class Method(abc.ABC):
         shared model is prepared at and the frame of nested seeded bases."""
         return max(self.site_ranks) if self.site_ranks else self.rank
 
-    #: the uploads are dense tensors in the global parameters' own coordinates, so a coordinate-wise
-    #: statistic over clients (``federation.robust.kind`` trimmed_mean / median) is an update
-    coordinate_uploads: ClassVar[bool] = False
-
     @classmethod
     def secure_aggregation_problem(cls, options: MethodOptions) -> str | None:
         """Why this method, with its resolved ``options``, cannot run under secure aggregation
         (``federation.secure_aggregation``: the server learns only ``Σ_i w_i x_i / Σ_i w_i`` of the
         uploads ``x_i``), as one line naming the option, or None. Supported exactly when A and S
         read the uploads only through that weighted mean — ``A(x_1..x_K; p) = A(Σ p_i x_i; 1)`` —
-        which :attr:`dp_aggregate` ``mean`` declares; a method whose A uses each upload on its own
-        (stacking, products, a fit per client) is refused."""
-        if cls.dp_aggregate == "mean":
+        which :attr:`MethodTraits.dp_aggregate` ``mean`` declares; a method whose A uses each upload on
+        its own (stacking, products, a fit per client) is refused."""
+        if cls.traits_for(options).secure_aggregation:
             return None
         return (f"federation.secure_aggregation: method {cls.name!r} combines each client's upload on its own (its "
                 "aggregation is not a weighted sum of the uploads), which secure aggregation hides from the server; use "
@@ -207,9 +201,9 @@ class Method(abc.ABC):
     @classmethod
     def robust_problem(cls, kind: str, name: str | None = None) -> str | None:
         """Why ``federation.robust.kind`` cannot apply to this method (registered as ``name``), or None. Coordinate-wise
-        statistics need :attr:`coordinate_uploads`; Krum and the norm filter compare the clients'
+        statistics need :attr:`MethodTraits.coordinate_uploads`; Krum and the norm filter compare the clients'
         effective updates ΔW_i (:meth:`update_terms`), which every method has."""
-        if kind in ("trimmed_mean", "median") and not cls.coordinate_uploads:
+        if kind in ROBUST_RULES and kind not in cls.traits.robust_rules:
             return (f"federation.robust.kind={kind} is a coordinate-wise statistic of dense uploads, and method "
                     f"{(name or cls.name)!r} uploads factors (two clients' factor coordinates are not the same coordinates); use "
                     "kind krum or norm_filter, which compare the updates ΔW_i themselves")

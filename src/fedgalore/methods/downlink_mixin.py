@@ -8,9 +8,11 @@ which server parameters are chained (:meth:`FactoredDownlink.downlink_names`), b
 round's update as a payload entry (``GaLoreUpdate`` / ``LowRank``) and applies it with
 :meth:`FactoredDownlink.apply_round_update` — the same function a client rebuilds ``W`` with, so
 the server's ``W`` is bit-identical whatever the downlink — and its client loads the start model
-through :meth:`FactoredDownlink.start_matrices`. The round loop (fedgalore.engine.loop) calls
-``per_client_downlink``, ``held_versions``, ``downlink_sent``, ``client_broadcast`` and the
-backend ``downlink_base``; nothing in it is method-specific.
+through :meth:`FactoredDownlink.start_matrices`. The round loop (fedgalore.engine.loop) asks the
+trait ``per_client_downlink`` (:class:`~fedgalore.methods.traits.MethodTraits`, filled in from the
+option ``downlink`` by :meth:`~fedgalore.methods.base.Method.traits_for`) and calls the
+:class:`~fedgalore.methods.traits.PerClientDownlink` operators ``held_versions``, ``downlink_sent``,
+``client_broadcast`` and the backend ``downlink_base``; nothing in it is method-specific.
 
 Option ``downlink`` of such a method: ``factored`` (the chain, dense per matrix where the chain
 would be larger), ``dense`` (Algorithm 1's broadcast of ``W``), ``auto`` (factored, unless the
@@ -55,11 +57,6 @@ class FactoredDownlink:
     def factored_downlink(self) -> bool:
         """``downlink: factored``, or ``auto`` left unresolved (a method built outside the engine)."""
         return getattr(self.options, "downlink", "dense") in ("factored", "auto")
-
-    @property
-    def per_client_downlink(self) -> bool:
-        """True when the downlink depends on what each client holds (the round loop asks)."""
-        return self.factored_downlink
 
     def downlink_meta(self, state: ServerState) -> dict[str, Any]:
         """Broadcast metadata: the model version under the factored downlink, else nothing."""

@@ -53,6 +53,7 @@ from torch import nn
 from fedgalore.federated.robust import factored_term
 from fedgalore.federated.seeding import mixed_seed
 from fedgalore.methods.base import MethodError, option, register
+from fedgalore.methods.traits import MethodTraits
 from fedgalore.methods.lora_common import LoraMethod, LoraOptions, check_weights, w_key, weighted_sum
 from fedgalore.protocol.payload import Dense, Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
@@ -99,12 +100,10 @@ class FedSBOptions(LoraOptions):
 class FedSB(LoraMethod):
     name = "fed_sb"
     summary = "frozen B, A (W0's top-r SVD) and a trained r×r R + head with AdamW; server averages R (exact)"
-    optimizer_kind = "adamw"
     options_class = FedSBOptions
-    #: R̄ and the head are weighted means of the uploads
-    dp_aggregate = "mean"
-    #: R has the same coordinates at every site (B, A fixed): coordinate-wise statistics apply
-    coordinate_uploads = True
+    #: R̄ and the head are weighted means of the uploads (dp_aggregate mean); R has the same coordinates
+    #: at every site (B, A fixed): coordinate-wise statistics apply
+    traits = MethodTraits(optimizer="adamw", dp_aggregate="mean", coordinate_uploads=True)
 
     @classmethod
     def resolve_options(cls, options: FedSBOptions, rank: int) -> FedSBOptions:

@@ -21,6 +21,7 @@ from torch import nn
 
 from fedgalore.federated.client import local_train
 from fedgalore.methods.base import Method, MethodOptions, load_params, named_params, option, register
+from fedgalore.methods.traits import MethodTraits
 from fedgalore.protocol.payload import Dense, Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
 
@@ -44,8 +45,7 @@ class DenseTargetsMethod(Method):
     server holds them densely: FedAvg-Full and the FedGaLore family. The server state lives on the
     host whatever the model's device; payloads are built from host tensors."""
 
-    #: every upload entry (targets, others, head) is a change ΔW_i averaged by A
-    dp_aggregate = "mean"
+    #: every upload entry (targets, others, head) is a change ΔW_i averaged by A (traits: dp_aggregate mean)
     uploads_changes = True
 
     def setup(self, model, target_modules, head_params):
@@ -79,6 +79,9 @@ class FedAvgFull(DenseTargetsMethod):
     summary = "full fine-tuning with AdamW (target matrices + head, or the whole model: trainable=all); FedAvg of dense deltas"
     options_class = FedAvgFullOptions
     supports_scaffold = True
+    #: every upload entry is a change averaged by A, a dense tensor in the parameter's own coordinates
+    #: (federation.robust trimmed_mean / median), the dense delta ΔW_i itself (plan: no second copy)
+    traits = MethodTraits(optimizer="adamw", dp_aggregate="mean", coordinate_uploads=True, uploads_dense_deltas=True)
 
     def __init__(self, rank: int = 8, options: FedAvgFullOptions | None = None) -> None:
         super().__init__(rank, options)
@@ -129,9 +132,6 @@ class FedAvgFull(DenseTargetsMethod):
             state.params[n] += weighted_sum([u[n].materialize() for u in uploads], weights)
         self.average_heads(state, uploads, weights)
         return applied
-
-    #: every upload entry is a dense tensor in the parameter's own coordinates (federation.robust trimmed_mean / median)
-    coordinate_uploads = True
 
     def client_deltas(self, state, upload):
         return {n: upload[n].materialize().float() for n in self.targets}

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from fedgalore.methods.base import option, register
+from fedgalore.methods.traits import MethodTraits
 from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
 from fedgalore.methods.lora_common import (
     GlobalFactors,
@@ -85,10 +86,9 @@ class FedExLoRAOptions(LoraOptions):
 class FedExLoRA(FactoredDownlink, GlobalFactors):
     name = "fedex_lora"
     summary = "LoRA A,B + head with AdamW; server averages A and B and folds the exact residual s(Σp_iB_iA_i − B̄Ā) into W"
-    optimizer_kind = "adamw"
     options_class = FedExLoRAOptions
     #: A multiplies each client's factors (B_iA_i): each upload is used on its own
-    dp_aggregate = "individual"
+    traits = MethodTraits(downlink="factored", optimizer="adamw", dp_aggregate="individual")
 
     def init_server_state(self, model: nn.Module) -> ServerState:
         params: dict[str, torch.Tensor] = {}

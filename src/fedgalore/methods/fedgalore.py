@@ -139,6 +139,7 @@ from fedgalore.federated.diagnostics import FactoredDelta
 from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
 from fedgalore.methods.base import MethodError, MethodOptions, load_params, named_params, option, register, register_preset
 from fedgalore.methods.fedavg_full import DenseTargetsMethod
+from fedgalore.methods.traits import MethodTraits
 from fedgalore.protocol.payload import Dense, GaLoreUpdate, LowRank, MomentView, Payload, SeededLowRank
 from fedgalore.optim.galore_adamw import (
     ADAPTIVE_SCOPES,
@@ -342,12 +343,21 @@ class FedGaLore(FactoredDownlink, DenseTargetsMethod):
     #: sites at different ranks (federation.site_ranks): each client's GaLore rank is its site's, every
     #: seeded basis the leading block of the rank-frame_rank frame (nested), and A sums the records exactly
     #: (docs/design.md, "A rank per site")
-    supports_site_ranks = True
     #: with weight decay the record carries decay·W0 beside its terms, outside client-level DP's clipped change
-    #: (fedgalore.engine.stages.client_dp refuses train.weight_decay > 0 under privacy.client)
-    decay_in_upload = True
-    #: one update term per projector refresh (⌈steps/τ⌉) and the evidence 1 − β₂^T: the upload follows the steps
-    upload_follows_steps = True
+    #: (fedgalore.engine.stages.client_dp refuses train.weight_decay > 0 under privacy.client);
+    #: one update term per projector refresh (⌈steps/τ⌉) and the evidence 1 − β₂^T: the upload follows the steps;
+    #: every upload entry is a change averaged by A (DenseTargetsMethod); without decay W moves by low-rank terms;
+    #: the moments follow the option sync (:meth:`traits_for`; the class's: the default sync, ajive)
+    traits = MethodTraits(downlink="factored", moments="uploaded", decay_in_upload=True, dp_aggregate="mean",
+                          site_ranks=True, optimizer="galore_adamw", exact_low_rank=True, upload_follows_steps=True)
+
+    @classmethod
+    def traits_for(cls, options: MethodOptions) -> MethodTraits:
+        """:attr:`traits` with the moments of the option ``sync``: none (``none``), built from the
+        aggregate (``aggregate``), else uploaded views."""
+        t = super().traits_for(options)
+        sync = getattr(options, "sync", None) or cls.default_sync
+        return replace(t, moments="none" if sync == "none" else "from_aggregate" if sync == "aggregate" else "uploaded")
 
     @classmethod
     def resolve_options(cls, options: FedGaLoreOptions, rank: int) -> FedGaLoreOptions:

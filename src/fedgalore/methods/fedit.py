@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fedgalore.methods.base import register
+from fedgalore.methods.traits import MethodTraits
 from fedgalore.protocol.payload import Payload
 from fedgalore.protocol.state import RoundContext, ServerState
 from fedgalore.methods.lora_common import (
@@ -38,12 +39,11 @@ __all__ = ["FedIT"]
 @register
 class FedIT(GlobalFactors):
     name = "fedit"
-    #: A averages the uploaded factors and heads (client-level DP: noise on their sum)
-    dp_aggregate = "mean"
     summary = "LoRA A,B + head with AdamW; server averages A and B separately (Zhang et al.)"
-    optimizer_kind = "adamw"
     supports_scaffold = True
-    explicit_adapters = True  # W0 never changes: the global model is W0 + s·B̄Ā
+    #: A averages the uploaded factors and heads (client-level DP: noise on their sum); W0 never changes:
+    #: the global model is W0 + s·B̄Ā (explicit adapters, an update of rank ≤ r)
+    traits = MethodTraits(optimizer="adamw", dp_aggregate="mean", explicit_adapters=True, exact_low_rank=True)
 
     def scaffold_params(self, model: nn.Module) -> dict[str, nn.Parameter]:
         """A and B of every adapted module and the head, by their server names."""

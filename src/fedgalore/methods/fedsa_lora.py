@@ -31,7 +31,7 @@ model object (§4b.2 (f) 1, which carries one ``B`` from client to client) is a 
 every site keeps its own ``B_i``.
 
 Client state. ``B_i`` is kept in ``ctx.state``, the client's own store: the sequential backend
-keeps one per site for a method with ``needs_client_state`` and writes it with the run after every
+keeps one per site for a method with the ``keeps_client_state`` trait and writes it with the run after every
 round (fedgalore.engine.stages.site_state), so a resumed run continues each site's ``B_i``; a
 Flower node keeps it in its ``Context.state``. Ray's workers keep no method state: the config
 refuses Ray in one line, and a client that is handed no store raises one (:data:`NEEDS_CLIENT_STATE`).
@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from fedgalore.methods.base import MethodError, option, register
+from fedgalore.methods.traits import MethodTraits
 from fedgalore.methods.lora_common import (
     LoraMethod,
     LoraSGDOptions,
@@ -85,12 +86,9 @@ class FedSALoRAOptions(LoraSGDOptions):
 class FedSALoRA(LoraMethod):
     name = "fedsa_lora"
     summary = "LoRA A,B + head with SGD; server averages A (and the head), each site keeps its own B"
-    optimizer_kind = "sgd"
     options_class = FedSALoRAOptions
-    #: Ā, B̄ and the head are weighted means of the uploads
-    dp_aggregate = "mean"
-    #: B_i stays in the client's own store between rounds
-    needs_client_state = True
+    #: Ā, B̄ and the head are weighted means of the uploads; B_i stays in the client's own store between rounds
+    traits = MethodTraits(optimizer="sgd", dp_aggregate="mean", keeps_client_state=True)
 
     @property
     def upload_b(self) -> bool:

@@ -23,6 +23,7 @@ from torch import nn
 
 from fedgalore.federated.robust import factored_term
 from fedgalore.methods.base import register
+from fedgalore.methods.traits import MethodTraits
 from fedgalore.methods.lora_common import LoraMethod, LoraSGDOptions, a_key, b_key, check_weights, weighted_sum, w_key
 from fedgalore.protocol.payload import Dense, Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
@@ -33,13 +34,12 @@ __all__ = ["FFALoRA"]
 @register
 class FFALoRA(LoraMethod):
     name = "ffa_lora"
-    #: A averages the uploaded factors and heads (client-level DP: noise on their sum)
-    dp_aggregate = "mean"
     summary = "LoRA B + head with SGD, A frozen and shared by seed; server averages B (exact)"
-    optimizer_kind = "sgd"
     options_class = LoraSGDOptions
     supports_scaffold = True
-    explicit_adapters = True  # W0 never changes: the global model is W0 + s·B̄Ā
+    #: A averages the uploaded factors and heads (client-level DP: noise on their sum); W0 never changes:
+    #: the global model is W0 + s·B̄Ā
+    traits = MethodTraits(optimizer="sgd", dp_aggregate="mean", explicit_adapters=True, exact_low_rank=True)
 
     def scaffold_params(self, model: nn.Module) -> dict[str, nn.Parameter]:
         """B of every adapted module and the head, by their server names (A is frozen)."""

@@ -48,6 +48,7 @@ from typing import Sequence
 import torch
 
 from fedgalore.methods.base import register
+from fedgalore.methods.traits import MethodTraits
 from fedgalore.methods.lora_common import LoraOptions, NestedFactorsMethod
 
 __all__ = ["FlexLoRA", "truncated_svd_of_product"]
@@ -89,8 +90,8 @@ class FlexLoRA(NestedFactorsMethod):
     name = "flexlora"
     summary = "LoRA A,B at each site's rank + head with AdamW; server SVDs Σp_i s B_iA_i, each site gets its best rank-r_i part"
     options_class = LoraOptions
-    #: the SVD uses each client's product B_iA_i
-    dp_aggregate = "individual"
+    #: the SVD uses each client's product B_iA_i; the uploads are of each site's own rank
+    traits = MethodTraits(optimizer="adamw", dp_aggregate="individual", site_ranks=True)
 
     def combine(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], weights: Sequence[float],
                 module: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -45,6 +45,7 @@ from torch import nn
 from fedgalore.federated.seeding import mixed_seed
 from fedgalore.federated.robust import factored_term
 from fedgalore.methods.base import option, register
+from fedgalore.methods.traits import MethodTraits
 from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
 from fedgalore.methods.lora_common import LoraMethod, LoraOptions, check_weights, lifted, pair_key, w_key
 from fedgalore.protocol.payload import LowRank, Payload
@@ -64,10 +65,10 @@ class FLoRAOptions(LoraOptions):
 class FLoRA(FactoredDownlink, LoraMethod):
     name = "flora"
     summary = "fresh LoRA A,B + head with AdamW each round; server merges s·Σp_iB_iA_i into W (stacking)"
-    optimizer_kind = "adamw"
     options_class = FLoRAOptions
-    #: stacking takes factors of any rank (module doc)
-    supports_site_ranks = True
+    #: stacking uses each upload on its own and takes factors of any rank (module doc); W moves by rank ≤ K·r a round
+    traits = MethodTraits(downlink="factored", optimizer="adamw", dp_aggregate="individual", site_ranks=True,
+                          exact_low_rank=True)
 
     #: (seed, every target's fresh A) of the last upload :meth:`release_reference` rebuilt
     _fresh: tuple[int, dict[str, torch.Tensor]] | None = None

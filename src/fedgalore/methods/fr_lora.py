@@ -44,6 +44,7 @@ from torch import nn
 
 from fedgalore.federated.robust import factored_term
 from fedgalore.methods.base import option, register
+from fedgalore.methods.traits import MethodTraits
 from fedgalore.methods.downlink_mixin import DOWNLINK_HELP, FactoredDownlink
 from fedgalore.protocol.payload import Dense, LowRank, Payload
 from fedgalore.protocol.state import ClientContext, RoundContext, ServerState
@@ -90,10 +91,9 @@ class FRLoRAOptions(LoraOptions):
 @register
 class FRLoRA(FactoredDownlink, LoraMethod):
     name = "fr_lora"
-    #: A averages the uploaded factors and heads (client-level DP: noise on their sum)
-    dp_aggregate = "mean"
     summary = "PiSSA-init LoRA (A frozen) + head with AdamW; server adds s(B̄Ā − B0A0) to the residual base, resets adapters"
-    optimizer_kind = "adamw"
+    #: A averages the uploaded factors and heads (client-level DP: noise on their sum); W moves by rank ≤ 2r a round
+    traits = MethodTraits(downlink="factored", optimizer="adamw", dp_aggregate="mean", exact_low_rank=True)
     options_class = FRLoRAOptions
 
     def __init__(self, rank: int = 8, options: FRLoRAOptions | None = None) -> None:

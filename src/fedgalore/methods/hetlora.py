@@ -41,12 +41,13 @@ weights are read from each upload (``individual``; SecAgg+ refused). Robust aggr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, Sequence
 
 import torch
 
 from fedgalore.methods.base import MethodOptions, option, register
+from fedgalore.methods.traits import MethodTraits
 from fedgalore.methods.lora_common import LoraOptions, NestedFactorsMethod
 
 __all__ = ["HetLoRA", "HetLoRAOptions", "zero_pad"]
@@ -72,11 +73,14 @@ class HetLoRA(NestedFactorsMethod):
     name = "hetlora"
     summary = "LoRA A,B at each site's rank + head with AdamW; server zero-pads and averages the factors, sites truncate"
     options_class = HetLoRAOptions
+    #: the uploads are of each site's own rank; dp_aggregate follows the option aggregation (:meth:`traits_for`)
+    traits = MethodTraits(optimizer="adamw", dp_aggregate="individual", site_ranks=True)
 
-    def __init__(self, rank: int = 8, options: HetLoRAOptions | None = None) -> None:
-        super().__init__(rank, options)
-        #: weights p_k: a weighted mean of the (padded) uploads; sparsity weights read each upload
-        self.dp_aggregate = "mean" if self.options.aggregation == "weights" else "individual"  # type: ignore[misc]
+    @classmethod
+    def traits_for(cls, options: MethodOptions) -> MethodTraits:
+        """Weights p_k: a weighted mean of the (padded) uploads; sparsity weights read each upload."""
+        t = super().traits_for(options)
+        return replace(t, dp_aggregate="mean") if getattr(options, "aggregation", "sparsity") == "weights" else t
 
     @classmethod
     def secure_aggregation_problem(cls, options: MethodOptions) -> str | None:

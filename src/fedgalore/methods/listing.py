@@ -44,7 +44,7 @@ def describe_methods(names: list[str] | None = None) -> list[dict[str, Any]]:
     out = []
     for name in available_methods() if names is None else names:
         reg = registration(name)
-        entry: dict[str, Any] = {"name": name, "summary": reg.summary, "site_ranks": bool(reg.cls.supports_site_ranks)}
+        entry: dict[str, Any] = {"name": name, "summary": reg.summary, "site_ranks": reg.cls.traits.site_ranks}
         opts = reg.cls.options_class
         if opts in listed:
             entry["options_as"] = listed[opts]

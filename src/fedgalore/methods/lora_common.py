@@ -30,7 +30,7 @@ Common choices (every baseline, unless its module says otherwise):
 * Local training is :func:`fedgalore.federated.client.local_train` (the paper's LR schedule and
   gradient clipping over the trainable parameters).
 
-Sites at different ranks (``federation.site_ranks``; methods with ``supports_site_ranks``: FLoRA,
+Sites at different ranks (``federation.site_ranks``; methods with the ``site_ranks`` trait: FLoRA,
 FlexLoRA, HetLoRA). Every process prepares the adapters at :attr:`~fedgalore.methods.base.Method.frame_rank`
 ``R`` (the largest site rank) with PEFT's ``lora_alpha = s·R``, so PEFT's scaling is the method's
 ``s = α/r`` (``r`` = ``method.rank``) at every site: with the default ``α = 2r``, ``s = 2`` — what
@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Iterator, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -161,12 +161,11 @@ class LoraSGDOptions(LoraOptions):
 class LoraMethod(Method):
     """Base of the PEFT LoRA baselines: wrapping, deterministic init, heads, optimizers, payloads.
 
-    Subclasses set ``optimizer_kind`` ("adamw" | "sgd") and ``options_class`` (a
+    Subclasses declare ``traits`` (its ``optimizer``: "adamw" | "sgd") and ``options_class`` (a
     :class:`LoraOptions`; :class:`LoraSGDOptions` for SGD methods), and implement the per-round
     pieces (broadcast / load / upload / aggregate).
     """
 
-    optimizer_kind: ClassVar[str] = "adamw"
     options_class = LoraOptions
 
     @classmethod
@@ -328,7 +327,7 @@ class LoraMethod(Method):
 
     def build_optimizer(self, ctx: ClientContext, adapters: list[nn.Parameter], heads: list[nn.Parameter]) -> torch.optim.Optimizer:
         tc = ctx.train
-        if self.optimizer_kind == "adamw":
+        if self.traits.optimizer == "adamw":
             head_lr = tc.head_lr if tc.head_lr is not None else tc.lr
             groups = [
                 {"params": adapters, "lr": tc.lr, "weight_decay": self.adapter_weight_decay(ctx)},
@@ -345,7 +344,7 @@ class LoraMethod(Method):
     def start_notes(self, train: Any) -> list[str]:
         """An SGD method (FFA-LoRA, LoRA-FAIR) does not read ``train.lr``: when ``train.sgd_lr`` is
         not set, say which rate it trains at, so a sweep of ``train.lr`` is not silently a no-op."""
-        if self.optimizer_kind != "sgd" or train.sgd_lr is not None:
+        if self.traits.optimizer != "sgd" or train.sgd_lr is not None:
             return []
         lr, where = (self.options.sgd_lr, "option sgd_lr") if self.options.sgd_lr is not None else (DEFAULT_SGD_LR, "the default")
         return [f"method {self.name} trains with SGD at lr {float(lr):g} ({where}); train.lr={float(train.lr):g} is not "
@@ -603,9 +602,7 @@ class NestedFactorsMethod(GlobalFactors):
     for every client (the round loop's). Subclasses implement :meth:`combine` (A for one matrix).
     """
 
-    optimizer_kind = "adamw"
-    #: the uploads are of each site's own rank (module doc)
-    supports_site_ranks = True
+    #: subclasses declare ``traits`` with ``site_ranks=True``: the uploads are of each site's own rank (module doc)
 
     def release_reference(self, broadcast: Payload | None, key: str, upload: Payload | None = None) -> Any:
         """The broadcast's entry, a factor pair cut to the upload's rank (what the client started from)."""

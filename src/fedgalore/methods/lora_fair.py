@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from fedgalore.methods.base import MethodError, option, register
+from fedgalore.methods.traits import MethodTraits
 from fedgalore.methods.fedit import FedIT
 from fedgalore.methods.lora_common import LoraSGDOptions, a_key, b_key, check_weights, lifted, w_key
 from fedgalore.protocol.payload import Payload
@@ -99,10 +100,9 @@ class LoRAFAIROptions(LoraSGDOptions):
 @register
 class LoRAFAIR(FedIT):
     name = "lora_fair"
-    #: A's correction uses each client's product B_iA_i: each upload is used on its own
-    dp_aggregate = "individual"
     summary = "LoRA A,B + head with SGD; server averages factors and corrects B̄ so (B̄+ΔB)Ā ≈ Σp_iB_iA_i"
-    optimizer_kind = "sgd"
+    #: A's correction uses each client's product B_iA_i: each upload is used on its own; W0 never changes
+    traits = MethodTraits(optimizer="sgd", dp_aggregate="individual", explicit_adapters=True, exact_low_rank=True)
     options_class = LoRAFAIROptions
     supports_scaffold = False  # its A corrects B̄ after averaging (not FedIT's plain average)
 

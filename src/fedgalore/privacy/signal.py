@@ -13,7 +13,7 @@ so each of the d coordinates of the mean carries noise of std σ·C/K, and the n
 
 says how many times the noise outweighs the largest possible mean update; ρ ≤ 1 needs
 K ≥ σ·√d clients per round. A method whose aggregate uses every upload on its own
-(``Method.dp_aggregate = "individual"``: FLoRA's stacking, LoRA-FAIR) noises each upload with the
+(``MethodTraits.dp_aggregate = "individual"``: FLoRA's stacking, LoRA-FAIR) noises each upload with the
 whole N(0, σ²C²), so the mean of K carries std σ·C/√K per coordinate: ρ = σ·√(d/K) and
 K ≥ σ²·d. :func:`noise_vs_signal` is the one place this is computed; ``fedgalore plan`` and a
 run's start print its :meth:`NoiseVsSignal.line`.

@@ -40,9 +40,13 @@ _DISPLAY = {
 }
 
 
+#: display names whose LaTeX form is not the plain one escaped
+_LATEX_DISPLAY = {"fedgalore_minus": "FedGaLore$^-$"}
+
+
 def method_display_name(name: str, latex: bool = False) -> str:
-    if latex and name == "fedgalore_minus":
-        return "FedGaLore$^-$"
+    if latex and name in _LATEX_DISPLAY:
+        return _LATEX_DISPLAY[name]
     out = _DISPLAY.get(name, name)
     return out.replace("_", r"\_") if latex else out
 

@@ -196,7 +196,7 @@ def _fmt_lr(v: float) -> str:
 def _is_sgd(method: str) -> bool:
     from fedgalore.methods.base import available_methods, method_class
 
-    return method in available_methods() and getattr(method_class(method), "optimizer_kind", "adamw") == "sgd"
+    return method in available_methods() and method_class(method).traits.optimizer == "sgd"
 
 
 def _run_budget(cfg: dict[str, Any]) -> str:
@@ -461,11 +461,14 @@ def _tex_escape(text: str) -> str:
 
 
 def _group(m: str) -> int:
-    if m.startswith("fedavg"):
-        return 0
-    if m.startswith("fedgalore"):
-        return 2
-    return 1
+    """The LaTeX table's row group of method ``m`` (a rule between groups): full fine-tuning (its uploads the
+    dense deltas), the LoRA methods, the GaLore methods; a row that is no registered method: the LoRA group."""
+    from fedgalore.methods.base import available_methods, method_class
+
+    if m not in available_methods():
+        return 1
+    traits = method_class(m).traits
+    return 0 if traits.uploads_dense_deltas else 2 if traits.optimizer == "galore_adamw" else 1
 
 
 def to_latex(comp: dict[str, Any]) -> str:

@@ -6,7 +6,7 @@ and the task's dtype as compute dtype; ``8bit`` as LLM.int8 layers — through t
 ``BitsAndBytesConfig``, as FlowerTune's baselines load their bases. The model is then prepared
 with PEFT's ``prepare_model_for_kbit_training`` (the remaining fp16/bf16 tensors in fp32, the base
 frozen). The methods whose global model is the base plus LoRA adapters (FedIT, FFA-LoRA,
-LoRA-FAIR: :attr:`~fedgalore.methods.base.Method.explicit_adapters`) put their adapters on the
+LoRA-FAIR: :attr:`~fedgalore.methods.traits.MethodTraits.explicit_adapters`) put their adapters on the
 quantised layers (PEFT's ``Linear4bit`` / ``Linear8bitLt``) and train them in fp32; the methods
 that change the matrices themselves (FedGaLore, FedAvg-Full, FLoRA, FR-LoRA) are refused when the
 config is checked.

@@ -17,7 +17,7 @@ model the round loop evaluates, from a kept checkpoint):
   ``s·B0A0``, FLoRA's merged base with ``B = 0``), FedAvg-Full and FedGaLore as they are (they
   train the dense matrices). ``AutoModelFor….from_pretrained(DIR)`` loads it.
 * ``peft`` — a PEFT LoRA adapter of the task's pretrained model, for the methods whose global
-  model is that model plus adapters (:attr:`~fedgalore.methods.base.Method.explicit_adapters`:
+  model is that model plus adapters (:attr:`~fedgalore.methods.traits.MethodTraits.explicit_adapters`:
   FedIT, FFA-LoRA, LoRA-FAIR), their ``(B, A)`` and α as trained. ``PeftModel.from_pretrained(
   base, DIR)`` loads it on ``base = task.build_model()``.
 * ``peft`` with ``rank`` — for any method: per adapted matrix the best rank-R approximation of
@@ -79,6 +79,7 @@ from fedgalore.trained.lora_extract import LoraFactors, lora_factors, total_erro
 from fedgalore.trained.model_card import (EXPORT_BASE, EXPORT_CONFIG, EXPORT_IDENTITY, base_model_name, exported_identity,
                                           model_card, ships_base)
 from fedgalore.methods.base import Method, available_methods, method_class
+from fedgalore.methods.traits import WrapsModel
 from fedgalore.tasks.base import Task, quiet_transformers
 
 __all__ = ["export_run", "ExportResult", "ExportError", "FORMATS"]
@@ -155,10 +156,10 @@ def export_run(run_dir: str | Path, out: str | Path, *, round: int | None = None
         problem = exact_problem(cfg.method.name, cfg)
         if problem is not None:
             raise ExportError(f"--exact: {problem}")
-        exact = not cls.explicit_adapters  # their own adapter is the exact one
+        exact = not cls.traits.explicit_adapters  # their own adapter is the exact one
     if format == "peft" and rank is None and not exact:
-        if not cls.explicit_adapters:
-            adapters = ", ".join(n for n in available_methods() if method_class(n).explicit_adapters)
+        if not cls.traits.explicit_adapters:
+            adapters = ", ".join(n for n in available_methods() if method_class(n).traits.explicit_adapters)
             extra = ("; its update is exactly low-rank: --format peft --exact writes it as an exact LoRA adapter"
                      if exact_problem(cfg.method.name, cfg) is None else "")
             raise ExportError(f"method {cfg.method.name!r} changes the weights themselves, so it has no adapter of the "
@@ -230,8 +231,8 @@ def _quant_method(model: nn.Module) -> str | None:
     q = getattr(getattr(model, "config", None), "quantization_config", None)
     if q is None:
         return None
-    method = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
-    return str(getattr(method, "value", method))
+    kind = q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)
+    return str(getattr(kind, "value", kind))
 
 
 def _require_transformers_model(g: GlobalModel) -> None:
@@ -261,7 +262,7 @@ def _check(model: nn.Module, batch: dict[str, torch.Tensor], reference: torch.Te
 def _num_labels(g: GlobalModel) -> int | None:
     """The classifier's label count (None for models without one, e.g. causal LMs)."""
     config = getattr(g.model, "config", None)
-    arch = type(getattr(g.method, "inner", lambda m: m)(g.model)).__name__
+    arch = type(g.method.inner(g.model) if isinstance(g.method, WrapsModel) else g.model).__name__
     if config is None or not arch.endswith(("ForSequenceClassification", "ForImageClassification")):
         return None
     return int(getattr(config, "num_labels", 0)) or None

@@ -35,12 +35,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["ExactFactors", "exact_factors", "exact_problem", "FLOOR_MARGIN", "EXACT_METHODS"]
+__all__ = ["ExactFactors", "exact_factors", "exact_problem", "FLOOR_MARGIN", "exact_methods"]
 
 #: the cut: this many times the expected spectral norm of the run's fp32 rounding of W_T
 FLOOR_MARGIN = 8.0
-#: methods whose update is exactly low-rank (under the conditions :func:`exact_problem` checks)
-EXACT_METHODS = ("fedgalore", "fedgalore_minus", "fedgalore_mean", "flora", "fr_lora", "fedit", "ffa_lora", "lora_fair")
 #: server optimizers that keep the aggregate a linear combination of the rounds' updates
 _LINEAR_SERVER = ("fedavg", "fedavgm")
 
@@ -66,17 +64,28 @@ class ExactFactors:
         return self.numerical_rank
 
 
+def exact_methods() -> list[str]:
+    """The registered methods whose update is exactly low-rank (:attr:`~fedgalore.methods.traits.MethodTraits.
+    exact_low_rank`), under the conditions :func:`exact_problem` checks."""
+    from fedgalore.methods.base import available_methods, method_class
+
+    return [m for m in available_methods() if method_class(m).traits.exact_low_rank]
+
+
 def exact_problem(method: str, cfg: Any) -> str | None:
     """Why the update of a run of ``method`` with config ``cfg`` is not exactly low-rank (one line
     that says what to change), or None when it is."""
-    if method not in EXACT_METHODS:
+    from fedgalore.methods.base import available_methods, method_class
+
+    traits = method_class(method).traits if method in available_methods() else None
+    if traits is None or not traits.exact_low_rank:
         return (f"method {method!r} trains the dense matrices (its update has full rank in general), so it has no exact "
                 "LoRA form; export --format hf, or --format peft --rank R for a truncated one")
     server = cfg.federation.server_optimizer.name
     if server not in _LINEAR_SERVER:
         return (f"federation.server_optimizer.name={server} rescales the aggregate elementwise, so the run's update is not "
                 "low-rank; export --format hf, or --format peft --rank R")
-    if method.startswith("fedgalore") and float(cfg.train.weight_decay) != 0.0:
+    if traits.decay_in_upload and float(cfg.train.weight_decay) != 0.0:
         return (f"this run used train.weight_decay={cfg.train.weight_decay:g}: FedGaLore's decoupled decay adds decay·W every "
                 "step, a full-rank change, so W_T − W_0 is not low-rank; train with train.weight_decay=0 for an exact "
                 "adapter, or export --format peft --rank R (truncated) or --format hf")

@@ -25,6 +25,7 @@ from fedgalore.engine.backends.base import Backend
 from fedgalore.job.config import ConfigError
 from fedgalore.engine.events import ProgressSink
 from fedgalore.engine.runtime import ClientJob, ClientResult
+from fedgalore.methods.traits import per_client_downlink_ops
 from fedgalore.protocol.downlink import ClientCache
 
 
@@ -42,17 +43,18 @@ class SequentialBackend(Backend):
     def start(self, runtime) -> None:
         super().start(runtime)
         # each simulated client's own store, kept between rounds (in memory); None: stateless clients
-        # (a method that keeps its own state at the sites, Method.needs_client_state — FedSA-LoRA's B — gets it always)
-        needs = bool(getattr(runtime.method, "needs_client_state", False))
+        # (a method that keeps its own state at the sites, MethodTraits.keeps_client_state — FedSA-LoRA's B — gets it always)
+        needs = runtime.method.traits.keeps_client_state
         runtime.client_state = {} if self.keep_client_models or needs else None
-        base = getattr(runtime.method, "downlink_base", None)
-        if self.keep_client_models and base is not None and getattr(runtime.method, "per_client_downlink", False):
-            self._base = base(runtime.model)  # W_0, public: what a client that kept nothing yet holds
+        ops = per_client_downlink_ops(runtime.method)
+        if self.keep_client_models and ops is not None:
+            self._base = ops.downlink_base(runtime.model)  # W_0, public: what a client that kept nothing yet holds
 
     def client_versions(self, method, clients):
-        held = getattr(method, "held_version", None)
-        if held is None or self.runtime.client_state is None:
+        ops = per_client_downlink_ops(method)
+        if ops is None or self.runtime.client_state is None:
             return {c: None for c in clients}
+        held = ops.held_version
         out = {}
         for c in clients:
             store = self.runtime.client_state.setdefault(c, {})

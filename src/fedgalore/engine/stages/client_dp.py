@@ -86,12 +86,14 @@ class ClientRelease:
         fed = cfg.federation
         #: K: clients sampled per round
         self.sample = int(fed.clients_per_round or num_clients)
-        #: whether the uploads release second moments (FedGaLore's synchronised variants but sync: aggregate)
-        self.moments = bool(getattr(method, "uploads_moments", getattr(method, "synced", False))) and client.moments == "noised"
-        #: whether the method synchronises second moments without uploading any (FedGaLore's sync:
-        #: aggregate): its state is post-processing of the noised sum
-        self.moments_from_aggregate = bool(getattr(method, "synced", False)) and not getattr(method, "uploads_moments", True)
-        self.mean = getattr(method, "dp_aggregate", "individual") == "mean"
+        traits = method.run_traits  # (fedgalore.methods.traits.MethodTraits)
+        #: whether the uploads release second moments (traits.moments uploaded: FedGaLore's synchronised
+        #: variants but sync: aggregate)
+        self.moments = traits.moments == "uploaded" and client.moments == "noised"
+        #: whether the method synchronises second moments without uploading any (traits.moments
+        #: from_aggregate: FedGaLore's sync: aggregate): its state is post-processing of the noised sum
+        self.moments_from_aggregate = traits.moments == "from_aggregate"
+        self.mean = traits.dp_aggregate == "mean"
         #: distributed noise without secure aggregation: the server sees every noised upload, not only their sum
         self.server_sees_uploads = client.noise == "distributed" and cfg.federation.secure_aggregation is None
         #: draws from OS entropy (Opacus' secure Gaussian sampling) unless privacy.reproducible
@@ -142,11 +144,11 @@ class ClientRelease:
             raise ConfigError("privacy.client with federation.max_update_norm: the server would measure each raw upload's norm "
                               "(logged, and deciding which uploads count); privacy.client.clip already bounds every upload — "
                               "drop federation.max_update_norm")
-        if cfg.train.weight_decay > 0 and getattr(method, "decay_in_upload", False):
+        if cfg.train.weight_decay > 0 and method.traits.decay_in_upload:
             raise ConfigError(f"privacy.client with train.weight_decay={cfg.train.weight_decay:g}: method {method.name!r} "
                               "uploads its weight decay as a term decay·W0 outside the clipped change (and decay reveals the "
                               "site's step count); set train.weight_decay=0")
-        if method.upload_follows_steps and cfg.train.local_steps is None:
+        if method.traits.upload_follows_steps and cfg.train.local_steps is None:
             raise ConfigError(f"privacy.client with method {method.name!r} and train.local_epochs: its upload's size and "
                               "counts follow each site's step count (one update term per projector refresh), which "
                               "reveals the site's size; set train.local_steps (a fixed number of local steps per round)")

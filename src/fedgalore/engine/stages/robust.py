@@ -11,7 +11,7 @@ what each method can compare:
   where the factors suffice); an upload with ‖ΔW_i‖ > factor · median_j ‖ΔW_j‖ is dropped.
 * ``krum``: Krum / Multi-Krum (Blanchard et al. 2017) on ``D_ij = G_ii + G_jj − 2 G_ij``; the
   ``to_keep`` selected uploads are aggregated by the method's own A with their weights renormalised.
-* ``trimmed_mean`` / ``median`` (dense methods, :attr:`~fedgalore.methods.base.Method.coordinate_uploads`):
+* ``trimmed_mean`` / ``median`` (dense methods, :attr:`~fedgalore.methods.traits.MethodTraits.coordinate_uploads`):
   the coordinate-wise statistic of every uploaded tensor, unweighted (Flower's FedTrimmedAvg /
   FedMedian, Yin et al. 2018), becomes the one upload A applies, with weight 1 — for FedAvg-Full,
   whose A is ``Σ p_i x_i``, that applies the statistic itself.

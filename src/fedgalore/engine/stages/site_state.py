@@ -43,7 +43,7 @@ class SiteState(RoundStage):
 
     @classmethod
     def build(cls, cfg: Any, runtime: Any, run: RunView | None) -> "SiteState | None":
-        if run is None or not getattr(run.method, "needs_client_state", False) or getattr(runtime, "client_state", None) is None:
+        if run is None or not run.method.traits.keeps_client_state or getattr(runtime, "client_state", None) is None:
             return None
         if not runtime.view.site_state:  # client-level DP: a site's raw local state never enters the server's files
             run.say(f"privacy ({runtime.view.level}): the sites' own state stays in the simulated sites' memory, not in "
