@@ -14,11 +14,10 @@ file is not committed: on a fresh machine a stage's search runs again)::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_skew_tune.py grid        # the full rate grid, rank 8, no pruning
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_skew_tune.py rate        # the same grid, pruned (median)
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_skew_tune.py rate_hb     # the same grid, pruned (hyperband)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_skew_tune.py rank        # rate and rank {8,16,32}, TPE; held-out seeds 1-4 at 20 and 50 rounds
     .venv/bin/python benchmarks/feature_skew_tune.py report                        # summary.{json,md}
 
-``--workers N`` (default 2) runs N tune workers. ``grid``, ``rate`` and ``rate_hb`` search the
+``--workers N`` (default 2) runs N tune workers. ``grid`` and ``rate`` search the
 rates of the committed feature-skew grid (``feature_skew_study.py``'s, rank 8) with the grid
 sampler, row by row, the config's rate (1e-3) first where the row's grid has it, else the row's
 first rate; ``rank`` searches the learning rate over two decades around the row's rate
@@ -60,8 +59,8 @@ def stage_args(stage: str, workers: int) -> list[str]:
     """The ``fedgalore tune`` arguments of a stage."""
     common = ["tune", "--config", str(CONFIG), "--methods", ",".join(ROWS), "--last", "2", "--workers", str(workers),
               "--out", str(RUNS / stage)]
-    if stage in ("grid", "rate", "rate_hb"):
-        pruner = {"grid": "none", "rate": "median", "rate_hb": "hyperband"}[stage]
+    if stage in ("grid", "rate"):
+        pruner = {"grid": "none", "rate": "median"}[stage]
         return common + ["--sampler", "grid", "--pruner", pruner, "--trials", "5", "--no-confirm", "--no-widen", *_grid_space(), *SPLIT]
     if stage == "rank":
         return common + ["--sampler", "tpe", "--pruner", "median", "--trials", "8", f"--space={','.join(LOW_RANK)}:method.rank=choice:8,16,32",
@@ -101,7 +100,7 @@ def report() -> None:
     doc: dict = {"committed_choice": COMMITTED, "stages": {}}
     lines = ["# Feature skew through fedgalore tune (`domain_label`)", ""]
     full = {s["label"]: s for s in grid["search"]} if grid else {}
-    for stage in ("grid", "rate", "rate_hb"):
+    for stage in ("grid", "rate"):
         d = _search(stage)
         if d is None:
             continue
@@ -139,7 +138,7 @@ def report() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=("grid", "rate", "rate_hb", "rank", "report"))
+    ap.add_argument("stage", choices=("grid", "rate", "rank", "report"))
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args(argv)
     if args.stage == "report":
