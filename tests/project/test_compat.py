@@ -161,3 +161,12 @@ def test_docs_page_is_generated() -> None:
     assert page.is_file() and page.read_text(encoding="utf-8") == compat.render_markdown(), (
         f"docs/compat.md differs from the declarations in fedgalore.compat; regenerate it: {compat.REGENERATE}")
 
+
+def test_cli_prints_the_tables(capsys) -> None:
+    """``fedgalore methods --compat`` prints the tables of every registered method."""
+    from fedgalore.cli import main
+
+    assert main(["methods", "--compat"]) == 0
+    out = capsys.readouterr().out
+    assert out == compat.render_markdown(available_methods())
+    assert "| `fedit` |" in out and "`site_ranks`" in out
