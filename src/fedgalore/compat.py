@@ -15,9 +15,10 @@ settings under which the method runs the feature anyway) and which other feature
   --compat``; docs/compat.md is this text, regenerated with ``python -m fedgalore.compat``).
 
 The declarations repeat what the library's checks decide (``FederatedConfig.validate``, the
-stages' ``build``, the runtime); tests/project/test_compat.py builds every combination on a tiny
-run, up to the round loop, and fails on the first pair where the declaration and the code
-disagree, and on a registered stage or method that declares nothing here.
+stages' ``build``, the runtime, the round); tests/project/test_compat.py runs one round of every
+combination on a tiny run (one with secure aggregation is built, not run: its rounds need Flower)
+and fails on each pair where the declaration and the code disagree, and on a registered stage or
+method that declares nothing here.
 """
 from __future__ import annotations
 
@@ -265,9 +266,10 @@ def render_markdown(methods: list[str] | None = None) -> str:
         "together. ✓: yes; ✓ [n]: yes, with the settings the notes name; ✗ [n]: refused, for the reasons of",
         "the notes; —: no method listed here runs both. `fedgalore methods --compat` prints these tables;",
         "each cell is derived from the declarations in `fedgalore.compat` (what a feature needs of a",
-        "method's declared traits and options, which features exclude each other), and a test builds",
-        "every combination on a tiny run, up to its first round, to keep them true (a pair of features",
-        "runs on the first method that runs both; a refused pair no method runs is declared, not built).",
+        "method's declared traits and options, which features exclude each other), and a test runs one",
+        "round of every combination on a tiny run to keep them true (a pair of features runs on the first",
+        "method that runs both; secure aggregation is built, not run, as its rounds need Flower; a",
+        "refused pair no method runs is declared, not tried).",
         "",
         "## Features",
         "",

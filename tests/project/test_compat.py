@@ -1,14 +1,15 @@
 """The compatibility table (fedgalore.compat) agrees with what the library does.
 
-Every registered method × every feature, and every feature × feature, is built on a tiny run
-(``tiny_text``, 4 sites) up to the round loop — ``Federation(...)``: the config's validation,
+Every registered method × every feature, and every feature × feature, runs one round of a tiny
+run (``tiny_text``, 4 sites, one local epoch) — ``Federation(...)``: the config's validation,
 the method's options, the runtime (model, data, the client-side stages), the server's stages and
-their start — and the code's answer (accepted, or the ``ConfigError`` it raised) must be the
-declared verdict: ✓ accepted as it is; ✓ with settings: refused without them and accepted with
+their start; then ``run()`` — and the code's answer (accepted, or the ``ConfigError`` it raised,
+or a crash in the round) must be the declared verdict: ✓ accepted as it is; ✓ with settings: refused without them and accepted with
 them, and refused without any one of them; ✗ refused. A feature × feature pair runs on the first method the table says runs both.
 
-The sequential backend is given SecAgg+ (``backend.secure_aggregation``): that feature's own
-place (Flower deployments) is declared as ``Feature.where``, not a method's or a feature's verdict.
+The sequential backend is told it has SecAgg+ (``backend.secure_aggregation``): that feature's
+own place (Flower deployments) is declared as ``Feature.where``, not a method's or a feature's
+verdict; a combination with secure aggregation is built, not run (its rounds need Flower).
 """
 from __future__ import annotations
 
@@ -65,7 +66,9 @@ _ANSWERS: dict[str, str | None] = {}
 
 
 def code_says(tmp: Path, method: str, *overrides: Mapping[str, Any]) -> str | None:
-    """None when the library builds the run up to its first round, else its one-line refusal."""
+    """None when the library runs the combination's first round, else its one-line refusal (or,
+    for a crash in the round, what crashed). Under secure aggregation the run is built, not run:
+    its rounds need Flower's SecAgg+ (module doc)."""
     d = _config(method, *overrides)
     key = repr(d)
     if key not in _ANSWERS:
@@ -75,10 +78,19 @@ def code_says(tmp: Path, method: str, *overrides: Mapping[str, Any]) -> str | No
         backend.secure_aggregation = True
         try:
             fed = Federation(FederatedConfig.from_dict(d), run_dir=run_dir, backend=backend, progress=ProgressSink())
-            del fed
-            _ANSWERS[key] = None
         except ConfigError as exc:
             _ANSWERS[key] = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return _ANSWERS[key]
+        try:
+            if d["federation"].get("secure_aggregation") is None:
+                fed.run()
+            _ANSWERS[key] = None
+        except ConfigError as exc:
+            _ANSWERS[key] = "in round 1: " + (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        except Exception as exc:  # noqa: BLE001 - a crash is the code's answer too, said in one line
+            _ANSWERS[key] = f"crashed in round 1: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        finally:
+            del fed
     return _ANSWERS[key]
 
 
