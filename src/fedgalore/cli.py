@@ -714,7 +714,14 @@ def _method_listing() -> list[dict[str, Any]]:
 
 def cmd_methods(args: argparse.Namespace) -> int:
     """Each method with its summary and its options (default, one-line doc); a method whose
-    options are those of one listed before says so."""
+    options are those of one listed before says so. ``--compat``: the compatibility tables
+    instead (methods × round features, features × features: ``fedgalore.compat``, docs/compat.md)."""
+    if getattr(args, "compat", False):
+        from fedgalore.compat import render_markdown
+        from fedgalore.methods.base import available_methods
+
+        print(render_markdown(available_methods()), end="")
+        return 0
     for entry in _method_listing():
         print(f"{entry['name']:<18} {entry['summary']}".rstrip() + ("  [site ranks]" if entry["site_ranks"] else ""))
         if "options_as" in entry:
@@ -724,7 +731,8 @@ def cmd_methods(args: argparse.Namespace) -> int:
             print(f"    {opt['name']:<22} {opt['default']:<18} {opt['doc']}"
                   + (f" [{', '.join(opt['choices'])}]" if opt["choices"] else ""))
     print("options go in method.options (YAML or method.options.<name>=<value>); docs/cli.md, \"Method options\"; "
-          "[site ranks]: trains sites at their own ranks (federation.site_ranks)")
+          "[site ranks]: trains sites at their own ranks (federation.site_ranks); which features combine with "
+          "which method: fedgalore methods --compat")
     return 0
 
 
@@ -915,7 +923,10 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--list", action="store_true", help="list the experiments")
     x.set_defaults(func=cmd_repro)
 
-    sub.add_parser("methods", parents=[common], help="list the federated methods").set_defaults(func=cmd_methods)
+    me = sub.add_parser("methods", parents=[common], help="list the federated methods")
+    me.add_argument("--compat", action="store_true",
+                    help="print which round features each method runs and which features combine (docs/compat.md)")
+    me.set_defaults(func=cmd_methods)
     sub.add_parser("tasks", parents=[common], help="list the tasks").set_defaults(func=cmd_tasks)
     return p
 

@@ -18,8 +18,9 @@ level packages                                what they are
 3     federated                               partitions, seeding, local training,
                                               checkpoints, diagnostics
 4     methods                                 T / A / S of every method, the registry
-5     job                                     the run's config, what it means here, its
-                                              clients and partition files
+5     job, compat                             the run's config, what it means here, its
+                                              clients and partition files; which features
+                                              combine with which method
 6     records                                 a run's directory, identity and liveness
 7     engine                                  runtime, backends, validation, the round
                                               loop and its stages, run / resume
@@ -50,7 +51,7 @@ LEVELS: list[set[str]] = [
     {"tasks"},
     {"federated"},
     {"methods"},
-    {"job"},
+    {"job", "compat"},
     {"records"},
     {"engine"},
     {"trained"},
