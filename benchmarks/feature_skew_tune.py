@@ -15,6 +15,7 @@ file is not committed: on a fresh machine a stage's search runs again)::
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_skew_tune.py grid        # the full rate grid, rank 8, no pruning
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_skew_tune.py rate        # the same grid, pruned (median)
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_skew_tune.py rank        # rate and rank {8,16,32}, TPE; held-out seeds 1-4 at 20 and 50 rounds
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/feature_skew_tune.py sync_check  # FedGaLore⁻ at FedGaLore's tuned rate and rank
     .venv/bin/python benchmarks/feature_skew_tune.py report                        # summary.{json,md}
 
 ``--workers N`` (default 2) runs N tune workers. ``grid`` and ``rate`` search the
@@ -65,6 +66,12 @@ def stage_args(stage: str, workers: int) -> list[str]:
     if stage == "rank":
         return common + ["--sampler", "tpe", "--pruner", "median", "--trials", "8", f"--space={','.join(LOW_RANK)}:method.rank=choice:8,16,32",
                          "--heldout-seeds", "1,2,3,4", "--confirm-rounds", "20,50", "--close", "0", *SPLIT]
+    if stage == "sync_check":  # the sync on and off at one configuration: FedGaLore's tuned one
+        rank = _search("rank")
+        best = next(r for r in rank["search"] if r["label"] == "fedgalore")["best_params"]
+        return ["tune", "--config", str(CONFIG), "--methods", "fedgalore_minus", "--workers", str(workers), "--out", str(RUNS / stage),
+                "--sampler", "grid", "--trials", "1", "--last", "2", f"--space=train.lr=choice:{best['train.lr']!r}",
+                f"--space=method.rank=choice:{best['method.rank']}", "--heldout-seeds", "1,2,3,4", "--confirm-rounds", "20,50", *SPLIT]
     raise SystemExit(f"unknown stage {stage!r}")
 
 
@@ -86,6 +93,13 @@ def run_stage(stage: str, workers: int) -> None:
         (res / "cells").mkdir(exist_ok=True)
         for f in (out / "cells").glob("*.json"):
             shutil.copy2(f, res / "cells" / f.name)
+
+
+def _paired(a: list[float], b: list[float]) -> dict:
+    """Mean of a − b over paired seeds with its 95 % t interval (fedgalore.tune.confirm.paired)."""
+    from fedgalore.tune.confirm import paired
+
+    return paired(a, b)
 
 
 def _search(stage: str) -> dict | None:
@@ -126,10 +140,49 @@ def report() -> None:
         lines.append("")
     rank = _search("rank")
     if rank is not None:
-        doc["rank"] = {"heldout": rank["heldout"], "search": [{k: s[k] for k in ("label", "best_params", "best_value", "client_rounds",
-                                                                                  "finished", "pruned", "at_edge", "widened")}
-                                                               for s in rank["search"]], "tuning_cost": rank["tuning_cost"]}
-        lines += ["## rank: see rank/tune_report.md (held-out seeds 1–4 at 20 and 50 rounds)", ""]
+        doc["rank"] = {"search": [{k: s[k] for k in ("label", "best_params", "best_value", "client_rounds", "client_rounds_unpruned",
+                                                     "finished", "pruned", "at_edge", "widened")} for s in rank["search"]],
+                       "tuning_cost": rank["tuning_cost"], "heldout": []}
+        t = rank["tuning_cost"]
+        lines += [f"## rank: search {t['client_rounds']} client-rounds ({100 * t['client_rounds'] / t['client_rounds_unpruned']:.0f} % of "
+                  f"{t['client_rounds_unpruned']} unpruned), {t['wall_s']:.0f} s of trial time", "",
+                  "| row | chosen | validation | finished / pruned | client-rounds |", "|---|---|---:|---:|---:|"]
+        for s in rank["search"]:
+            chosen = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in (s["best_params"] or {}).items())
+            lines.append(f"| {s['label']} | {chosen} | {s['best_value']:.4f} | {s['finished']} / {s['pruned']} | {s['client_rounds']} |")
+        lines.append("")
+        for h in rank["heldout"]:
+            if not h["rows"]:
+                continue
+            by = {r["label"]: r for r in h["rows"] if r["role"] == "best"}
+            refs = [x for x in ("fedgalore", "fedgalore_minus") if x in by]
+            lines += [f"### held-out seeds {', '.join(map(str, h['seeds']))}, {h['rounds']} rounds", "",
+                      "| row | rate, rank | rank / width | test % | per seed | − " + " | − ".join(refs)
+                      + " | up / down KiB per client-round | up vs dense | client memory MiB |",
+                      "|---|---|---:|---:|---|" + "---:|" * len(refs) + "---:|---:|---:|"]
+            table = []
+            for r in h["rows"]:
+                if r["role"] != "best":
+                    continue
+                diffs = []
+                for ref in refs:
+                    if ref == r["label"]:
+                        diffs.append("–")
+                        continue
+                    d = _paired([100 * v for v in r["per_seed"]], [100 * v for v in by[ref]["per_seed"]])
+                    diffs.append(f"{d['mean']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}]")
+                lr = r["params"].get("train.lr")
+                rk = r["params"].get("method.rank", r.get("rank"))
+                rw = f"{r['rank']} / {r['width']}" if r.get("rank") and r.get("width") and "method.rank" in r["params"] else "–"
+                ratio = r.get("up_vs_dense")
+                lines.append(f"| {r['label']} | {lr:.2g}, {rk if 'method.rank' in r['params'] else '–'} | {rw} | {100 * r['mean']:.1f} | "
+                             f"{', '.join(f'{100 * v:.1f}' for v in r['per_seed'])} | {' | '.join(diffs)} | "
+                             f"{r['bytes_up_per_client_round'] / 1024:.0f} / {r['bytes_down_per_client_round'] / 1024:.0f} | "
+                             f"{'–' if ratio is None else f'{ratio:.2f}×'} | {r['client_training_bytes'] / 2 ** 20:.2f} |")
+                table.append({**{k: r[k] for k in ("label", "params", "mean", "per_seed", "rank", "width", "bytes_up_per_client_round",
+                                                   "bytes_down_per_client_round", "up_vs_dense", "client_training_bytes")}, "diffs": diffs})
+            doc["rank"]["heldout"].append({"rounds": h["rounds"], "seeds": h["seeds"], "rows": table})
+            lines.append("")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "summary.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     (OUT / "summary.md").write_text("\n".join(lines))
@@ -138,7 +191,7 @@ def report() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=("grid", "rate", "rank", "report"))
+    ap.add_argument("stage", choices=("grid", "rate", "rank", "sync_check", "report"))
     ap.add_argument("--workers", type=int, default=2)
     args = ap.parse_args(argv)
     if args.stage == "report":

@@ -7,8 +7,9 @@
 * **Held-out table**: every candidate's test metric per seed, its mean, and the paired difference to
   the recommended row with a 95 % t interval (pairs by seed); its rank against the width it
   projects (the shorter side of the adapted matrices) and its uplink against the dense update of
-  the same matrices and head (what a full-model method sends): a row whose upload is larger than
-  the dense update is flagged as no longer low-rank.
+  the same matrices and head (what a full-model method sends): a low-rank row whose upload is
+  larger than the dense update is flagged as no longer low-rank (a method whose uploads are the
+  dense deltas, ``MethodTraits.uploads_dense_deltas``, has no rank).
 * **Search**: per row its trials (finished, pruned, failed), the best search value and values, a
   flag when a value was chosen at the edge of its range (and the widened range searched), and what
   the search cost in rounds, client-rounds and wall time against running every trial to the end.
@@ -183,7 +184,10 @@ def build_report(spec: TuneSpec, rows: Sequence[Row], cands: Sequence[Candidate]
         if cache.is_file():
             costs[c.name] = json.loads(cache.read_text())
             continue
-        entry = {"rank": cfg.method.rank, **dense_reference(cfg)}
+        from fedgalore.methods.base import method_class
+
+        dense_method = bool(method_class(cfg.method.name).traits.uploads_dense_deltas)  # its uploads are ΔW: no rank
+        entry = {"rank": None if dense_method else cfg.method.rank, "dense_method": dense_method, **dense_reference(cfg)}
         try:
             entry.update(plan_costs(cfg))
         except Exception as exc:  # noqa: BLE001 - a model the plan cannot read still gets its report
@@ -194,7 +198,7 @@ def build_report(spec: TuneSpec, rows: Sequence[Row], cands: Sequence[Candidate]
     for h in held:
         for r in h["rows"]:
             c = costs.get(r["key"], {})
-            r["rank"], r["width"] = c.get("rank"), c.get("width")
+            r["rank"], r["width"], r["dense_method"] = c.get("rank"), c.get("width"), bool(c.get("dense_method"))
             r["client_training_bytes"] = c.get("client_training_bytes")
             dense = c.get("dense_bytes")
             r["dense_bytes"] = dense
@@ -264,7 +268,8 @@ def _markdown(doc: dict[str, Any]) -> str:
             vs_t = "–" if vs is None else f"{_pct(vs['mean'], scale)} [{_pct(vs['low'], scale)}, {_pct(vs['high'], scale)}]"
             rw = f"{r['rank']} / {r['width']}" if r.get("rank") and r.get("width") else "–"
             ratio = r.get("up_vs_dense")
-            ratio_t = "–" if ratio is None else f"{ratio:.2f}×" + (" **(more than dense: not low-rank)**" if ratio > 1 else "")
+            ratio_t = "–" if ratio is None else f"{ratio:.2f}×" + (" (the dense update itself)" if r.get("dense_method") else
+                                                                " **(more than dense: not low-rank)**" if ratio > 1 else "")
             role = "" if r["role"] == "best" else f" ({r['role']})"
             lines.append(f"| {r['label']}{role} | {_params_text(r['params'])} | {_pct(r['mean'], scale)} ± {_pct(r['sd'], scale)} | "
                          f"{', '.join(_pct(v, scale) for v in r['per_seed'])} | {vs_t} | {rw} | "
