@@ -183,6 +183,27 @@ def report() -> None:
                                                    "bytes_down_per_client_round", "up_vs_dense", "client_training_bytes")}, "diffs": diffs})
             doc["rank"]["heldout"].append({"rounds": h["rounds"], "seeds": h["seeds"], "rows": table})
             lines.append("")
+    sync = _search("sync_check")
+    if sync is not None and rank is not None:
+        lines += ["## sync_check: FedGaLore⁻ at FedGaLore's tuned rate and rank (the sync on / off, nothing else changed)", "",
+                  "| rounds | FedGaLore⁻ test % | per seed | − FedGaLore (sync on) | − FlexLoRA | − FedAvg-Full | up / down KiB |",
+                  "|---:|---:|---|---:|---:|---:|---:|"]
+        doc["sync_check"] = []
+        for h in sync["heldout"]:
+            if not h["rows"]:
+                continue
+            r = h["rows"][0]
+            ref = next(x for x in rank["heldout"] if x["rounds"] == h["rounds"])
+            by = {x["label"]: x for x in ref["rows"] if x["role"] == "best"}
+            diffs = {lab: _paired([100 * v for v in r["per_seed"]], [100 * v for v in by[lab]["per_seed"]])
+                     for lab in ("fedgalore", "flexlora", "fedavg_full")}
+            doc["sync_check"].append({"rounds": h["rounds"], "mean": r["mean"], "per_seed": r["per_seed"], "paired": diffs,
+                                      "bytes_up_per_client_round": r["bytes_up_per_client_round"],
+                                      "bytes_down_per_client_round": r["bytes_down_per_client_round"]})
+            lines.append(f"| {h['rounds']} | {100 * r['mean']:.1f} | {', '.join(f'{100 * v:.1f}' for v in r['per_seed'])} | "
+                         + " | ".join(f"{d['mean']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}]" for d in diffs.values())
+                         + f" | {r['bytes_up_per_client_round'] / 1024:.0f} / {r['bytes_down_per_client_round'] / 1024:.0f} |")
+        lines.append("")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "summary.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
     (OUT / "summary.md").write_text("\n".join(lines))
