@@ -115,6 +115,28 @@ def test_a_hopeless_rate_is_pruned_and_a_resumed_search_continues_the_same_study
         search(other, build_rows(other), lambda s: None)
 
 
+def test_a_choice_at_the_edge_of_its_range_is_flagged_and_the_range_widened(tmp_path, monkeypatch) -> None:
+    """The best value at the top of its range: the range is widened ×10 on that side once, searched
+    for half as many trials again, and the study remembers it (a resumed search keeps the wider range).
+    The objective is replaced by the rate itself (higher is better), so no run is needed."""
+    import fedgalore.tune.search as search_mod
+    from fedgalore.tune.search import stored_space
+
+    monkeypatch.setattr(search_mod, "_objective", lambda spec, row, say: lambda trial: row.space["train.lr"].suggest(trial))
+    spec = _spec(tmp_path, trials=2, space=["train.lr=log:1e-7:1e-6"])
+    row = build_rows(spec)[0]
+    study = open_study(spec, row, storage_url(spec))
+    study.enqueue_trial({"train.lr": 9.5e-7})  # the first trial at the top edge
+    search(spec, [row], lambda s: None)
+    study = open_study(spec, row, storage_url(spec), check=False)
+    trials = [t for t in study.trials if t.state.name == "COMPLETE"]
+    assert len(trials) == 3 and max(t.params["train.lr"] for t in trials[2:]) > 1e-7
+    assert study.user_attrs["widened"] == ["train.lr high: log:1e-07:1e-06 -> log:1e-07:1e-05"]
+    assert stored_space(study, row)["train.lr"] == Param("train.lr", "log", 1e-7, 1e-5)
+    search(spec, [row], lambda s: None)  # resumed: nothing more to do, nothing widened twice
+    assert len(open_study(spec, row, storage_url(spec), check=False).trials) == 3
+
+
 def test_a_study_refuses_another_config_or_other_data(tmp_path) -> None:
     spec = _spec(tmp_path, trials=1, rounds=1)
     open_study(spec, build_rows(spec)[0], storage_url(spec))
