@@ -62,7 +62,7 @@ from typing import Any, Callable, Mapping, Sequence
 from fedgalore.job.config import ConfigError, FederatedConfig
 from fedgalore.engine.events import ProgressSink
 from fedgalore.records.identity import Difference, RunIdentity, compare_with_saved, run_identity, summarize
-from fedgalore.records.liveness import is_finished
+from fedgalore.records.liveness import is_finished, pid_alive
 from fedgalore.federated.partition import PartitionConfig, parse_setting
 from fedgalore.methods.base import MethodError, available_methods, parse_options, split_options
 
@@ -179,16 +179,6 @@ def plan_grid(
     return cells
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def claim_cell(out: Path, name: str) -> Path | None:
     """Atomically claim cell ``name`` for this process; ``None`` if a live process holds it."""
     d = out / ".claims"
@@ -204,7 +194,7 @@ def claim_cell(out: Path, name: str) -> Path | None:
                 holder = 0
             if holder == os.getpid():
                 return path
-            if holder and _pid_alive(holder):
+            if holder and pid_alive(holder):
                 return None
             path.unlink(missing_ok=True)  # stale claim of a dead process
             continue

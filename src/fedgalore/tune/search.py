@@ -372,25 +372,17 @@ def _history(run_dir: Path) -> list[dict[str, Any]]:
     return list(read_jsonl(path)) if path.is_file() else []
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def requeue_dead(study: Any) -> int:
     """Fail and re-queue (with the same values) the trials left RUNNING by a dead process of this
     machine; returns how many."""
     from optuna.trial import TrialState
 
+    from fedgalore.records.liveness import pid_alive
+
     host, n = socket.gethostname(), 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         worker = t.user_attrs.get("worker") or {}
-        if worker.get("host") != host or not worker.get("pid") or _pid_alive(int(worker["pid"])) and int(worker["pid"]) != os.getpid():
+        if worker.get("host") != host or not worker.get("pid") or pid_alive(int(worker["pid"])) and int(worker["pid"]) != os.getpid():
             continue
         study._storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
         study.enqueue_trial(dict(t.params), user_attrs={"retry_of": t.number})
