@@ -99,29 +99,44 @@ def _say_worker(i: int) -> Callable[[str], None]:
     return lambda text: print(f"[worker {i}] {text}", flush=True)
 
 
-def _search_worker(spec: TuneSpec, i: int) -> None:
+def _search_worker(spec: TuneSpec, i: int, ready: Any = None) -> None:
     import dataclasses
 
     spec = dataclasses.replace(spec, worker=i)
     rows = build_rows(spec)
+    if ready is not None:
+        ready.set()
     search(spec, rows, _say_worker(i))
 
 
-def _confirm_worker(spec: TuneSpec, i: int) -> None:
+def _confirm_worker(spec: TuneSpec, i: int, ready: Any = None) -> None:
     from fedgalore.tune.confirm import candidates, confirm_cells, run_cells
 
     rows = build_rows(spec)
-    run_cells(spec, confirm_cells(spec, candidates(spec, rows)), _say_worker(i))
+    cells = confirm_cells(spec, candidates(spec, rows))
+    if ready is not None:
+        ready.set()
+    run_cells(spec, cells, _say_worker(i))
 
 
-def _with_workers(spec: TuneSpec, target: Callable[[TuneSpec, int], None], mine: Callable[[], None]) -> None:
-    """Run ``target`` in ``spec.workers - 1`` spawned processes beside ``mine`` here; wait for all;
-    a worker that failed is a ConfigError naming its exit code."""
+def _with_workers(spec: TuneSpec, target: Callable[..., None], mine: Callable[[], None], patience_s: float = 300.0) -> None:
+    """Run ``target`` in ``spec.workers - 1`` spawned processes beside ``mine`` here; this process
+    starts its own share once the others are ready (a spawned process imports torch first: without
+    the wait, this one would take the first trials alone) or ``patience_s`` has passed, or one of
+    them died; wait for all; a worker that failed is a ConfigError naming its exit code."""
+    import time
+
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(spec, i), daemon=False) for i in range(1, spec.workers)]
+    ready = [ctx.Event() for _ in range(1, spec.workers)]
+    procs = [ctx.Process(target=target, args=(spec, i, ev), daemon=False) for i, ev in zip(range(1, spec.workers), ready)]
     for p in procs:
         p.start()
     try:
+        t0 = time.monotonic()
+        while not all(ev.is_set() for ev in ready) and time.monotonic() - t0 < patience_s:
+            if any(p.exitcode is not None and not ev.is_set() for p, ev in zip(procs, ready)):
+                break
+            time.sleep(0.2)
         mine()
     finally:
         for p in procs:
