@@ -424,17 +424,18 @@ def _objective(spec: TuneSpec, row: Row, say: Callable[[str], None]) -> Callable
             if status in ("running", "complete"):  # a retried trial: its run's rounds so far count again
                 from fedgalore.federated.checkpoint import kept_rounds
 
-                upto = len(_history(run_dir)) if status == "complete" else max(kept_rounds(run_dir), default=0)
-                for rec in _history(run_dir):  # a resumed run repeats the rounds after its last checkpoint
+                prior = _history(run_dir)
+                upto = len(prior) if status == "complete" else max(kept_rounds(run_dir), default=0)
+                for rec in prior:  # a resumed run repeats the rounds after its last checkpoint
                     if key in rec and int(rec["round"]) <= upto:
                         reporter.report(int(rec["round"]), float(rec[key]))
             if status == "complete":
-                history = _history(run_dir)
+                history = prior
                 say(f"[{row.label} trial {trial.number}] {shown}: finished before, reused ({run_dir})")
             else:
                 say(f"[{row.label} trial {trial.number}] {shown}: {'resuming' if status == 'running' else 'running'} -> {run_dir}")
-                res = fedgalore.run(cfg, resume=run_dir if status == "running" else None, progress=reporter)
-                history = res.history if status != "running" else _history(run_dir)
+                fedgalore.run(cfg, resume=run_dir if status == "running" else None, progress=reporter)
+                history = _history(run_dir)  # every round, the resumed run's earlier ones included
         except optuna.TrialPruned:
             _record_cost(trial, run_dir, time.perf_counter() - t0)
             say(f"[{row.label} trial {trial.number}] {shown}: pruned after round {reporter.pruned_at}")
@@ -444,7 +445,7 @@ def _objective(spec: TuneSpec, row: Row, say: Callable[[str], None]) -> Callable
             trial.set_user_attr("error", f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300])
             say(f"[{row.label} trial {trial.number}] {shown}: failed ({type(exc).__name__}); counted as pruned")
             raise optuna.TrialPruned(f"failed: {type(exc).__name__}") from None
-        _record_cost(trial, run_dir, time.perf_counter() - t0)
+        _record_cost(trial, run_dir, time.perf_counter() - t0, history)
         values = [float(h[key]) for h in history if key in h and math.isfinite(float(h[key]))]
         if not values:
             raise ConfigError(f"the run of {row.label} reported no validation metric ({key}): give the config "
@@ -479,9 +480,10 @@ def _fmt(v: Any) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
-def _record_cost(trial: Any, run_dir: Path, seconds: float) -> None:
-    """What the trial cost: rounds and client-rounds its run did, its wall time, its bytes."""
-    history = _history(run_dir)
+def _record_cost(trial: Any, run_dir: Path, seconds: float, history: list[dict[str, Any]] | None = None) -> None:
+    """What the trial cost: rounds and client-rounds its run did, its wall time, its bytes
+    (``history``: the run's metrics.jsonl when the caller has read it)."""
+    history = _history(run_dir) if history is None else history
     trial.set_user_attr("rounds_run", len(history))
     trial.set_user_attr("client_rounds", int(sum(len(h.get("clients") or []) for h in history)))
     trial.set_user_attr("wall_s", round(float(sum(h.get("time_round", 0.0) for h in history)), 2))
